@@ -1,0 +1,167 @@
+"""grpc.aio adapter of the rate limiter: converts messages and waits for grants."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from services.ratelimiter.registry import Grant, Instance, NoInstances, RedisRegistry
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.generated import stageserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+# While every instance is busy, a waiting Acquire re-checks Redis at least
+# this often, so releases made by another rate-limiter process are seen.
+POLL_S = 0.02
+
+
+def instance_to_pb(inst: Instance) -> pb.InstanceInfo:
+    return pb.InstanceInfo(
+        instance_id=inst.instance_id,
+        model=inst.model,
+        version=inst.version,
+        kind=inst.kind,
+        device_id=inst.device_id,
+        worker_id=inst.worker_id,
+        worker_address=inst.worker_address,
+    )
+
+
+class Wakeups:
+    """One event per model version, swapped on every release so no wakeup is lost."""
+
+    def __init__(self) -> None:
+        self._events: dict[tuple[str, int], asyncio.Event] = {}
+
+    def event(self, model: str, version: int) -> asyncio.Event:
+        return self._events.setdefault((model, version), asyncio.Event())
+
+    def wake(self, model: str, version: int) -> None:
+        ev = self._events.pop((model, version), None)
+        if ev is not None:
+            ev.set()
+
+    def wake_all(self) -> None:
+        events, self._events = self._events, {}
+        for ev in events.values():
+            ev.set()
+
+
+class RateLimiterService(pb_grpc.RateLimiterServicer):
+    def __init__(self, registry: RedisRegistry) -> None:
+        self.registry = registry
+        self.wakeups = Wakeups()
+        self._grants: dict[str, tuple[str, int]] = {}  # grant id -> (model, version)
+
+    async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
+        instances = [
+            Instance(
+                i.instance_id, i.model, i.version, i.kind, i.device_id,
+                request.worker_id, request.worker_address,
+            )
+            for i in request.instances
+        ]
+        added = await self.registry.register(
+            request.worker_id, request.worker_address, instances, request.lease_ms or 3000
+        )
+        log.info(
+            "worker registered",
+            extra={"worker_id": request.worker_id, "instances": len(instances), "added": added},
+        )
+        self.wakeups.wake_all()
+        return pb.RegisterResponse()
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        known = await self.registry.heartbeat(request.worker_id, request.lease_ms or 3000)
+        return pb.HeartbeatResponse(known=known)
+
+    async def Deregister(self, request: pb.DeregisterRequest, context) -> pb.DeregisterResponse:
+        removed = await self.registry.deregister(request.worker_id)
+        log.info("worker deregistered", extra={"worker_id": request.worker_id, "removed": removed})
+        self.wakeups.wake_all()
+        return pb.DeregisterResponse()
+
+    async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
+        model, version = request.model, request.version
+        lease_ms = request.lease_ms or 60_000
+        deadline = time.monotonic() + request.wait_ms / 1000.0
+        while True:
+            event = self.wakeups.event(model, version)
+            try:
+                grant = await self.registry.try_acquire(model, version, lease_ms)
+            except NoInstances as exc:
+                return pb.AcquireResponse(granted=False, reason=str(exc))
+            if grant is not None:
+                return self._granted(grant)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return pb.AcquireResponse(granted=False, reason="every instance is busy")
+            try:
+                await asyncio.wait_for(event.wait(), min(remaining, POLL_S))
+            except TimeoutError:
+                pass
+
+    def _granted(self, grant: Grant) -> pb.AcquireResponse:
+        inst = grant.instance
+        self._grants[grant.grant_id] = (inst.model, inst.version)
+        return pb.AcquireResponse(
+            granted=True, grant_id=grant.grant_id, instance=instance_to_pb(inst)
+        )
+
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        await self.registry.release(request.grant_id, failed=request.instance_failed)
+        if request.instance_failed:
+            log.warning(
+                "instance reported failed; its worker is removed",
+                extra={"grant_id": request.grant_id, "reason": request.reason},
+            )
+        key = self._grants.pop(request.grant_id, None)
+        if key is not None:
+            self.wakeups.wake(*key)
+        else:
+            self.wakeups.wake_all()
+        return pb.ReleaseResponse()
+
+    async def ListInstances(
+        self, request: pb.ListInstancesRequest, context
+    ) -> pb.ListInstancesResponse:
+        instances = await self.registry.instances(request.model, request.version)
+        busy = await self.registry.busy_instance_ids()
+        return pb.ListInstancesResponse(
+            instances=[instance_to_pb(i) for i in instances], busy_instance_ids=busy
+        )
+
+    async def sweep_forever(self, period_s: float = 0.25) -> None:
+        """Release expired grants and forget dead workers."""
+        while True:
+            try:
+                expired, dead = await self.registry.sweep()
+                if expired or dead:
+                    log.warning("sweep", extra={"expired_grants": expired, "dead_workers": dead})
+                    self.wakeups.wake_all()
+            except Exception:
+                log.exception("sweep failed")
+            await asyncio.sleep(period_s)
+
+
+async def serve(listen: str, redis_url: str) -> None:
+    import redis.asyncio as aioredis
+
+    from stageserve.net import SERVER_OPTIONS
+    from stageserve.service_runtime import run_server
+
+    redis = aioredis.from_url(redis_url)
+    await redis.ping()
+    service = RateLimiterService(RedisRegistry(redis))
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    pb_grpc.add_RateLimiterServicer_to_server(service, server)
+    sweeper = asyncio.create_task(service.sweep_forever())
+    try:
+        await run_server(server, listen, "ratelimiter")
+    finally:
+        sweeper.cancel()
+        await redis.aclose()

@@ -1,0 +1,231 @@
+"""One model version's queue: wait for a free instance, form a batch, run it.
+
+The dispatch loop asks the rate limiter for a grant (a free instance) before
+it forms a batch, so batches form when an instance can run them and grow
+while every instance is busy. Each batch runs as its own task; the loop goes
+straight back to waiting for the next free instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from services.scheduler.batcher import Batcher, DefaultBatcher, DynamicBatcher, Pending
+from services.scheduler.clients import Granted, RateLimiterClient, WorkerClients
+from stageserve.config import ModelSpec
+from stageserve.errors import StageError, unavailable
+from stageserve.generated import stageserve_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+Respond = Callable[[pb.ScheduleResponse], None]
+
+
+@dataclass
+class Queued:
+    msg: pb.ScheduleRequest
+    respond: Respond
+    enqueue_ns: int
+
+
+def make_batcher(spec: ModelSpec) -> Batcher:
+    db = spec.dynamic_batching
+    if db is None:
+        return DefaultBatcher()
+    return DynamicBatcher(spec.max_batch_size, db.preferred_batch_sizes, db.max_queue_delay_us * 1000)
+
+
+def shape_key(msg: pb.ScheduleRequest, batching: bool) -> tuple:
+    skip = 1 if batching else 0
+    return tuple((t.name, tuple(t.shape[skip:])) for t in msg.inputs)
+
+
+def error_response(request_id: int, err: StageError) -> pb.ScheduleResponse:
+    return pb.ScheduleResponse(id=request_id, code=err.code.value[0], message=err.message)
+
+
+def build_execute_request(
+    instance_id: str, batch: list[Queued], batching: bool
+) -> pb.ExecuteRequest:
+    """Concatenate each input's raw bytes across the batch (batch dim is outermost)."""
+    first = batch[0].msg
+    req = pb.ExecuteRequest(instance_id=instance_id)
+    for i, t in enumerate(first.inputs):
+        if len(batch) == 1:
+            req.inputs.append(t)
+            continue
+        total = sum(q.msg.inputs[i].shape[0] for q in batch)
+        req.inputs.append(
+            pb.Tensor(
+                name=t.name,
+                datatype=t.datatype,
+                shape=[total, *t.shape[1:]],
+                raw=b"".join(q.msg.inputs[i].raw for q in batch),
+            )
+        )
+    req.request_batch_sizes.extend(q.msg.batch_size if batching else 1 for q in batch)
+    for q in batch:
+        req.requested.add(names=q.msg.outputs)
+    return req
+
+
+class ModelQueue:
+    def __init__(
+        self,
+        model: str,
+        version: int,
+        spec: ModelSpec,
+        ratelimiter: RateLimiterClient,
+        workers: WorkerClients,
+    ) -> None:
+        self.model = model
+        self.version = version
+        self.spec = spec
+        self.batcher = make_batcher(spec)
+        self.ratelimiter = ratelimiter
+        self.workers = workers
+        self.executing = 0
+        self._arrived = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._loop_task = asyncio.create_task(self._dispatch_loop())
+
+    def reconfigure(self, spec: ModelSpec) -> None:
+        """A reloaded model: keep queued requests, apply the new batching settings."""
+        pending = self.batcher.drain()
+        self.spec = spec
+        self.batcher = make_batcher(spec)
+        for p in pending:
+            self.batcher.add(p)
+        self._arrived.set()
+
+    def submit(self, msg: pb.ScheduleRequest, respond: Respond) -> None:
+        now = time.monotonic_ns()
+        batching = self.spec.batching
+        self.batcher.add(
+            Pending(
+                batch_size=msg.batch_size if batching else 1,
+                shape_key=shape_key(msg, batching),
+                enqueue_ns=now,
+                payload=Queued(msg, respond, now),
+            )
+        )
+        self._arrived.set()
+
+    @property
+    def pending(self) -> int:
+        return len(self.batcher)
+
+    def close(self) -> None:
+        self._loop_task.cancel()
+        self._fail_all(unavailable(f"model '{self.model}' is no longer scheduled"))
+
+    def _fail_all(self, err: StageError) -> None:
+        for p in self.batcher.drain():
+            q: Queued = p.payload
+            q.respond(error_response(q.msg.id, err))
+
+    async def _wait_arrival(self, timeout_s: float | None) -> None:
+        self._arrived.clear()
+        try:
+            await asyncio.wait_for(self._arrived.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            try:
+                if not len(self.batcher):
+                    await self._wait_arrival(None)
+                    continue
+                grant = await self._acquire()
+                if grant is None:
+                    continue
+                batch = await self._form_batch()
+                if not batch:
+                    self._spawn(self.ratelimiter.release(grant.grant_id))
+                    continue
+                self.executing += 1
+                self._spawn(self._execute(batch, grant))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # keep the loop alive whatever one batch did
+                log.exception("dispatch loop error", extra={"model": self.model})
+                await asyncio.sleep(0.01)
+
+    async def _acquire(self) -> Granted | None:
+        try:
+            return await self.ratelimiter.acquire(self.model, self.version)
+        except StageError as err:
+            # No instance at all, or the rate limiter is down: answer now
+            # rather than keep clients waiting.
+            self._fail_all(err)
+            return None
+
+    async def _form_batch(self) -> list[Queued]:
+        while True:
+            decision = self.batcher.next_batch(time.monotonic_ns())
+            if decision.batch:
+                return [p.payload for p in decision.batch]
+            if decision.wake_at_ns is None:
+                return []
+            await self._wait_arrival(max(0.0, (decision.wake_at_ns - time.monotonic_ns()) / 1e9))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _execute(self, batch: list[Queued], grant: Granted) -> None:
+        failed_instance = False
+        try:
+            compute_start = time.monotonic_ns()
+            request = build_execute_request(grant.instance_id, batch, self.spec.batching)
+            try:
+                resp = await self.workers.execute(grant.worker_address, request)
+            except grpc.aio.AioRpcError as exc:
+                err, failed_instance = self._execution_error(exc, grant)
+                for q in batch:
+                    q.respond(error_response(q.msg.id, err))
+                return
+            total = sum(request.request_batch_sizes)
+            for i, q in enumerate(batch):
+                timing = pb.Timing(
+                    queue_ns=compute_start - q.enqueue_ns,
+                    compute_input_ns=resp.compute_input_ns,
+                    compute_infer_ns=resp.compute_infer_ns,
+                    compute_output_ns=resp.compute_output_ns,
+                    batch_size=total,
+                    batch_leader=i == 0,
+                )
+                q.respond(
+                    pb.ScheduleResponse(id=q.msg.id, outputs=resp.results[i].outputs, timing=timing)
+                )
+        finally:
+            self.executing -= 1
+            await self.ratelimiter.release(grant.grant_id, failed=failed_instance)
+
+    def _execution_error(
+        self, exc: grpc.aio.AioRpcError, grant: Granted
+    ) -> tuple[StageError, bool]:
+        code = exc.code()
+        if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT):
+            return StageError(code, exc.details() or "model execution failed"), False
+        if code == grpc.StatusCode.NOT_FOUND:  # the instance was unloaded meanwhile
+            return unavailable(f"model '{self.model}' instance went away: {exc.details()}"), False
+        log.warning(
+            "worker failed during execution",
+            extra={"model": self.model, "instance": grant.instance_id, "code": code.name},
+        )
+        return (
+            unavailable(
+                f"worker {grant.worker_address} failed while executing model '{self.model}' "
+                f"(instance {grant.instance_id}): {code.name}: {exc.details()}"
+            ),
+            True,
+        )

@@ -1,0 +1,113 @@
+"""grpc.aio adapter of the scheduler: one bidirectional stream per gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import redis.asyncio as aioredis
+
+from services.scheduler.clients import RateLimiterClient, WorkerClients
+from services.scheduler.model_queue import ModelQueue, error_response
+from stageserve.errors import unavailable
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.generated import stageserve_pb2_grpc as pb_grpc
+from stageserve.model_state import LoadedModel, ModelStateStore
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerService(pb_grpc.SchedulerServicer):
+    def __init__(
+        self, state: ModelStateStore, ratelimiter: RateLimiterClient, workers: WorkerClients
+    ) -> None:
+        self.state = state
+        self.ratelimiter = ratelimiter
+        self.workers = workers
+        self.models: dict[str, LoadedModel] = {}
+        self.queues: dict[tuple[str, int], ModelQueue] = {}
+
+    async def _model(self, name: str, generation: int) -> LoadedModel | None:
+        cached = self.models.get(name)
+        if cached is not None and cached.generation == generation:
+            return cached
+        loaded = await self.state.get(name)
+        if loaded is None:
+            self.models.pop(name, None)
+            return None
+        self.models[name] = loaded
+        for (model, _), queue in self.queues.items():
+            if model == name:
+                queue.reconfigure(loaded.spec)
+        return loaded
+
+    def _queue(self, loaded: LoadedModel, version: int) -> ModelQueue:
+        key = (loaded.name, version)
+        queue = self.queues.get(key)
+        if queue is None:
+            queue = ModelQueue(loaded.name, version, loaded.spec, self.ratelimiter, self.workers)
+            self.queues[key] = queue
+        return queue
+
+    async def _submit(self, msg: pb.ScheduleRequest, respond) -> None:
+        cached = self.models.get(msg.model)
+        if cached is None or cached.generation != msg.config_generation:
+            cached = await self._model(msg.model, msg.config_generation)
+        if cached is None or msg.version not in cached.versions:
+            err = unavailable(f"model '{msg.model}' version {msg.version} is not loaded")
+            respond(error_response(msg.id, err))
+            return
+        self._queue(cached, msg.version).submit(msg, respond)
+
+    async def Schedule(self, request_iterator, context: grpc.aio.ServicerContext):
+        responses: asyncio.Queue[pb.ScheduleResponse | None] = asyncio.Queue()
+        respond = responses.put_nowait
+
+        async def read_requests() -> None:
+            try:
+                async for msg in request_iterator:
+                    await self._submit(msg, respond)
+            finally:
+                responses.put_nowait(None)
+
+        reader = asyncio.create_task(read_requests())
+        try:
+            while True:
+                item = await responses.get()
+                if item is None:
+                    break
+                yield item
+        finally:
+            reader.cancel()
+
+    async def QueueStats(self, request: pb.QueueStatsRequest, context) -> pb.QueueStatsResponse:
+        return pb.QueueStatsResponse(
+            models=[
+                pb.ModelQueueStats(
+                    model=m, version=v, pending=q.pending, executing_batches=q.executing
+                )
+                for (m, v), q in sorted(self.queues.items())
+            ]
+        )
+
+
+async def serve(listen: str, redis_url: str, ratelimiter_address: str) -> None:
+    from stageserve.net import SERVER_OPTIONS
+    from stageserve.service_runtime import run_server
+
+    redis = aioredis.from_url(redis_url)
+    await redis.ping()
+    ratelimiter = RateLimiterClient(ratelimiter_address)
+    workers = WorkerClients()
+    service = SchedulerService(ModelStateStore(redis), ratelimiter, workers)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    pb_grpc.add_SchedulerServicer_to_server(service, server)
+    try:
+        await run_server(server, listen, "scheduler")
+    finally:
+        for queue in service.queues.values():
+            queue.close()
+        await ratelimiter.close()
+        await workers.close()
+        await redis.aclose()

@@ -1,0 +1,123 @@
+"""Model instances hosted by this worker, and how one executes a batch.
+
+Each instance owns one backend session and one thread, so the instances of a
+model (instance_group count) really execute concurrently: ONNX Runtime
+releases the GIL while it computes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.worker.onnx_backend import BackendError, OnnxInstance
+from stageserve.config import InstanceGroup, ModelSpec
+from stageserve.datatypes import from_triton
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an instance runs: this worker's CPU or one of its GPUs."""
+
+    kind: str  # KIND_CPU / KIND_GPU
+    device_id: int  # -1 for CPU
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.device_id < 0 else f"cuda:{self.device_id}"
+
+
+def placements(group: InstanceGroup, worker_gpu: int | None) -> list[Placement]:
+    """Instances this worker hosts for one instance_group.
+
+    `count` is per worker, as Triton's count is per server (per GPU for
+    KIND_GPU): adding a worker adds capacity. A GPU group lands only on a
+    worker that owns a listed GPU; KIND_AUTO uses the GPU when there is one.
+    """
+    if group.kind == "KIND_GPU":
+        if worker_gpu is None or (group.gpus and worker_gpu not in group.gpus):
+            return []
+        return [Placement("KIND_GPU", worker_gpu)] * group.count
+    if group.kind == "KIND_AUTO" and worker_gpu is not None:
+        return [Placement("KIND_GPU", worker_gpu)] * group.count
+    return [Placement("KIND_CPU", -1)] * group.count
+
+
+def default_intra_op_threads(total_instances: int) -> int:
+    """Split the cores between the instances that may run at once."""
+    return max(1, (os.cpu_count() or 1) // max(1, total_instances))
+
+
+@dataclass
+class HostedInstance:
+    instance_id: str
+    model: str
+    version: int
+    generation: int
+    placement: Placement
+    spec: ModelSpec
+    backend: OnnxInstance
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="instance")
+    )
+    in_flight: int = 0
+
+    def execute(self, request: pb.ExecuteRequest) -> pb.ExecuteResponse:
+        """Decode, run and split one batch; runs on the instance's own thread."""
+        t0 = time.monotonic_ns()
+        try:
+            feeds = {
+                t.name: raw_to_numpy(t.raw, t.datatype, t.shape) for t in request.inputs
+            }
+        except TensorError as exc:
+            raise BackendError(f"bad input tensor: {exc}") from exc
+        wanted = self._wanted_outputs(request)
+        t1 = time.monotonic_ns()
+        results = self.backend.run(feeds, wanted)
+        t2 = time.monotonic_ns()
+        response = pb.ExecuteResponse()
+        offset = 0
+        batching = self.spec.batching
+        for size, requested in zip(request.request_batch_sizes, request.requested, strict=True):
+            names = list(requested.names) or [o.name for o in self.spec.outputs]
+            per_request = response.results.add()
+            for name in names:
+                arr = results[name]
+                if batching:
+                    arr = arr[offset : offset + size]
+                per_request.outputs.append(_tensor(name, arr, self.spec))
+            offset += size
+        t3 = time.monotonic_ns()
+        response.compute_input_ns = t1 - t0
+        response.compute_infer_ns = t2 - t1
+        response.compute_output_ns = t3 - t2
+        return response
+
+    def _wanted_outputs(self, request: pb.ExecuteRequest) -> list[str]:
+        all_names = [o.name for o in self.spec.outputs]
+        wanted: set[str] = set()
+        for requested in request.requested:
+            if not requested.names:
+                return all_names
+            wanted.update(requested.names)
+        return [n for n in all_names if n in wanted]
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+
+
+def _tensor(name: str, arr: np.ndarray, spec: ModelSpec) -> pb.Tensor:
+    out = spec.output(name)
+    assert out is not None
+    dt = out.datatype
+    if dt.triton != "BYTES" and dt.numpy is not None and arr.dtype != dt.numpy:
+        arr = arr.astype(dt.numpy)
+    return pb.Tensor(
+        name=name, datatype=dt.triton, shape=list(arr.shape), raw=numpy_to_raw(arr, from_triton(dt.triton))
+    )

@@ -1,0 +1,258 @@
+"""The worker process: load the published models, register, execute batches.
+
+The worker follows the model set the gateway publishes in Redis (pub/sub plus
+a periodic re-check), hosts the instances its device should run, and keeps
+the rate limiter's registry in step: register after loading, re-register
+after unloading, heartbeat to keep its lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+
+import grpc
+import redis.asyncio as aioredis
+
+from services.worker.instances import HostedInstance, default_intra_op_threads, placements
+from services.worker.onnx_backend import BackendError, OnnxInstance
+from stageserve import redis_keys as keys
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.generated import stageserve_pb2_grpc as pb_grpc
+from stageserve.model_state import LoadedModel, ModelStateStore
+from stageserve.net import insecure_channel
+
+log = logging.getLogger(__name__)
+
+LEASE_MS = 3000
+HEARTBEAT_S = 0.5
+RECONCILE_S = 2.0
+
+
+class WorkerService(pb_grpc.WorkerServicer):
+    def __init__(
+        self,
+        worker_id: str,
+        state: ModelStateStore,
+        ratelimiter: pb_grpc.RateLimiterStub,
+        gpu: int | None,
+    ) -> None:
+        self.worker_id = worker_id
+        self.address = ""
+        self.state = state
+        self.ratelimiter = ratelimiter
+        self.gpu = gpu
+        self.instances: dict[str, HostedInstance] = {}
+        self._reconcile_lock = asyncio.Lock()
+
+    # ---------------------------------------------------------------- execute
+
+    async def Execute(self, request: pb.ExecuteRequest, context) -> pb.ExecuteResponse:
+        inst = self.instances.get(request.instance_id)
+        if inst is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"instance {request.instance_id} is not hosted here"
+            )
+        inst.in_flight += 1
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(inst.executor, inst.execute, request)
+        except BackendError as exc:
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"model '{inst.model}' execution failed: {exc}"
+            )
+        finally:
+            inst.in_flight -= 1
+
+    # ------------------------------------------------------------- lifecycle
+
+    async def reconcile(self) -> None:
+        """Make the hosted instances match the published model set."""
+        async with self._reconcile_lock:
+            wanted = await self.state.loaded()
+            changed = await self._unload_stale(wanted)
+            for model in wanted.values():
+                changed |= await self._load(model)
+            if changed:
+                await self.register()
+
+    async def _unload_stale(self, wanted: dict[str, LoadedModel]) -> bool:
+        stale = [
+            inst
+            for inst in self.instances.values()
+            if inst.model not in wanted
+            or wanted[inst.model].generation != inst.generation
+            or inst.version not in wanted[inst.model].versions
+        ]
+        if not stale:
+            return False
+        for inst in stale:
+            del self.instances[inst.instance_id]
+        await self.register()  # stop new grants before draining
+        for inst in stale:
+            while inst.in_flight:
+                await asyncio.sleep(0.01)
+            await asyncio.to_thread(inst.close)
+            log.info("instance unloaded", extra={"instance": inst.instance_id})
+        return True
+
+    async def _load(self, model: LoadedModel) -> bool:
+        hosted = {(i.model, i.version) for i in self.instances.values()}
+        groups = [(g, placements(g, self.gpu)) for g in model.spec.instance_groups]
+        total = sum(len(p) for _, p in groups)
+        threads = int(model.spec.parameters.get("intra_op_thread_count", "0")) or (
+            default_intra_op_threads(total)
+        )
+        changed = False
+        for version in model.versions:
+            if (model.name, version) in hosted:
+                continue
+            path = model.path / str(version) / model.spec.model_filename
+            loaded: list[HostedInstance] = []
+            try:
+                for g, places in groups:
+                    for index, place in enumerate(places):
+                        backend = await asyncio.to_thread(
+                            OnnxInstance,
+                            str(path),
+                            device=place.device,
+                            intra_op_threads=threads,
+                            input_types={t.name: t.datatype.triton for t in model.spec.inputs},
+                            output_types={t.name: t.datatype.triton for t in model.spec.outputs},
+                        )
+                        iid = f"{self.worker_id}/{model.name}/{version}/{g.name}/{index}"
+                        loaded.append(
+                            HostedInstance(
+                                iid, model.name, version, model.generation, place, model.spec,
+                                backend,
+                            )
+                        )
+            except BackendError as exc:
+                log.error(
+                    "model load failed",
+                    extra={"model": model.name, "version": version, "error": str(exc)},
+                )
+                await self.state.report_load_error(model.name, version, self.worker_id, str(exc))
+                continue
+            for inst in loaded:
+                self.instances[inst.instance_id] = inst
+            log.info(
+                "model loaded",
+                extra={"model": model.name, "version": version, "instances": len(loaded)},
+            )
+            changed = True
+        return changed
+
+    async def register(self) -> None:
+        infos = [
+            pb.InstanceInfo(
+                instance_id=i.instance_id,
+                model=i.model,
+                version=i.version,
+                kind=i.placement.kind,
+                device_id=i.placement.device_id,
+            )
+            for i in self.instances.values()
+        ]
+        await self.ratelimiter.Register(
+            pb.RegisterRequest(
+                worker_id=self.worker_id,
+                worker_address=self.address,
+                instances=infos,
+                lease_ms=LEASE_MS,
+            ),
+            timeout=10,
+        )
+
+    async def heartbeat_forever(self) -> None:
+        while True:
+            try:
+                resp = await self.ratelimiter.Heartbeat(
+                    pb.HeartbeatRequest(worker_id=self.worker_id, lease_ms=LEASE_MS), timeout=2
+                )
+                if not resp.known:
+                    log.warning("rate limiter forgot this worker; registering again")
+                    await self.register()
+            except grpc.aio.AioRpcError as exc:
+                log.warning("heartbeat failed", extra={"code": exc.code().name})
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def follow_models_forever(self, redis: aioredis.Redis) -> None:
+        pubsub = redis.pubsub()
+        await pubsub.subscribe(keys.MODEL_EVENTS)
+        while True:
+            try:
+                await self.reconcile()
+            except grpc.aio.AioRpcError as exc:
+                log.warning("register failed", extra={"code": exc.code().name})
+            except Exception:
+                log.exception("reconcile failed")
+            # Wake on a model event or after RECONCILE_S, whichever first.
+            try:
+                await pubsub.get_message(ignore_subscribe_messages=True, timeout=RECONCILE_S)
+            except Exception:
+                await asyncio.sleep(RECONCILE_S)
+
+
+def detect_gpu(device: str) -> int | None:
+    """'cpu' -> None, 'cuda:N' -> N, 'auto' -> 0 when ONNX Runtime can use CUDA."""
+    if device == "cpu":
+        return None
+    if device.startswith("cuda"):
+        return int(device.split(":", 1)[1]) if ":" in device else 0
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        return 0
+    return None
+
+
+async def serve(
+    listen: str,
+    redis_url: str,
+    ratelimiter_address: str,
+    device: str,
+    worker_id: str | None,
+    advertise: str | None = None,
+) -> None:
+    from stageserve.net import SERVER_OPTIONS
+    from stageserve.service_runtime import run_server
+
+    redis = aioredis.from_url(redis_url)
+    await redis.ping()
+    worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    channel = insecure_channel(ratelimiter_address)
+    service = WorkerService(
+        worker_id, ModelStateStore(redis), pb_grpc.RateLimiterStub(channel), detect_gpu(device)
+    )
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    pb_grpc.add_WorkerServicer_to_server(service, server)
+
+    # The address peers dial must be known before registering: bind first.
+    host = listen.rsplit(":", 1)[0]
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise RuntimeError(f"worker: cannot listen on {listen}")
+    public_host = host if host not in ("0.0.0.0", "[::]") else socket.gethostname()
+    service.address = advertise or f"{public_host}:{port}"
+    tasks = [
+        asyncio.create_task(service.follow_models_forever(redis)),
+        asyncio.create_task(service.heartbeat_forever()),
+    ]
+    try:
+        await run_server(server, f"{host}:{port}", "worker", bound=True)
+    finally:
+        for t in tasks:
+            t.cancel()
+        try:
+            await service.ratelimiter.Deregister(
+                pb.DeregisterRequest(worker_id=worker_id), timeout=2
+            )
+        except grpc.aio.AioRpcError:
+            pass
+        for inst in service.instances.values():
+            inst.close()
+        await channel.close()
+        await redis.aclose()

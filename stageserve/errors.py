@@ -1,0 +1,40 @@
+"""The one error type that crosses stages: a gRPC status code and a message."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class StageError(Exception):
+    """An error answered to the client with Triton's gRPC status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"StageError({self.code.name}, {self.message!r})"
+
+
+def invalid(message: str) -> StageError:
+    return StageError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def not_found(message: str) -> StageError:
+    return StageError(grpc.StatusCode.NOT_FOUND, message)
+
+
+def unavailable(message: str) -> StageError:
+    return StageError(grpc.StatusCode.UNAVAILABLE, message)
+
+
+def internal(message: str) -> StageError:
+    return StageError(grpc.StatusCode.INTERNAL, message)
+
+
+_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def code_from_int(value: int) -> grpc.StatusCode:
+    return _BY_VALUE.get(value, grpc.StatusCode.UNKNOWN)

@@ -1,0 +1,375 @@
+"""Build a Triton-layout example model repository from code.
+
+Every model is an ONNX graph made with ``onnx.helper`` plus a Triton
+``config.pbtxt``, written as ``<root>/<model>/config.pbtxt`` and
+``<root>/<model>/<version>/model.onnx``. Nothing is downloaded.
+
+    python -m stageserve.examples OUTDIR
+
+The graphs use ONNX opset ``OPSET`` with IR version ``IR_VERSION``: old enough
+for the ONNX Runtime releases that Triton images ship, new enough for
+Identity to accept every Triton datatype (bfloat16 and string included).
+When ``max_batch_size > 0`` the leading ONNX dimension is the symbolic
+``"batch"``, so any batch size runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from stageserve.datatypes import DataType, from_triton
+
+OPSET = 17
+IR_VERSION = 8
+
+#: Every Triton datatype, in model_config.proto order; one identity model each.
+ALL_DATATYPES: tuple[str, ...] = (
+    "BOOL",
+    "UINT8",
+    "UINT16",
+    "UINT32",
+    "UINT64",
+    "INT8",
+    "INT16",
+    "INT32",
+    "INT64",
+    "FP16",
+    "FP32",
+    "FP64",
+    "BF16",
+    "BYTES",
+)
+
+MLP_SEED = 20240607
+
+#: (name, Triton datatype, dims as written in config.pbtxt)
+TensorSpec = tuple[str, str, Sequence[int]]
+
+
+# --------------------------------------------------------------------------
+# config.pbtxt text
+
+
+def _dims_text(dims: Sequence[int]) -> str:
+    return "[ " + ", ".join(str(int(d)) for d in dims) + " ]"
+
+
+def _tensor_block(spec: TensorSpec) -> str:
+    name, datatype, dims = spec
+    dt = from_triton(datatype.upper())
+    return (
+        "  {\n"
+        f'    name: "{name}"\n'
+        f"    data_type: {dt.config_enum}\n"
+        f"    dims: {_dims_text(dims)}\n"
+        "  }"
+    )
+
+
+def config_text(
+    name: str,
+    inputs: Sequence[TensorSpec],
+    outputs: Sequence[TensorSpec],
+    *,
+    max_batch_size: int,
+    dynamic_batching: bool = False,
+    max_queue_delay_microseconds: int = 100,
+    instance_count: int = 1,
+    kind: str = "KIND_CPU",
+    platform: str = "onnxruntime_onnx",
+) -> str:
+    """A Triton config.pbtxt for an ONNX model (text format of ModelConfig)."""
+    parts = [
+        f'name: "{name}"',
+        f'platform: "{platform}"',
+        f"max_batch_size: {int(max_batch_size)}",
+        "input [\n" + ",\n".join(_tensor_block(s) for s in inputs) + "\n]",
+        "output [\n" + ",\n".join(_tensor_block(s) for s in outputs) + "\n]",
+        f"instance_group [\n  {{\n    count: {int(instance_count)}\n    kind: {kind}\n  }}\n]",
+    ]
+    if dynamic_batching:
+        parts.append(
+            "dynamic_batching {\n"
+            f"  max_queue_delay_microseconds: {int(max_queue_delay_microseconds)}\n"
+            "}"
+        )
+    return "\n".join(parts) + "\n"
+
+
+# --------------------------------------------------------------------------
+# ONNX helpers
+
+
+def _onnx_shape(dims: Sequence[int], max_batch_size: int, prefix: str) -> list[int | str]:
+    """Config dims -> ONNX shape: symbolic batch dim first, -1 -> symbolic."""
+    shape: list[int | str] = ["batch"] if max_batch_size > 0 else []
+    for i, d in enumerate(dims):
+        shape.append(f"{prefix}{i}" if int(d) < 0 else int(d))
+    return shape
+
+
+def _value_info(name: str, dt: DataType, shape: list[int | str]) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, dt.onnx, shape)
+
+
+def make_model(graph: onnx.GraphProto) -> onnx.ModelProto:
+    """Wrap a graph with the repository's opset / IR version and check it."""
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        ir_version=IR_VERSION,
+        producer_name="stageserve.examples",
+    )
+    onnx.checker.check_model(model)
+    return model
+
+
+def write_model(
+    root: Path,
+    name: str,
+    onnx_model: onnx.ModelProto | bytes,
+    config_text: str,
+    versions: Iterable[int] = (1,),
+) -> Path:
+    """Write ``<root>/<name>/config.pbtxt`` and ``<root>/<name>/<v>/model.onnx``."""
+    model_dir = Path(root) / name
+    model_dir.mkdir(parents=True, exist_ok=True)
+    data = onnx_model if isinstance(onnx_model, bytes) else onnx_model.SerializeToString()
+    for v in versions:
+        vdir = model_dir / str(int(v))
+        vdir.mkdir(parents=True, exist_ok=True)
+        (vdir / "model.onnx").write_bytes(data)
+    (model_dir / "config.pbtxt").write_text(config_text)
+    return model_dir
+
+
+# --------------------------------------------------------------------------
+# the example models
+
+
+def simple_model(max_batch_size: int = 8, dims: Sequence[int] = (16,)) -> onnx.ModelProto:
+    """OUTPUT0 = INPUT0 + INPUT1, OUTPUT1 = INPUT0 - INPUT1, all INT32."""
+    dt = from_triton("INT32")
+    shape = _onnx_shape(dims, max_batch_size, "d")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"], name="add"),
+            helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"], name="sub"),
+        ],
+        "simple",
+        [_value_info("INPUT0", dt, shape), _value_info("INPUT1", dt, shape)],
+        [_value_info("OUTPUT0", dt, shape), _value_info("OUTPUT1", dt, shape)],
+    )
+    return make_model(graph)
+
+
+def write_simple(
+    root: Path,
+    name: str = "simple",
+    max_batch_size: int = 8,
+    *,
+    dims: Sequence[int] | None = None,
+    dynamic_batching: bool | None = None,
+    instance_count: int = 1,
+    kind: str = "KIND_CPU",
+) -> Path:
+    """Triton's classic add/sub model.
+
+    With ``max_batch_size > 0`` the dims are ``[16]`` and dynamic batching is
+    on; with ``max_batch_size == 0`` the dims are ``[1, 16]`` (no batch dim,
+    the shape tritonclient's simple examples send) and batching is off.
+    """
+    if dims is None:
+        dims = (16,) if max_batch_size > 0 else (1, 16)
+    if dynamic_batching is None:
+        dynamic_batching = max_batch_size > 0
+    ios = [("INPUT0", "INT32", dims), ("INPUT1", "INT32", dims)]
+    outs = [("OUTPUT0", "INT32", dims), ("OUTPUT1", "INT32", dims)]
+    text = config_text(
+        name,
+        ios,
+        outs,
+        max_batch_size=max_batch_size,
+        dynamic_batching=dynamic_batching,
+        instance_count=instance_count,
+        kind=kind,
+    )
+    return write_model(root, name, simple_model(max_batch_size, dims), text)
+
+
+def identity_model(
+    datatype: str, dims: Sequence[int] = (-1,), max_batch_size: int = 64
+) -> onnx.ModelProto:
+    """INPUT0 -> OUTPUT0 unchanged, via ONNX Identity (valid for every datatype)."""
+    dt = from_triton(datatype.upper())
+    shape = _onnx_shape(dims, max_batch_size, "d")
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"], name="identity")],
+        f"identity_{dt.triton.lower()}",
+        [_value_info("INPUT0", dt, shape)],
+        [_value_info("OUTPUT0", dt, shape)],
+    )
+    return make_model(graph)
+
+
+def write_identity(
+    root: Path,
+    name: str,
+    datatype: str,
+    dims: Sequence[int] = (-1,),
+    max_batch_size: int = 64,
+    dynamic_batching: bool = True,
+    instance_count: int = 1,
+    *,
+    kind: str = "KIND_CPU",
+) -> Path:
+    dt = from_triton(datatype.upper())
+    text = config_text(
+        name,
+        [("INPUT0", dt.triton, dims)],
+        [("OUTPUT0", dt.triton, dims)],
+        max_batch_size=max_batch_size,
+        dynamic_batching=dynamic_batching and max_batch_size > 0,
+        instance_count=instance_count,
+        kind=kind,
+    )
+    return write_model(root, name, identity_model(dt.triton, dims, max_batch_size), text)
+
+
+def mlp_weights(
+    sizes: Sequence[int] = (256, 1024, 1024, 10), seed: int = MLP_SEED
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Deterministic (W, b) per layer, He-scaled so the softmax is not degenerate."""
+    rng = np.random.default_rng(seed)
+    layers = []
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:], strict=True):
+        w = rng.standard_normal((fan_in, fan_out), dtype=np.float32)
+        w *= np.float32(np.sqrt(2.0 / fan_in))
+        b = (rng.standard_normal(fan_out, dtype=np.float32) * np.float32(0.01)).astype(np.float32)
+        layers.append((w, b))
+    return layers
+
+
+def mlp_reference(x: np.ndarray, layers: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """numpy forward pass of the MLP (float64 accumulate), for tests."""
+    h = x.astype(np.float64)
+    for i, (w, b) in enumerate(layers):
+        h = h @ w.astype(np.float64) + b.astype(np.float64)
+        if i < len(layers) - 1:
+            h = np.maximum(h, 0.0)
+    h = h - h.max(axis=-1, keepdims=True)
+    e = np.exp(h)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def mlp_model(
+    sizes: Sequence[int] = (256, 1024, 1024, 10), max_batch_size: int = 64, seed: int = MLP_SEED
+) -> onnx.ModelProto:
+    """Gemm -> Relu -> ... -> Gemm -> Softmax classifier, FP32."""
+    if len(sizes) < 2:
+        raise ValueError("an MLP needs at least an input and an output size")
+    dt = from_triton("FP32")
+    layers = mlp_weights(sizes, seed)
+    nodes, inits = [], []
+    cur = "INPUT0"
+    for i, (w, b) in enumerate(layers):
+        inits.append(numpy_helper.from_array(w, f"W{i}"))
+        inits.append(numpy_helper.from_array(b, f"B{i}"))
+        out = f"fc{i}"
+        nodes.append(helper.make_node("Gemm", [cur, f"W{i}", f"B{i}"], [out], name=f"gemm{i}"))
+        cur = out
+        if i < len(layers) - 1:
+            nodes.append(helper.make_node("Relu", [cur], [f"relu{i}"], name=f"relu{i}"))
+            cur = f"relu{i}"
+    nodes.append(helper.make_node("Softmax", [cur], ["OUTPUT0"], name="softmax", axis=-1))
+    if max_batch_size > 0:
+        in_shape: list[int | str] = ["batch", int(sizes[0])]
+        out_shape: list[int | str] = ["batch", int(sizes[-1])]
+    else:  # Gemm needs 2-D input: a fixed batch of one
+        in_shape, out_shape = [1, int(sizes[0])], [1, int(sizes[-1])]
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [_value_info("INPUT0", dt, in_shape)],
+        [_value_info("OUTPUT0", dt, out_shape)],
+        initializer=inits,
+    )
+    return make_model(graph)
+
+
+def write_mlp(
+    root: Path,
+    name: str = "mlp",
+    sizes: Sequence[int] = (256, 1024, 1024, 10),
+    max_batch_size: int = 64,
+    instance_count: int = 1,
+    *,
+    dynamic_batching: bool = True,
+    kind: str = "KIND_CPU",
+    seed: int = MLP_SEED,
+) -> Path:
+    if max_batch_size > 0:
+        in_dims, out_dims = (int(sizes[0]),), (int(sizes[-1]),)
+    else:
+        in_dims, out_dims = (1, int(sizes[0])), (1, int(sizes[-1]))
+    text = config_text(
+        name,
+        [("INPUT0", "FP32", in_dims)],
+        [("OUTPUT0", "FP32", out_dims)],
+        max_batch_size=max_batch_size,
+        dynamic_batching=dynamic_batching and max_batch_size > 0,
+        instance_count=instance_count,
+        kind=kind,
+    )
+    return write_model(root, name, mlp_model(sizes, max_batch_size, seed), text)
+
+
+def build_example_repository(root: Path) -> list[str]:
+    """Write the whole example repository under ``root``; return model names."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    names: list[str] = []
+
+    write_simple(root, "simple", max_batch_size=8)
+    names.append("simple")
+
+    write_simple(root, "simple_nobatch", max_batch_size=0)
+    names.append("simple_nobatch")
+
+    for datatype in ALL_DATATYPES:
+        name = f"identity_{datatype.lower()}"
+        write_identity(root, name, datatype)
+        names.append(name)
+
+    write_identity(root, "bench_identity", "FP32", dims=(16,), max_batch_size=64)
+    names.append("bench_identity")
+
+    write_mlp(root, "mlp", instance_count=2)
+    names.append("mlp")
+    return names
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m stageserve.examples",
+        description="Write StageServe's example Triton model repository.",
+    )
+    parser.add_argument("outdir", type=Path, help="repository root to create / overwrite")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    names = build_example_repository(args.outdir)
+    dt = time.perf_counter() - t0
+    print(f"wrote {len(names)} models to {args.outdir} in {dt:.2f}s: {', '.join(names)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

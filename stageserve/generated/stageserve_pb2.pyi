@@ -1,0 +1,241 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("name", "datatype", "shape", "raw")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATATYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    datatype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    raw: bytes
+    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., raw: _Optional[bytes] = ...) -> None: ...
+
+class Timing(_message.Message):
+    __slots__ = ("queue_ns", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "batch_size", "batch_leader")
+    QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INPUT_NS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INFER_NS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_OUTPUT_NS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_LEADER_FIELD_NUMBER: _ClassVar[int]
+    queue_ns: int
+    compute_input_ns: int
+    compute_infer_ns: int
+    compute_output_ns: int
+    batch_size: int
+    batch_leader: bool
+    def __init__(self, queue_ns: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_leader: _Optional[bool] = ...) -> None: ...
+
+class ScheduleRequest(_message.Message):
+    __slots__ = ("id", "model", "version", "inputs", "outputs", "batch_size", "priority", "timeout_us", "config_generation")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    model: str
+    version: int
+    inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
+    outputs: _containers.RepeatedScalarFieldContainer[str]
+    batch_size: int
+    priority: int
+    timeout_us: int
+    config_generation: int
+    def __init__(self, id: _Optional[int] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., priority: _Optional[int] = ..., timeout_us: _Optional[int] = ..., config_generation: _Optional[int] = ...) -> None: ...
+
+class ScheduleResponse(_message.Message):
+    __slots__ = ("id", "code", "message", "outputs", "timing")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    code: int
+    message: str
+    outputs: _containers.RepeatedCompositeFieldContainer[Tensor]
+    timing: Timing
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
+class QueueStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelQueueStats(_message.Message):
+    __slots__ = ("model", "version", "pending", "executing_batches")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    EXECUTING_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    pending: int
+    executing_batches: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., pending: _Optional[int] = ..., executing_batches: _Optional[int] = ...) -> None: ...
+
+class QueueStatsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelQueueStats]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelQueueStats, _Mapping]]] = ...) -> None: ...
+
+class InstanceInfo(_message.Message):
+    __slots__ = ("instance_id", "model", "version", "kind", "device_id", "worker_id", "worker_address")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    model: str
+    version: int
+    kind: str
+    device_id: int
+    worker_id: str
+    worker_address: str
+    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., kind: _Optional[str] = ..., device_id: _Optional[int] = ..., worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("worker_id", "worker_address", "instances", "lease_ms")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    worker_address: str
+    instances: _containers.RepeatedCompositeFieldContainer[InstanceInfo]
+    lease_ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "lease_ms")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    lease_ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class DeregisterRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("model", "version", "wait_ms", "lease_ms")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    wait_ms: int
+    lease_ms: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("granted", "grant_id", "instance", "reason")
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    granted: bool
+    grant_id: str
+    instance: InstanceInfo
+    reason: str
+    def __init__(self, granted: _Optional[bool] = ..., grant_id: _Optional[str] = ..., instance: _Optional[_Union[InstanceInfo, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("grant_id", "instance_failed", "reason")
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FAILED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    grant_id: str
+    instance_failed: bool
+    reason: str
+    def __init__(self, grant_id: _Optional[str] = ..., instance_failed: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListInstancesRequest(_message.Message):
+    __slots__ = ("model", "version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class ListInstancesResponse(_message.Message):
+    __slots__ = ("instances", "busy_instance_ids")
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    BUSY_INSTANCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    instances: _containers.RepeatedCompositeFieldContainer[InstanceInfo]
+    busy_instance_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., busy_instance_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RequestedOutputs(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RequestOutputs(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+
+class ExecuteRequest(_message.Message):
+    __slots__ = ("instance_id", "inputs", "request_batch_sizes", "requested")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
+    request_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    requested: _containers.RepeatedCompositeFieldContainer[RequestedOutputs]
+    def __init__(self, instance_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., request_batch_sizes: _Optional[_Iterable[int]] = ..., requested: _Optional[_Iterable[_Union[RequestedOutputs, _Mapping]]] = ...) -> None: ...
+
+class ExecuteResponse(_message.Message):
+    __slots__ = ("results", "compute_input_ns", "compute_infer_ns", "compute_output_ns")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INPUT_NS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INFER_NS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_OUTPUT_NS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RequestOutputs]
+    compute_input_ns: int
+    compute_infer_ns: int
+    compute_output_ns: int
+    def __init__(self, results: _Optional[_Iterable[_Union[RequestOutputs, _Mapping]]] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,109 @@
+"""Which models are loaded, as published in Redis by the gateway.
+
+The gateway owns the repository and decides what is loaded; workers load
+instances for every published model and schedulers read batching settings
+from it. A generation number bumps on every (re)load, so readers can cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from stageserve import redis_keys as keys
+from stageserve.config import ModelSpec, to_spec
+from stageserve.generated import model_config_pb2 as mc
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    name: str
+    generation: int
+    versions: tuple[int, ...]
+    path: Path
+    config: mc.ModelConfig
+    spec: ModelSpec
+
+
+def _decode(name: str, fields: dict[bytes, bytes]) -> LoadedModel | None:
+    if not fields or b"config" not in fields:
+        return None
+    config = mc.ModelConfig.FromString(fields[b"config"])
+    return LoadedModel(
+        name=name,
+        generation=int(fields[b"generation"]),
+        versions=tuple(int(v) for v in fields[b"versions"].decode().split(",") if v),
+        path=Path(fields[b"path"].decode()),
+        config=config,
+        spec=to_spec(config),
+    )
+
+
+class ModelStateStore:
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+
+    async def publish_loaded(
+        self, config: mc.ModelConfig, versions: tuple[int, ...], path: Path
+    ) -> int:
+        name = config.name
+        generation = int(await self.redis.incr(keys.GENERATION_COUNTER))
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.model_errors(name))
+            pipe.hset(
+                keys.model(name),
+                mapping={
+                    "config": config.SerializeToString(),
+                    "versions": ",".join(str(v) for v in versions),
+                    "path": str(path),
+                    "generation": generation,
+                },
+            )
+            pipe.hset(keys.MODELS, name, generation)
+            pipe.publish(keys.MODEL_EVENTS, name)
+            await pipe.execute()
+        return generation
+
+    async def publish_unloaded(self, name: str) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hdel(keys.MODELS, name)
+            pipe.delete(keys.model(name), keys.model_errors(name))
+            pipe.publish(keys.MODEL_EVENTS, name)
+            await pipe.execute()
+
+    async def clear_all(self) -> None:
+        """Forget every published model (a fresh gateway starts from its repository)."""
+        names = await self.redis.hkeys(keys.MODELS)
+        for raw in names:
+            await self.publish_unloaded(raw.decode())
+
+    async def loaded(self) -> dict[str, LoadedModel]:
+        out: dict[str, LoadedModel] = {}
+        for raw in await self.redis.hkeys(keys.MODELS):
+            name = raw.decode()
+            model = await self.get(name)
+            if model is not None:
+                out[name] = model
+        return out
+
+    async def get(self, name: str) -> LoadedModel | None:
+        return _decode(name, await self.redis.hgetall(keys.model(name)))
+
+    async def report_load_error(self, name: str, version: int, worker: str, message: str) -> None:
+        await self.redis.hset(keys.model_errors(name), f"{version}@{worker}", message)
+
+    async def clear_load_errors(self, name: str, worker: str) -> None:
+        errors = await self.redis.hkeys(keys.model_errors(name))
+        mine = [e for e in errors if e.decode().endswith(f"@{worker}")]
+        if mine:
+            await self.redis.hdel(keys.model_errors(name), *mine)
+
+    async def load_errors(self, name: str) -> dict[int, str]:
+        raw = await self.redis.hgetall(keys.model_errors(name))
+        out: dict[int, str] = {}
+        for k, v in raw.items():
+            version = int(k.decode().split("@", 1)[0])
+            out[version] = v.decode()
+        return out

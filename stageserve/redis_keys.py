@@ -1,0 +1,37 @@
+"""Every Redis key StageServe uses, in one place.
+
+Model state (written by the gateway, read by scheduler and worker):
+  ss:models                   hash  model name -> generation
+  ss:model:{name}             hash  config (serialized ModelConfig), versions
+                                    ("1,2"), path, generation
+  ss:model:{name}:errors      hash  "{version}@{worker}" -> load error text
+  ss:models:events            pub/sub channel, message = model name
+
+Rate limiter registry and grants (ratelimiter only; see redis_scripts.py):
+  ss:rl:workers               set   worker ids
+  ss:rl:worker:{wid}          str   worker address; PX lease = liveness
+  ss:rl:worker:{wid}:insts    set   instance ids of that worker
+  ss:rl:inst:{iid}            hash  model, version, kind, device_id, worker_id,
+                                    worker_address
+  ss:rl:pool:{model}:{ver}    set   registered instance ids
+  ss:rl:free:{model}:{ver}    list  instance ids free to run a payload
+  ss:rl:grant:{gid}           hash  instance, model, version
+  ss:rl:grants                zset  grant id -> lease deadline (ms)
+"""
+
+from __future__ import annotations
+
+PREFIX = "ss:"
+
+MODELS = PREFIX + "models"
+MODEL_EVENTS = PREFIX + "models:events"
+GENERATION_COUNTER = PREFIX + "models:generation"
+RL_PREFIX = PREFIX + "rl:"
+
+
+def model(name: str) -> str:
+    return f"{PREFIX}model:{name}"
+
+
+def model_errors(name: str) -> str:
+    return f"{PREFIX}model:{name}:errors"

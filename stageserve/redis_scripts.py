@@ -1,0 +1,139 @@
+"""Lua scripts that keep the rate limiter's registry and grants atomic.
+
+Each script runs as one Redis transaction, so two rate-limiter processes (or
+a crash half-way) can never hand one instance to two payloads or lose one.
+Keys are derived inside the scripts from the prefix in ARGV[1] (single-node
+Redis; the layout is documented in redis_keys.py).
+"""
+
+from __future__ import annotations
+
+_REMOVE_WORKER = """
+local function remove_worker(p, wid)
+  local insts = redis.call('SMEMBERS', p .. 'worker:' .. wid .. ':insts')
+  for _, iid in ipairs(insts) do
+    local m = redis.call('HMGET', p .. 'inst:' .. iid, 'model', 'version')
+    if m[1] then
+      local pk = m[1] .. ':' .. m[2]
+      redis.call('SREM', p .. 'pool:' .. pk, iid)
+      redis.call('LREM', p .. 'free:' .. pk, 0, iid)
+    end
+    redis.call('DEL', p .. 'inst:' .. iid)
+  end
+  redis.call('DEL', p .. 'worker:' .. wid .. ':insts', p .. 'worker:' .. wid)
+  redis.call('SREM', p .. 'workers', wid)
+  return #insts
+end
+"""
+
+# ARGV: prefix, worker_id, address, lease_ms, then 6-tuples per instance:
+#   iid, model, version, kind, device_id, (unused)
+REGISTER = (
+    """
+local p, wid, addr, lease = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+redis.call('SET', p .. 'worker:' .. wid, addr, 'PX', lease)
+redis.call('SADD', p .. 'workers', wid)
+local wanted = {}
+for i = 5, #ARGV, 6 do wanted[ARGV[i]] = i end
+local old = redis.call('SMEMBERS', p .. 'worker:' .. wid .. ':insts')
+for _, iid in ipairs(old) do
+  if not wanted[iid] then
+    local m = redis.call('HMGET', p .. 'inst:' .. iid, 'model', 'version')
+    if m[1] then
+      local pk = m[1] .. ':' .. m[2]
+      redis.call('SREM', p .. 'pool:' .. pk, iid)
+      redis.call('LREM', p .. 'free:' .. pk, 0, iid)
+    end
+    redis.call('DEL', p .. 'inst:' .. iid)
+    redis.call('SREM', p .. 'worker:' .. wid .. ':insts', iid)
+  end
+end
+local added = 0
+for iid, i in pairs(wanted) do
+  if redis.call('EXISTS', p .. 'inst:' .. iid) == 0 then
+    local pk = ARGV[i + 1] .. ':' .. ARGV[i + 2]
+    redis.call('HSET', p .. 'inst:' .. iid, 'model', ARGV[i + 1], 'version', ARGV[i + 2],
+      'kind', ARGV[i + 3], 'device_id', ARGV[i + 4], 'worker_id', wid, 'worker_address', addr)
+    redis.call('SADD', p .. 'worker:' .. wid .. ':insts', iid)
+    redis.call('SADD', p .. 'pool:' .. pk, iid)
+    redis.call('RPUSH', p .. 'free:' .. pk, iid)
+    added = added + 1
+  end
+end
+return added
+"""
+)
+
+# ARGV: prefix, worker_id, lease_ms -> 1 if the worker is still registered
+HEARTBEAT = """
+local p, wid, lease = ARGV[1], ARGV[2], tonumber(ARGV[3])
+if redis.call('SISMEMBER', p .. 'workers', wid) == 0 then return 0 end
+if redis.call('PEXPIRE', p .. 'worker:' .. wid, lease) == 0 then return 0 end
+return 1
+"""
+
+# ARGV: prefix, worker_id
+DEREGISTER = _REMOVE_WORKER + "return remove_worker(ARGV[1], ARGV[2])\n"
+
+# ARGV: prefix, model, version, grant_id, now_ms, lease_ms
+# -> nil if nothing free, -1 if no instance is registered, else
+#    {iid, kind, device_id, worker_id, worker_address}
+ACQUIRE = """
+local p, pk, gid = ARGV[1], ARGV[2] .. ':' .. ARGV[3], ARGV[4]
+local deadline = tonumber(ARGV[5]) + tonumber(ARGV[6])
+while true do
+  local iid = redis.call('LPOP', p .. 'free:' .. pk)
+  if not iid then
+    if redis.call('SCARD', p .. 'pool:' .. pk) == 0 then return -1 end
+    return nil
+  end
+  local f = redis.call('HMGET', p .. 'inst:' .. iid, 'kind', 'device_id', 'worker_id',
+    'worker_address')
+  if f[3] and redis.call('EXISTS', p .. 'worker:' .. f[3]) == 1 then
+    redis.call('HSET', p .. 'grant:' .. gid, 'instance', iid, 'model', ARGV[2],
+      'version', ARGV[3])
+    redis.call('ZADD', p .. 'grants', deadline, gid)
+    return {iid, f[1], f[2], f[3], f[4]}
+  end
+  -- a stale entry (its worker is gone): drop it and look further
+end
+"""
+
+_RELEASE = """
+local function release(p, gid, failed)
+  local g = redis.call('HMGET', p .. 'grant:' .. gid, 'instance', 'model', 'version')
+  redis.call('ZREM', p .. 'grants', gid)
+  if not g[1] then return 0 end
+  redis.call('DEL', p .. 'grant:' .. gid)
+  local wid = redis.call('HGET', p .. 'inst:' .. g[1], 'worker_id')
+  if not wid then return 1 end
+  if failed then
+    remove_worker(p, wid)
+  elseif redis.call('EXISTS', p .. 'worker:' .. wid) == 1 then
+    redis.call('RPUSH', p .. 'free:' .. g[2] .. ':' .. g[3], g[1])
+  end
+  return 1
+end
+"""
+
+# ARGV: prefix, grant_id, failed ("1"/"0") -> 1 if the grant was held
+RELEASE = _REMOVE_WORKER + _RELEASE + "return release(ARGV[1], ARGV[2], ARGV[3] == '1')\n"
+
+# ARGV: prefix, now_ms -> {expired grants released, dead workers removed}
+SWEEP = (
+    _REMOVE_WORKER
+    + _RELEASE
+    + """
+local p, now = ARGV[1], tonumber(ARGV[2])
+local expired = redis.call('ZRANGEBYSCORE', p .. 'grants', '-inf', now, 'LIMIT', 0, 256)
+for _, gid in ipairs(expired) do release(p, gid, false) end
+local dead = 0
+for _, wid in ipairs(redis.call('SMEMBERS', p .. 'workers')) do
+  if redis.call('EXISTS', p .. 'worker:' .. wid) == 0 then
+    remove_worker(p, wid)
+    dead = dead + 1
+  end
+end
+return {#expired, dead}
+"""
+)

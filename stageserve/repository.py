@@ -1,0 +1,59 @@
+"""Triton-layout model repository: <model>/config.pbtxt + numbered versions.
+
+Reading a model never raises: a broken config or missing file yields a
+RepositoryModel carrying the reason, so the gateway can report that model
+UNAVAILABLE while every other model serves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from stageserve.config import ConfigError, ModelSpec, read_config, select_versions, to_spec
+from stageserve.generated import model_config_pb2 as mc
+
+
+@dataclass
+class RepositoryModel:
+    name: str
+    path: Path
+    config: mc.ModelConfig | None
+    spec: ModelSpec | None
+    versions: tuple[int, ...]  # versions the version_policy selects
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def model_names(root: Path) -> list[str]:
+    """Every directory in the repository is a model, as in Triton."""
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def version_folders(model_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def read_model(root: Path, name: str) -> RepositoryModel:
+    path = root / name
+    if not path.is_dir():
+        return RepositoryModel(name, path, None, None, (), f"model '{name}' is not in the repository")
+    try:
+        config = read_config(path)
+    except ConfigError as exc:
+        return RepositoryModel(name, path, None, None, (), str(exc))
+    try:
+        spec = to_spec(config)
+        versions = select_versions(config, version_folders(path))
+        if not versions:
+            raise ConfigError(f"model '{name}' has no version folder")
+        for v in versions:
+            file = path / str(v) / spec.model_filename
+            if not file.is_file():
+                raise ConfigError(f"model '{name}' version {v}: missing model file {file}")
+    except ConfigError as exc:
+        return RepositoryModel(name, path, config, None, (), str(exc))
+    return RepositoryModel(name, path, config, spec, tuple(versions))

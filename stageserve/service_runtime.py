@@ -1,0 +1,63 @@
+"""What every service process does the same way: health, bind, signals, ready line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+READY_MARKER = "STAGESERVE_READY"
+
+
+def announce_ready(service: str, address: str) -> None:
+    """One machine-readable line on stdout; `stageserve up` waits for it."""
+    print(f"{READY_MARKER} {json.dumps({'service': service, 'address': address})}", flush=True)
+
+
+async def run_server(
+    server: grpc.aio.Server, listen: str, service: str, grace_s: float = 5.0, bound: bool = False
+) -> None:
+    """Bind (unless `bound`), serve gRPC health, announce, stop cleanly on SIGTERM/SIGINT."""
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else None
+    if health_servicer is None:  # pragma: no cover - older grpcio-health-checking
+        health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if bound:
+        address = listen
+    else:
+        host = listen.rsplit(":", 1)[0]
+        port = server.add_insecure_port(listen)
+        if port == 0:
+            raise RuntimeError(f"{service}: cannot listen on {listen}")
+        address = f"{host}:{port}"
+    await server.start()
+    serving = health_pb2.HealthCheckResponse.SERVING
+    await _set_status(health_servicer, "", serving)
+    log.info("serving", extra={"address": address})
+    announce_ready(service, address)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.create_task(server.wait_for_termination())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    log.info("stopping", extra={"grace_s": grace_s})
+    await _set_status(health_servicer, "", health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(grace_s)
+    stopper.cancel()
+    sys.stdout.flush()
+
+
+async def _set_status(servicer, name: str, status) -> None:
+    result = servicer.set(name, status)
+    if asyncio.iscoroutine(result):
+        await result

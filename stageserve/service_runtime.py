@@ -22,7 +22,12 @@ def announce_ready(service: str, address: str) -> None:
 
 
 async def run_server(
-    server: grpc.aio.Server, listen: str, service: str, grace_s: float = 5.0, bound: bool = False
+    server: grpc.aio.Server,
+    listen: str,
+    service: str,
+    grace_s: float = 5.0,
+    bound: bool = False,
+    before_ready: asyncio.Future | None = None,
 ) -> None:
     """Bind (unless `bound`), serve gRPC health, announce, stop cleanly on SIGTERM/SIGINT."""
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else None
@@ -41,6 +46,8 @@ async def run_server(
     serving = health_pb2.HealthCheckResponse.SERVING
     await _set_status(health_servicer, "", serving)
     log.info("serving", extra={"address": address})
+    if before_ready is not None:
+        await before_ready
     announce_ready(service, address)
 
     stop = asyncio.Event()

@@ -1,0 +1,231 @@
+"""The gateway's view of the model repository: what is loaded and ready.
+
+Loading a model = reading its config from the repository, publishing it in
+Redis (workers load instances, schedulers read batching settings) and
+waiting until every selected version has a registered instance or a load
+error. Unloading stops new requests, lets in-flight ones finish, then
+withdraws the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from stageserve.config import ModelSpec
+from stageserve.errors import StageError, invalid, not_found, unavailable
+from stageserve.generated import model_config_pb2 as mc
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.generated import stageserve_pb2_grpc as pb_grpc
+from stageserve.model_state import ModelStateStore
+from stageserve.repository import model_names, read_model
+
+log = logging.getLogger(__name__)
+
+READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    versions: dict[int, str] = field(default_factory=dict)  # version -> state
+    reasons: dict[int, str] = field(default_factory=dict)
+    reason: str = ""  # model-level reason (config error, unloaded)
+    config: mc.ModelConfig | None = None
+    spec: ModelSpec | None = None
+    generation: int = 0
+    in_flight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def ready_versions(self) -> list[int]:
+        return sorted(v for v, s in self.versions.items() if s == READY)
+
+
+class ModelManager:
+    def __init__(
+        self,
+        repository: Path,
+        state: ModelStateStore,
+        ratelimiter: pb_grpc.RateLimiterStub,
+        control_mode: str = "none",
+        load_timeout_s: float = 120.0,
+    ) -> None:
+        self.repository = repository
+        self.state = state
+        self.ratelimiter = ratelimiter
+        self.control_mode = control_mode
+        self.load_timeout_s = load_timeout_s
+        self.entries: dict[str, ModelEntry] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # ----------------------------------------------------------------- lookup
+
+    def resolve(self, name: str, version: str) -> tuple[ModelEntry, int]:
+        """The entry and version a request addresses, or Triton's error."""
+        entry = self.entries.get(name)
+        if entry is None or not entry.versions:
+            if entry is not None and entry.reason:
+                raise unavailable(f"Request for unknown model: '{name}' is not ready: {entry.reason}")
+            raise not_found(f"Request for unknown model: '{name}' is not found")
+        if version:
+            try:
+                v = int(version)
+            except ValueError:
+                raise invalid(f"model version '{version}' of '{name}' is not an integer") from None
+            state = entry.versions.get(v)
+            if state is None:
+                raise not_found(f"Request for unknown model: '{name}' version {v} is not found")
+            if state != READY:
+                reason = entry.reasons.get(v, "")
+                raise unavailable(
+                    f"Request for unknown model: '{name}' version {v} is not at ready state"
+                    + (f": {reason}" if reason else "")
+                )
+            return entry, v
+        ready = entry.ready_versions()
+        if not ready:
+            reason = entry.reason or "; ".join(entry.reasons.values())
+            raise unavailable(
+                f"Request for unknown model: '{name}' has no available versions"
+                + (f": {reason}" if reason else "")
+            )
+        return entry, ready[-1]
+
+    def is_ready(self, name: str, version: str) -> bool:
+        try:
+            self.resolve(name, version)
+        except StageError:
+            return False
+        return True
+
+    def all_ready(self) -> bool:
+        return all(e.ready_versions() for e in self.entries.values() if e.versions)
+
+    # ------------------------------------------------------------ load/unload
+
+    async def startup(self, load: list[str]) -> None:
+        await self.state.clear_all()
+        names = model_names(self.repository)
+        if self.control_mode == "none" or "*" in load:
+            wanted = names
+        else:
+            wanted = load
+        await asyncio.gather(*(self.load(name) for name in wanted), return_exceptions=True)
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    async def load(self, name: str) -> None:
+        """(Re)load a model; raises StageError when it cannot become ready."""
+        async with self._lock(name):
+            model = read_model(self.repository, name)
+            old = self.entries.get(name)
+            if not model.ok:
+                if old is None or not old.ready_versions():
+                    self.entries[name] = ModelEntry(name, reason=model.error or "")
+                log.error("model load failed", extra={"model": name, "reason": model.error})
+                raise invalid(f"failed to load '{name}': {model.error}")
+            assert model.config is not None and model.spec is not None
+            start = time.monotonic()
+            generation = await self.state.publish_loaded(model.config, model.versions, model.path)
+            versions, reasons = await self._await_instances(name, model.versions)
+            entry = ModelEntry(
+                name,
+                versions=versions,
+                reasons=reasons,
+                config=model.config,
+                spec=model.spec,
+                generation=generation,
+            )
+            entry.idle.set()
+            if old is not None:
+                entry.in_flight = old.in_flight
+            self.entries[name] = entry
+            log.info(
+                "model load finished",
+                extra={
+                    "model": name,
+                    "versions": versions,
+                    "seconds": round(time.monotonic() - start, 3),
+                },
+            )
+            if not entry.ready_versions():
+                raise unavailable(f"failed to load '{name}': " + "; ".join(reasons.values()))
+
+    async def _await_instances(
+        self, name: str, versions: tuple[int, ...]
+    ) -> tuple[dict[int, str], dict[int, str]]:
+        deadline = time.monotonic() + self.load_timeout_s
+        while True:
+            errors = await self.state.load_errors(name)
+            resp = await self.ratelimiter.ListInstances(
+                pb.ListInstancesRequest(model=name), timeout=10
+            )
+            have = {i.version for i in resp.instances}
+            states = {v: READY if v in have else LOADING for v in versions}
+            reasons: dict[int, str] = {}
+            for v in versions:
+                if states[v] != READY and v in errors:
+                    states[v] = UNAVAILABLE
+                    reasons[v] = errors[v]
+            if LOADING not in states.values():
+                return states, reasons
+            if time.monotonic() > deadline:
+                for v, s in states.items():
+                    if s == LOADING:
+                        states[v] = UNAVAILABLE
+                        reasons[v] = f"no worker loaded an instance within {self.load_timeout_s}s"
+                return states, reasons
+            await asyncio.sleep(0.05)
+
+    async def unload(self, name: str) -> None:
+        async with self._lock(name):
+            entry = self.entries.get(name)
+            if entry is None:
+                if name not in model_names(self.repository):
+                    raise not_found(f"failed to unload '{name}': model is not in the repository")
+                return
+            # Stop admitting, let in-flight requests finish, then withdraw.
+            for v in entry.versions:
+                entry.versions[v] = UNLOADING
+            while entry.in_flight:
+                entry.idle.clear()
+                await entry.idle.wait()
+            await self.state.publish_unloaded(name)
+            self.entries[name] = ModelEntry(name, reason="unloaded")
+            log.info("model unloaded", extra={"model": name})
+
+    # ------------------------------------------------------------- in-flight
+
+    def begin(self, entry: ModelEntry) -> None:
+        entry.in_flight += 1
+
+    def end(self, entry: ModelEntry) -> None:
+        entry.in_flight -= 1
+        if entry.in_flight == 0:
+            entry.idle.set()
+
+    # ------------------------------------------------------------------ index
+
+    def index(self) -> list[tuple[str, str, str, str]]:
+        """(name, version, state, reason) for every model in the repository."""
+        rows = []
+        for name in model_names(self.repository):
+            entry = self.entries.get(name)
+            if entry is None:
+                rows.append((name, "", "UNAVAILABLE", "unloaded"))
+            elif not entry.versions:
+                rows.append((name, "", "UNAVAILABLE", entry.reason))
+            else:
+                for v, s in sorted(entry.versions.items()):
+                    rows.append((name, str(v), s, entry.reasons.get(v, "")))
+        return rows
+
+
+def rpc_error_to_stage(exc: grpc.aio.AioRpcError, what: str) -> StageError:
+    return unavailable(f"{what}: {exc.code().name}: {exc.details()}")

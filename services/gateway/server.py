@@ -1,0 +1,62 @@
+"""Gateway process: wire the public service to Redis, rate limiter and scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import grpc
+import redis.asyncio as aioredis
+
+from services.gateway.models import ModelManager
+from services.gateway.scheduler_link import SchedulerLink
+from services.gateway.service import InferenceService
+from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
+from stageserve.generated import stageserve_pb2_grpc as pb_grpc
+from stageserve.model_state import ModelStateStore
+from stageserve.net import SERVER_OPTIONS, insecure_channel
+from stageserve.service_runtime import run_server
+
+log = logging.getLogger(__name__)
+
+
+async def serve(
+    listen: str,
+    redis_url: str,
+    ratelimiter_address: str,
+    scheduler_address: str,
+    repository: Path,
+    control_mode: str,
+    load_models: list[str],
+    metrics_port: int | None = None,
+) -> None:
+    redis = aioredis.from_url(redis_url)
+    await redis.ping()
+    rl_channel = insecure_channel(ratelimiter_address)
+    models = ModelManager(
+        repository, ModelStateStore(redis), pb_grpc.RateLimiterStub(rl_channel), control_mode
+    )
+    link = SchedulerLink(scheduler_address)
+    service = InferenceService(models, link)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    gs_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port)
+
+    async def load_then_ready() -> None:
+        await models.startup(load_models)
+        service.ready = True
+        log.info("startup models loaded", extra={"models": sorted(models.entries)})
+
+    # Serve health RPCs while models load; announce once loading finished.
+    loader = asyncio.create_task(load_then_ready())
+    try:
+        await run_server(server, listen, "gateway", before_ready=loader)
+    finally:
+        loader.cancel()
+        await link.close()
+        await rl_channel.close()
+        await redis.aclose()

@@ -1,0 +1,226 @@
+"""grpc.aio adapter of the public inference.GRPCInferenceService.
+
+Each handler converts the request once, asks the ModelManager / validation /
+SchedulerLink, and converts the answer back. Errors are StageErrors carrying
+Triton's status code; they end the call with that code and message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from services.gateway.models import ModelManager
+from services.gateway.scheduler_link import SchedulerLink
+from services.gateway.statistics import StatsBook
+from services.gateway.validation import validate_infer
+from stageserve import __version__
+from stageserve.errors import StageError, code_from_int, unavailable
+from stageserve.generated import grpc_service_pb2 as gs
+from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
+from stageserve.generated import stageserve_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+SERVER_NAME = "stageserve"
+EXTENSIONS = [
+    "classification",
+    "model_repository",
+    "model_repository(unload_dependents)",
+    "schedule_policy",
+    "model_configuration",
+    "statistics",
+]
+
+
+class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, models: ModelManager, scheduler: SchedulerLink) -> None:
+        self.models = models
+        self.scheduler = scheduler
+        self.stats = StatsBook()
+        self.ready = False
+
+    # ------------------------------------------------------------ health/meta
+
+    async def ServerLive(self, request, context) -> gs.ServerLiveResponse:
+        return gs.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context) -> gs.ServerReadyResponse:
+        return gs.ServerReadyResponse(ready=self.ready and self.models.all_ready())
+
+    async def ModelReady(self, request: gs.ModelReadyRequest, context) -> gs.ModelReadyResponse:
+        return gs.ModelReadyResponse(ready=self.models.is_ready(request.name, request.version))
+
+    async def ServerMetadata(self, request, context) -> gs.ServerMetadataResponse:
+        return gs.ServerMetadataResponse(
+            name=SERVER_NAME, version=__version__, extensions=EXTENSIONS
+        )
+
+    async def ModelMetadata(
+        self, request: gs.ModelMetadataRequest, context
+    ) -> gs.ModelMetadataResponse:
+        try:
+            entry, _ = self.models.resolve(request.name, request.version)
+        except StageError as err:
+            await context.abort(err.code, err.message)
+        spec = entry.spec
+        assert spec is not None
+        batch = [-1] if spec.batching else []
+        return gs.ModelMetadataResponse(
+            name=entry.name,
+            versions=[str(v) for v in entry.ready_versions()],
+            platform=spec.platform,
+            inputs=[
+                gs.ModelMetadataResponse.TensorMetadata(
+                    name=t.name, datatype=t.datatype.triton, shape=batch + list(t.dims)
+                )
+                for t in spec.inputs
+            ],
+            outputs=[
+                gs.ModelMetadataResponse.TensorMetadata(
+                    name=t.name, datatype=t.datatype.triton, shape=batch + list(t.dims)
+                )
+                for t in spec.outputs
+            ],
+        )
+
+    async def ModelConfig(self, request: gs.ModelConfigRequest, context) -> gs.ModelConfigResponse:
+        try:
+            entry, _ = self.models.resolve(request.name, request.version)
+        except StageError as err:
+            await context.abort(err.code, err.message)
+        return gs.ModelConfigResponse(config=entry.config)
+
+    # ------------------------------------------------------------------ infer
+
+    async def ModelInfer(self, request: gs.ModelInferRequest, context) -> gs.ModelInferResponse:
+        try:
+            return await self._infer(request)
+        except StageError as err:
+            await context.abort(err.code, err.message)
+
+    async def _infer(self, request: gs.ModelInferRequest) -> gs.ModelInferResponse:
+        start = time.monotonic_ns()
+        entry, version = self.models.resolve(request.model_name, request.model_version)
+        spec = entry.spec
+        assert spec is not None
+        validated = validate_infer(request, spec)
+        stats = self.stats.of(entry.name, version)
+        self.models.begin(entry)
+        try:
+            resp = await self.scheduler.schedule(
+                pb.ScheduleRequest(
+                    model=entry.name,
+                    version=version,
+                    inputs=validated.inputs,
+                    outputs=validated.outputs,
+                    batch_size=validated.batch_size,
+                    priority=validated.priority,
+                    timeout_us=validated.timeout_us,
+                    config_generation=entry.generation,
+                )
+            )
+        except StageError:
+            stats.record_failure(time.monotonic_ns() - start)
+            raise
+        finally:
+            self.models.end(entry)
+        if resp.code:
+            stats.record_failure(time.monotonic_ns() - start)
+            raise StageError(code_from_int(resp.code), resp.message)
+        out = gs.ModelInferResponse(
+            model_name=entry.name, model_version=str(version), id=request.id
+        )
+        for t in resp.outputs:
+            out.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+            out.raw_output_contents.append(t.raw)
+        stats.record_success(time.monotonic_ns() - start, validated.batch_size, resp.timing)
+        return out
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        async for request in request_iterator:
+            try:
+                yield gs.ModelStreamInferResponse(infer_response=await self._infer(request))
+            except StageError as err:
+                yield gs.ModelStreamInferResponse(
+                    error_message=err.message,
+                    infer_response=gs.ModelInferResponse(
+                        model_name=request.model_name,
+                        model_version=request.model_version,
+                        id=request.id,
+                    ),
+                )
+
+    # ------------------------------------------------------------- statistics
+
+    async def ModelStatistics(
+        self, request: gs.ModelStatisticsRequest, context
+    ) -> gs.ModelStatisticsResponse:
+        out = gs.ModelStatisticsResponse()
+        if request.name:
+            try:
+                entry, _ = self.models.resolve(request.name, request.version)
+            except StageError as err:
+                await context.abort(err.code, err.message)
+            versions = [int(request.version)] if request.version else entry.ready_versions()
+            for v in versions:
+                out.model_stats.append(self.stats.of(entry.name, v).to_pb(entry.name, v))
+            return out
+        for name, entry in sorted(self.models.entries.items()):
+            for v in entry.ready_versions():
+                out.model_stats.append(self.stats.of(name, v).to_pb(name, v))
+        return out
+
+    # ------------------------------------------------------------- repository
+
+    async def RepositoryIndex(
+        self, request: gs.RepositoryIndexRequest, context
+    ) -> gs.RepositoryIndexResponse:
+        out = gs.RepositoryIndexResponse()
+        for name, version, state, reason in self.models.index():
+            if request.ready and state != "READY":
+                continue
+            out.models.add(name=name, version=version, state=state, reason=reason)
+        return out
+
+    async def RepositoryModelLoad(
+        self, request: gs.RepositoryModelLoadRequest, context
+    ) -> gs.RepositoryModelLoadResponse:
+        await self._check_explicit(context, "load")
+        if request.repository_name:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "StageServe serves one model repository; repository_name must be empty",
+            )
+        if request.parameters:
+            unsupported = sorted(request.parameters)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"load parameters {unsupported} are not supported (config/file overrides)",
+            )
+        try:
+            await self.models.load(request.model_name)
+        except StageError as err:
+            await context.abort(err.code, err.message)
+        self.stats.reset(request.model_name)
+        return gs.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(
+        self, request: gs.RepositoryModelUnloadRequest, context
+    ) -> gs.RepositoryModelUnloadResponse:
+        await self._check_explicit(context, "unload")
+        try:
+            await self.models.unload(request.model_name)
+        except StageError as err:
+            await context.abort(err.code, err.message)
+        return gs.RepositoryModelUnloadResponse()
+
+    async def _check_explicit(self, context, what: str) -> None:
+        if self.models.control_mode != "explicit":
+            err = unavailable(
+                f"explicit model {what} is not allowed: model control mode is "
+                f"'{self.models.control_mode}' (start with --model-control-mode explicit)"
+            )
+            await context.abort(err.code, err.message)

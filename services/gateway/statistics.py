@@ -1,0 +1,112 @@
+"""Per model-version inference statistics, as Triton's ModelStatistics reports them.
+
+Pure bookkeeping: the gateway records each finished request here with the
+timings the scheduler and worker reported. Triton's semantics: a batch of n
+requests adds n to inference_count and 1 to execution_count; success and
+fail durations are whole-request durations; batch_stats count executions by
+batch size. Exactly one request per batch (the "leader") carries the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from stageserve.generated import grpc_service_pb2 as gs
+from stageserve.generated import stageserve_pb2 as pb
+
+
+@dataclass
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int, count: int = 1) -> None:
+        self.count += count
+        self.ns += max(0, ns)
+
+    def to_pb(self) -> gs.StatisticDuration:
+        return gs.StatisticDuration(count=self.count, ns=self.ns)
+
+
+@dataclass
+class BatchStats:
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+
+
+@dataclass
+class ModelVersionStats:
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+    batches: dict[int, BatchStats] = field(default_factory=dict)
+
+    def record_success(self, request_ns: int, batch_size: int, timing: pb.Timing) -> None:
+        self.success.add(request_ns)
+        self.queue.add(timing.queue_ns)
+        self.compute_input.add(timing.compute_input_ns)
+        self.compute_infer.add(timing.compute_infer_ns)
+        self.compute_output.add(timing.compute_output_ns)
+        self.inference_count += max(batch_size, 1)
+        self.last_inference_ms = int(time.time() * 1000)
+        if timing.batch_leader:
+            self.execution_count += 1
+            b = self.batches.setdefault(int(timing.batch_size), BatchStats())
+            b.compute_input.add(timing.compute_input_ns)
+            b.compute_infer.add(timing.compute_infer_ns)
+            b.compute_output.add(timing.compute_output_ns)
+
+    def record_failure(self, request_ns: int) -> None:
+        self.fail.add(request_ns)
+        self.last_inference_ms = int(time.time() * 1000)
+
+    def to_pb(self, name: str, version: int) -> gs.ModelStatistics:
+        return gs.ModelStatistics(
+            name=name,
+            version=str(version),
+            last_inference=self.last_inference_ms,
+            inference_count=self.inference_count,
+            execution_count=self.execution_count,
+            inference_stats=gs.InferStatistics(
+                success=self.success.to_pb(),
+                fail=self.fail.to_pb(),
+                queue=self.queue.to_pb(),
+                compute_input=self.compute_input.to_pb(),
+                compute_infer=self.compute_infer.to_pb(),
+                compute_output=self.compute_output.to_pb(),
+            ),
+            batch_stats=[
+                gs.InferBatchStatistics(
+                    batch_size=size,
+                    compute_input=b.compute_input.to_pb(),
+                    compute_infer=b.compute_infer.to_pb(),
+                    compute_output=b.compute_output.to_pb(),
+                )
+                for size, b in sorted(self.batches.items())
+            ],
+        )
+
+
+class StatsBook:
+    def __init__(self) -> None:
+        self._stats: dict[tuple[str, int], ModelVersionStats] = {}
+
+    def of(self, model: str, version: int) -> ModelVersionStats:
+        key = (model, version)
+        stats = self._stats.get(key)
+        if stats is None:
+            stats = self._stats[key] = ModelVersionStats()
+        return stats
+
+    def reset(self, model: str) -> None:
+        """A reloaded model starts its statistics afresh, as in Triton."""
+        for key in [k for k in self._stats if k[0] == model]:
+            del self._stats[key]

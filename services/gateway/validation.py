@@ -1,0 +1,247 @@
+"""ModelInferRequest -> validated internal request, or Triton's error.
+
+Pure: no I/O. Every check answers INVALID_ARGUMENT with a message naming the
+model, the tensor and what was expected, as Triton does; nothing invalid ever
+reaches the scheduler. Typed `contents` are turned into raw bytes here, once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from stageserve.config import ModelSpec, TensorSpec
+from stageserve.errors import invalid
+from stageserve.generated import grpc_service_pb2 as gs
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.tensors import TensorError, count_bytes_elements, element_count, serialize_bytes_elements
+
+# Which InferTensorContents field carries each datatype (FP16/BF16: raw only).
+CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+_INT_PARAMS = ("int64_param", "uint64_param")
+
+
+@dataclass
+class ValidatedRequest:
+    inputs: list[pb.Tensor]
+    outputs: list[str]  # requested output names in request order; [] = all
+    batch_size: int  # 0 for models without batching
+    priority: int
+    timeout_us: int
+
+
+def _shape_text(shape) -> str:
+    return "[" + ",".join(str(int(d)) for d in shape) + "]"
+
+
+def _int_param(request: gs.ModelInferRequest, name: str) -> int:
+    if name not in request.parameters:
+        return 0
+    param = request.parameters[name]
+    which = param.WhichOneof("parameter_choice")
+    if which not in _INT_PARAMS:
+        raise invalid(
+            f"invalid value type for '{name}' parameter of model '{request.model_name}': "
+            f"expected an integer (int64_param or uint64_param), got {which}"
+        )
+    value = getattr(param, which)
+    if value < 0:
+        raise invalid(f"'{name}' parameter must not be negative, got {value}")
+    return int(value)
+
+
+def _check_sequence_params(request: gs.ModelInferRequest) -> None:
+    params = request.parameters
+    if "sequence_id" in params:
+        which = params["sequence_id"].WhichOneof("parameter_choice")
+        if which not in (*_INT_PARAMS, "string_param"):
+            raise invalid(
+                f"invalid value type for 'sequence_id' parameter of model "
+                f"'{request.model_name}': expected int64, uint64 or string, got {which}"
+            )
+    for flag in ("sequence_start", "sequence_end"):
+        if flag in params and params[flag].WhichOneof("parameter_choice") != "bool_param":
+            which = params[flag].WhichOneof("parameter_choice")
+            raise invalid(
+                f"invalid value type for '{flag}' parameter of model '{request.model_name}': "
+                f"expected bool, got {which}"
+            )
+
+
+def _expected_shape(spec: ModelSpec, t: TensorSpec) -> list[int]:
+    return ([-1] if spec.batching else []) + list(t.dims)
+
+
+def _raw_from_contents(
+    tensor: gs.ModelInferRequest.InferInputTensor, model: str, count: int
+) -> bytes:
+    datatype = tensor.datatype
+    field = CONTENTS_FIELD.get(datatype)
+    if field is None:
+        raise invalid(
+            f"input '{tensor.name}' of model '{model}': {datatype} data must be sent in "
+            f"raw_input_contents (typed contents cannot carry {datatype})"
+        )
+    values = getattr(tensor.contents, field)
+    other = [
+        f for f in set(CONTENTS_FIELD.values()) if f != field and len(getattr(tensor.contents, f))
+    ]
+    if other:
+        raise invalid(
+            f"input '{tensor.name}' of model '{model}' is {datatype} but carries {other[0]}"
+        )
+    if len(values) != count:
+        raise invalid(
+            f"unexpected number of elements for input '{tensor.name}' of model '{model}': "
+            f"shape {_shape_text(tensor.shape)} needs {count}, {field} has {len(values)}"
+        )
+    if datatype == "BYTES":
+        return serialize_bytes_elements(list(values))
+    from stageserve.datatypes import from_triton
+
+    np_dtype = from_triton(datatype).numpy
+    try:
+        return np.asarray(list(values)).astype(np_dtype, casting="unsafe").tobytes()
+    except (ValueError, OverflowError) as exc:
+        raise invalid(f"input '{tensor.name}' of model '{model}': {exc}") from exc
+
+
+def _reshaped(spec: ModelSpec, t: TensorSpec, shape: list[int]) -> list[int]:
+    """The shape the model sees: config `reshape` replaces the non-batch dims."""
+    if t.reshape is None:
+        return shape
+    batch = shape[:1] if spec.batching else []
+    inner = shape[1:] if spec.batching else shape
+    target = list(t.reshape)
+    if -1 in target:
+        known = element_count([d for d in target if d != -1])
+        target[target.index(-1)] = element_count(inner) // max(known, 1)
+    return batch + target
+
+
+def validate_infer(request: gs.ModelInferRequest, spec: ModelSpec) -> ValidatedRequest:
+    model = spec.name
+    use_raw = len(request.raw_input_contents) > 0
+    if use_raw and len(request.raw_input_contents) != len(request.inputs):
+        raise invalid(
+            f"expected {len(request.inputs)} raw input contents (one per input) for model "
+            f"'{model}', got {len(request.raw_input_contents)}"
+        )
+    seen: set[str] = set()
+    batch_size: int | None = None
+    tensors: list[pb.Tensor] = []
+    for index, tensor in enumerate(request.inputs):
+        name = tensor.name
+        t = spec.input(name)
+        if t is None:
+            raise invalid(f"unexpected inference input '{name}' for model '{model}'")
+        if name in seen:
+            raise invalid(f"input '{name}' appears more than once in the request for '{model}'")
+        seen.add(name)
+        if tensor.datatype != t.datatype.triton:
+            raise invalid(
+                f"inference input '{name}' data-type is '{tensor.datatype}', but model "
+                f"'{model}' expects '{t.datatype.triton}'"
+            )
+        shape = [int(d) for d in tensor.shape]
+        if any(d < 0 for d in shape):
+            raise invalid(f"input '{name}' of model '{model}' has a negative dimension {shape}")
+        if spec.batching:
+            if not shape:
+                raise invalid(
+                    f"input '{name}' of model '{model}' has no batch dimension; expected shape "
+                    f"{_shape_text(_expected_shape(spec, t))}"
+                )
+            if batch_size is None:
+                batch_size = shape[0]
+            elif shape[0] != batch_size:
+                raise invalid(
+                    f"input '{name}' of model '{model}' has batch size {shape[0]}, but other "
+                    f"inputs have batch size {batch_size}"
+                )
+            if shape[0] < 1 or shape[0] > spec.max_batch_size:
+                raise invalid(
+                    f"inference request batch-size must be <= {spec.max_batch_size} for "
+                    f"'{model}' (and >= 1), got {shape[0]}"
+                )
+        inner = shape[1:] if spec.batching else shape
+        if not t.matches(tuple(inner)):
+            raise invalid(
+                f"unexpected shape for input '{name}' for model '{model}'. Expected "
+                f"{_shape_text(_expected_shape(spec, t))}, got {_shape_text(shape)}"
+            )
+        count = element_count(shape)
+        if use_raw:
+            if tensor.HasField("contents") and tensor.contents.ByteSize():
+                raise invalid(
+                    f"input '{name}' of model '{model}': contents must not be set when "
+                    f"raw_input_contents is used"
+                )
+            raw = request.raw_input_contents[index]
+            _check_raw(raw, t, name, model, count)
+        else:
+            raw = _raw_from_contents(tensor, model, count)
+        tensors.append(
+            pb.Tensor(name=name, datatype=tensor.datatype, shape=_reshaped(spec, t, shape), raw=raw)
+        )
+
+    missing = [t.name for t in spec.inputs if t.name not in seen and not t.optional]
+    if missing:
+        required = [t.name for t in spec.inputs if not t.optional]
+        raise invalid(
+            f"expected {len(required)} inputs but got {len(request.inputs)} inputs for model "
+            f"'{model}'. Got input(s) {sorted(seen)}, but missing required input(s) {missing}. "
+            f"Please provide all required input(s)."
+        )
+
+    outputs: list[str] = []
+    for out in request.outputs:
+        if spec.output(out.name) is None:
+            raise invalid(f"unexpected inference output '{out.name}' for model '{model}'")
+        if out.name in outputs:
+            raise invalid(f"output '{out.name}' is requested twice for model '{model}'")
+        outputs.append(out.name)
+
+    _check_sequence_params(request)
+    return ValidatedRequest(
+        inputs=tensors,
+        outputs=outputs,
+        batch_size=batch_size or 0,
+        priority=_int_param(request, "priority"),
+        timeout_us=_int_param(request, "timeout"),
+    )
+
+
+def _check_raw(raw: bytes, t: TensorSpec, name: str, model: str, count: int) -> None:
+    if t.datatype.triton == "BYTES":
+        try:
+            found = count_bytes_elements(raw)
+        except TensorError as exc:
+            raise invalid(f"malformed BYTES data for input '{name}' of model '{model}': {exc}") from exc
+        if found != count:
+            raise invalid(
+                f"input '{name}' of model '{model}' holds {found} BYTES elements, its shape "
+                f"needs {count}"
+            )
+        return
+    expected = count * t.datatype.item_size
+    if len(raw) != expected:
+        raise invalid(
+            f"input byte size mismatch for input '{name}' for model '{model}'. Expected "
+            f"{expected}, got {len(raw)}"
+        )

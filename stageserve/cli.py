@@ -1,0 +1,171 @@
+"""The `stageserve` command: `up` runs the whole stack; one subcommand per service.
+
+Flags follow tritonserver's names where they exist (--model-repository,
+--grpc-port, --metrics-port, --model-control-mode, --load-model,
+--log-verbose), so a Triton command line carries over. Peer addresses and the
+Redis URL also come from the environment (REDIS_URL, STAGESERVE_RATELIMITER,
+STAGESERVE_SCHEDULER), which is how compose and Kubernetes configure them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from stageserve.logs import setup_logging
+
+log = logging.getLogger("stageserve")
+
+DEFAULT_EXAMPLE_REPOSITORY = Path(".stageserve/example_repository")
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-verbose", type=int, default=0, help="0 = info, 1+ = debug")
+
+
+def _redis(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument(
+        "--redis-url",
+        default=_env("REDIS_URL"),
+        required=required and _env("REDIS_URL") is None,
+        help="redis://host:port/db (env REDIS_URL)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stageserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start Redis and every service on a model repository")
+    up.add_argument(
+        "--model-repository",
+        type=Path,
+        default=None,
+        help="Triton-layout repository; default: build the example repository and serve it",
+    )
+    up.add_argument("--grpc-port", type=int, default=8001)
+    up.add_argument("--grpc-address", default="0.0.0.0")
+    up.add_argument("--metrics-port", type=int, default=8002)
+    up.add_argument("--model-control-mode", choices=["none", "explicit"], default="none")
+    up.add_argument("--load-model", action="append", default=[], help="repeatable; * = all")
+    up.add_argument("--workers", type=int, default=1, help="worker processes to start")
+    up.add_argument("--device", default="auto", help="auto | cpu | cuda:N for the workers")
+    _redis(up, required=False)
+    _common(up)
+
+    gw = sub.add_parser("gateway", help="public GRPCInferenceService endpoint")
+    gw.add_argument("--listen", default=None, help="host:port (default 0.0.0.0:--grpc-port)")
+    gw.add_argument("--grpc-port", type=int, default=8001)
+    gw.add_argument("--model-repository", type=Path, required=True)
+    gw.add_argument("--model-control-mode", choices=["none", "explicit"], default="none")
+    gw.add_argument("--load-model", action="append", default=[])
+    gw.add_argument("--metrics-port", type=int, default=0)
+    gw.add_argument("--ratelimiter", default=_env("STAGESERVE_RATELIMITER"), required=False)
+    gw.add_argument("--scheduler", default=_env("STAGESERVE_SCHEDULER"), required=False)
+    _redis(gw)
+    _common(gw)
+
+    sc = sub.add_parser("scheduler", help="per-model queues and batch formation")
+    sc.add_argument("--listen", default="0.0.0.0:9001")
+    sc.add_argument("--ratelimiter", default=_env("STAGESERVE_RATELIMITER"))
+    _redis(sc)
+    _common(sc)
+
+    rl = sub.add_parser("ratelimiter", help="instance registry and execution grants")
+    rl.add_argument("--listen", default="0.0.0.0:9002")
+    _redis(rl)
+    _common(rl)
+
+    wk = sub.add_parser("worker", help="hosts model instances and executes batches")
+    wk.add_argument("--listen", default="0.0.0.0:9003")
+    wk.add_argument("--advertise", default=None, help="address peers dial (default: bound one)")
+    wk.add_argument("--ratelimiter", default=_env("STAGESERVE_RATELIMITER"))
+    wk.add_argument("--device", default="auto", help="auto | cpu | cuda:N")
+    wk.add_argument("--worker-id", default=None)
+    _redis(wk)
+    _common(wk)
+
+    ex = sub.add_parser("make-examples", help="write the example model repository")
+    ex.add_argument("directory", type=Path)
+    return parser
+
+
+def _need(args: argparse.Namespace, *names: str) -> None:
+    missing = [n for n in names if not getattr(args, n)]
+    if missing:
+        flags = ", ".join("--" + n.replace("_", "-") for n in missing)
+        sys.exit(f"stageserve {args.command}: missing {flags} (or its environment variable)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "make-examples":
+        from stageserve.examples import build_example_repository
+
+        names = build_example_repository(args.directory)
+        print(f"wrote {len(names)} models to {args.directory}")
+        return 0
+
+    setup_logging(args.command, args.log_verbose)
+    if args.command == "up":
+        from stageserve.launcher import up
+
+        repository = args.model_repository
+        if repository is None:
+            from stageserve.examples import build_example_repository
+
+            repository = DEFAULT_EXAMPLE_REPOSITORY.resolve()
+            build_example_repository(repository)
+            log.info("serving the example repository", extra={"path": str(repository)})
+        return up(
+            repository=repository.resolve(),
+            grpc_address=f"{args.grpc_address}:{args.grpc_port}",
+            metrics_port=args.metrics_port,
+            control_mode=args.model_control_mode,
+            load_models=args.load_model,
+            redis_url=args.redis_url,
+            workers=args.workers,
+            device=args.device,
+            log_verbose=args.log_verbose,
+        )
+    if args.command == "gateway":
+        from services.gateway.server import serve
+
+        _need(args, "ratelimiter", "scheduler")
+        listen = args.listen or f"0.0.0.0:{args.grpc_port}"
+        coro = serve(
+            listen, args.redis_url, args.ratelimiter, args.scheduler,
+            args.model_repository.resolve(), args.model_control_mode, args.load_model,
+            args.metrics_port or None,
+        )
+    elif args.command == "scheduler":
+        from services.scheduler.service import serve
+
+        _need(args, "ratelimiter")
+        coro = serve(args.listen, args.redis_url, args.ratelimiter)
+    elif args.command == "ratelimiter":
+        from services.ratelimiter.service import serve
+
+        coro = serve(args.listen, args.redis_url)
+    else:
+        from services.worker.service import serve
+
+        _need(args, "ratelimiter")
+        coro = serve(
+            args.listen, args.redis_url, args.ratelimiter, args.device, args.worker_id,
+            args.advertise,
+        )
+    asyncio.run(coro)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

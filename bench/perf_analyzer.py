@@ -29,7 +29,6 @@ import csv
 import io
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -96,26 +95,39 @@ def _tritonclient_version(venv: Path) -> str | None:
 def find_perf_analyzer(venv: str | os.PathLike[str] | None = None) -> PerfAnalyzer | None:
     """Locate perf_analyzer and the environment it needs.
 
-    Looks in ``venv`` (default ``$PERF_VENV`` or ``.venv-perf``, relative to the
-    repo root); a venv binary is only returned if the venv also has
-    ``libcudart.so.12``. Falls back to a ``perf_analyzer`` on ``PATH`` (e.g. the
-    Triton SDK container, where the libraries already resolve). ``None`` if
-    neither is there.
+    ``$PERF_ANALYZER`` (a binary path, e.g. in the Triton SDK container) wins;
+    otherwise the binary of ``venv`` (default ``$PERF_VENV`` or ``.venv-perf``,
+    relative to the repo root), returned only if that venv also has
+    ``libcudart.so.12``. Returns ``None`` when neither is there.
+
+    ``PATH`` is deliberately not searched: the main environment's tritonclient
+    wheel puts its own (older) ``perf_analyzer`` there, which cannot find
+    ``libcudart.so.12``.
     """
+    explicit = os.environ.get("PERF_ANALYZER")
+    if venv is None and explicit:
+        binary = Path(explicit)
+        if not (binary.is_file() and os.access(binary, os.X_OK)):
+            return None
+        root = binary.resolve().parent.parent
+        lib_dir = _cudart_dir(root)
+        return PerfAnalyzer(binary, _env_with(lib_dir), lib_dir, _tritonclient_version(root))
     root = _venv_path(venv)
     binary = root / "bin" / "perf_analyzer"
-    if binary.is_file() and os.access(binary, os.X_OK):
-        lib_dir = _cudart_dir(root)
-        if lib_dir is None:
-            return None
-        env = dict(os.environ)
+    if not (binary.is_file() and os.access(binary, os.X_OK)):
+        return None
+    lib_dir = _cudart_dir(root)
+    if lib_dir is None:
+        return None
+    return PerfAnalyzer(binary, _env_with(lib_dir), lib_dir, _tritonclient_version(root))
+
+
+def _env_with(lib_dir: Path | None) -> dict[str, str]:
+    env = dict(os.environ)
+    if lib_dir is not None:
         old = env.get("LD_LIBRARY_PATH")
         env["LD_LIBRARY_PATH"] = f"{lib_dir}:{old}" if old else str(lib_dir)
-        return PerfAnalyzer(binary, env, lib_dir, _tritonclient_version(root))
-    on_path = shutil.which("perf_analyzer")
-    if on_path:
-        return PerfAnalyzer(Path(on_path), dict(os.environ))
-    return None
+    return env
 
 
 # --------------------------------------------------------------------------- results

@@ -1,0 +1,102 @@
+"""Start a real StageServe stack for tests: real Redis, each service its own process.
+
+Ports are picked at runtime (port 0, announced by each service); every
+process is stopped by PID when the test is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import tritonclient.grpc as grpcclient
+
+from stageserve.launcher import Child, Stack
+
+
+@dataclass
+class RunningStack:
+    stack: Stack
+    redis_url: str
+    ratelimiter: Child
+    scheduler: Child
+    gateway: Child
+    workers: list[Child]
+    repository: Path
+
+    @property
+    def url(self) -> str:
+        return self.gateway.address
+
+    def client(self) -> grpcclient.InferenceServerClient:
+        return grpcclient.InferenceServerClient(self.url)
+
+    def start_worker(self, name: str = "worker-extra") -> Child:
+        w = self.stack.start_service(
+            name,
+            ["worker", "--listen", "127.0.0.1:0", "--redis-url", self.redis_url,
+             "--ratelimiter", self.ratelimiter.address, "--device", "cpu"],
+        )
+        self.workers.append(w)
+        return w
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.stack.children if c.name == name)
+
+
+def start_stack(
+    repository: Path,
+    control_mode: str = "none",
+    load_models: tuple[str, ...] = (),
+    workers: int = 1,
+) -> RunningStack:
+    stack = Stack()
+    try:
+        redis_url = stack.start_redis()
+        rl = stack.start_service(
+            "ratelimiter", ["ratelimiter", "--listen", "127.0.0.1:0", "--redis-url", redis_url]
+        )
+        worker_children = [
+            stack.start_service(
+                f"worker-{i}",
+                ["worker", "--listen", "127.0.0.1:0", "--redis-url", redis_url,
+                 "--ratelimiter", rl.address, "--device", "cpu"],
+            )
+            for i in range(workers)
+        ]
+        sched = stack.start_service(
+            "scheduler",
+            ["scheduler", "--listen", "127.0.0.1:0", "--redis-url", redis_url,
+             "--ratelimiter", rl.address],
+        )
+        args = ["gateway", "--listen", "127.0.0.1:0", "--redis-url", redis_url,
+                "--ratelimiter", rl.address, "--scheduler", sched.address,
+                "--model-repository", str(repository), "--model-control-mode", control_mode]
+        for m in load_models:
+            args += ["--load-model", m]
+        gw = stack.start_service("gateway", args)
+    except BaseException:
+        stack.stop()
+        raise
+    return RunningStack(stack, redis_url, rl, sched, gw, worker_children, repository)
+
+
+@contextlib.contextmanager
+def running_stack(repository: Path, **kwargs) -> Iterator[RunningStack]:
+    running = start_stack(repository, **kwargs)
+    try:
+        yield running
+    finally:
+        running.stack.stop()
+
+
+def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()

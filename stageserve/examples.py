@@ -81,7 +81,7 @@ def config_text(
     *,
     max_batch_size: int,
     dynamic_batching: bool = False,
-    max_queue_delay_microseconds: int = 100,
+    max_queue_delay_microseconds: int = 0,
     instance_count: int = 1,
     kind: str = "KIND_CPU",
     platform: str = "onnxruntime_onnx",

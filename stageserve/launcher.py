@@ -123,6 +123,56 @@ class Stack:
         return [c for c in self.children if c.proc.poll() is not None]
 
 
+@dataclass
+class StackServices:
+    redis_url: str
+    ratelimiter: Child
+    workers: list[Child]
+    scheduler: Child
+    gateway: Child
+
+
+def start_services(
+    stack: Stack,
+    repository: Path,
+    grpc_address: str = "127.0.0.1:0",
+    control_mode: str = "none",
+    load_models: list[str] | tuple[str, ...] = (),
+    redis_url: str | None = None,
+    workers: int = 1,
+    device: str = "auto",
+    metrics_port: int = 0,
+) -> StackServices:
+    """Start Redis (unless given) and every service, in path order, on `stack`."""
+    redis_url = redis_url or stack.start_redis()
+    rl = stack.start_service(
+        "ratelimiter", ["ratelimiter", "--listen", "127.0.0.1:0", "--redis-url", redis_url]
+    )
+    worker_children = [
+        stack.start_service(
+            f"worker-{i}",
+            ["worker", "--listen", "127.0.0.1:0", "--redis-url", redis_url,
+             "--ratelimiter", rl.address, "--device", device],
+        )
+        for i in range(workers)
+    ]
+    sched = stack.start_service(
+        "scheduler",
+        ["scheduler", "--listen", "127.0.0.1:0", "--redis-url", redis_url,
+         "--ratelimiter", rl.address],
+    )
+    gw_args = [
+        "gateway", "--listen", grpc_address, "--redis-url", redis_url,
+        "--ratelimiter", rl.address, "--scheduler", sched.address,
+        "--model-repository", str(repository), "--model-control-mode", control_mode,
+        "--metrics-port", str(metrics_port),
+    ]
+    for m in load_models:
+        gw_args += ["--load-model", m]
+    gw = stack.start_service("gateway", gw_args, timeout_s=600)
+    return StackServices(redis_url, rl, worker_children, sched, gw)
+
+
 def up(
     repository: Path,
     grpc_address: str,
@@ -143,33 +193,13 @@ def up(
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        redis_url = redis_url or stack.start_redis()
-        rl = stack.start_service(
-            "ratelimiter", ["ratelimiter", "--listen", "127.0.0.1:0", "--redis-url", redis_url]
+        services = start_services(
+            stack, repository, grpc_address, control_mode, load_models, redis_url, workers,
+            device, metrics_port,
         )
-        for i in range(workers):
-            stack.start_service(
-                f"worker-{i}",
-                ["worker", "--listen", "127.0.0.1:0", "--redis-url", redis_url,
-                 "--ratelimiter", rl.address, "--device", device],
-            )
-        sched = stack.start_service(
-            "scheduler",
-            ["scheduler", "--listen", "127.0.0.1:0", "--redis-url", redis_url,
-             "--ratelimiter", rl.address],
-        )
-        gw_args = [
-            "gateway", "--listen", grpc_address, "--redis-url", redis_url,
-            "--ratelimiter", rl.address, "--scheduler", sched.address,
-            "--model-repository", str(repository), "--model-control-mode", control_mode,
-            "--metrics-port", str(metrics_port),
-        ]
-        for m in load_models:
-            gw_args += ["--load-model", m]
-        gw = stack.start_service("gateway", gw_args, timeout_s=600)
         print(
-            json.dumps({"event": "stageserve up", "grpc": gw.address, "redis": redis_url,
-                        "repository": str(repository),
+            json.dumps({"event": "stageserve up", "grpc": services.gateway.address,
+                        "redis": services.redis_url, "repository": str(repository),
                         "pids": {c.name: c.proc.pid for c in stack.children}}),
             flush=True,
         )

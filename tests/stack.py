@@ -14,7 +14,7 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
-from stageserve.launcher import Child, Stack
+from stageserve.launcher import Child, Stack, start_services
 
 
 @dataclass
@@ -55,33 +55,16 @@ def start_stack(
 ) -> RunningStack:
     stack = Stack()
     try:
-        redis_url = stack.start_redis()
-        rl = stack.start_service(
-            "ratelimiter", ["ratelimiter", "--listen", "127.0.0.1:0", "--redis-url", redis_url]
+        s = start_services(
+            stack, repository, control_mode=control_mode, load_models=load_models,
+            workers=workers, device="cpu",
         )
-        worker_children = [
-            stack.start_service(
-                f"worker-{i}",
-                ["worker", "--listen", "127.0.0.1:0", "--redis-url", redis_url,
-                 "--ratelimiter", rl.address, "--device", "cpu"],
-            )
-            for i in range(workers)
-        ]
-        sched = stack.start_service(
-            "scheduler",
-            ["scheduler", "--listen", "127.0.0.1:0", "--redis-url", redis_url,
-             "--ratelimiter", rl.address],
-        )
-        args = ["gateway", "--listen", "127.0.0.1:0", "--redis-url", redis_url,
-                "--ratelimiter", rl.address, "--scheduler", sched.address,
-                "--model-repository", str(repository), "--model-control-mode", control_mode]
-        for m in load_models:
-            args += ["--load-model", m]
-        gw = stack.start_service("gateway", args)
     except BaseException:
         stack.stop()
         raise
-    return RunningStack(stack, redis_url, rl, sched, gw, worker_children, repository)
+    return RunningStack(
+        stack, s.redis_url, s.ratelimiter, s.scheduler, s.gateway, s.workers, repository
+    )
 
 
 @contextlib.contextmanager

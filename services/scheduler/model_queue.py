@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 Respond = Callable[[pb.ScheduleResponse], None]
 
+# How long an idle queue keeps a pre-acquired grant before handing it back.
+STANDBY_HOLD_S = 0.5
+
 
 @dataclass
 class Queued:
@@ -138,21 +141,38 @@ class ModelQueue:
             pass
 
     async def _dispatch_loop(self) -> None:
+        """Grant first, then batch. Right after a dispatch the loop already asks
+        for the next grant, and holds it up to STANDBY_HOLD_S for the next
+        request: at low load the rate limiter round trip is off the request's path.
+        """
+        grant: Granted | None = None
+        warm = False
         while True:
             try:
-                if not len(self.batcher):
-                    await self._wait_arrival(None)
-                    continue
-                grant = await self._acquire()
                 if grant is None:
-                    continue
+                    if not len(self.batcher) and not warm:
+                        await self._wait_arrival(None)
+                        continue
+                    warm = False
+                    grant = await self._acquire()
+                    if grant is None:
+                        continue
+                if not len(self.batcher):
+                    await self._wait_arrival(STANDBY_HOLD_S)
+                    if not len(self.batcher):
+                        self._spawn(self.ratelimiter.release(grant.grant_id))
+                        grant = None
+                        continue
                 batch = await self._form_batch()
                 if not batch:
-                    self._spawn(self.ratelimiter.release(grant.grant_id))
                     continue
                 self.executing += 1
                 self._spawn(self._execute(batch, grant))
+                grant = None
+                warm = True
             except asyncio.CancelledError:
+                if grant is not None:
+                    await self.ratelimiter.release(grant.grant_id)
                 raise
             except Exception:  # keep the loop alive whatever one batch did
                 log.exception("dispatch loop error", extra={"model": self.model})

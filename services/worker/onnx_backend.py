@@ -180,6 +180,10 @@ class OnnxInstance:
         if inter_op_threads and inter_op_threads > 0:
             opts.inter_op_num_threads = int(inter_op_threads)
         opts.log_severity_level = log_severity
+        # Idle ORT threads spin-wait by default; on a machine whose cores are
+        # shared with the other stages that burns the CPU they need.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
 
         try:
             self._session = ort.InferenceSession(

@@ -1,0 +1,198 @@
+"""Shared helpers for the integration tests.
+
+Everything here talks to the stack the way a Triton user would: through the
+real ``tritonclient.grpc`` package, and (for requests tritonclient cannot
+build, e.g. typed ``contents`` or parameters of the wrong type) through
+tritonclient's own generated stubs ``tritonclient.grpc.service_pb2`` /
+``service_pb2_grpc``. Nothing here imports ``stageserve.generated``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+#: Upper bound for any single RPC a test makes; nothing may hang a test.
+RPC_TIMEOUT_S = 30.0
+
+
+# --------------------------------------------------------------- tritonclient
+
+
+def client(url: str) -> grpcclient.InferenceServerClient:
+    return grpcclient.InferenceServerClient(url)
+
+
+def simple_inputs(a: np.ndarray, b: np.ndarray) -> list[grpcclient.InferInput]:
+    i0 = grpcclient.InferInput("INPUT0", list(a.shape), "INT32")
+    i0.set_data_from_numpy(a)
+    i1 = grpcclient.InferInput("INPUT1", list(b.shape), "INT32")
+    i1.set_data_from_numpy(b)
+    return [i0, i1]
+
+
+def tensor_input(name: str, data: np.ndarray, datatype: str) -> grpcclient.InferInput:
+    inp = grpcclient.InferInput(name, list(data.shape), datatype)
+    inp.set_data_from_numpy(data)
+    return inp
+
+
+def infer_simple(
+    c: grpcclient.InferenceServerClient, batch: int = 1, model: str = "simple", **kwargs
+) -> grpcclient.InferResult:
+    """A valid request to an add/sub model; checks the answer."""
+    a = np.arange(16 * batch, dtype=np.int32).reshape(batch, 16)
+    b = np.full((batch, 16), 2, dtype=np.int32)
+    result = c.infer(model, simple_inputs(a, b), client_timeout=RPC_TIMEOUT_S, **kwargs)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    return result
+
+
+def mlp_input(batch: int = 1, seed: int = 0) -> list[grpcclient.InferInput]:
+    x = np.random.default_rng(seed).standard_normal((batch, 256)).astype(np.float32)
+    return [tensor_input("INPUT0", x, "FP32")]
+
+
+def expect_error(
+    fn, *args, status: str | tuple[str, ...], contains: tuple[str, ...] = (), **kwargs
+) -> InferenceServerException:
+    """Call a tritonclient method that must fail; check status and message."""
+    with pytest.raises(InferenceServerException) as info:
+        fn(*args, **kwargs)
+    err = info.value
+    wanted = (status,) if isinstance(status, str) else status
+    assert err.status() in wanted, f"status {err.status()} not in {wanted}: {err.message()}"
+    message = err.message() or ""
+    for fragment in contains:
+        assert fragment in message, f"{fragment!r} not in error message {message!r}"
+    return err
+
+
+def model_stats(c: grpcclient.InferenceServerClient, model: str, version: str = ""):
+    stats = c.get_inference_statistics(model, version, client_timeout=RPC_TIMEOUT_S)
+    assert len(stats.model_stats) == 1, stats
+    return stats.model_stats[0]
+
+
+def index_states(c: grpcclient.InferenceServerClient) -> dict[str, dict[str, tuple[str, str]]]:
+    """RepositoryIndex as {model: {version: (state, reason)}}."""
+    out: dict[str, dict[str, tuple[str, str]]] = {}
+    for m in c.get_model_repository_index(client_timeout=RPC_TIMEOUT_S).models:
+        out.setdefault(m.name, {})[m.version] = (m.state, m.reason)
+    return out
+
+
+# ------------------------------------------------------------------ raw stubs
+
+
+@contextlib.contextmanager
+def raw_stub(url: str) -> Iterator[service_pb2_grpc.GRPCInferenceServiceStub]:
+    """tritonclient's own generated stub, for requests its client API cannot build."""
+    channel = grpc.insecure_channel(url)
+    try:
+        yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    finally:
+        channel.close()
+
+
+def raw_infer(url: str, request: service_pb2.ModelInferRequest) -> service_pb2.ModelInferResponse:
+    with raw_stub(url) as stub:
+        return stub.ModelInfer(request, timeout=RPC_TIMEOUT_S)
+
+
+def expect_raw_error(
+    url: str,
+    request: service_pb2.ModelInferRequest,
+    code: grpc.StatusCode,
+    contains: tuple[str, ...] = (),
+) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        raw_infer(url, request)
+    err = info.value
+    assert err.code() == code, f"{err.code()} != {code}: {err.details()}"
+    for fragment in contains:
+        assert fragment in (err.details() or ""), f"{fragment!r} not in {err.details()!r}"
+    return err
+
+
+def raw_request(
+    model: str, inputs: list[tuple[str, str, list[int]]], version: str = ""
+) -> service_pb2.ModelInferRequest:
+    """A ModelInferRequest with the given (name, datatype, shape) inputs and no data."""
+    request = service_pb2.ModelInferRequest(model_name=model, model_version=version)
+    for name, datatype, shape in inputs:
+        request.inputs.add(name=name, datatype=datatype, shape=shape)
+    return request
+
+
+def simple_raw_request(batch: int = 1) -> service_pb2.ModelInferRequest:
+    """A valid raw-contents request for `simple`."""
+    request = raw_request("simple", [("INPUT0", "INT32", [batch, 16]),
+                                     ("INPUT1", "INT32", [batch, 16])])
+    data = np.ones((batch, 16), np.int32).tobytes()
+    request.raw_input_contents.extend([data, data])
+    return request
+
+
+def bytes_framing(items: list[bytes]) -> bytes:
+    return b"".join(struct.pack("<I", len(x)) + x for x in items)
+
+
+def output_array(
+    response: service_pb2.ModelInferResponse, name: str, dtype: np.dtype
+) -> np.ndarray:
+    for i, out in enumerate(response.outputs):
+        if out.name == name:
+            return np.frombuffer(response.raw_output_contents[i], dtype=dtype).reshape(
+                list(out.shape)
+            )
+    raise KeyError(name)
+
+
+# ---------------------------------------------------------------------- redis
+
+
+def worker_id(pid: int) -> str:
+    """The id a worker started without --worker-id registers under."""
+    return f"{socket.gethostname()}-{pid}"
+
+
+def redis_client(redis_url: str):
+    import redis
+
+    return redis.Redis.from_url(redis_url, socket_timeout=5)
+
+
+def registered_workers(redis_url: str) -> set[str]:
+    r = redis_client(redis_url)
+    try:
+        return {w.decode() for w in r.smembers("ss:rl:workers")}
+    finally:
+        r.close()
+
+
+def registered_instances(redis_url: str, model: str, version: int = 1) -> set[str]:
+    r = redis_client(redis_url)
+    try:
+        return {i.decode() for i in r.smembers(f"ss:rl:pool:{model}:{version}")}
+    finally:
+        r.close()
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -33,6 +33,17 @@ CONTENTS_FIELD = {
     "BYTES": "bytes_contents",
 }
 
+# The element type each InferTensorContents field carries on the wire.
+_FIELD_NUMPY = {
+    "bool_contents": np.bool_,
+    "int_contents": np.int32,
+    "int64_contents": np.int64,
+    "uint_contents": np.uint32,
+    "uint64_contents": np.uint64,
+    "fp32_contents": np.float32,
+    "fp64_contents": np.float64,
+}
+
 _INT_PARAMS = ("int64_param", "uint64_param")
 
 
@@ -61,7 +72,10 @@ def _int_param(request: gs.ModelInferRequest, name: str) -> int:
         )
     value = getattr(param, which)
     if value < 0:
-        raise invalid(f"'{name}' parameter must not be negative, got {value}")
+        raise invalid(
+            f"'{name}' parameter of model '{request.model_name}' must not be negative, "
+            f"got {value}"
+        )
     return int(value)
 
 
@@ -116,7 +130,10 @@ def _raw_from_contents(
 
     np_dtype = from_triton(datatype).numpy
     try:
-        return np.asarray(list(values)).astype(np_dtype, casting="unsafe").tobytes()
+        # Read the values at the proto field's own type first: letting numpy
+        # guess from Python ints turns e.g. [2**64 - 1, 1] into float64.
+        typed = np.fromiter(values, dtype=_FIELD_NUMPY[field], count=len(values))
+        return typed.astype(np_dtype, casting="unsafe").tobytes()
     except (ValueError, OverflowError) as exc:
         raise invalid(f"input '{tensor.name}' of model '{model}': {exc}") from exc
 

@@ -77,12 +77,19 @@ def format_points(points: list[Point]) -> str:
     for p in points:
         r = p.result
         rows.append(
-            [r.model, str(r.concurrency), f"{r.throughput:.0f}", f"{r.p50_us / 1000:.2f}",
-             f"{r.p99_us / 1000:.2f}"]
+            [
+                r.model,
+                str(r.concurrency),
+                f"{r.throughput:.0f}",
+                f"{r.p50_us / 1000:.2f}",
+                f"{r.p99_us / 1000:.2f}",
+            ]
             + [f"{p.cpu_us_per_request[s]:.0f}" for s in STAGES]
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
+    return "\n".join(
+        "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if find_perf_analyzer() is None:
-        print("perf_analyzer is not installed: run scripts/install_perf_analyzer.sh", file=sys.stderr)
+        print(
+            "perf_analyzer is not installed: run scripts/install_perf_analyzer.sh", file=sys.stderr
+        )
         return 2
     stack = Stack()
     points: list[Point] = []
@@ -105,9 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         repository = Path(tmp) / "models"
         build_example_repository(repository)
         try:
-            services = start_services(
-                stack, repository, workers=args.workers, device=args.device
-            )
+            services = start_services(stack, repository, workers=args.workers, device=args.device)
             url = services.gateway.address
             for model in args.models:
                 for c in args.concurrency:
@@ -121,12 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.csv:
         with args.csv.open("w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["model", "concurrency", "infer_per_s", "p50_us", "p99_us"]
-                       + [f"cpu_us_{s}" for s in STAGES])
+            w.writerow(
+                ["model", "concurrency", "infer_per_s", "p50_us", "p99_us"]
+                + [f"cpu_us_{s}" for s in STAGES]
+            )
             for p in points:
                 r = p.result
-                w.writerow([r.model, r.concurrency, r.throughput, r.p50_us, r.p99_us]
-                           + [p.cpu_us_per_request[s] for s in STAGES])
+                w.writerow(
+                    [r.model, r.concurrency, r.throughput, r.p50_us, r.p99_us]
+                    + [p.cpu_us_per_request[s] for s in STAGES]
+                )
     return 0
 
 

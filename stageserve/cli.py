@@ -142,8 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         _need(args, "ratelimiter", "scheduler")
         listen = args.listen or f"0.0.0.0:{args.grpc_port}"
         coro = serve(
-            listen, args.redis_url, args.ratelimiter, args.scheduler,
-            args.model_repository.resolve(), args.model_control_mode, args.load_model,
+            listen,
+            args.redis_url,
+            args.ratelimiter,
+            args.scheduler,
+            args.model_repository.resolve(),
+            args.model_control_mode,
+            args.load_model,
             args.metrics_port or None,
         )
     elif args.command == "scheduler":
@@ -160,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
 
         _need(args, "ratelimiter")
         coro = serve(
-            args.listen, args.redis_url, args.ratelimiter, args.device, args.worker_id,
+            args.listen,
+            args.redis_url,
+            args.ratelimiter,
+            args.device,
+            args.worker_id,
             args.advertise,
         )
     asyncio.run(coro)

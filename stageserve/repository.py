@@ -43,7 +43,7 @@ def read_model(root: Path, name: str) -> RepositoryModel:
         return RepositoryModel(name, path, None, None, (), f"model '{name}' is not in the repository")
     try:
         config = read_config(path)
-    except ConfigError as exc:
+    except (ConfigError, OSError) as exc:
         return RepositoryModel(name, path, None, None, (), str(exc))
     try:
         spec = to_spec(config)
@@ -54,6 +54,6 @@ def read_model(root: Path, name: str) -> RepositoryModel:
             file = path / str(v) / spec.model_filename
             if not file.is_file():
                 raise ConfigError(f"model '{name}' version {v}: missing model file {file}")
-    except ConfigError as exc:
+    except (ConfigError, OSError) as exc:
         return RepositoryModel(name, path, config, None, (), str(exc))
     return RepositoryModel(name, path, config, spec, tuple(versions))

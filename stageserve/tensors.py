@@ -101,16 +101,24 @@ def raw_to_numpy(raw: bytes | memoryview, datatype: str, shape: Sequence[int]) -
 def numpy_to_raw(arr: np.ndarray, dt: DataType | None = None) -> bytes:
     """Encode a numpy array in the raw layout of its (or the given) datatype."""
     if dt is None or dt.numpy is None:
-        if arr.dtype.kind in ("O", "S", "U"):
+        if dt is not None or arr.dtype.kind in ("O", "S", "U"):
             return serialize_bytes_elements([_as_bytes(x) for x in arr.reshape(-1)])
-        if dt is None:
-            return np.ascontiguousarray(arr).tobytes()
-    assert dt.numpy is not None
+        return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
     if dt.triton == "BF16":
-        return np.ascontiguousarray(arr).view(np.uint16).tobytes()
-    if arr.dtype != dt.numpy:
-        arr = arr.astype(dt.numpy)
-    return np.ascontiguousarray(arr).tobytes()
+        return _bf16_bits(arr).tobytes()
+    return np.ascontiguousarray(arr, dtype=dt.numpy.newbyteorder("<")).tobytes()
+
+
+def _bf16_bits(arr: np.ndarray) -> np.ndarray:
+    """BF16 words (little-endian uint16): 2-byte integer and bfloat16 arrays are
+    taken as the words themselves; other numbers are rounded to nearest even."""
+    if arr.dtype.name == "bfloat16" or (arr.dtype.kind in "iu" and arr.dtype.itemsize == 2):
+        return np.ascontiguousarray(arr).view(arr.dtype.newbyteorder("=")).view(np.uint16) if (
+            arr.dtype.name == "bfloat16"
+        ) else np.ascontiguousarray(arr, dtype=np.dtype("<u2") if arr.dtype.kind == "u" else "<i2")
+    bits = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype("<u2")
+    return np.where(np.isnan(bits.view(np.float32)), np.uint16(0x7FC0), rounded).astype("<u2")
 
 
 def _as_bytes(x: object) -> bytes:

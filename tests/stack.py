@@ -37,8 +37,17 @@ class RunningStack:
     def start_worker(self, name: str = "worker-extra") -> Child:
         w = self.stack.start_service(
             name,
-            ["worker", "--listen", "127.0.0.1:0", "--redis-url", self.redis_url,
-             "--ratelimiter", self.ratelimiter.address, "--device", "cpu"],
+            [
+                "worker",
+                "--listen",
+                "127.0.0.1:0",
+                "--redis-url",
+                self.redis_url,
+                "--ratelimiter",
+                self.ratelimiter.address,
+                "--device",
+                "cpu",
+            ],
         )
         self.workers.append(w)
         return w
@@ -56,8 +65,12 @@ def start_stack(
     stack = Stack()
     try:
         s = start_services(
-            stack, repository, control_mode=control_mode, load_models=load_models,
-            workers=workers, device="cpu",
+            stack,
+            repository,
+            control_mode=control_mode,
+            load_models=load_models,
+            workers=workers,
+            device="cpu",
         )
     except BaseException:
         stack.stop()

@@ -70,7 +70,9 @@ class ModelManager:
         entry = self.entries.get(name)
         if entry is None or not entry.versions:
             if entry is not None and entry.reason:
-                raise unavailable(f"Request for unknown model: '{name}' is not ready: {entry.reason}")
+                raise unavailable(
+                    f"Request for unknown model: '{name}' is not ready: {entry.reason}"
+                )
             raise not_found(f"Request for unknown model: '{name}' is not found")
         if version:
             try:
@@ -111,10 +113,7 @@ class ModelManager:
     async def startup(self, load: list[str]) -> None:
         await self.state.clear_all()
         names = model_names(self.repository)
-        if self.control_mode == "none" or "*" in load:
-            wanted = names
-        else:
-            wanted = load
+        wanted = names if self.control_mode == "none" or "*" in load else load
         await asyncio.gather(*(self.load(name) for name in wanted), return_exceptions=True)
 
     def _lock(self, name: str) -> asyncio.Lock:

@@ -15,7 +15,12 @@ from stageserve.config import ModelSpec, TensorSpec
 from stageserve.errors import invalid
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
-from stageserve.tensors import TensorError, count_bytes_elements, element_count, serialize_bytes_elements
+from stageserve.tensors import (
+    TensorError,
+    count_bytes_elements,
+    element_count,
+    serialize_bytes_elements,
+)
 
 # Which InferTensorContents field carries each datatype (FP16/BF16: raw only).
 CONTENTS_FIELD = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -60,8 +61,13 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
     async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
         instances = [
             Instance(
-                i.instance_id, i.model, i.version, i.kind, i.device_id,
-                request.worker_id, request.worker_address,
+                i.instance_id,
+                i.model,
+                i.version,
+                i.kind,
+                i.device_id,
+                request.worker_id,
+                request.worker_address,
             )
             for i in request.instances
         ]
@@ -100,10 +106,8 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return pb.AcquireResponse(granted=False, reason="every instance is busy")
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), min(remaining, POLL_S))
-            except TimeoutError:
-                pass
 
     def _granted(self, grant: Grant) -> pb.AcquireResponse:
         inst = grant.instance

@@ -9,6 +9,7 @@ straight back to waiting for the next free instance.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -41,7 +42,9 @@ def make_batcher(spec: ModelSpec) -> Batcher:
     db = spec.dynamic_batching
     if db is None:
         return DefaultBatcher()
-    return DynamicBatcher(spec.max_batch_size, db.preferred_batch_sizes, db.max_queue_delay_us * 1000)
+    return DynamicBatcher(
+        spec.max_batch_size, db.preferred_batch_sizes, db.max_queue_delay_us * 1000
+    )
 
 
 def shape_key(msg: pb.ScheduleRequest, batching: bool) -> tuple:
@@ -135,10 +138,8 @@ class ModelQueue:
 
     async def _wait_arrival(self, timeout_s: float | None) -> None:
         self._arrived.clear()
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._arrived.wait(), timeout_s)
-        except TimeoutError:
-            pass
 
     async def _dispatch_loop(self) -> None:
         """Grant first, then batch. Right after a dispatch the loop already asks

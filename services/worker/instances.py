@@ -72,9 +72,7 @@ class HostedInstance:
         """Decode, run and split one batch; runs on the instance's own thread."""
         t0 = time.monotonic_ns()
         try:
-            feeds = {
-                t.name: raw_to_numpy(t.raw, t.datatype, t.shape) for t in request.inputs
-            }
+            feeds = {t.name: raw_to_numpy(t.raw, t.datatype, t.shape) for t in request.inputs}
         except TensorError as exc:
             raise BackendError(f"bad input tensor: {exc}") from exc
         wanted = self._wanted_outputs(request)
@@ -91,7 +89,7 @@ class HostedInstance:
                 arr = results[name]
                 if batching:
                     arr = arr[offset : offset + size]
-                per_request.outputs.append(_tensor(name, arr, self.spec))
+                per_request.outputs.append(_tensor(name, arr, self.spec, size))
             offset += size
         t3 = time.monotonic_ns()
         response.compute_input_ns = t1 - t0
@@ -112,12 +110,17 @@ class HostedInstance:
         self.executor.shutdown(wait=True)
 
 
-def _tensor(name: str, arr: np.ndarray, spec: ModelSpec) -> pb.Tensor:
+def _tensor(name: str, arr: np.ndarray, spec: ModelSpec, batch: int) -> pb.Tensor:
     out = spec.output(name)
     assert out is not None
+    if out.reshape is not None:  # the model's shape -> the config's dims
+        arr = arr.reshape(((batch,) if spec.batching else ()) + out.dims)
     dt = out.datatype
     if dt.triton != "BYTES" and dt.numpy is not None and arr.dtype != dt.numpy:
         arr = arr.astype(dt.numpy)
     return pb.Tensor(
-        name=name, datatype=dt.triton, shape=list(arr.shape), raw=numpy_to_raw(arr, from_triton(dt.triton))
+        name=name,
+        datatype=dt.triton,
+        shape=list(arr.shape),
+        raw=numpy_to_raw(arr, from_triton(dt.triton)),
     )

@@ -9,6 +9,7 @@ after unloading, heartbeat to keep its lease.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -125,7 +126,12 @@ class WorkerService(pb_grpc.WorkerServicer):
                         iid = f"{self.worker_id}/{model.name}/{version}/{g.name}/{index}"
                         loaded.append(
                             HostedInstance(
-                                iid, model.name, version, model.generation, place, model.spec,
+                                iid,
+                                model.name,
+                                version,
+                                model.generation,
+                                place,
+                                model.spec,
                                 backend,
                             )
                         )
@@ -246,12 +252,10 @@ async def serve(
     finally:
         for t in tasks:
             t.cancel()
-        try:
+        with contextlib.suppress(grpc.aio.AioRpcError):
             await service.ratelimiter.Deregister(
                 pb.DeregisterRequest(worker_id=worker_id), timeout=2
             )
-        except grpc.aio.AioRpcError:
-            pass
         for inst in service.instances.values():
             inst.close()
         await channel.close()

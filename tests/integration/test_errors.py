@@ -69,7 +69,8 @@ def _check_rejected_then_valid(stack: RunningStack, model: str, send_bad: Callab
                       client_timeout=RPC_TIMEOUT_S).as_numpy("OUTPUT0")
         np.testing.assert_array_equal(out, data)
     else:
-        infer_simple(c, batch=2, model=model)
+        batch = 2 if model == "simple" else 1  # simple_nobatch takes [1,16] only
+        infer_simple(c, batch=batch, model=model)
     final = model_stats(c, model)
     assert final.inference_count == before.inference_count + (
         2 if model == "simple" else 1
@@ -138,11 +139,12 @@ def test_wrong_shape(stack: RunningStack, shape: list[int]) -> None:
 
 
 def test_missing_batch_dimension(stack: RunningStack) -> None:
+    # As in Triton, the first dimension is the batch: [16] is a batch of 16 > 8.
     data = _ones((16,))
 
     def bad():
         return expect_error(_infer(stack, "simple", simple_inputs(data, data)), status=INVALID,
-                            contains=("INPUT0", "simple"))
+                            contains=("batch-size", "simple", "16"))
 
     _check_rejected_then_valid(stack, "simple", bad)
 

@@ -42,7 +42,9 @@ def test_simple_async_infer(stack: RunningStack) -> None:
         b = np.arange(16, dtype=np.int32).reshape(1, 16)
         pairs.append((a, b))
         client.async_infer(
-            "simple", simple_inputs(a, b), callback=lambda result, error, k=k: results.put((k, result, error))
+            "simple",
+            simple_inputs(a, b),
+            callback=lambda result, error, k=k: results.put((k, result, error)),
         )
     for _ in range(8):
         k, result, error = results.get(timeout=30)
@@ -82,9 +84,18 @@ def test_model_without_batching(stack: RunningStack) -> None:
 
 
 DTYPES = {
-    "BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
-    "UINT64": np.uint64, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32,
-    "INT64": np.int64, "FP16": np.float16, "FP32": np.float32, "FP64": np.float64,
+    "BOOL": np.bool_,
+    "UINT8": np.uint8,
+    "UINT16": np.uint16,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
 }
 
 
@@ -121,9 +132,7 @@ def test_identity_round_trip_bf16(stack: RunningStack) -> None:
 
 
 def test_identity_round_trip_bytes(stack: RunningStack) -> None:
-    data = np.array(
-        [[b"", b"hello", "héllo wörld ✓".encode(), b"x" * 3000]], dtype=np.object_
-    )
+    data = np.array([[b"", b"hello", "héllo wörld ✓".encode(), b"x" * 3000]], dtype=np.object_)
     inp = grpcclient.InferInput("INPUT0", [1, 4], "BYTES")
     inp.set_data_from_numpy(data)
     result = stack.client().infer("identity_bytes", [inp])

@@ -54,10 +54,13 @@ def from_triton(name: str) -> DataType:
 
 def from_numpy(dtype: np.dtype) -> DataType:
     """numpy dtype -> DataType (object / bytes / str arrays map to BYTES)."""
+    dtype = np.dtype(dtype)
     if dtype.kind in ("O", "S", "U"):
         return BY_TRITON["BYTES"]
     if dtype.name == "bfloat16":
         return BY_TRITON["BF16"]
+    if dtype.byteorder == ">":  # the same type in the other byte order
+        dtype = dtype.newbyteorder("<")
     for d in _TABLE:
         if d.numpy is not None and d.numpy == dtype and d.triton != "BF16":
             return d

@@ -103,22 +103,32 @@ def numpy_to_raw(arr: np.ndarray, dt: DataType | None = None) -> bytes:
     if dt is None or dt.numpy is None:
         if dt is not None or arr.dtype.kind in ("O", "S", "U"):
             return serialize_bytes_elements([_as_bytes(x) for x in arr.reshape(-1)])
-        return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
+        return _little_endian(arr).tobytes()
     if dt.triton == "BF16":
-        return _bf16_bits(arr).tobytes()
-    return np.ascontiguousarray(arr, dtype=dt.numpy.newbyteorder("<")).tobytes()
+        return _bf16_words(arr).tobytes()
+    if arr.dtype != dt.numpy:
+        arr = arr.astype(dt.numpy)
+    return _little_endian(arr).tobytes()
 
 
-def _bf16_bits(arr: np.ndarray) -> np.ndarray:
-    """BF16 words (little-endian uint16): 2-byte integer and bfloat16 arrays are
-    taken as the words themselves; other numbers are rounded to nearest even."""
-    if arr.dtype.name == "bfloat16" or (arr.dtype.kind in "iu" and arr.dtype.itemsize == 2):
-        return np.ascontiguousarray(arr).view(arr.dtype.newbyteorder("=")).view(np.uint16) if (
-            arr.dtype.name == "bfloat16"
-        ) else np.ascontiguousarray(arr, dtype=np.dtype("<u2") if arr.dtype.kind == "u" else "<i2")
-    bits = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
-    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype("<u2")
-    return np.where(np.isnan(bits.view(np.float32)), np.uint16(0x7FC0), rounded).astype("<u2")
+def _little_endian(arr: np.ndarray) -> np.ndarray:
+    arr = np.ascontiguousarray(arr)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return arr
+
+
+def _bf16_words(arr: np.ndarray) -> np.ndarray:
+    """BF16 as 2-byte words: bfloat16 and 16-bit integer arrays already hold the
+    words; any other numbers are rounded to the nearest bfloat16 (ties to even)."""
+    if arr.dtype.name == "bfloat16":
+        return np.ascontiguousarray(arr).view(np.uint16)
+    if arr.dtype.kind in ("i", "u") and arr.dtype.itemsize == 2:
+        return _little_endian(arr)
+    f32 = np.ascontiguousarray(arr, dtype=np.float32)
+    bits = f32.view(np.uint32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(f32), np.uint16(0x7FC0), rounded).astype(np.uint16)
 
 
 def _as_bytes(x: object) -> bytes:

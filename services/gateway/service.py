@@ -7,6 +7,7 @@ Triton's status code; they end the call with that code and message.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -140,11 +141,17 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
         return out
 
     async def ModelStreamInfer(self, request_iterator, context):
-        async for request in request_iterator:
+        """Requests on one stream run concurrently; each response carries its
+        request's id, and an error goes into that response's error_message
+        without closing the stream."""
+        responses: asyncio.Queue[gs.ModelStreamInferResponse | None] = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+
+        async def answer(request: gs.ModelInferRequest) -> None:
             try:
-                yield gs.ModelStreamInferResponse(infer_response=await self._infer(request))
+                response = gs.ModelStreamInferResponse(infer_response=await self._infer(request))
             except StageError as err:
-                yield gs.ModelStreamInferResponse(
+                response = gs.ModelStreamInferResponse(
                     error_message=err.message,
                     infer_response=gs.ModelInferResponse(
                         model_name=request.model_name,
@@ -152,6 +159,27 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
                         id=request.id,
                     ),
                 )
+            responses.put_nowait(response)
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    task = asyncio.create_task(answer(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                while tasks:
+                    await asyncio.gather(*list(tasks))
+            finally:
+                responses.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await responses.get()) is not None:
+                yield item
+        finally:
+            reader.cancel()
+            for task in tasks:
+                task.cancel()
 
     # ------------------------------------------------------------- statistics
 

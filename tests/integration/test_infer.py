@@ -179,3 +179,30 @@ def test_dynamic_batching_forms_batches_under_concurrency(stack: RunningStack) -
     assert inferences == n
     assert executions < inferences, "concurrent requests should share executions"
     assert any(b.batch_size > 1 for b in after.batch_stats)
+
+
+def test_stream_infer_many_requests_and_per_response_errors(stack: RunningStack) -> None:
+    client = stack.client()
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for k in range(10):
+            a = np.full((1, 16), k, dtype=np.int32)
+            client.async_stream_infer("simple", simple_inputs(a, a), request_id=f"r{k}")
+        bad = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+        bad.set_data_from_numpy(np.zeros((1, 16), np.float32))
+        client.async_stream_infer("simple", [bad], request_id="bad")
+        seen: dict[str, np.ndarray] = {}
+        errors = []
+        for _ in range(11):
+            result, error = results.get(timeout=30)
+            if error is not None:
+                errors.append(error)
+            else:
+                seen[result.get_response().id] = result.as_numpy("OUTPUT0")
+    finally:
+        client.stop_stream()
+    assert sorted(seen) == sorted(f"r{k}" for k in range(10))
+    for k in range(10):
+        np.testing.assert_array_equal(seen[f"r{k}"], np.full((1, 16), 2 * k, np.int32))
+    assert len(errors) == 1 and "data-type" in str(errors[0])

@@ -9,35 +9,14 @@ Redis; the layout is documented in redis_keys.py).
 from __future__ import annotations
 
 _REMOVE_WORKER = """
-local function remove_worker(p, wid)
-  local insts = redis.call('SMEMBERS', p .. 'worker:' .. wid .. ':insts')
-  for _, iid in ipairs(insts) do
-    local m = redis.call('HMGET', p .. 'inst:' .. iid, 'model', 'version')
-    if m[1] then
-      local pk = m[1] .. ':' .. m[2]
-      redis.call('SREM', p .. 'pool:' .. pk, iid)
-      redis.call('LREM', p .. 'free:' .. pk, 0, iid)
-    end
-    redis.call('DEL', p .. 'inst:' .. iid)
-  end
-  redis.call('DEL', p .. 'worker:' .. wid .. ':insts', p .. 'worker:' .. wid)
-  redis.call('SREM', p .. 'workers', wid)
-  return #insts
-end
-"""
-
-# ARGV: prefix, worker_id, address, lease_ms, then 6-tuples per instance:
-#   iid, model, version, kind, device_id, (unused)
-REGISTER = (
-    """
-local p, wid, addr, lease = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
-redis.call('SET', p .. 'worker:' .. wid, addr, 'PX', lease)
-redis.call('SADD', p .. 'workers', wid)
-local wanted = {}
-for i = 5, #ARGV, 6 do wanted[ARGV[i]] = i end
-local old = redis.call('SMEMBERS', p .. 'worker:' .. wid .. ':insts')
-for _, iid in ipairs(old) do
-  if not wanted[iid] then
+-- Unregister instances of worker wid. Grants on them end with them: a late
+-- release must not free an instance that was registered again under the same
+-- id in the meantime (a model reload, a worker back after its lease lapsed).
+local function drop_instances(p, wid, iids)
+  if #iids == 0 then return end
+  local gone = {}
+  for _, iid in ipairs(iids) do
+    gone[iid] = true
     local m = redis.call('HMGET', p .. 'inst:' .. iid, 'model', 'version')
     if m[1] then
       local pk = m[1] .. ':' .. m[2]
@@ -47,7 +26,43 @@ for _, iid in ipairs(old) do
     redis.call('DEL', p .. 'inst:' .. iid)
     redis.call('SREM', p .. 'worker:' .. wid .. ':insts', iid)
   end
+  for _, gid in ipairs(redis.call('ZRANGE', p .. 'grants', 0, -1)) do
+    local iid = redis.call('HGET', p .. 'grant:' .. gid, 'instance')
+    if not iid or gone[iid] then
+      redis.call('DEL', p .. 'grant:' .. gid)
+      redis.call('ZREM', p .. 'grants', gid)
+    end
+  end
 end
+
+local function remove_worker(p, wid)
+  local insts = redis.call('SMEMBERS', p .. 'worker:' .. wid .. ':insts')
+  drop_instances(p, wid, insts)
+  redis.call('DEL', p .. 'worker:' .. wid .. ':insts', p .. 'worker:' .. wid)
+  redis.call('SREM', p .. 'workers', wid)
+  return #insts
+end
+"""
+
+# ARGV: prefix, worker_id, address, lease_ms, then 6-tuples per instance:
+#   iid, model, version, kind, device_id, (unused)
+# A worker that registers without a live liveness key (new, or back after its
+# lease lapsed) starts afresh: whatever is left of an earlier registration is
+# stale (an acquire may already have dropped its instances from the free list).
+REGISTER = (
+    _REMOVE_WORKER
+    + """
+local p, wid, addr, lease = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+if redis.call('EXISTS', p .. 'worker:' .. wid) == 0 then remove_worker(p, wid) end
+redis.call('SET', p .. 'worker:' .. wid, addr, 'PX', lease)
+redis.call('SADD', p .. 'workers', wid)
+local wanted = {}
+for i = 5, #ARGV, 6 do wanted[ARGV[i]] = i end
+local stale = {}
+for _, iid in ipairs(redis.call('SMEMBERS', p .. 'worker:' .. wid .. ':insts')) do
+  if not wanted[iid] then table.insert(stale, iid) end
+end
+drop_instances(p, wid, stale)
 local added = 0
 for iid, i in pairs(wanted) do
   if redis.call('EXISTS', p .. 'inst:' .. iid) == 0 then

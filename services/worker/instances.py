@@ -116,7 +116,7 @@ def _tensor(name: str, arr: np.ndarray, spec: ModelSpec, batch: int) -> pb.Tenso
     if out.reshape is not None:  # the model's shape -> the config's dims
         arr = arr.reshape(((batch,) if spec.batching else ()) + out.dims)
     dt = out.datatype
-    if dt.triton != "BYTES" and dt.numpy is not None and arr.dtype != dt.numpy:
+    if dt.triton not in ("BYTES", "BF16") and dt.numpy is not None and arr.dtype != dt.numpy:
         arr = arr.astype(dt.numpy)
     return pb.Tensor(
         name=name,

@@ -198,7 +198,10 @@ def test_blocked_batch_sends_largest_preferred_prefix():
     # totals 2, 4, 6 then a different shape: blocked -> largest preferred (4)
     b = fill(
         DynamicBatcher(16, (2, 4), 1_000 * MS),
-        req("a", 2), req("b", 2), req("c", 2), req("x", 1, shape="other"),
+        req("a", 2),
+        req("b", 2),
+        req("c", 2),
+        req("x", 1, shape="other"),
     )
     assert tags(b.next_batch(0).batch) == ["a", "b"]
     # the remainder is blocked by the other shape again; its preferred prefix is [c] (2)
@@ -300,7 +303,7 @@ def _simulate(ops, max_batch, preferred, delay):
     for kind, a, c in ops:
         now += a
         if kind == "add":
-            shape = "s%d" % (c % 3)
+            shape = f"s{c % 3}"
             r = Pending(1 + c % max_batch, shape, now, payload=(shape, seq))
             seq += 1
             b.add(r)
@@ -379,9 +382,7 @@ if given is not None:
         preferred=st.lists(st.integers(1, 9), max_size=3),
         delay=st.sampled_from([0, 1, 5, 50]),
         ops=st.lists(
-            st.tuples(
-                st.sampled_from(["add", "next"]), st.integers(0, 10), st.integers(0, 30)
-            ),
+            st.tuples(st.sampled_from(["add", "next"]), st.integers(0, 10), st.integers(0, 30)),
             max_size=60,
         ),
     )

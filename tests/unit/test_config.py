@@ -194,7 +194,9 @@ def test_bad_dims(dims, where):
     ok = '{ name: "OK" data_type: TYPE_FP32 dims: [ 1 ] }'
     bad = f'{{ name: "BAD" data_type: TYPE_FP32 dims: {dims} }}'
     io = (
-        f"input [ {bad} ]\noutput [ {ok} ]" if where == "input" else f"input [ {ok} ]\noutput [ {bad} ]"
+        f"input [ {bad} ]\noutput [ {ok} ]"
+        if where == "input"
+        else f"input [ {ok} ]\noutput [ {bad} ]"
     )
     refused("", "'BAD'", "invalid dims", where, io=io)
 
@@ -204,23 +206,33 @@ def test_invalid_data_type(where):
     ok = '{ name: "OK" data_type: TYPE_FP32 dims: [ 1 ] }'
     bad = '{ name: "BAD" data_type: TYPE_INVALID dims: [ 1 ] }'
     io = (
-        f"input [ {bad} ]\noutput [ {ok} ]" if where == "input" else f"input [ {ok} ]\noutput [ {bad} ]"
+        f"input [ {bad} ]\noutput [ {ok} ]"
+        if where == "input"
+        else f"input [ {ok} ]\noutput [ {bad} ]"
     )
     refused("", "'BAD'", "TYPE_INVALID", io=io)
 
 
 def test_missing_data_type_is_invalid():
-    refused("", "TYPE_INVALID", io="""
+    refused(
+        "",
+        "TYPE_INVALID",
+        io="""
 input [ { name: "X" dims: [ 1 ] } ]
 output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
-""")
+""",
+    )
 
 
 def test_tensor_without_name():
-    refused("", "no name", io="""
+    refused(
+        "",
+        "no name",
+        io="""
 input [ { data_type: TYPE_FP32 dims: [ 1 ] } ]
 output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
-""")
+""",
+    )
 
 
 @pytest.mark.parametrize("where", ["input", "output"])
@@ -228,24 +240,33 @@ def test_duplicate_names(where):
     t = '{ name: "T" data_type: TYPE_FP32 dims: [ 1 ] }'
     ok = '{ name: "OK" data_type: TYPE_FP32 dims: [ 1 ] }'
     io = (
-        f"input [ {t}, {t} ]\noutput [ {ok} ]" if where == "input" else f"input [ {ok} ]\noutput [ {t}, {t} ]"
+        f"input [ {t}, {t} ]\noutput [ {ok} ]"
+        if where == "input"
+        else f"input [ {ok} ]\noutput [ {t}, {t} ]"
     )
     refused("", "twice", where, io=io)
 
 
 def test_same_name_for_input_and_output_is_allowed():
-    s = spec(io="""
+    s = spec(
+        io="""
 input [ { name: "T" data_type: TYPE_FP32 dims: [ 1 ] } ]
 output [ { name: "T" data_type: TYPE_FP32 dims: [ 1 ] } ]
-""")
+"""
+    )
     assert s.input("T") and s.output("T")
 
 
 def test_reshape_element_count_mismatch():
-    refused("", "reshape", "'X'", io="""
+    refused(
+        "",
+        "reshape",
+        "'X'",
+        io="""
 input [ { name: "X" data_type: TYPE_FP32 dims: [ 2, 3 ] reshape: { shape: [ 5 ] } } ]
 output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
-""")
+""",
+    )
 
 
 def test_dynamic_batching_with_max_batch_size_zero():
@@ -256,7 +277,8 @@ def test_dynamic_batching_with_max_batch_size_zero():
 def test_preferred_size_outside_range(preferred):
     msg = refused(
         f"max_batch_size: 8\ndynamic_batching {{ preferred_batch_size: {preferred} }}\n",
-        "preferred_batch_size", "1..8",
+        "preferred_batch_size",
+        "1..8",
     )
     assert "4]" not in msg  # only the bad sizes are named
 
@@ -314,8 +336,9 @@ output [ { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] } ]
 """
 
 
-def make_model(root: Path, name: str, config: str | bytes | None = CONFIG, versions=(1,),
-               filename="model.onnx") -> Path:
+def make_model(
+    root: Path, name: str, config: str | bytes | None = CONFIG, versions=(1,), filename="model.onnx"
+) -> Path:
     d = root / name
     d.mkdir(parents=True)
     if config is not None:
@@ -423,7 +446,9 @@ def test_read_model_no_version_folder(tmp_path):
 
 def test_read_model_specific_version_missing_folder(tmp_path):
     make_model(
-        tmp_path, "m", CONFIG + "version_policy: { specific: { versions: [ 1, 4 ] } }\n",
+        tmp_path,
+        "m",
+        CONFIG + "version_policy: { specific: { versions: [ 1, 4 ] } }\n",
         versions=(1, 2),
     )
     broken(tmp_path, "m", "[4]")
@@ -436,7 +461,9 @@ def test_read_model_version_policy_all(tmp_path):
 
 def test_read_model_version_policy_latest_n(tmp_path):
     make_model(
-        tmp_path, "m", CONFIG + "version_policy: { latest: { num_versions: 2 } }\n",
+        tmp_path,
+        "m",
+        CONFIG + "version_policy: { latest: { num_versions: 2 } }\n",
         versions=(3, 1, 12),
     )
     assert read_model(tmp_path, "m").versions == (3, 12)
@@ -447,7 +474,8 @@ def test_read_model_bad_config_values_never_raise(tmp_path):
         "dyn0": CONFIG.replace("max_batch_size: 4", "max_batch_size: 0") + "dynamic_batching { }",
         "dims": CONFIG.replace("dims: [ 4 ] }", "dims: [ 0 ] }", 1),
         "pref": CONFIG + "dynamic_batching { preferred_batch_size: [ 5 ] }",
-        "noin": CONFIG.split("input")[0] + 'output [ { name: "Y" data_type: TYPE_FP32 dims: [1] } ]',
+        "noin": CONFIG.split("input")[0]
+        + 'output [ { name: "Y" data_type: TYPE_FP32 dims: [1] } ]',
     }
     for name, text in bad.items():
         make_model(tmp_path, name, text)
@@ -470,10 +498,15 @@ def test_model_names_lists_directories(tmp_path):
 
 
 def test_numeric_unknown_data_type_is_config_error():
-    refused("", "'X'", "99", io="""
+    refused(
+        "",
+        "'X'",
+        "99",
+        io="""
 input [ { name: "X" data_type: 99 dims: [ 1 ] } ]
 output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
-""")
+""",
+    )
 
 
 def test_numeric_unknown_instance_kind_is_config_error():

@@ -314,7 +314,10 @@ def test_unknown_requested_output():
     inputs, raws = good_inputs()
     refused(
         request(inputs, raws, outputs=["OUT_A", "NOPE"]),
-        BATCHED, MODEL, "'NOPE'", "unexpected inference output",
+        BATCHED,
+        MODEL,
+        "'NOPE'",
+        "unexpected inference output",
     )
 
 
@@ -327,7 +330,10 @@ def test_duplicate_requested_output():
     inputs, raws = good_inputs()
     refused(
         request(inputs, raws, outputs=["OUT_B", "OUT_A", "OUT_B"]),
-        BATCHED, MODEL, "'OUT_B'", "twice",
+        BATCHED,
+        MODEL,
+        "'OUT_B'",
+        "twice",
     )
 
 
@@ -422,9 +428,17 @@ TYPED_CASES = {
     "FP64": [0.1, -1e300, 2.5, 2**53 + 1.0],
 }
 NUMPY = {
-    "BOOL": np.bool_, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32,
-    "INT64": np.int64, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
-    "UINT64": np.uint64, "FP32": np.float32, "FP64": np.float64,
+    "BOOL": np.bool_,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "UINT8": np.uint8,
+    "UINT16": np.uint16,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "FP32": np.float32,
+    "FP64": np.float64,
 }
 
 
@@ -442,9 +456,10 @@ def test_typed_contents_become_raw_bytes(datatype):
     assert t.datatype == datatype and list(t.shape) == [4]
     expected = np.array(values, dtype=NUMPY[datatype]).tobytes()
     assert t.raw == expected
-    assert np.frombuffer(t.raw, NUMPY[datatype]).tolist() == np.array(
-        values, dtype=NUMPY[datatype]
-    ).tolist()
+    assert (
+        np.frombuffer(t.raw, NUMPY[datatype]).tolist()
+        == np.array(values, dtype=NUMPY[datatype]).tolist()
+    )
 
 
 @pytest.mark.parametrize("datatype", sorted(TYPED_CASES))
@@ -524,9 +539,7 @@ def test_reshape_to_scalar_shape():
     assert list(v.inputs[0].shape) == [5]
 
 
-@pytest.mark.parametrize(
-    "which,value", [("int64_param", 7), ("uint64_param", 2**40)]
-)
+@pytest.mark.parametrize("which,value", [("int64_param", 7), ("uint64_param", 2**40)])
 def test_priority_and_timeout_extracted(which, value):
     inputs, raws = good_inputs()
     v = validate_infer(
@@ -540,7 +553,10 @@ def test_zero_priority_and_unrelated_params_accepted():
     inputs, raws = good_inputs()
     v = validate_infer(
         request(
-            inputs, raws, priority=("int64_param", 0), custom=("string_param", "x"),
+            inputs,
+            raws,
+            priority=("int64_param", 0),
+            custom=("string_param", "x"),
             binary_data_output=("bool_param", True),
         ),
         BATCHED,
@@ -555,7 +571,10 @@ def test_sequence_params_accepted(which, value):
     inputs, raws = good_inputs()
     v = validate_infer(
         request(
-            inputs, raws, sequence_id=(which, value), sequence_start=("bool_param", True),
+            inputs,
+            raws,
+            sequence_id=(which, value),
+            sequence_start=("bool_param", True),
             sequence_end=("bool_param", False),
         ),
         BATCHED,

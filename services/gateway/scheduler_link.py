@@ -48,11 +48,20 @@ class SchedulerLink:
         outbox: asyncio.Queue = asyncio.Queue()
 
         async def requests():
+            # Everything queued since the last write goes out as one message.
             while True:
                 item = await outbox.get()
                 if item is _CLOSE:
                     return
-                yield item
+                batch = pb.ScheduleBatch()
+                batch.requests.append(item)
+                while not outbox.empty():
+                    item = outbox.get_nowait()
+                    if item is _CLOSE:
+                        yield batch
+                        return
+                    batch.requests.append(item)
+                yield batch
 
         call = self.stub.Schedule(requests())
         self._outbox = outbox
@@ -62,10 +71,11 @@ class SchedulerLink:
     async def _read(self, call, outbox: asyncio.Queue) -> None:
         reason = "scheduler stream closed"
         try:
-            async for resp in call:
-                fut = self._pending.pop(resp.id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(resp)
+            async for message in call:
+                for resp in message.responses:
+                    fut = self._pending.pop(resp.id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(resp)
         except grpc.aio.AioRpcError as exc:
             reason = f"scheduler stream failed: {exc.code().name}: {exc.details()}"
         except asyncio.CancelledError:

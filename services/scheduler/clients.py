@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 from dataclasses import dataclass
 
 import grpc
 
-from stageserve.errors import StageError, unavailable
+from stageserve.errors import StageError, code_from_int, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.net import insecure_channel
@@ -67,25 +69,96 @@ class RateLimiterClient:
         await self.channel.close()
 
 
-class WorkerClients:
-    """One channel per worker address, created on first use."""
+class WorkerCallError(Exception):
+    """An Execute that did not succeed: the worker's answer or a broken stream."""
 
-    def __init__(self, execute_timeout_s: float = 300.0) -> None:
-        self._stubs: dict[str, pb_grpc.WorkerStub] = {}
-        self._channels: list[grpc.aio.Channel] = []
-        self.execute_timeout_s = execute_timeout_s
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
 
-    def _stub(self, address: str) -> pb_grpc.WorkerStub:
-        stub = self._stubs.get(address)
-        if stub is None:
-            channel = insecure_channel(address)
-            self._channels.append(channel)
-            stub = self._stubs[address] = pb_grpc.WorkerStub(channel)
-        return stub
 
-    async def execute(self, address: str, request: pb.ExecuteRequest) -> pb.ExecuteResponse:
-        return await self._stub(address).Execute(request, timeout=self.execute_timeout_s)
+class WorkerStream:
+    """One long-lived ExecuteStream to a worker; batches matched to answers by id."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = insecure_channel(address)
+        self.stub = pb_grpc.WorkerStub(self.channel)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[pb.ExecuteResponse]] = {}
+        self._outbox: asyncio.Queue | None = None
+        self._reader: asyncio.Task | None = None
+
+    def _ensure_stream(self) -> asyncio.Queue:
+        if self._outbox is not None and self._reader is not None and not self._reader.done():
+            return self._outbox
+        outbox: asyncio.Queue = asyncio.Queue()
+
+        async def requests():
+            while (item := await outbox.get()) is not None:
+                yield item
+
+        call = self.stub.ExecuteStream(requests())
+        self._outbox = outbox
+        self._reader = asyncio.create_task(self._read(call, outbox))
+        return outbox
+
+    async def _read(self, call, outbox: asyncio.Queue) -> None:
+        error = WorkerCallError(grpc.StatusCode.UNAVAILABLE, "worker stream closed")
+        try:
+            async for resp in call:
+                fut = self._pending.pop(resp.id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(resp)
+        except grpc.aio.AioRpcError as exc:
+            error = WorkerCallError(exc.code(), exc.details() or "worker stream failed")
+        finally:
+            if self._outbox is outbox:
+                self._outbox = None
+            outbox.put_nowait(None)
+            pending, self._pending = self._pending, {}
+            for fut in pending.values():
+                if not fut.done():
+                    fut.set_exception(error)
+
+    async def execute(self, request: pb.ExecuteRequest, timeout_s: float) -> pb.ExecuteResponse:
+        outbox = self._ensure_stream()
+        request.id = next(self._ids)
+        fut: asyncio.Future[pb.ExecuteResponse] = asyncio.get_running_loop().create_future()
+        self._pending[request.id] = fut
+        outbox.put_nowait(request)
+        try:
+            resp = await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            raise WorkerCallError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s}s"
+            ) from None
+        finally:
+            self._pending.pop(request.id, None)
+        if resp.code:
+            raise WorkerCallError(code_from_int(resp.code), resp.message)
+        return resp
 
     async def close(self) -> None:
-        for channel in self._channels:
-            await channel.close()
+        if self._reader is not None:
+            self._reader.cancel()
+        await self.channel.close()
+
+
+class WorkerClients:
+    """One stream per worker address, opened on first use."""
+
+    def __init__(self, execute_timeout_s: float = 300.0) -> None:
+        self._streams: dict[str, WorkerStream] = {}
+        self.execute_timeout_s = execute_timeout_s
+
+    async def execute(self, address: str, request: pb.ExecuteRequest) -> pb.ExecuteResponse:
+        stream = self._streams.get(address)
+        if stream is None:
+            stream = self._streams[address] = WorkerStream(address)
+        return await stream.execute(request, self.execute_timeout_s)
+
+    async def close(self) -> None:
+        for stream in self._streams.values():
+            await stream.close()

@@ -1,9 +1,15 @@
 """One model version's queue: wait for a free instance, form a batch, run it.
 
-The dispatch loop asks the rate limiter for a grant (a free instance) before
-it forms a batch, so batches form when an instance can run them and grow
-while every instance is busy. Each batch runs as its own task; the loop goes
-straight back to waiting for the next free instance.
+The dispatch loop needs a grant (a free instance) before it forms a batch, so
+batches form when an instance can run them and grow while every instance is
+busy. Each batch runs as its own task; the loop goes straight back to
+waiting for the next free instance.
+
+Grants are reused: a batch that finishes hands its grant back to this queue,
+which keeps it while it has work (up to GRANT_REUSE_S, then it goes back to
+the rate limiter so other schedulers get their turn) and for STANDBY_HOLD_S
+once idle. At steady load no rate-limiter round trip is on a request's path;
+the rate limiter is asked only for instances beyond those already held.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.scheduler.batcher import Batcher, DefaultBatcher, DynamicBatcher, Pending
-from services.scheduler.clients import Granted, RateLimiterClient, WorkerClients
+from services.scheduler.clients import Granted, RateLimiterClient, WorkerCallError, WorkerClients
 from stageserve.config import ModelSpec
 from stageserve.errors import StageError, unavailable
 from stageserve.generated import stageserve_pb2 as pb
@@ -27,8 +33,11 @@ log = logging.getLogger(__name__)
 
 Respond = Callable[[pb.ScheduleResponse], None]
 
-# How long an idle queue keeps a pre-acquired grant before handing it back.
+# How long an idle queue keeps its grants before handing them back.
 STANDBY_HOLD_S = 0.5
+# How long one grant may be reused before it goes back to the rate limiter
+# (well inside the grant lease, so a held grant never expires under us).
+GRANT_REUSE_S = 2.0
 
 
 @dataclass
@@ -98,16 +107,21 @@ class ModelQueue:
         self.workers = workers
         self.executing = 0
         self._arrived = asyncio.Event()
+        self._grant_event = asyncio.Event()
+        self._spare: list[tuple[Granted, float]] = []  # (grant, first acquired at)
+        self._acquiring: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._loop_task = asyncio.create_task(self._dispatch_loop())
 
     def reconfigure(self, spec: ModelSpec) -> None:
-        """A reloaded model: keep queued requests, apply the new batching settings."""
+        """A reloaded model: keep queued requests, apply the new batching settings,
+        and hand back held grants (their instances belong to the old load)."""
         pending = self.batcher.drain()
         self.spec = spec
         self.batcher = make_batcher(spec)
         for p in pending:
             self.batcher.add(p)
+        self._release_spare()
         self._arrived.set()
 
     def submit(self, msg: pb.ScheduleRequest, respond: Respond) -> None:
@@ -129,6 +143,9 @@ class ModelQueue:
 
     def close(self) -> None:
         self._loop_task.cancel()
+        if self._acquiring is not None:
+            self._acquiring.cancel()
+        self._release_spare()
         self._fail_all(unavailable(f"model '{self.model}' is no longer scheduled"))
 
     def _fail_all(self, err: StageError) -> None:
@@ -141,52 +158,71 @@ class ModelQueue:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._arrived.wait(), timeout_s)
 
-    async def _dispatch_loop(self) -> None:
-        """Grant first, then batch. Right after a dispatch the loop already asks
-        for the next grant, and holds it up to STANDBY_HOLD_S for the next
-        request: at low load the rate limiter round trip is off the request's path.
-        """
-        grant: Granted | None = None
-        warm = False
-        while True:
-            try:
-                if grant is None:
-                    if not len(self.batcher) and not warm:
-                        await self._wait_arrival(None)
-                        continue
-                    warm = False
-                    grant = await self._acquire()
-                    if grant is None:
-                        continue
-                if not len(self.batcher):
-                    await self._wait_arrival(STANDBY_HOLD_S)
-                    if not len(self.batcher):
-                        self._spawn(self.ratelimiter.release(grant.grant_id))
-                        grant = None
-                        continue
-                batch = await self._form_batch()
-                if not batch:
-                    continue
-                self.executing += 1
-                self._spawn(self._execute(batch, grant))
-                grant = None
-                warm = True
-            except asyncio.CancelledError:
-                if grant is not None:
-                    await self.ratelimiter.release(grant.grant_id)
-                raise
-            except Exception:  # keep the loop alive whatever one batch did
-                log.exception("dispatch loop error", extra={"model": self.model})
-                await asyncio.sleep(0.01)
+    # ---------------------------------------------------------------- grants
 
-    async def _acquire(self) -> Granted | None:
+    def _release_spare(self) -> None:
+        spare, self._spare = self._spare, []
+        for grant, _ in spare:
+            self._spawn(self.ratelimiter.release(grant.grant_id))
+
+    def _give_back(self, grant: Granted, since: float, failed: bool | None) -> None:
+        """A finished batch's grant: keep it for the next batch, or release it."""
+        if failed is not False or time.monotonic() - since > GRANT_REUSE_S:
+            self._spawn(self.ratelimiter.release(grant.grant_id, failed=bool(failed)))
+        else:
+            self._spare.append((grant, since))
+        self._grant_event.set()
+
+    async def _acquire_into_spare(self) -> None:
         try:
-            return await self.ratelimiter.acquire(self.model, self.version)
+            grant = await self.ratelimiter.acquire(self.model, self.version)
+            if grant is not None:
+                self._spare.append((grant, time.monotonic()))
         except StageError as err:
             # No instance at all, or the rate limiter is down: answer now
             # rather than keep clients waiting.
             self._fail_all(err)
-            return None
+        finally:
+            self._acquiring = None
+            self._grant_event.set()
+
+    async def _next_grant(self) -> tuple[Granted, float] | None:
+        """A held grant if there is one, else wait for a batch to finish or the
+        rate limiter to grant another instance. None once the queue emptied."""
+        while True:
+            if self._spare:
+                return self._spare.pop()
+            if not len(self.batcher):
+                return None
+            if self._acquiring is None:
+                self._acquiring = asyncio.create_task(self._acquire_into_spare())
+            self._grant_event.clear()
+            await self._grant_event.wait()
+
+    # ---------------------------------------------------------------- dispatch
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            try:
+                if not len(self.batcher):
+                    await self._wait_arrival(STANDBY_HOLD_S if self._spare else None)
+                    if not len(self.batcher):
+                        self._release_spare()
+                    continue
+                held = await self._next_grant()
+                if held is None:
+                    continue
+                batch = await self._form_batch()
+                if not batch:
+                    self._spare.append(held)
+                    continue
+                self.executing += 1
+                self._spawn(self._execute(batch, *held))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # keep the loop alive whatever one batch did
+                log.exception("dispatch loop error", extra={"model": self.model})
+                await asyncio.sleep(0.01)
 
     async def _form_batch(self) -> list[Queued]:
         while True:
@@ -202,14 +238,14 @@ class ModelQueue:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _execute(self, batch: list[Queued], grant: Granted) -> None:
-        failed_instance = False
+    async def _execute(self, batch: list[Queued], grant: Granted, since: float) -> None:
+        failed_instance: bool | None = False
         try:
             compute_start = time.monotonic_ns()
             request = build_execute_request(grant.instance_id, batch, self.spec.batching)
             try:
                 resp = await self.workers.execute(grant.worker_address, request)
-            except grpc.aio.AioRpcError as exc:
+            except WorkerCallError as exc:
                 err, failed_instance = self._execution_error(exc, grant)
                 for q in batch:
                     q.respond(error_response(q.msg.id, err))
@@ -229,16 +265,18 @@ class ModelQueue:
                 )
         finally:
             self.executing -= 1
-            await self.ratelimiter.release(grant.grant_id, failed=failed_instance)
+            self._give_back(grant, since, failed_instance)
 
     def _execution_error(
-        self, exc: grpc.aio.AioRpcError, grant: Granted
-    ) -> tuple[StageError, bool]:
-        code = exc.code()
+        self, exc: WorkerCallError, grant: Granted
+    ) -> tuple[StageError, bool | None]:
+        """The clients' error, and whether the instance failed (None: it is gone,
+        release the grant without blaming the worker)."""
+        code = exc.code
         if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT):
-            return StageError(code, exc.details() or "model execution failed"), False
+            return StageError(code, exc.details or "model execution failed"), False
         if code == grpc.StatusCode.NOT_FOUND:  # the instance was unloaded meanwhile
-            return unavailable(f"model '{self.model}' instance went away: {exc.details()}"), False
+            return unavailable(f"model '{self.model}' instance went away: {exc.details}"), None
         log.warning(
             "worker failed during execution",
             extra={"model": self.model, "instance": grant.instance_id, "code": code.name},
@@ -246,7 +284,7 @@ class ModelQueue:
         return (
             unavailable(
                 f"worker {grant.worker_address} failed while executing model '{self.model}' "
-                f"(instance {grant.instance_id}): {code.name}: {exc.details()}"
+                f"(instance {grant.instance_id}): {code.name}: {exc.details}"
             ),
             True,
         )

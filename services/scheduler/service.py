@@ -66,8 +66,9 @@ class SchedulerService(pb_grpc.SchedulerServicer):
 
         async def read_requests() -> None:
             try:
-                async for msg in request_iterator:
-                    await self._submit(msg, respond)
+                async for batch in request_iterator:
+                    for msg in batch.requests:
+                        await self._submit(msg, respond)
             finally:
                 responses.put_nowait(None)
 
@@ -77,7 +78,17 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 item = await responses.get()
                 if item is None:
                     break
-                yield item
+                # Everything answered since the last write goes out as one message.
+                out = pb.ScheduleResponses()
+                out.responses.append(item)
+                while not responses.empty():
+                    item = responses.get_nowait()
+                    if item is None:
+                        break
+                    out.responses.append(item)
+                yield out
+                if item is None:
+                    break
         finally:
             reader.cancel()
 

@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from services.worker.instances import HostedInstance, default_intra_op_threads, placements
 from services.worker.onnx_backend import BackendError, OnnxInstance
 from stageserve import redis_keys as keys
+from stageserve.errors import code_from_int
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import LoadedModel, ModelStateStore
@@ -50,22 +51,62 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     # ---------------------------------------------------------------- execute
 
-    async def Execute(self, request: pb.ExecuteRequest, context) -> pb.ExecuteResponse:
+    async def _run(self, request: pb.ExecuteRequest) -> pb.ExecuteResponse:
+        """Execute one batch on its instance's thread; errors become the answer's code."""
         inst = self.instances.get(request.instance_id)
         if inst is None:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"instance {request.instance_id} is not hosted here"
+            return pb.ExecuteResponse(
+                id=request.id,
+                code=grpc.StatusCode.NOT_FOUND.value[0],
+                message=f"instance {request.instance_id} is not hosted here",
             )
         inst.in_flight += 1
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(inst.executor, inst.execute, request)
+            resp = await loop.run_in_executor(inst.executor, inst.execute, request)
         except BackendError as exc:
-            await context.abort(
-                grpc.StatusCode.INTERNAL, f"model '{inst.model}' execution failed: {exc}"
+            return pb.ExecuteResponse(
+                id=request.id,
+                code=grpc.StatusCode.INTERNAL.value[0],
+                message=f"model '{inst.model}' execution failed: {exc}",
             )
         finally:
             inst.in_flight -= 1
+        resp.id = request.id
+        return resp
+
+    async def Execute(self, request: pb.ExecuteRequest, context) -> pb.ExecuteResponse:
+        resp = await self._run(request)
+        if resp.code:
+            await context.abort(code_from_int(resp.code), resp.message)
+        return resp
+
+    async def ExecuteStream(self, request_iterator, context):
+        """Batches from one scheduler run concurrently (each on its instance's
+        thread) and are answered as they finish."""
+        answers: asyncio.Queue[pb.ExecuteResponse | None] = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+
+        async def run(request: pb.ExecuteRequest) -> None:
+            answers.put_nowait(await self._run(request))
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    task = asyncio.create_task(run(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            finally:
+                answers.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (answer := await answers.get()) is not None:
+                yield answer
+        finally:
+            reader.cancel()
+            for task in tasks:
+                task.cancel()
 
     # ------------------------------------------------------------- lifecycle
 

@@ -70,6 +70,18 @@ class ScheduleResponse(_message.Message):
     timing: Timing
     def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
 
+class ScheduleBatch(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[ScheduleRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[ScheduleRequest, _Mapping]]] = ...) -> None: ...
+
+class ScheduleResponses(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[ScheduleResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[ScheduleResponse, _Mapping]]] = ...) -> None: ...
+
 class QueueStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -217,25 +229,33 @@ class RequestOutputs(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("instance_id", "inputs", "request_batch_sizes", "requested")
+    __slots__ = ("id", "instance_id", "inputs", "request_batch_sizes", "requested")
+    ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    id: int
     instance_id: str
     inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
     request_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
     requested: _containers.RepeatedCompositeFieldContainer[RequestedOutputs]
-    def __init__(self, instance_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., request_batch_sizes: _Optional[_Iterable[int]] = ..., requested: _Optional[_Iterable[_Union[RequestedOutputs, _Mapping]]] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., instance_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., request_batch_sizes: _Optional[_Iterable[int]] = ..., requested: _Optional[_Iterable[_Union[RequestedOutputs, _Mapping]]] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
-    __slots__ = ("results", "compute_input_ns", "compute_infer_ns", "compute_output_ns")
+    __slots__ = ("id", "code", "message", "results", "compute_input_ns", "compute_infer_ns", "compute_output_ns")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_INPUT_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_INFER_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_OUTPUT_NS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    code: int
+    message: str
     results: _containers.RepeatedCompositeFieldContainer[RequestOutputs]
     compute_input_ns: int
     compute_infer_ns: int
     compute_output_ns: int
-    def __init__(self, results: _Optional[_Iterable[_Union[RequestOutputs, _Mapping]]] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., results: _Optional[_Iterable[_Union[RequestOutputs, _Mapping]]] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ...) -> None: ...

@@ -36,8 +36,8 @@ class SchedulerStub:
         """
         self.Schedule = channel.stream_stream(
                 '/stageserve.v1.Scheduler/Schedule',
-                request_serializer=stageserve__pb2.ScheduleRequest.SerializeToString,
-                response_deserializer=stageserve__pb2.ScheduleResponse.FromString,
+                request_serializer=stageserve__pb2.ScheduleBatch.SerializeToString,
+                response_deserializer=stageserve__pb2.ScheduleResponses.FromString,
                 _registered_method=True)
         self.QueueStats = channel.unary_unary(
                 '/stageserve.v1.Scheduler/QueueStats',
@@ -68,8 +68,8 @@ def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Schedule': grpc.stream_stream_rpc_method_handler(
                     servicer.Schedule,
-                    request_deserializer=stageserve__pb2.ScheduleRequest.FromString,
-                    response_serializer=stageserve__pb2.ScheduleResponse.SerializeToString,
+                    request_deserializer=stageserve__pb2.ScheduleBatch.FromString,
+                    response_serializer=stageserve__pb2.ScheduleResponses.SerializeToString,
             ),
             'QueueStats': grpc.unary_unary_rpc_method_handler(
                     servicer.QueueStats,
@@ -102,8 +102,8 @@ class Scheduler:
             request_iterator,
             target,
             '/stageserve.v1.Scheduler/Schedule',
-            stageserve__pb2.ScheduleRequest.SerializeToString,
-            stageserve__pb2.ScheduleResponse.FromString,
+            stageserve__pb2.ScheduleBatch.SerializeToString,
+            stageserve__pb2.ScheduleResponses.FromString,
             options,
             channel_credentials,
             insecure,
@@ -443,6 +443,11 @@ class WorkerStub:
                 request_serializer=stageserve__pb2.ExecuteRequest.SerializeToString,
                 response_deserializer=stageserve__pb2.ExecuteResponse.FromString,
                 _registered_method=True)
+        self.ExecuteStream = channel.stream_stream(
+                '/stageserve.v1.Worker/ExecuteStream',
+                request_serializer=stageserve__pb2.ExecuteRequest.SerializeToString,
+                response_deserializer=stageserve__pb2.ExecuteResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -454,11 +459,24 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExecuteStream(self, request_iterator, context):
+        """One long-lived stream per scheduler; batches run concurrently and answer
+        in any order, matched by id. A broken stream fails its in-flight batches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Execute': grpc.unary_unary_rpc_method_handler(
                     servicer.Execute,
+                    request_deserializer=stageserve__pb2.ExecuteRequest.FromString,
+                    response_serializer=stageserve__pb2.ExecuteResponse.SerializeToString,
+            ),
+            'ExecuteStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ExecuteStream,
                     request_deserializer=stageserve__pb2.ExecuteRequest.FromString,
                     response_serializer=stageserve__pb2.ExecuteResponse.SerializeToString,
             ),
@@ -488,6 +506,33 @@ class Worker:
             request,
             target,
             '/stageserve.v1.Worker/Execute',
+            stageserve__pb2.ExecuteRequest.SerializeToString,
+            stageserve__pb2.ExecuteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExecuteStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/stageserve.v1.Worker/ExecuteStream',
             stageserve__pb2.ExecuteRequest.SerializeToString,
             stageserve__pb2.ExecuteResponse.FromString,
             options,

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--model-repository", type=Path, required=True)
     gw.add_argument("--model-control-mode", choices=["none", "explicit"], default="none")
     gw.add_argument("--load-model", action="append", default=[])
-    gw.add_argument("--metrics-port", type=int, default=0)
+    gw.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
     gw.add_argument("--ratelimiter", default=_env("STAGESERVE_RATELIMITER"), required=False)
     gw.add_argument("--scheduler", default=_env("STAGESERVE_SCHEDULER"), required=False)
     _redis(gw)
@@ -76,11 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     sc = sub.add_parser("scheduler", help="per-model queues and batch formation")
     sc.add_argument("--listen", default="0.0.0.0:9001")
     sc.add_argument("--ratelimiter", default=_env("STAGESERVE_RATELIMITER"))
+    sc.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
     _redis(sc)
     _common(sc)
 
     rl = sub.add_parser("ratelimiter", help="instance registry and execution grants")
     rl.add_argument("--listen", default="0.0.0.0:9002")
+    rl.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
     _redis(rl)
     _common(rl)
 
@@ -90,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--ratelimiter", default=_env("STAGESERVE_RATELIMITER"))
     wk.add_argument("--device", default="auto", help="auto | cpu | cuda:N")
     wk.add_argument("--worker-id", default=None)
+    wk.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
     _redis(wk)
     _common(wk)
 
@@ -172,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
             args.worker_id,
             args.advertise,
         )
+    if args.command != "gateway" and args.metrics_port:
+        from stageserve.telemetry import serve_metrics
+
+        serve_metrics(args.metrics_port)
     asyncio.run(coro)
     return 0
 

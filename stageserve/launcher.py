@@ -40,6 +40,7 @@ class Child:
     name: str
     proc: subprocess.Popen
     address: str = ""
+    metrics_port: int = 0
     ready: threading.Event = field(default_factory=threading.Event)
 
 
@@ -70,6 +71,8 @@ class Stack:
             cmd, stdout=subprocess.PIPE, text=True, bufsize=1, preexec_fn=_die_with_parent
         )
         child = Child(name, proc)
+        if "--metrics-port" in args:
+            child.metrics_port = int(args[args.index("--metrics-port") + 1])
         self.children.append(child)
         threading.Thread(target=_pump, args=(child,), daemon=True).start()
         if not child.ready.wait(timeout_s) or not child.address:
@@ -154,49 +157,35 @@ def start_services(
     workers: int = 1,
     device: str = "auto",
     metrics_port: int = 0,
+    stage_metrics: bool = False,
 ) -> StackServices:
-    """Start Redis (unless given) and every service, in path order, on `stack`."""
+    """Start Redis (unless given) and every service, in path order, on `stack`.
+
+    With stage_metrics, the internal services also serve /metrics, each on a
+    free port (recorded on its Child).
+    """
     redis_url = redis_url or stack.start_redis()
-    rl = stack.start_service(
-        "ratelimiter", ["ratelimiter", "--listen", "127.0.0.1:0", "--redis-url", redis_url]
-    )
+    common = ["--listen", "127.0.0.1:0", "--redis-url", redis_url]
+
+    def metrics() -> list[str]:
+        return ["--metrics-port", str(free_port())] if stage_metrics else []
+
+    rl = stack.start_service("ratelimiter", ["ratelimiter", *common, *metrics()])
+    peers = ["--ratelimiter", rl.address]
     worker_children = [
         stack.start_service(
-            f"worker-{i}",
-            [
-                "worker",
-                "--listen",
-                "127.0.0.1:0",
-                "--redis-url",
-                redis_url,
-                "--ratelimiter",
-                rl.address,
-                "--device",
-                device,
-            ],
+            f"worker-{i}", ["worker", *common, *peers, "--device", device, *metrics()]
         )
         for i in range(workers)
     ]
-    sched = stack.start_service(
-        "scheduler",
-        [
-            "scheduler",
-            "--listen",
-            "127.0.0.1:0",
-            "--redis-url",
-            redis_url,
-            "--ratelimiter",
-            rl.address,
-        ],
-    )
+    sched = stack.start_service("scheduler", ["scheduler", *common, *peers, *metrics()])
     gw_args = [
         "gateway",
         "--listen",
         grpc_address,
         "--redis-url",
         redis_url,
-        "--ratelimiter",
-        rl.address,
+        *peers,
         "--scheduler",
         sched.address,
         "--model-repository",
@@ -242,6 +231,7 @@ def up(
             workers,
             device,
             metrics_port,
+            stage_metrics=True,
         )
         print(
             json.dumps(
@@ -249,6 +239,9 @@ def up(
                     "event": "stageserve up",
                     "grpc": services.gateway.address,
                     "redis": services.redis_url,
+                    "metrics_ports": {
+                        c.name: c.metrics_port for c in stack.children if c.metrics_port
+                    },
                     "repository": str(repository),
                     "pids": {c.name: c.proc.pid for c in stack.children},
                 }

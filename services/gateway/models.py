@@ -24,6 +24,7 @@ from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
 from stageserve.repository import model_names, read_model
+from stageserve.telemetry import TRITON, model_labels
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,9 @@ class ModelManager:
             if old is not None:
                 entry.in_flight = old.in_flight
             self.entries[name] = entry
+            seconds = time.monotonic() - start
+            for v in entry.ready_versions():
+                TRITON.set("nv_model_load_duration_secs", model_labels(name, v), seconds)
             log.info(
                 "model load finished",
                 extra={

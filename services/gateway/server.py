@@ -17,6 +17,7 @@ from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
 from stageserve.net import SERVER_OPTIONS, insecure_channel
 from stageserve.service_runtime import run_server
+from stageserve.telemetry import serve_metrics
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +43,7 @@ async def serve(
     server = grpc.aio.server(options=SERVER_OPTIONS)
     gs_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
     if metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(metrics_port)
+        serve_metrics(metrics_port)
 
     async def load_then_ready() -> None:
         await models.startup(load_models)

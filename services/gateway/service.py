@@ -14,6 +14,7 @@ import time
 import grpc
 
 from services.gateway.models import ModelManager
+from services.gateway.recorder import RequestRecorder
 from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.statistics import StatsBook
 from services.gateway.validation import validate_infer
@@ -22,6 +23,7 @@ from stageserve.errors import StageError, code_from_int, unavailable
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve.telemetry import GATEWAY_INFLIGHT, GATEWAY_RPC_DURATION
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,9 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
         self.models = models
         self.scheduler = scheduler
         self.stats = StatsBook()
+        self.recorder = RequestRecorder(self.stats)
+        self._inflight_gauges: dict[str, object] = {}
+        self._rpc_timers: dict[str, object] = {}
         self.ready = False
 
     # ------------------------------------------------------------ health/meta
@@ -97,20 +102,32 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
     # ------------------------------------------------------------------ infer
 
     async def ModelInfer(self, request: gs.ModelInferRequest, context) -> gs.ModelInferResponse:
+        start = time.perf_counter()
+        code = "OK"
         try:
             return await self._infer(request)
         except StageError as err:
+            code = err.code.name
             await context.abort(err.code, err.message)
+        finally:
+            self._rpc_timer(code).observe(time.perf_counter() - start)
+
+    def _rpc_timer(self, code: str):
+        timer = self._rpc_timers.get(code)
+        if timer is None:
+            timer = self._rpc_timers[code] = GATEWAY_RPC_DURATION.labels("ModelInfer", code)
+        return timer
 
     async def _infer(self, request: gs.ModelInferRequest) -> gs.ModelInferResponse:
         start = time.monotonic_ns()
         entry, version = self.models.resolve(request.model_name, request.model_version)
         spec = entry.spec
         assert spec is not None
-        validated = validate_infer(request, spec)
-        stats = self.stats.of(entry.name, version)
+        inflight = self._inflight(entry.name)
+        inflight.inc()
         self.models.begin(entry)
         try:
+            validated = validate_infer(request, spec)
             resp = await self.scheduler.schedule(
                 pb.ScheduleRequest(
                     model=entry.name,
@@ -123,22 +140,34 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
                     config_generation=entry.generation,
                 )
             )
-        except StageError:
-            stats.record_failure(time.monotonic_ns() - start)
+            if resp.code:
+                raise StageError(code_from_int(resp.code), resp.message)
+        except StageError as err:
+            # Invalid requests count as failures too (Triton's reason OTHER);
+            # they never reach the scheduler, so inference counts do not move.
+            self.recorder.failure(
+                entry.name, version, time.monotonic_ns() - start, err.code, err.message
+            )
             raise
         finally:
             self.models.end(entry)
-        if resp.code:
-            stats.record_failure(time.monotonic_ns() - start)
-            raise StageError(code_from_int(resp.code), resp.message)
+            inflight.dec()
         out = gs.ModelInferResponse(
             model_name=entry.name, model_version=str(version), id=request.id
         )
         for t in resp.outputs:
             out.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
             out.raw_output_contents.append(t.raw)
-        stats.record_success(time.monotonic_ns() - start, validated.batch_size, resp.timing)
+        self.recorder.success(
+            entry.name, version, time.monotonic_ns() - start, validated.batch_size, resp.timing
+        )
         return out
+
+    def _inflight(self, model: str):
+        gauge = self._inflight_gauges.get(model)
+        if gauge is None:
+            gauge = self._inflight_gauges[model] = GATEWAY_INFLIGHT.labels(model)
+        return gauge
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Requests on one stream run concurrently; each response carries its

@@ -78,8 +78,7 @@ def _int_param(request: gs.ModelInferRequest, name: str) -> int:
     value = getattr(param, which)
     if value < 0:
         raise invalid(
-            f"'{name}' parameter of model '{request.model_name}' must not be negative, "
-            f"got {value}"
+            f"'{name}' parameter of model '{request.model_name}' must not be negative, got {value}"
         )
     return int(value)
 
@@ -254,7 +253,9 @@ def _check_raw(raw: bytes, t: TensorSpec, name: str, model: str, count: int) -> 
         try:
             found = count_bytes_elements(raw)
         except TensorError as exc:
-            raise invalid(f"malformed BYTES data for input '{name}' of model '{model}': {exc}") from exc
+            raise invalid(
+                f"malformed BYTES data for input '{name}' of model '{model}': {exc}"
+            ) from exc
         if found != count:
             raise invalid(
                 f"input '{name}' of model '{model}' holds {found} BYTES elements, its shape "

@@ -91,7 +91,9 @@ class RedisRegistry:
     async def instances(self, model: str = "", version: int = 0) -> list[Instance]:
         out = []
         for wid in sorted(await self.redis.smembers(self.prefix + "workers")):
-            for iid in sorted(await self.redis.smembers(f"{self.prefix}worker:{wid.decode()}:insts")):
+            for iid in sorted(
+                await self.redis.smembers(f"{self.prefix}worker:{wid.decode()}:insts")
+            ):
                 f = await self.redis.hgetall(f"{self.prefix}inst:{iid.decode()}")
                 if not f:
                     continue
@@ -106,6 +108,18 @@ class RedisRegistry:
                 )
                 if (not model or inst.model == model) and (not version or inst.version == version):
                     out.append(inst)
+        return out
+
+    async def usage(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """(model, version) -> (free, busy) instance counts."""
+        out: dict[tuple[str, int], tuple[int, int]] = {}
+        pool_prefix = self.prefix + "pool:"
+        async for key in self.redis.scan_iter(match=pool_prefix + "*", count=500):
+            pool = key.decode()[len(pool_prefix) :]
+            model, _, version = pool.rpartition(":")
+            registered = await self.redis.scard(key)
+            free = await self.redis.llen(self.prefix + "free:" + pool)
+            out[(model, int(version))] = (free, max(0, registered - free))
         return out
 
     async def busy_instance_ids(self) -> list[str]:

@@ -12,6 +12,7 @@ import grpc
 from services.ratelimiter.registry import Grant, Instance, NoInstances, RedisRegistry
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
+from stageserve.telemetry import RATELIMITER_GRANTS, RATELIMITER_INSTANCES, RATELIMITER_WAIT
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,16 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
         model, version = request.model, request.version
         lease_ms = request.lease_ms or 60_000
-        deadline = time.monotonic() + request.wait_ms / 1000.0
+        started = time.monotonic()
+        deadline = started + request.wait_ms / 1000.0
+        try:
+            return await self._acquire(model, version, lease_ms, deadline)
+        finally:
+            RATELIMITER_WAIT.labels(model, str(version)).observe(time.monotonic() - started)
+
+    async def _acquire(
+        self, model: str, version: int, lease_ms: int, deadline: float
+    ) -> pb.AcquireResponse:
         while True:
             event = self.wakeups.event(model, version)
             try:
@@ -111,6 +121,7 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
 
     def _granted(self, grant: Grant) -> pb.AcquireResponse:
         inst = grant.instance
+        RATELIMITER_GRANTS.labels(inst.model, str(inst.version)).inc()
         self._grants[grant.grant_id] = (inst.model, inst.version)
         return pb.AcquireResponse(
             granted=True, grant_id=grant.grant_id, instance=instance_to_pb(inst)
@@ -139,6 +150,17 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             instances=[instance_to_pb(i) for i in instances], busy_instance_ids=busy
         )
 
+    async def export_usage_forever(self, period_s: float = 1.0) -> None:
+        """Keep the free/busy instance gauges current for /metrics."""
+        while True:
+            try:
+                for (model, version), (free, busy) in (await self.registry.usage()).items():
+                    RATELIMITER_INSTANCES.labels(model, str(version), "free").set(free)
+                    RATELIMITER_INSTANCES.labels(model, str(version), "busy").set(busy)
+            except Exception:
+                log.exception("usage export failed")
+            await asyncio.sleep(period_s)
+
     async def sweep_forever(self, period_s: float = 0.25) -> None:
         """Release expired grants and forget dead workers."""
         while True:
@@ -163,9 +185,13 @@ async def serve(listen: str, redis_url: str) -> None:
     service = RateLimiterService(RedisRegistry(redis))
     server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_RateLimiterServicer_to_server(service, server)
-    sweeper = asyncio.create_task(service.sweep_forever())
+    background = [
+        asyncio.create_task(service.sweep_forever()),
+        asyncio.create_task(service.export_usage_forever()),
+    ]
     try:
         await run_server(server, listen, "ratelimiter")
     finally:
-        sweeper.cancel()
+        for task in background:
+            task.cancel()
         await redis.aclose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -13,6 +14,7 @@ from stageserve.errors import StageError, code_from_int, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.net import insecure_channel
+from stageserve.telemetry import STAGE_RPC_DURATION, STAGE_RPC_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ class RateLimiterClient:
         Raises StageError(UNAVAILABLE) when no instance exists or the rate
         limiter cannot be reached.
         """
+        start = time.perf_counter()
         try:
             resp = await self.stub.Acquire(
                 pb.AcquireRequest(
@@ -46,9 +49,14 @@ class RateLimiterClient:
                 timeout=self.wait_ms / 1000.0 + 5.0,
             )
         except grpc.aio.AioRpcError as exc:
+            STAGE_RPC_ERRORS.labels("scheduler", "ratelimiter", "Acquire", exc.code().name).inc()
             raise unavailable(
                 f"rate limiter at {self.address} unavailable: {exc.code().name}: {exc.details()}"
             ) from exc
+        finally:
+            STAGE_RPC_DURATION.labels("scheduler", "ratelimiter", "Acquire").observe(
+                time.perf_counter() - start
+            )
         if resp.granted:
             return Granted(resp.grant_id, resp.instance.instance_id, resp.instance.worker_address)
         if "no instance" in resp.reason:
@@ -61,9 +69,9 @@ class RateLimiterClient:
                 pb.ReleaseRequest(grant_id=grant_id, instance_failed=failed, reason=reason),
                 timeout=5.0,
             )
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             # The grant's lease expires on its own; nothing leaks.
-            log.warning("release failed", extra={"grant_id": grant_id, "code": exc.code().name})
+            log.warning("release failed", extra={"grant_id": grant_id, "error": str(exc)})
 
     async def close(self) -> None:
         await self.channel.close()
@@ -89,6 +97,7 @@ class WorkerStream:
         self._pending: dict[int, asyncio.Future[pb.ExecuteResponse]] = {}
         self._outbox: asyncio.Queue | None = None
         self._reader: asyncio.Task | None = None
+        self._timer = STAGE_RPC_DURATION.labels("scheduler", "worker", "Execute")
 
     def _ensure_stream(self) -> asyncio.Queue:
         if self._outbox is not None and self._reader is not None and not self._reader.done():
@@ -123,6 +132,17 @@ class WorkerStream:
                     fut.set_exception(error)
 
     async def execute(self, request: pb.ExecuteRequest, timeout_s: float) -> pb.ExecuteResponse:
+        start = time.perf_counter()
+        try:
+            resp = await self._execute(request, timeout_s)
+        except WorkerCallError as exc:
+            STAGE_RPC_ERRORS.labels("scheduler", "worker", "Execute", exc.code.name).inc()
+            raise
+        finally:
+            self._timer.observe(time.perf_counter() - start)
+        return resp
+
+    async def _execute(self, request: pb.ExecuteRequest, timeout_s: float) -> pb.ExecuteResponse:
         outbox = self._ensure_stream()
         request.id = next(self._ids)
         fut: asyncio.Future[pb.ExecuteResponse] = asyncio.get_running_loop().create_future()

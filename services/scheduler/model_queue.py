@@ -28,6 +28,12 @@ from services.scheduler.clients import Granted, RateLimiterClient, WorkerCallErr
 from stageserve.config import ModelSpec
 from stageserve.errors import StageError, unavailable
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve.telemetry import (
+    SCHEDULER_BATCH_SIZE,
+    SCHEDULER_QUEUE_DEPTH,
+    TRITON,
+    model_labels,
+)
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +117,16 @@ class ModelQueue:
         self._spare: list[tuple[Granted, float]] = []  # (grant, first acquired at)
         self._acquiring: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        v = str(version)
+        self._depth_gauge = SCHEDULER_QUEUE_DEPTH.labels(model, v)
+        self._batch_hist = SCHEDULER_BATCH_SIZE.labels(model, v)
+        self._labels = model_labels(model, version)
         self._loop_task = asyncio.create_task(self._dispatch_loop())
+
+    def _depth_changed(self) -> None:
+        depth = len(self.batcher)
+        self._depth_gauge.set(depth)
+        TRITON.set("nv_inference_pending_request_count", self._labels, depth)
 
     def reconfigure(self, spec: ModelSpec) -> None:
         """A reloaded model: keep queued requests, apply the new batching settings,
@@ -135,6 +150,7 @@ class ModelQueue:
                 payload=Queued(msg, respond, now),
             )
         )
+        self._depth_changed()
         self._arrived.set()
 
     @property
@@ -152,6 +168,7 @@ class ModelQueue:
         for p in self.batcher.drain():
             q: Queued = p.payload
             q.respond(error_response(q.msg.id, err))
+        self._depth_changed()
 
     async def _wait_arrival(self, timeout_s: float | None) -> None:
         self._arrived.clear()
@@ -228,6 +245,7 @@ class ModelQueue:
         while True:
             decision = self.batcher.next_batch(time.monotonic_ns())
             if decision.batch:
+                self._depth_changed()
                 return [p.payload for p in decision.batch]
             if decision.wake_at_ns is None:
                 return []
@@ -251,6 +269,7 @@ class ModelQueue:
                     q.respond(error_response(q.msg.id, err))
                 return
             total = sum(request.request_batch_sizes)
+            self._batch_hist.observe(total)
             for i, q in enumerate(batch):
                 timing = pb.Timing(
                     queue_ns=compute_start - q.enqueue_ns,

@@ -18,6 +18,7 @@ from services.worker.onnx_backend import BackendError, OnnxInstance
 from stageserve.config import InstanceGroup, ModelSpec
 from stageserve.datatypes import from_triton
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve.telemetry import WORKER_COMPUTE
 from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
 
 
@@ -67,6 +68,13 @@ class HostedInstance:
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="instance")
     )
     in_flight: int = 0
+    compute_timers: tuple = ()
+
+    def __post_init__(self) -> None:
+        labels = (self.model, str(self.version), self.instance_id)
+        self.compute_timers = tuple(
+            WORKER_COMPUTE.labels(*labels, phase) for phase in ("input", "infer", "output")
+        )
 
     def execute(self, request: pb.ExecuteRequest) -> pb.ExecuteResponse:
         """Decode, run and split one batch; runs on the instance's own thread."""

@@ -73,6 +73,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         finally:
             inst.in_flight -= 1
         resp.id = request.id
+        c_in, c_infer, c_out = inst.compute_timers
+        c_in.observe(resp.compute_input_ns / 1e9)
+        c_infer.observe(resp.compute_infer_ns / 1e9)
+        c_out.observe(resp.compute_output_ns / 1e9)
         return resp
 
     async def Execute(self, request: pb.ExecuteRequest, context) -> pb.ExecuteResponse:

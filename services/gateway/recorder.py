@@ -1,0 +1,80 @@
+"""One place that records a finished request: ModelStatistics and metrics move together.
+
+Every figure a user can read — ModelStatistics, Triton's nv_inference_*
+counters, StageServe's latency histograms — is updated here from the same
+numbers, so they always agree.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from services.gateway.statistics import StatsBook
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.telemetry import REQUEST_DURATION, TRITON, TritonMetrics, model_labels
+
+# Triton's nv_inference_request_failure reasons.
+_REASONS = {
+    grpc.StatusCode.INTERNAL: "BACKEND",
+    grpc.StatusCode.CANCELLED: "CANCELED",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "REJECTED",
+}
+
+
+def failure_reason(code: grpc.StatusCode, message: str = "") -> str:
+    if code == grpc.StatusCode.UNAVAILABLE and "queue" in message and "full" in message:
+        return "REJECTED"
+    return _REASONS.get(code, "OTHER")
+
+
+class RequestRecorder:
+    def __init__(self, book: StatsBook, triton: TritonMetrics = TRITON) -> None:
+        self.book = book
+        self.triton = triton
+        self._histograms: dict[tuple[str, int], tuple] = {}
+
+    def _phases(self, model: str, version: int) -> tuple:
+        key = (model, version)
+        cached = self._histograms.get(key)
+        if cached is None:
+            v = str(version)
+            cached = self._histograms[key] = tuple(
+                REQUEST_DURATION.labels(model, v, phase)
+                for phase in (
+                    "request",
+                    "queue",
+                    "compute_input",
+                    "compute_infer",
+                    "compute_output",
+                )
+            )
+        return cached
+
+    def success(
+        self, model: str, version: int, request_ns: int, batch_size: int, timing: pb.Timing
+    ) -> None:
+        self.book.of(model, version).record_success(request_ns, batch_size, timing)
+        labels = model_labels(model, version)
+        inc = self.triton.inc
+        inc("nv_inference_request_success", labels)
+        inc("nv_inference_count", labels, max(batch_size, 1))
+        if timing.batch_leader:
+            inc("nv_inference_exec_count", labels)
+        inc("nv_inference_request_duration_us", labels, request_ns // 1000)
+        inc("nv_inference_queue_duration_us", labels, timing.queue_ns // 1000)
+        inc("nv_inference_compute_input_duration_us", labels, timing.compute_input_ns // 1000)
+        inc("nv_inference_compute_infer_duration_us", labels, timing.compute_infer_ns // 1000)
+        inc("nv_inference_compute_output_duration_us", labels, timing.compute_output_ns // 1000)
+        request, queue, c_in, c_infer, c_out = self._phases(model, version)
+        request.observe(request_ns / 1e9)
+        queue.observe(timing.queue_ns / 1e9)
+        c_in.observe(timing.compute_input_ns / 1e9)
+        c_infer.observe(timing.compute_infer_ns / 1e9)
+        c_out.observe(timing.compute_output_ns / 1e9)
+
+    def failure(
+        self, model: str, version: int, request_ns: int, code: grpc.StatusCode, message: str
+    ) -> None:
+        self.book.of(model, version).record_failure(request_ns)
+        labels = (*model_labels(model, version), ("reason", failure_reason(code, message)))
+        self.triton.inc("nv_inference_request_failure", labels)

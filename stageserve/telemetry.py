@@ -1,0 +1,280 @@
+"""Prometheus metrics: Triton's own families, StageServe's per-stage ones, system.
+
+Every service serves `/metrics` over HTTP on its --metrics-port. Each process
+exports what it knows (the gateway: requests and their phases; the scheduler:
+queue depth and batch sizes; the rate limiter: waits and instance usage; the
+worker: compute per instance). Prometheus labels each series with the
+scraped `instance`, so per-model figures add up with `sum by (model)`.
+
+Triton's families are counters and gauges named exactly as Triton names them
+(`nv_inference_count`, not `..._total`), rendered here rather than through
+prometheus_client, whose counters always append `_total`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import psutil
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, generate_latest
+
+# ------------------------------------------------------------------- Triton
+
+TRITON_FAMILIES: dict[str, tuple[str, str]] = {
+    "nv_inference_request_success": (
+        "counter",
+        "Number of successful inference requests, all batch sizes",
+    ),
+    "nv_inference_request_failure": (
+        "counter",
+        "Number of failed inference requests, all batch sizes",
+    ),
+    "nv_inference_count": (
+        "counter",
+        "Number of inferences performed (does not include cached requests)",
+    ),
+    "nv_inference_exec_count": (
+        "counter",
+        "Number of model executions performed (does not include cached requests)",
+    ),
+    "nv_inference_request_duration_us": (
+        "counter",
+        "Cumulative inference request duration in microseconds (includes cached requests)",
+    ),
+    "nv_inference_queue_duration_us": (
+        "counter",
+        "Cumulative inference queuing duration in microseconds (includes cached requests)",
+    ),
+    "nv_inference_compute_input_duration_us": (
+        "counter",
+        "Cumulative compute input duration in microseconds (does not include cached requests)",
+    ),
+    "nv_inference_compute_infer_duration_us": (
+        "counter",
+        "Cumulative compute inference duration in microseconds (does not include cached requests)",
+    ),
+    "nv_inference_compute_output_duration_us": (
+        "counter",
+        "Cumulative inference compute output duration in microseconds (does not include cached requests)",
+    ),
+    "nv_inference_pending_request_count": (
+        "gauge",
+        "Instantaneous number of pending requests awaiting execution per-model.",
+    ),
+    "nv_model_load_duration_secs": ("gauge", "Model load time in seconds"),
+    "nv_cpu_utilization": ("gauge", "CPU utilization rate [0.0 - 1.0]"),
+    "nv_cpu_memory_total_bytes": ("gauge", "CPU total memory (RAM), in bytes"),
+    "nv_cpu_memory_used_bytes": ("gauge", "CPU used memory (RAM), in bytes"),
+    "nv_gpu_utilization": ("gauge", "GPU utilization rate [0.0 - 1.0)"),
+    "nv_gpu_memory_total_bytes": ("gauge", "GPU total memory, in bytes"),
+    "nv_gpu_memory_used_bytes": ("gauge", "GPU used memory, in bytes"),
+    "nv_gpu_power_usage": ("gauge", "GPU power usage in watts"),
+}
+
+Labels = tuple[tuple[str, str], ...]
+
+
+class TritonMetrics:
+    """Counters and gauges with Triton's names, rendered in the text format."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, dict[Labels, float]] = {name: {} for name in TRITON_FAMILIES}
+        self._lock = threading.Lock()
+
+    def inc(self, name: str, labels: Labels, value: float = 1.0) -> None:
+        family = self._values[name]
+        family[labels] = family.get(labels, 0.0) + value
+
+    def set(self, name: str, labels: Labels, value: float) -> None:
+        self._values[name][labels] = value
+
+    def get(self, name: str, labels: Labels) -> float:
+        return self._values[name].get(labels, 0.0)
+
+    def remove(self, name: str, labels: Labels) -> None:
+        self._values[name].pop(labels, None)
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for name, (kind, help_text) in TRITON_FAMILIES.items():
+            samples = list(self._values[name].items())
+            if not samples:
+                continue
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+                lines.append(
+                    f"{name}{{{label_text}}} {_number(value)}"
+                    if labels
+                    else f"{name} {_number(value)}"
+                )
+        return "\n".join(lines) + ("\n" if lines else "")
+
+
+def model_labels(model: str, version: int | str) -> Labels:
+    return (("model", model), ("version", str(version)))
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+TRITON = TritonMetrics()
+
+
+def update_system_metrics(metrics: TritonMetrics = TRITON) -> None:
+    """CPU and memory (and GPU, via nvidia-ml-py, when one is present)."""
+    metrics.set("nv_cpu_utilization", (), psutil.cpu_percent(interval=None) / 100.0)
+    mem = psutil.virtual_memory()
+    metrics.set("nv_cpu_memory_total_bytes", (), float(mem.total))
+    metrics.set("nv_cpu_memory_used_bytes", (), float(mem.total - mem.available))
+    for uuid, util, total, used, power in _gpu_readings():
+        labels = (("gpu_uuid", uuid),)
+        metrics.set("nv_gpu_utilization", labels, util)
+        metrics.set("nv_gpu_memory_total_bytes", labels, total)
+        metrics.set("nv_gpu_memory_used_bytes", labels, used)
+        metrics.set("nv_gpu_power_usage", labels, power)
+
+
+def _gpu_readings() -> Iterable[tuple[str, float, float, float, float]]:
+    try:
+        import pynvml
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # no driver / no GPU
+        return []
+    out = []
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+        uuid = pynvml.nvmlDeviceGetUUID(handle)
+        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+        util = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        try:
+            power = pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0
+        except Exception:
+            power = 0.0
+        out.append((uuid, util, float(mem.total), float(mem.used), power))
+    return out
+
+
+# ------------------------------------------------------------ StageServe's
+
+LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+REQUEST_DURATION = Histogram(
+    "stageserve_request_duration_seconds",
+    "Per-request latency by phase: request (whole, at the gateway), queue, compute_*",
+    ["model", "version", "phase"],
+    buckets=LATENCY_BUCKETS,
+)
+GATEWAY_RPC_DURATION = Histogram(
+    "stageserve_gateway_rpc_duration_seconds",
+    "Public RPC handling time at the gateway",
+    ["method", "code"],
+    buckets=LATENCY_BUCKETS,
+)
+GATEWAY_INFLIGHT = Gauge(
+    "stageserve_gateway_inflight_requests", "Inference requests in flight at the gateway", ["model"]
+)
+SCHEDULER_QUEUE_DEPTH = Gauge(
+    "stageserve_scheduler_queue_depth", "Requests queued, not yet executing", ["model", "version"]
+)
+SCHEDULER_BATCH_SIZE = Histogram(
+    "stageserve_scheduler_batch_size",
+    "Batch size of each execution the scheduler dispatched",
+    ["model", "version"],
+    buckets=BATCH_BUCKETS,
+)
+RATELIMITER_WAIT = Histogram(
+    "stageserve_ratelimiter_wait_seconds",
+    "Time an Acquire waited for a free instance",
+    ["model", "version"],
+    buckets=LATENCY_BUCKETS,
+)
+RATELIMITER_INSTANCES = Gauge(
+    "stageserve_ratelimiter_instances",
+    "Registered instances by state (free / busy)",
+    ["model", "version", "state"],
+)
+RATELIMITER_GRANTS = Counter(
+    "stageserve_ratelimiter_grants", "Execution grants handed out", ["model", "version"]
+)
+WORKER_COMPUTE = Histogram(
+    "stageserve_worker_compute_seconds",
+    "Batch compute time per instance and phase (input / infer / output)",
+    ["model", "version", "instance", "phase"],
+    buckets=LATENCY_BUCKETS,
+)
+STAGE_RPC_DURATION = Histogram(
+    "stageserve_stage_rpc_duration_seconds",
+    "Inter-stage call latency, from the caller's side",
+    ["service", "peer", "method"],
+    buckets=LATENCY_BUCKETS,
+)
+STAGE_RPC_ERRORS = Counter(
+    "stageserve_stage_rpc_errors",
+    "Inter-stage calls that failed, by status code",
+    ["service", "peer", "method", "code"],
+)
+
+
+# ------------------------------------------------------------------- server
+
+
+def render(include_triton: bool = True) -> bytes:
+    update_system_metrics()
+    text = TRITON.render().encode() if include_triton else b""
+    return text + generate_latest(REGISTRY)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+            self.send_error(404)
+            return
+        body = render()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args) -> None:  # scrapes are not news
+        return
+
+
+def serve_metrics(port: int, host: str = "0.0.0.0") -> ThreadingHTTPServer:
+    """Serve /metrics from a daemon thread; returns the server (port 0 picks one)."""
+    server = ThreadingHTTPServer((host, port), _Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    psutil.cpu_percent(interval=None)  # prime: the first reading is meaningless
+    return server

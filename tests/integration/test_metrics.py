@@ -1,0 +1,152 @@
+"""Prometheus metrics move exactly as Triton's semantics say, and agree with ModelStatistics."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
+
+from stageserve.launcher import Stack, start_services
+from stageserve.net import free_port
+
+
+class MetricsStack:
+    def __init__(self, stack: Stack, services, gateway_metrics: int) -> None:
+        self.stack = stack
+        self.services = services
+        self.url = services.gateway.address
+        self.ports = {c.name: c.metrics_port for c in stack.children if c.metrics_port}
+        self.ports["gateway"] = gateway_metrics
+
+
+@pytest.fixture(scope="module")
+def mstack(example_repository: Path) -> Iterator[MetricsStack]:
+    stack = Stack()
+    port = free_port()
+    try:
+        services = start_services(
+            stack, example_repository, device="cpu", metrics_port=port, stage_metrics=True
+        )
+        yield MetricsStack(stack, services, port)
+    finally:
+        stack.stop()
+
+
+def scrape(port: int) -> dict[str, list]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append(s)
+            if family.type == "counter" and s.name == family.name + "_total":
+                # Triton's counters carry no _total; the parser adds it.
+                samples.setdefault(family.name, []).append(s)
+    return samples
+
+
+def value(samples: dict[str, list], name: str, **labels: str) -> float:
+    return sum(
+        s.value
+        for s in samples.get(name, [])
+        if all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def simple_inputs(batch: int) -> list[grpcclient.InferInput]:
+    a = np.ones((batch, 16), dtype=np.int32)
+    ins = []
+    for name in ("INPUT0", "INPUT1"):
+        i = grpcclient.InferInput(name, [batch, 16], "INT32")
+        i.set_data_from_numpy(a)
+        ins.append(i)
+    return ins
+
+
+def test_every_service_serves_parseable_metrics(mstack: MetricsStack) -> None:
+    assert {"gateway", "scheduler", "ratelimiter", "worker-0"} <= set(mstack.ports)
+    for name, port in mstack.ports.items():
+        samples = scrape(port)
+        assert "process_cpu_seconds_total" in samples, name
+        assert "nv_cpu_utilization" in samples and "nv_cpu_memory_total_bytes" in samples, name
+
+
+def test_triton_counters_follow_triton_semantics(mstack: MetricsStack) -> None:
+    client = grpcclient.InferenceServerClient(mstack.url)
+    before = scrape(mstack.ports["gateway"])
+    labels = {"model": "simple", "version": "1"}
+    for _ in range(5):
+        client.infer("simple", simple_inputs(1))
+    client.infer("simple", simple_inputs(4))
+    bad = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+    bad.set_data_from_numpy(np.zeros((1, 16), np.float32))
+    for _ in range(2):
+        with pytest.raises(InferenceServerException):
+            client.infer("simple", [bad, simple_inputs(1)[1]])
+    after = scrape(mstack.ports["gateway"])
+
+    def delta(name: str, **extra: str) -> float:
+        return value(after, name, **labels, **extra) - value(before, name, **labels, **extra)
+
+    assert delta("nv_inference_request_success") == 6
+    assert delta("nv_inference_count") == 9  # a batch of 4 counts 4
+    assert delta("nv_inference_exec_count") == 6  # sequential: one execution each
+    assert delta("nv_inference_request_failure", reason="OTHER") == 2
+    for name in (
+        "nv_inference_request_duration_us",
+        "nv_inference_queue_duration_us",
+        "nv_inference_compute_infer_duration_us",
+    ):
+        assert delta(name) > 0, name
+    assert delta("stageserve_request_duration_seconds_count", phase="request") == 6
+
+
+def test_metrics_agree_with_model_statistics(mstack: MetricsStack) -> None:
+    client = grpcclient.InferenceServerClient(mstack.url)
+    x = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32)
+
+    def one(_: int) -> None:
+        c = grpcclient.InferenceServerClient(mstack.url)
+        i = grpcclient.InferInput("INPUT0", [1, 256], "FP32")
+        i.set_data_from_numpy(x)
+        c.infer("mlp", [i])
+
+    with ThreadPoolExecutor(24) as pool:
+        list(pool.map(one, range(240)))
+    stats = client.get_inference_statistics("mlp").model_stats[0]
+    gw = scrape(mstack.ports["gateway"])
+    labels = {"model": "mlp", "version": "1"}
+    assert value(gw, "nv_inference_count", **labels) == stats.inference_count
+    assert value(gw, "nv_inference_exec_count", **labels) == stats.execution_count
+    assert stats.execution_count < stats.inference_count  # batches formed
+    assert value(gw, "nv_inference_request_success", **labels) == (
+        stats.inference_stats.success.count
+    )
+    # Durations: metrics hold whole microseconds per request, statistics ns.
+    for name, stat in (
+        ("nv_inference_request_duration_us", stats.inference_stats.success),
+        ("nv_inference_queue_duration_us", stats.inference_stats.queue),
+        ("nv_inference_compute_infer_duration_us", stats.inference_stats.compute_infer),
+    ):
+        us = value(gw, name, **labels)
+        assert stat.ns / 1000 - stat.count <= us <= stat.ns / 1000, name
+    assert sum(b.compute_infer.count for b in stats.batch_stats) == stats.execution_count
+
+    sched = scrape(mstack.ports["scheduler"])
+    assert value(sched, "stageserve_scheduler_batch_size_count", **labels) == stats.execution_count
+    assert value(sched, "stageserve_scheduler_batch_size_sum", **labels) == stats.inference_count
+    assert value(sched, "nv_inference_pending_request_count", **labels) == 0
+
+    worker = scrape(mstack.ports["worker-0"])
+    executions = value(
+        worker, "stageserve_worker_compute_seconds_count", model="mlp", phase="infer"
+    )
+    assert executions == stats.execution_count
+    rl = scrape(mstack.ports["ratelimiter"])
+    assert value(rl, "stageserve_ratelimiter_grants_total", **labels) >= 1

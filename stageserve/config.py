@@ -14,7 +14,7 @@ from pathlib import Path
 
 from google.protobuf import text_format
 
-from stageserve.datatypes import DataType, from_config_enum
+from stageserve.datatypes import DataType, from_config_enum, from_triton
 from stageserve.generated import model_config_pb2 as mc
 
 ONNX_PLATFORM = "onnxruntime_onnx"
@@ -41,10 +41,22 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class QueuePolicySpec:
+    timeout_action: str = "REJECT"  # or "DELAY"
+    default_timeout_us: int = 0
+    allow_timeout_override: bool = False
+    max_queue_size: int = 0
+
+
+@dataclass(frozen=True)
 class DynamicBatching:
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_delay_us: int = 0
     preserve_ordering: bool = False
+    priority_levels: int = 0
+    default_priority_level: int = 0
+    default_queue_policy: QueuePolicySpec = QueuePolicySpec()
+    priority_queue_policy: tuple[tuple[int, QueuePolicySpec], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,44 @@ class InstanceGroup:
     count: int
     kind: str  # KIND_CPU / KIND_GPU / KIND_AUTO
     gpus: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ControlInput:
+    """One sequence control tensor the scheduler fills (shape [batch, 1])."""
+
+    name: str
+    kind: str  # CONTROL_SEQUENCE_START / _READY / _END / _CORRID
+    datatype: DataType
+    false_value: float | bool = 0
+    true_value: float | bool = 1
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """Implicit state: fed back from output_name of one request to input_name of the next."""
+
+    input_name: str
+    output_name: str
+    datatype: DataType
+    dims: tuple[int, ...]
+    initial_file: str | None = None  # file under <model>/initial_state/; None: zeros
+
+
+@dataclass(frozen=True)
+class SequenceBatching:
+    strategy: str  # "direct" or "oldest"
+    max_idle_us: int
+    controls: tuple[ControlInput, ...]
+    states: tuple[StateSpec, ...]
+    max_queue_delay_us: int = 0
+
+    def control(self, kind: str) -> ControlInput | None:
+        return next((c for c in self.controls if c.kind == kind), None)
+
+
+# Triton's default max_sequence_idle_microseconds.
+DEFAULT_SEQUENCE_IDLE_US = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -66,10 +116,29 @@ class ModelSpec:
     instance_groups: tuple[InstanceGroup, ...]
     model_filename: str
     parameters: dict[str, str] = field(default_factory=dict)
+    sequence: SequenceBatching | None = None
+    steps: tuple = ()  # ensemble steps (platform "ensemble")
 
     @property
     def batching(self) -> bool:
         return self.max_batch_size > 0
+
+    def output_tensor(self, name: str) -> TensorSpec | None:
+        """A declared output or an implicit-state output."""
+        out = self.output(name)
+        if out is None and self.sequence is not None:
+            for s in self.sequence.states:
+                if s.output_name == name:
+                    return TensorSpec(name, s.datatype, s.dims)
+        return out
+
+    def extra_inputs(self) -> dict[str, str]:
+        """Model inputs the scheduler provides: control and state tensors."""
+        if self.sequence is None:
+            return {}
+        out = {c.name: c.datatype.triton for c in self.sequence.controls}
+        out.update({s.input_name: s.datatype.triton for s in self.sequence.states})
+        return out
 
     def input(self, name: str) -> TensorSpec | None:
         return next((t for t in self.inputs if t.name == name), None)
@@ -164,10 +233,28 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
             raise ConfigError(
                 f"model '{name}': preferred_batch_size {bad} outside 1..{config.max_batch_size}"
             )
+        levels = int(db.priority_levels)
+        if levels and not 1 <= db.default_priority_level <= levels:
+            raise ConfigError(
+                f"model '{name}': default_priority_level {db.default_priority_level} must be in "
+                f"1..priority_levels ({levels})"
+            )
+        bad_levels = [lv for lv in db.priority_queue_policy if not 1 <= lv <= levels]
+        if bad_levels:
+            raise ConfigError(
+                f"model '{name}': priority_queue_policy for levels {sorted(bad_levels)} outside "
+                f"1..priority_levels ({levels})"
+            )
         dynamic = DynamicBatching(
             preferred_batch_sizes=tuple(sorted(set(preferred))),
             max_queue_delay_us=int(db.max_queue_delay_microseconds),
             preserve_ordering=bool(db.preserve_ordering),
+            priority_levels=levels,
+            default_priority_level=int(db.default_priority_level),
+            default_queue_policy=_queue_policy(db.default_queue_policy),
+            priority_queue_policy=tuple(
+                sorted((int(k), _queue_policy(v)) for k, v in db.priority_queue_policy.items())
+            ),
         )
 
     groups = []
@@ -184,6 +271,7 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
     if not groups:
         groups.append(InstanceGroup(f"{name}_0", 1, "KIND_AUTO"))
 
+    sequence = _sequence_spec(config) if config.HasField("sequence_batching") else None
     return ModelSpec(
         name=name,
         platform=platform,
@@ -194,6 +282,96 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
         instance_groups=tuple(groups),
         model_filename=config.default_model_filename or DEFAULT_ONNX_FILENAME,
         parameters={k: v.string_value for k, v in config.parameters.items()},
+        sequence=sequence,
+    )
+
+
+_CONTROL_KINDS = {
+    "CONTROL_SEQUENCE_START",
+    "CONTROL_SEQUENCE_READY",
+    "CONTROL_SEQUENCE_END",
+    "CONTROL_SEQUENCE_CORRID",
+}
+
+
+def _control(name: str, c: mc.ModelSequenceBatching.Control, model: str) -> ControlInput:
+    kind = mc.ModelSequenceBatching.Control.Kind.Name(c.kind)
+    if kind == "CONTROL_SEQUENCE_CORRID":
+        try:
+            datatype = from_config_enum(mc.DataType.Name(c.data_type))
+        except (KeyError, ValueError):
+            raise ConfigError(f"model '{model}': CORRID control '{name}' needs a data_type") from None
+        if datatype.triton not in ("UINT64", "INT64", "UINT32", "INT32", "BYTES"):
+            raise ConfigError(
+                f"model '{model}': CORRID control '{name}' data_type must be an integer or string"
+            )
+        return ControlInput(name, kind, datatype)
+    for field_name, triton, cast in (
+        ("int32_false_true", "INT32", int),
+        ("fp32_false_true", "FP32", float),
+        ("bool_false_true", "BOOL", bool),
+    ):
+        values = list(getattr(c, field_name))
+        if values:
+            if len(values) != 2:
+                raise ConfigError(
+                    f"model '{model}': control '{name}' {field_name} needs exactly 2 values"
+                )
+            return ControlInput(name, kind, from_triton(triton), cast(values[0]), cast(values[1]))
+    raise ConfigError(
+        f"model '{model}': control '{name}' ({kind}) needs int32_false_true, fp32_false_true "
+        f"or bool_false_true"
+    )
+
+
+def _sequence_spec(config: mc.ModelConfig) -> SequenceBatching:
+    sb = config.sequence_batching
+    name = config.name
+    if config.HasField("dynamic_batching"):
+        raise ConfigError(f"model '{name}': dynamic_batching and sequence_batching exclude each other")
+    controls = []
+    for ci in sb.control_input:
+        for c in ci.control:
+            controls.append(_control(ci.name, c, name))
+    kinds = [c.kind for c in controls]
+    dupes = {k for k in kinds if kinds.count(k) > 1}
+    if dupes:
+        raise ConfigError(f"model '{name}': sequence control {sorted(dupes)} declared twice")
+    states = []
+    for s in sb.state:
+        try:
+            datatype = from_config_enum(mc.DataType.Name(s.data_type))
+        except (KeyError, ValueError):
+            raise ConfigError(f"model '{name}': state '{s.input_name}' has no valid data_type") from None
+        if not s.input_name or not s.output_name:
+            raise ConfigError(f"model '{name}': a state needs input_name and output_name")
+        dims = tuple(int(d) for d in s.dims)
+        if any(d < 1 for d in dims):
+            raise ConfigError(
+                f"model '{name}': state '{s.input_name}' needs fixed dims, got {list(dims)}"
+            )
+        initial = None
+        for init in s.initial_state:
+            if init.WhichOneof("state_data") == "data_file":
+                initial = init.data_file
+        states.append(StateSpec(s.input_name, s.output_name, datatype, dims, initial))
+    strategy = sb.WhichOneof("strategy_choice") or "direct"
+    delay = getattr(sb, strategy).max_queue_delay_microseconds
+    return SequenceBatching(
+        strategy=strategy,
+        max_idle_us=int(sb.max_sequence_idle_microseconds) or DEFAULT_SEQUENCE_IDLE_US,
+        controls=tuple(controls),
+        states=tuple(states),
+        max_queue_delay_us=int(delay),
+    )
+
+
+def _queue_policy(p: mc.ModelQueuePolicy) -> QueuePolicySpec:
+    return QueuePolicySpec(
+        timeout_action=mc.ModelQueuePolicy.TimeoutAction.Name(p.timeout_action),
+        default_timeout_us=int(p.default_timeout_microseconds),
+        allow_timeout_override=bool(p.allow_timeout_override),
+        max_queue_size=int(p.max_queue_size),
     )
 
 

@@ -19,6 +19,7 @@ import argparse
 import sys
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -332,6 +333,112 @@ def write_mlp(
     return write_model(root, name, mlp_model(sizes, max_batch_size, seed), text)
 
 
+# --------------------------------------------------------------------------
+# a stateful model for the sequence batcher
+
+
+def accumulator_model(corrid_type: str = "UINT64", max_batch_size: int = 8) -> onnx.ModelProto:
+    """Running sum per sequence, kept in implicit state ACC_IN -> ACC_OUT.
+
+    OUTPUT = (0 if START else ACC_IN) + INPUT; the control inputs are echoed
+    (START_OUT, END_OUT, READY_OUT, CORRID_OUT) so tests can see what the
+    scheduler filled in.
+    """
+    i32 = from_triton("INT32")
+    corr = from_triton(corrid_type)
+    shape = _onnx_shape((1,), max_batch_size, "d")
+    inputs = [
+        _value_info(n, i32, shape) for n in ("INPUT", "START", "END", "READY", "ACC_IN")
+    ] + [_value_info("CORRID", corr, shape)]
+    outputs = [
+        _value_info(n, i32, shape)
+        for n in ("OUTPUT", "ACC_OUT", "START_OUT", "END_OUT", "READY_OUT")
+    ] + [_value_info("CORRID_OUT", corr, shape)]
+    zero = helper.make_tensor("zero", i32.onnx, [], [0])
+    nodes = [
+        helper.make_node("Cast", ["START"], ["start_b"], to=onnx.TensorProto.BOOL),
+        helper.make_node("Where", ["start_b", "zero", "ACC_IN"], ["base"]),
+        helper.make_node("Add", ["base", "INPUT"], ["sum"]),
+        helper.make_node("Identity", ["sum"], ["OUTPUT"]),
+        helper.make_node("Identity", ["sum"], ["ACC_OUT"]),
+        helper.make_node("Identity", ["START"], ["START_OUT"]),
+        helper.make_node("Identity", ["END"], ["END_OUT"]),
+        helper.make_node("Identity", ["READY"], ["READY_OUT"]),
+        helper.make_node("Identity", ["CORRID"], ["CORRID_OUT"]),
+    ]
+    graph = helper.make_graph(nodes, "accumulator", inputs, outputs, initializer=[zero])
+    return make_model(graph)
+
+
+def accumulator_config(
+    name: str,
+    corrid_type: str = "UINT64",
+    strategy: str = "oldest",
+    max_batch_size: int = 8,
+    idle_us: int = 5_000_000,
+    instance_count: int = 1,
+    extra: str = "",
+) -> str:
+    corr_enum = from_triton(corrid_type).config_enum
+    if strategy == "direct":
+        strategy_text = "direct { }"
+    else:
+        strategy_text = "oldest { max_candidate_sequences: 64 }"
+    outs = ",\n".join(
+        f'  {{ name: "{n}" data_type: {t} dims: [ 1 ] }}'
+        for n, t in (
+            ("OUTPUT", "TYPE_INT32"),
+            ("START_OUT", "TYPE_INT32"),
+            ("END_OUT", "TYPE_INT32"),
+            ("READY_OUT", "TYPE_INT32"),
+            ("CORRID_OUT", corr_enum),
+        )
+    )
+    return f"""name: "{name}"
+platform: "onnxruntime_onnx"
+max_batch_size: {max_batch_size}
+input [ {{ name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [
+{outs}
+]
+sequence_batching {{
+  max_sequence_idle_microseconds: {idle_us}
+  {strategy_text}
+  control_input [
+    {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "END" control [ {{ kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "READY" control [ {{ kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "CORRID" control [ {{ kind: CONTROL_SEQUENCE_CORRID data_type: {corr_enum} }} ] }}
+  ]
+  state [
+    {{
+      input_name: "ACC_IN"
+      output_name: "ACC_OUT"
+      data_type: TYPE_INT32
+      dims: [ 1 ]
+      initial_state: {{ data_type: TYPE_INT32 dims: [ 1 ] zero_data: true name: "zeros" }}
+    }}
+  ]
+}}
+instance_group [ {{ count: {instance_count} kind: KIND_CPU }} ]
+{extra}"""
+
+
+def write_accumulator(
+    root: Path,
+    name: str = "accumulator",
+    corrid_type: str = "UINT64",
+    strategy: str = "oldest",
+    **config: Any,
+) -> Path:
+    return write_model(
+        root,
+        name,
+        accumulator_model(corrid_type, config.get("max_batch_size", 8)),
+        accumulator_config(name, corrid_type, strategy, **config),
+    )
+
+
 def build_example_repository(root: Path) -> list[str]:
     """Write the whole example repository under ``root``; return model names."""
     root = Path(root)
@@ -354,6 +461,9 @@ def build_example_repository(root: Path) -> list[str]:
 
     write_mlp(root, "mlp", instance_count=2)
     names.append("mlp")
+
+    write_accumulator(root, "accumulator")
+    names.append("accumulator")
     return names
 
 

@@ -17,6 +17,10 @@ Rate limiter registry and grants (ratelimiter only; see redis_scripts.py):
   ss:rl:free:{model}:{ver}    list  instance ids free to run a payload
   ss:rl:grant:{gid}           hash  instance, model, version
   ss:rl:grants                zset  grant id -> lease deadline (ms)
+
+Sequence batcher (scheduler; see services/scheduler/sequence_store.py):
+  ss:seq:{model}:{ver}:{cid}       hash  slot, st:{state} -> raw; PX idle timeout
+  ss:seq:{model}:{ver}:{cid}:busy  str   owning scheduler while a request runs
 """
 
 from __future__ import annotations
@@ -35,3 +39,8 @@ def model(name: str) -> str:
 
 def model_errors(name: str) -> str:
     return f"{PREFIX}model:{name}:errors"
+
+
+def sequence_prefix(model: str, version: int) -> str:
+    """Sequences of one model version (see services/scheduler/sequence_store.py)."""
+    return f"{PREFIX}seq:{model}:{version}:"

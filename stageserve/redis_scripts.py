@@ -152,3 +152,36 @@ end
 return {#expired, dead}
 """
 )
+
+# ---------------------------------------------------------------- sequences
+# Keys (prefix = "ss:seq:{model}:{version}:"):
+#   {prefix}{cid}        hash  slot, st:{state output name} -> raw bytes; PX idle
+#   {prefix}{cid}:busy   str   owner scheduler; PX lease: one request at a time
+
+# ARGV: prefix, owner, lease_ms, idle_ms, then (cid, start "1"/"0", slot) per
+# sequence -> per sequence {status, slot, {field, value, ...}}:
+#   status 0 claimed, 1 unknown sequence (no START seen or it idled out),
+#   2 busy (another scheduler is executing a request of it).
+SEQUENCE_CLAIM = """
+local p, owner, lease, idle = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local out = {}
+for i = 5, #ARGV, 3 do
+  local key, start, slot = p .. ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  if not redis.call('SET', key .. ':busy', owner, 'NX', 'PX', lease) then
+    out[#out + 1] = {2, -1, {}}
+  elseif start == '1' then
+    redis.call('DEL', key)
+    redis.call('HSET', key, 'slot', slot)
+    redis.call('PEXPIRE', key, idle)
+    out[#out + 1] = {0, tonumber(slot), {}}
+  elseif redis.call('EXISTS', key) == 0 then
+    redis.call('DEL', key .. ':busy')
+    out[#out + 1] = {1, -1, {}}
+  else
+    redis.call('PEXPIRE', key, idle)
+    local s = redis.call('HGET', key, 'slot')
+    out[#out + 1] = {0, tonumber(s) or -1, redis.call('HGETALL', key)}
+  end
+end
+return out
+"""

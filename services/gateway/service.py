@@ -138,6 +138,10 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
                     priority=validated.priority,
                     timeout_us=validated.timeout_us,
                     config_generation=entry.generation,
+                    sequence_id=validated.sequence_id,
+                    sequence_id_str=validated.sequence_id_str,
+                    sequence_start=validated.sequence_start,
+                    sequence_end=validated.sequence_end,
                 )
             )
             if resp.code:

@@ -59,6 +59,10 @@ class ValidatedRequest:
     batch_size: int  # 0 for models without batching
     priority: int
     timeout_us: int
+    sequence_id: int = 0
+    sequence_id_str: str = ""
+    sequence_start: bool = False
+    sequence_end: bool = False
 
 
 def _shape_text(shape) -> str:
@@ -99,6 +103,38 @@ def _check_sequence_params(request: gs.ModelInferRequest) -> None:
                 f"invalid value type for '{flag}' parameter of model '{request.model_name}': "
                 f"expected bool, got {which}"
             )
+
+
+def _sequence_fields(
+    request: gs.ModelInferRequest, spec: ModelSpec, batch_size: int
+) -> tuple[int, str, bool, bool]:
+    """(sequence_id, sequence_id_str, start, end) for a sequence model, else zeros."""
+    if spec.sequence is None:
+        return 0, "", False, False
+    params = request.parameters
+    sid, sid_str = 0, ""
+    if "sequence_id" in params:
+        p = params["sequence_id"]
+        which = p.WhichOneof("parameter_choice")
+        if which == "string_param":
+            sid_str = p.string_param
+        else:
+            sid = int(getattr(p, which))
+            if sid < 0:
+                raise invalid(f"sequence_id of the request to model '{spec.name}' is negative")
+    if not sid and not sid_str:
+        raise invalid(
+            f"inference request to model '{spec.name}' must specify a non-zero or non-empty "
+            f"correlation ID"
+        )
+    if spec.batching and batch_size != 1:
+        raise invalid(
+            f"inference request to model '{spec.name}' must specify batch-size 1 due to "
+            f"requirements of sequence batcher, got {batch_size}"
+        )
+    start = "sequence_start" in params and params["sequence_start"].bool_param
+    end = "sequence_end" in params and params["sequence_end"].bool_param
+    return sid, sid_str, bool(start), bool(end)
 
 
 def _expected_shape(spec: ModelSpec, t: TensorSpec) -> list[int]:
@@ -239,7 +275,12 @@ def validate_infer(request: gs.ModelInferRequest, spec: ModelSpec) -> ValidatedR
         outputs.append(out.name)
 
     _check_sequence_params(request)
+    sid, sid_str, start, end = _sequence_fields(request, spec, batch_size or 0)
     return ValidatedRequest(
+        sequence_id=sid,
+        sequence_id_str=sid_str,
+        sequence_start=start,
+        sequence_end=end,
         inputs=tensors,
         outputs=outputs,
         batch_size=batch_size or 0,

@@ -3,9 +3,16 @@
 The scheduler asks for a batch only when an instance is free to run it, so
 while every instance is busy requests accumulate and batches grow.
 
-Triton's dynamic batcher rules, as implemented here:
-- requests are taken in arrival order from the head of the queue; a request
-  whose non-batch shapes differ from the head's ends the batch (no mixing);
+Queue order (Triton's dynamic batcher with priorities and queue policies):
+priority levels from 1 (highest) down; inside a level, arrival order; then,
+after every level's live requests, the requests whose timeout expired with
+the DELAY action, again by level. A level may cap its queue
+(max_queue_size); expired REJECT requests leave the queue at their deadline
+(`expire`), whatever is executing.
+
+Batch rules, taking requests in queue order from the head:
+- a request whose non-batch shapes differ from the head's ends the batch (no
+  mixing);
 - a batch is sent at once when it reaches max_batch_size, or when the next
   queued request cannot join it (too big or a different shape): then the
   largest preferred-size prefix if there is one, else everything that fits;
@@ -19,9 +26,29 @@ The default scheduler (no dynamic_batching) runs each request on its own.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+REJECT, DELAY = "REJECT", "DELAY"
+
+
+@dataclass(frozen=True)
+class QueuePolicy:
+    """Triton's ModelQueuePolicy for one priority level."""
+
+    timeout_action: str = REJECT
+    default_timeout_us: int = 0  # 0: no timeout
+    allow_timeout_override: bool = False
+    max_queue_size: int = 0  # 0: unbounded
+
+    def timeout_us(self, requested_us: int) -> int:
+        """The timeout that applies; a request may only shorten the default."""
+        if self.allow_timeout_override and requested_us > 0:
+            if self.default_timeout_us == 0:
+                return requested_us
+            return min(requested_us, self.default_timeout_us)
+        return self.default_timeout_us
 
 
 @dataclass
@@ -32,6 +59,9 @@ class Pending:
     shape_key: Hashable  # non-batch shapes of every input
     enqueue_ns: int
     payload: Any = field(default=None, compare=False)
+    priority: int = 0  # 0: the model's default level
+    deadline_ns: int | None = None  # set by the batcher from the queue policy
+    timeout_action: str = REJECT
 
 
 @dataclass(frozen=True)
@@ -40,44 +70,142 @@ class Decision:
     wake_at_ns: int | None  # else: ask again at this time (None: nothing queued)
 
 
-class Batcher:
-    """Shared queue handling; subclasses decide how many requests form a batch."""
+class QueueFull(Exception):
+    """The request's priority level already holds max_queue_size requests."""
 
-    def __init__(self) -> None:
-        self.queue: deque[Pending] = deque()
+
+class Batcher:
+    """Priority levels of FIFO queues; subclasses decide how many form a batch."""
+
+    def __init__(
+        self,
+        priority_levels: int = 0,
+        default_priority_level: int = 0,
+        default_policy: QueuePolicy | None = None,
+        level_policies: dict[int, QueuePolicy] | None = None,
+    ) -> None:
+        self.priority_levels = max(priority_levels, 1)
+        self.default_level = default_priority_level or (self.priority_levels + 1) // 2
+        if not 1 <= self.default_level <= self.priority_levels:
+            self.default_level = 1
+        self.default_policy = default_policy or QueuePolicy()
+        self.level_policies = level_policies or {}
+        self._live: dict[int, deque[Pending]] = {}
+        self._delayed: dict[int, deque[Pending]] = {}
+        self._size = 0
+
+    # ----------------------------------------------------------------- queue
+
+    def level_of(self, priority: int) -> int:
+        """Triton: 0 or out of range means the default level."""
+        if priority <= 0 or priority > self.priority_levels:
+            return self.default_level
+        return priority
+
+    def policy(self, level: int) -> QueuePolicy:
+        return self.level_policies.get(level, self.default_policy)
 
     def __len__(self) -> int:
-        return len(self.queue)
+        return self._size
 
-    def add(self, request: Pending) -> None:
-        self.queue.append(request)
+    @property
+    def queue(self) -> list[Pending]:
+        """Every queued request, in the order batches take them."""
+        return list(self._ordered())
+
+    def _ordered(self) -> Iterator[Pending]:
+        for store in (self._live, self._delayed):
+            for level in sorted(store):
+                yield from store[level]
+
+    def add(self, request: Pending, timeout_us: int = 0) -> None:
+        """Queue a request (raises QueueFull); sets its level and deadline."""
+        level = self.level_of(request.priority)
+        policy = self.policy(level)
+        live = self._live.setdefault(level, deque())
+        if policy.max_queue_size and len(live) + len(self._delayed.get(level, ())) >= (
+            policy.max_queue_size
+        ):
+            raise QueueFull(f"exceeds maximum queue size {policy.max_queue_size}")
+        request.priority = level
+        timeout = policy.timeout_us(timeout_us)
+        request.deadline_ns = request.enqueue_ns + timeout * 1000 if timeout else None
+        request.timeout_action = policy.timeout_action
+        live.append(request)
+        self._size += 1
+
+    def requeue_front(self, requests: list[Pending]) -> None:
+        """Put requests back at the head of their levels, in the given order."""
+        for request in reversed(requests):
+            self._live.setdefault(request.priority, deque()).appendleft(request)
+            self._size += 1
 
     def drain(self) -> list[Pending]:
-        out = list(self.queue)
-        self.queue.clear()
+        out = list(self._ordered())
+        self._live.clear()
+        self._delayed.clear()
+        self._size = 0
         return out
 
-    def remove(self, predicate) -> list[Pending]:
+    def remove(self, predicate: Callable[[Pending], bool]) -> list[Pending]:
         """Take out every request matching predicate (cancelled, timed out)."""
-        kept: deque[Pending] = deque()
-        removed = []
-        for r in self.queue:
-            (removed if predicate(r) else kept).append(r)
-        self.queue = kept
+        removed: list[Pending] = []
+        for store in (self._live, self._delayed):
+            for level, q in store.items():
+                kept: deque[Pending] = deque()
+                for r in q:
+                    (removed if predicate(r) else kept).append(r)
+                store[level] = kept
+        self._size -= len(removed)
         return removed
+
+    # -------------------------------------------------------------- timeouts
+
+    def next_deadline(self) -> int | None:
+        deadlines = [r.deadline_ns for q in self._live.values() for r in q if r.deadline_ns]
+        return min(deadlines) if deadlines else None
+
+    def expire(self, now_ns: int) -> list[Pending]:
+        """Apply timeouts: REJECT requests are returned (to be answered now),
+        DELAY requests move behind every live request."""
+        rejected: list[Pending] = []
+        for level, q in self._live.items():
+            if not any(r.deadline_ns is not None and r.deadline_ns <= now_ns for r in q):
+                continue
+            kept: deque[Pending] = deque()
+            for r in q:
+                if r.deadline_ns is None or r.deadline_ns > now_ns:
+                    kept.append(r)
+                elif r.timeout_action == DELAY:
+                    r.deadline_ns = None
+                    self._delayed.setdefault(level, deque()).append(r)
+                else:
+                    rejected.append(r)
+            self._live[level] = kept
+        self._size -= len(rejected)
+        return rejected
+
+    # --------------------------------------------------------------- batches
 
     def next_batch(self, now_ns: int) -> Decision:
         raise NotImplementedError
 
     def _take(self, n: int) -> list[Pending]:
-        return [self.queue.popleft() for _ in range(n)]
+        out: list[Pending] = []
+        for store in (self._live, self._delayed):
+            for level in sorted(store):
+                q = store[level]
+                while q and len(out) < n:
+                    out.append(q.popleft())
+        self._size -= len(out)
+        return out
 
 
 class DefaultBatcher(Batcher):
     """Triton's default scheduler: one request per execution."""
 
     def next_batch(self, now_ns: int) -> Decision:
-        if not self.queue:
+        if not self._size:
             return Decision(None, None)
         return Decision(self._take(1), None)
 
@@ -88,8 +216,9 @@ class DynamicBatcher(Batcher):
         max_batch_size: int,
         preferred_batch_sizes: tuple[int, ...] = (),
         max_queue_delay_ns: int = 0,
+        **queue_options: Any,
     ) -> None:
-        super().__init__()
+        super().__init__(**queue_options)
         if max_batch_size < 1:
             raise ValueError("dynamic batching needs max_batch_size >= 1")
         self.max_batch_size = max_batch_size
@@ -97,30 +226,33 @@ class DynamicBatcher(Batcher):
         self.max_queue_delay_ns = max_queue_delay_ns
 
     def next_batch(self, now_ns: int) -> Decision:
-        if not self.queue:
+        if not self._size:
             return Decision(None, None)
-        head = self.queue[0]
-        total = 0
-        count = 0
-        best_preferred = 0  # request count of the largest preferred prefix
+        ordered = self._ordered()
+        head = next(ordered)
+        if head.batch_size > self.max_batch_size:  # the gateway prevents this
+            return Decision(self._take(1), None)
+        total = head.batch_size
+        count = 1
+        best_preferred = 1 if total in self.preferred else 0
         blocked = False
-        for r in self.queue:
+        oldest = head.enqueue_ns
+        for r in ordered:
             if r.shape_key != head.shape_key or total + r.batch_size > self.max_batch_size:
-                blocked = count > 0
+                blocked = True
                 break
             total += r.batch_size
             count += 1
+            oldest = min(oldest, r.enqueue_ns)
             if total in self.preferred:
                 best_preferred = count
-        if count == 0:  # the head alone exceeds max: the gateway prevents this
-            return Decision(self._take(1), None)
         if total == self.max_batch_size:
             return Decision(self._take(count), None)
         if blocked:
             return Decision(self._take(best_preferred or count), None)
         if best_preferred:
             return Decision(self._take(best_preferred), None)
-        deadline = head.enqueue_ns + self.max_queue_delay_ns
+        deadline = oldest + self.max_queue_delay_ns
         if now_ns >= deadline:
             return Decision(self._take(count), None)
         return Decision(None, deadline)

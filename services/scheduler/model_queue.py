@@ -23,9 +23,16 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.scheduler.batcher import Batcher, DefaultBatcher, DynamicBatcher, Pending
+from services.scheduler.batcher import (
+    Batcher,
+    DefaultBatcher,
+    DynamicBatcher,
+    Pending,
+    QueueFull,
+    QueuePolicy,
+)
 from services.scheduler.clients import Granted, RateLimiterClient, WorkerCallError, WorkerClients
-from stageserve.config import ModelSpec
+from stageserve.config import ModelSpec, QueuePolicySpec
 from stageserve.errors import StageError, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.telemetry import (
@@ -51,6 +58,13 @@ class Queued:
     msg: pb.ScheduleRequest
     respond: Respond
     enqueue_ns: int
+    seq: int = 0  # dispatch order, for preserve_ordering
+
+
+def _policy(p: QueuePolicySpec) -> QueuePolicy:
+    return QueuePolicy(
+        p.timeout_action, p.default_timeout_us, p.allow_timeout_override, p.max_queue_size
+    )
 
 
 def make_batcher(spec: ModelSpec) -> Batcher:
@@ -58,7 +72,13 @@ def make_batcher(spec: ModelSpec) -> Batcher:
     if db is None:
         return DefaultBatcher()
     return DynamicBatcher(
-        spec.max_batch_size, db.preferred_batch_sizes, db.max_queue_delay_us * 1000
+        spec.max_batch_size,
+        db.preferred_batch_sizes,
+        db.max_queue_delay_us * 1000,
+        priority_levels=db.priority_levels,
+        default_priority_level=db.default_priority_level,
+        default_policy=_policy(db.default_queue_policy),
+        level_policies={level: _policy(p) for level, p in db.priority_queue_policy},
     )
 
 
@@ -117,6 +137,11 @@ class ModelQueue:
         self._spare: list[tuple[Granted, float]] = []  # (grant, first acquired at)
         self._acquiring: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._deadline_changed = asyncio.Event()
+        self._seq = 0
+        self._next_release = 0
+        self._held: dict[int, tuple[Respond, pb.ScheduleResponse]] = {}
+        self._expiry_task = asyncio.create_task(self._expiry_loop())
         v = str(version)
         self._depth_gauge = SCHEDULER_QUEUE_DEPTH.labels(model, v)
         self._batch_hist = SCHEDULER_BATCH_SIZE.labels(model, v)
@@ -134,31 +159,103 @@ class ModelQueue:
         pending = self.batcher.drain()
         self.spec = spec
         self.batcher = make_batcher(spec)
-        for p in pending:
-            self.batcher.add(p)
+        self.batcher.requeue_front(pending)
         self._release_spare()
         self._arrived.set()
 
     def submit(self, msg: pb.ScheduleRequest, respond: Respond) -> None:
         now = time.monotonic_ns()
         batching = self.spec.batching
-        self.batcher.add(
-            Pending(
-                batch_size=msg.batch_size if batching else 1,
-                shape_key=shape_key(msg, batching),
-                enqueue_ns=now,
-                payload=Queued(msg, respond, now),
-            )
+        pending = Pending(
+            batch_size=msg.batch_size if batching else 1,
+            shape_key=shape_key(msg, batching),
+            enqueue_ns=now,
+            payload=Queued(msg, respond, now),
+            priority=int(msg.priority),
         )
+        try:
+            self.batcher.add(pending, timeout_us=int(msg.timeout_us))
+        except QueueFull as exc:
+            level = self.batcher.level_of(int(msg.priority))
+            respond(
+                error_response(
+                    msg.id,
+                    unavailable(
+                        f"Exceeds maximum queue size: the queue of model '{self.model}' "
+                        f"(priority level {level}) is full: {exc}"
+                    ),
+                )
+            )
+            return
+        if pending.deadline_ns is not None:
+            self._deadline_changed.set()
         self._depth_changed()
         self._arrived.set()
+
+    # --------------------------------------------------------------- timeouts
+
+    def _expire(self) -> None:
+        rejected = self.batcher.expire(time.monotonic_ns())
+        if not rejected:
+            return
+        for p in rejected:
+            q: Queued = p.payload
+            waited_us = (time.monotonic_ns() - q.enqueue_ns) // 1000
+            q.respond(
+                error_response(
+                    q.msg.id,
+                    unavailable(
+                        f"Request timeout expired: request to model '{self.model}' waited "
+                        f"{waited_us} us in the queue"
+                    ),
+                )
+            )
+        self._depth_changed()
+
+    async def _expiry_loop(self) -> None:
+        """Answer timed-out requests at their deadline, whatever is executing."""
+        while True:
+            self._deadline_changed.clear()
+            deadline = self.batcher.next_deadline()
+            if deadline is None:
+                await self._deadline_changed.wait()
+                continue
+            delay = (deadline - time.monotonic_ns()) / 1e9
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._deadline_changed.wait(), delay)
+                continue
+            self._expire()
+
+    # -------------------------------------------------------------- ordering
+
+    def _deliver(self, q: Queued, response: pb.ScheduleResponse) -> None:
+        """Send a response; with preserve_ordering, in dispatch order."""
+        if not self._ordered:
+            q.respond(response)
+            return
+        self._held[q.seq] = (q.respond, response)
+        while self._next_release in self._held:
+            respond, held = self._held.pop(self._next_release)
+            respond(held)
+            self._next_release += 1
 
     @property
     def pending(self) -> int:
         return len(self.batcher)
 
+    def _has_work(self) -> bool:
+        """Whether a batch could be formed now (given a free instance)."""
+        return len(self.batcher) > 0
+
+    @property
+    def _ordered(self) -> bool:
+        db = self.spec.dynamic_batching
+        return db is not None and db.preserve_ordering
+
     def close(self) -> None:
         self._loop_task.cancel()
+        self._expiry_task.cancel()
         if self._acquiring is not None:
             self._acquiring.cancel()
         self._release_spare()
@@ -209,7 +306,7 @@ class ModelQueue:
         while True:
             if self._spare:
                 return self._spare.pop()
-            if not len(self.batcher):
+            if not self._has_work():
                 return None
             if self._acquiring is None:
                 self._acquiring = asyncio.create_task(self._acquire_into_spare())
@@ -221,9 +318,9 @@ class ModelQueue:
     async def _dispatch_loop(self) -> None:
         while True:
             try:
-                if not len(self.batcher):
+                if not self._has_work():
                     await self._wait_arrival(STANDBY_HOLD_S if self._spare else None)
-                    if not len(self.batcher):
+                    if not self._has_work():
                         self._release_spare()
                     continue
                 held = await self._next_grant()
@@ -234,7 +331,7 @@ class ModelQueue:
                     self._spare.append(held)
                     continue
                 self.executing += 1
-                self._spawn(self._execute(batch, *held))
+                self._spawn(self._guarded(batch, *held))
             except asyncio.CancelledError:
                 raise
             except Exception:  # keep the loop alive whatever one batch did
@@ -243,13 +340,28 @@ class ModelQueue:
 
     async def _form_batch(self) -> list[Queued]:
         while True:
+            self._expire()
             decision = self.batcher.next_batch(time.monotonic_ns())
             if decision.batch:
                 self._depth_changed()
-                return [p.payload for p in decision.batch]
+                batch = [p.payload for p in decision.batch]
+                for q in batch:
+                    q.seq = self._seq
+                    self._seq += 1
+                return batch
             if decision.wake_at_ns is None:
                 return []
             await self._wait_arrival(max(0.0, (decision.wake_at_ns - time.monotonic_ns()) / 1e9))
+
+    async def _guarded(self, batch: list[Queued], grant: Granted, since: float) -> None:
+        """Run a batch; a bug in one batch answers its requests, never hangs them."""
+        try:
+            await self._execute(batch, grant, since)
+        except Exception as exc:
+            log.exception("batch failed", extra={"model": self.model})
+            err = StageError(grpc.StatusCode.INTERNAL, f"scheduler error: {exc}")
+            for q in batch:  # the gateway ignores a second answer to one request
+                q.respond(error_response(q.msg.id, err))
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -266,7 +378,7 @@ class ModelQueue:
             except WorkerCallError as exc:
                 err, failed_instance = self._execution_error(exc, grant)
                 for q in batch:
-                    q.respond(error_response(q.msg.id, err))
+                    self._deliver(q, error_response(q.msg.id, err))
                 return
             total = sum(request.request_batch_sizes)
             self._batch_hist.observe(total)
@@ -279,8 +391,11 @@ class ModelQueue:
                     batch_size=total,
                     batch_leader=i == 0,
                 )
-                q.respond(
-                    pb.ScheduleResponse(id=q.msg.id, outputs=resp.results[i].outputs, timing=timing)
+                self._deliver(
+                    q,
+                    pb.ScheduleResponse(
+                        id=q.msg.id, outputs=resp.results[i].outputs, timing=timing
+                    ),
                 )
         finally:
             self.executing -= 1

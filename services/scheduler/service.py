@@ -10,7 +10,8 @@ import redis.asyncio as aioredis
 
 from services.scheduler.clients import RateLimiterClient, WorkerClients
 from services.scheduler.model_queue import ModelQueue, error_response
-from stageserve.errors import unavailable
+from services.scheduler.sequence_queue import make_sequence_queue
+from stageserve.errors import internal, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import LoadedModel, ModelStateStore
@@ -46,7 +47,20 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         key = (loaded.name, version)
         queue = self.queues.get(key)
         if queue is None:
-            queue = ModelQueue(loaded.name, version, loaded.spec, self.ratelimiter, self.workers)
+            if loaded.spec.sequence is not None:
+                queue = make_sequence_queue(
+                    loaded.name,
+                    version,
+                    loaded.spec,
+                    self.ratelimiter,
+                    self.workers,
+                    self.state.redis,
+                    loaded.path,
+                )
+            else:
+                queue = ModelQueue(
+                    loaded.name, version, loaded.spec, self.ratelimiter, self.workers
+                )
             self.queues[key] = queue
         return queue
 
@@ -68,7 +82,11 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             try:
                 async for batch in request_iterator:
                     for msg in batch.requests:
-                        await self._submit(msg, respond)
+                        try:
+                            await self._submit(msg, respond)
+                        except Exception as exc:  # one bad request must not end the stream
+                            log.exception("submit failed", extra={"model": msg.model})
+                            respond(error_response(msg.id, internal(f"scheduler error: {exc}")))
             finally:
                 responses.put_nowait(None)
 

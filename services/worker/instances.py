@@ -70,6 +70,12 @@ class HostedInstance:
     in_flight: int = 0
     compute_timers: tuple = ()
 
+    @property
+    def execute_delay_s(self) -> float:
+        """Model parameter `execute_delay_ms`: a testing aid that makes every
+        execution take at least that long (beyond Triton; think of a slow model)."""
+        return float(self.spec.parameters.get("execute_delay_ms", "0") or 0) / 1000.0
+
     def __post_init__(self) -> None:
         labels = (self.model, str(self.version), self.instance_id)
         self.compute_timers = tuple(
@@ -85,6 +91,8 @@ class HostedInstance:
             raise BackendError(f"bad input tensor: {exc}") from exc
         wanted = self._wanted_outputs(request)
         t1 = time.monotonic_ns()
+        if self.execute_delay_s:
+            time.sleep(self.execute_delay_s)
         results = self.backend.run(feeds, wanted)
         t2 = time.monotonic_ns()
         response = pb.ExecuteResponse()
@@ -106,20 +114,19 @@ class HostedInstance:
         return response
 
     def _wanted_outputs(self, request: pb.ExecuteRequest) -> list[str]:
-        all_names = [o.name for o in self.spec.outputs]
-        wanted: set[str] = set()
+        """Union of what the batch's requests asked for (state outputs included)."""
+        wanted: dict[str, None] = {}
         for requested in request.requested:
-            if not requested.names:
-                return all_names
-            wanted.update(requested.names)
-        return [n for n in all_names if n in wanted]
+            names = requested.names or [o.name for o in self.spec.outputs]
+            wanted.update(dict.fromkeys(names))
+        return list(wanted)
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
 
 
 def _tensor(name: str, arr: np.ndarray, spec: ModelSpec, batch: int) -> pb.Tensor:
-    out = spec.output(name)
+    out = spec.output_tensor(name)
     assert out is not None
     if out.reshape is not None:  # the model's shape -> the config's dims
         arr = arr.reshape(((batch,) if spec.batching else ()) + out.dims)

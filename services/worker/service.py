@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from services.worker.instances import HostedInstance, default_intra_op_threads, placements
 from services.worker.onnx_backend import BackendError, OnnxInstance
 from stageserve import redis_keys as keys
+from stageserve.config import ModelSpec
 from stageserve.errors import code_from_int
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
@@ -64,7 +65,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         try:
             loop = asyncio.get_running_loop()
             resp = await loop.run_in_executor(inst.executor, inst.execute, request)
-        except BackendError as exc:
+        except Exception as exc:  # BackendError or a bug: answer, never hang the batch
+            if not isinstance(exc, BackendError):
+                log.exception("execution failed", extra={"instance": inst.instance_id})
             return pb.ExecuteResponse(
                 id=request.id,
                 code=grpc.StatusCode.INTERNAL.value[0],
@@ -165,8 +168,11 @@ class WorkerService(pb_grpc.WorkerServicer):
                             str(path),
                             device=place.device,
                             intra_op_threads=threads,
-                            input_types={t.name: t.datatype.triton for t in model.spec.inputs},
-                            output_types={t.name: t.datatype.triton for t in model.spec.outputs},
+                            input_types={
+                                **{t.name: t.datatype.triton for t in model.spec.inputs},
+                                **model.spec.extra_inputs(),
+                            },
+                            output_types=_output_types(model.spec),
                         )
                         iid = f"{self.worker_id}/{model.name}/{version}/{g.name}/{index}"
                         loaded.append(
@@ -245,6 +251,14 @@ class WorkerService(pb_grpc.WorkerServicer):
                 await pubsub.get_message(ignore_subscribe_messages=True, timeout=RECONCILE_S)
             except Exception:
                 await asyncio.sleep(RECONCILE_S)
+
+
+def _output_types(spec: ModelSpec) -> dict[str, str]:
+    """Declared outputs plus implicit-state outputs (the scheduler reads those)."""
+    out = {t.name: t.datatype.triton for t in spec.outputs}
+    if spec.sequence is not None:
+        out.update({s.output_name: s.datatype.triton for s in spec.sequence.states})
+    return out
 
 
 def detect_gpu(device: str) -> int | None:

@@ -35,7 +35,7 @@ class Timing(_message.Message):
     def __init__(self, queue_ns: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_leader: _Optional[bool] = ...) -> None: ...
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("id", "model", "version", "inputs", "outputs", "batch_size", "priority", "timeout_us", "config_generation")
+    __slots__ = ("id", "model", "version", "inputs", "outputs", "batch_size", "priority", "timeout_us", "config_generation", "sequence_id", "sequence_id_str", "sequence_start", "sequence_end")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,10 @@ class ScheduleRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
     CONFIG_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_ID_STR_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_START_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_END_FIELD_NUMBER: _ClassVar[int]
     id: int
     model: str
     version: int
@@ -54,7 +58,11 @@ class ScheduleRequest(_message.Message):
     priority: int
     timeout_us: int
     config_generation: int
-    def __init__(self, id: _Optional[int] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., priority: _Optional[int] = ..., timeout_us: _Optional[int] = ..., config_generation: _Optional[int] = ...) -> None: ...
+    sequence_id: int
+    sequence_id_str: str
+    sequence_start: bool
+    sequence_end: bool
+    def __init__(self, id: _Optional[int] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., priority: _Optional[int] = ..., timeout_us: _Optional[int] = ..., config_generation: _Optional[int] = ..., sequence_id: _Optional[int] = ..., sequence_id_str: _Optional[str] = ..., sequence_start: _Optional[bool] = ..., sequence_end: _Optional[bool] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
     __slots__ = ("id", "code", "message", "outputs", "timing")

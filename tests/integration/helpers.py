@@ -13,7 +13,9 @@ import contextlib
 import os
 import socket
 import struct
+import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -21,6 +23,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
+
+from stageserve.launcher import Child
+from tests.stack import RunningStack, start_stack
 
 #: Upper bound for any single RPC a test makes; nothing may hang a test.
 RPC_TIMEOUT_S = 30.0
@@ -138,8 +143,9 @@ def raw_request(
 
 def simple_raw_request(batch: int = 1) -> service_pb2.ModelInferRequest:
     """A valid raw-contents request for `simple`."""
-    request = raw_request("simple", [("INPUT0", "INT32", [batch, 16]),
-                                     ("INPUT1", "INT32", [batch, 16])])
+    request = raw_request(
+        "simple", [("INPUT0", "INT32", [batch, 16]), ("INPUT1", "INT32", [batch, 16])]
+    )
     data = np.ones((batch, 16), np.int32).tobytes()
     request.raw_input_contents.extend([data, data])
     return request
@@ -158,6 +164,49 @@ def output_array(
                 list(out.shape)
             )
     raise KeyError(name)
+
+
+# --------------------------------------------------------------------- stacks
+
+# The launcher starts children with fork + preexec_fn. When this (test) process
+# has gRPC threads busy (tritonclient channels from earlier tests), gRPC's fork
+# handlers occasionally leave the forked child aborting before it execs
+# ("epoll_wait error: Bad file descriptor", exit code -6). That is a harness
+# problem, not a server one (GRPC_ENABLE_FORK_SUPPORT=0 set before grpc is first
+# imported makes it go away), so stacks started here get a few attempts.
+START_ATTEMPTS = 3
+
+
+def start_stack_retrying(repository: Path, **kwargs) -> RunningStack:
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            return start_stack(repository, **kwargs)
+        except RuntimeError as exc:
+            if attempt == START_ATTEMPTS:
+                raise
+            warnings.warn(f"stack start attempt {attempt} failed: {exc}; retrying", stacklevel=2)
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def stack_retrying(repository: Path, **kwargs) -> Iterator[RunningStack]:
+    """tests.stack.running_stack, with start_stack_retrying."""
+    running = start_stack_retrying(repository, **kwargs)
+    try:
+        yield running
+    finally:
+        running.stack.stop()
+
+
+def start_worker_retrying(running: RunningStack, name: str = "worker-extra") -> Child:
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            return running.start_worker(name if attempt == 1 else f"{name}-{attempt}")
+        except RuntimeError as exc:
+            if attempt == START_ATTEMPTS:
+                raise
+            warnings.warn(f"worker start attempt {attempt} failed: {exc}; retrying", stacklevel=2)
+    raise AssertionError("unreachable")
 
 
 # ---------------------------------------------------------------------- redis

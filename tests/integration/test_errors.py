@@ -65,16 +65,15 @@ def _check_rejected_then_valid(stack: RunningStack, model: str, send_bad: Callab
     # the stack keeps serving: a valid request succeeds and is counted
     if model == "identity_bytes":
         data = np.array([[b"ok", b"still"]], dtype=np.object_)
-        out = c.infer(model, [tensor_input("INPUT0", data, "BYTES")],
-                      client_timeout=RPC_TIMEOUT_S).as_numpy("OUTPUT0")
+        out = c.infer(
+            model, [tensor_input("INPUT0", data, "BYTES")], client_timeout=RPC_TIMEOUT_S
+        ).as_numpy("OUTPUT0")
         np.testing.assert_array_equal(out, data)
     else:
         batch = 2 if model == "simple" else 1  # simple_nobatch takes [1,16] only
         infer_simple(c, batch=batch, model=model)
     final = model_stats(c, model)
-    assert final.inference_count == before.inference_count + (
-        2 if model == "simple" else 1
-    )
+    assert final.inference_count == before.inference_count + (2 if model == "simple" else 1)
     return result
 
 
@@ -85,7 +84,8 @@ def test_unknown_model(stack: RunningStack) -> None:
     def bad():
         return expect_error(
             _infer(stack, "no_such_model", simple_inputs(_ones((1, 16)), _ones((1, 16)))),
-            status=NOT_FOUND, contains=("no_such_model",),
+            status=NOT_FOUND,
+            contains=("no_such_model",),
         )
 
     _check_rejected_then_valid(stack, "simple", bad)
@@ -94,9 +94,11 @@ def test_unknown_model(stack: RunningStack) -> None:
 def test_unknown_version(stack: RunningStack) -> None:
     def bad():
         return expect_error(
-            _infer(stack, "simple", simple_inputs(_ones((1, 16)), _ones((1, 16))),
-                   model_version="7"),
-            status=NOT_FOUND, contains=("simple", "7"),
+            _infer(
+                stack, "simple", simple_inputs(_ones((1, 16)), _ones((1, 16))), model_version="7"
+            ),
+            status=NOT_FOUND,
+            contains=("simple", "7"),
         )
 
     _check_rejected_then_valid(stack, "simple", bad)
@@ -105,9 +107,14 @@ def test_unknown_version(stack: RunningStack) -> None:
 def test_version_not_an_integer(stack: RunningStack) -> None:
     def bad():
         return expect_error(
-            _infer(stack, "simple", simple_inputs(_ones((1, 16)), _ones((1, 16))),
-                   model_version="latest"),
-            status=INVALID, contains=("simple", "latest"),
+            _infer(
+                stack,
+                "simple",
+                simple_inputs(_ones((1, 16)), _ones((1, 16))),
+                model_version="latest",
+            ),
+            status=INVALID,
+            contains=("simple", "latest"),
         )
 
     _check_rejected_then_valid(stack, "simple", bad)
@@ -121,8 +128,11 @@ def test_wrong_datatype(stack: RunningStack) -> None:
     i1 = tensor_input("INPUT1", _ones((1, 16)), "INT32")
 
     def bad():
-        return expect_error(_infer(stack, "simple", [i0, i1]), status=INVALID,
-                            contains=("INPUT0", "FP32", "INT32", "simple"))
+        return expect_error(
+            _infer(stack, "simple", [i0, i1]),
+            status=INVALID,
+            contains=("INPUT0", "FP32", "INT32", "simple"),
+        )
 
     _check_rejected_then_valid(stack, "simple", bad)
 
@@ -132,8 +142,11 @@ def test_wrong_shape(stack: RunningStack, shape: list[int]) -> None:
     data = _ones(shape)
 
     def bad():
-        return expect_error(_infer(stack, "simple", simple_inputs(data, data)), status=INVALID,
-                            contains=("INPUT0", "simple", "[-1,16]"))
+        return expect_error(
+            _infer(stack, "simple", simple_inputs(data, data)),
+            status=INVALID,
+            contains=("INPUT0", "simple", "[-1,16]"),
+        )
 
     _check_rejected_then_valid(stack, "simple", bad)
 
@@ -143,8 +156,11 @@ def test_missing_batch_dimension(stack: RunningStack) -> None:
     data = _ones((16,))
 
     def bad():
-        return expect_error(_infer(stack, "simple", simple_inputs(data, data)), status=INVALID,
-                            contains=("batch-size", "simple", "16"))
+        return expect_error(
+            _infer(stack, "simple", simple_inputs(data, data)),
+            status=INVALID,
+            contains=("batch-size", "simple", "16"),
+        )
 
     _check_rejected_then_valid(stack, "simple", bad)
 
@@ -154,8 +170,11 @@ def test_wrong_shape_without_batching(stack: RunningStack) -> None:
     data = _ones((2, 16))
 
     def bad():
-        return expect_error(_infer(stack, "simple_nobatch", simple_inputs(data, data)),
-                            status=INVALID, contains=("INPUT0", "simple_nobatch", "[1,16]"))
+        return expect_error(
+            _infer(stack, "simple_nobatch", simple_inputs(data, data)),
+            status=INVALID,
+            contains=("INPUT0", "simple_nobatch", "[1,16]"),
+        )
 
     _check_rejected_then_valid(stack, "simple_nobatch", bad)
 
@@ -164,7 +183,8 @@ def test_inputs_disagree_on_batch_size(stack: RunningStack) -> None:
     def bad():
         return expect_error(
             _infer(stack, "simple", simple_inputs(_ones((2, 16)), _ones((3, 16)))),
-            status=INVALID, contains=("INPUT1", "batch size"),
+            status=INVALID,
+            contains=("INPUT1", "batch size"),
         )
 
     _check_rejected_then_valid(stack, "simple", bad)
@@ -174,8 +194,11 @@ def test_batch_larger_than_max_batch_size(stack: RunningStack) -> None:
     data = _ones((9, 16))
 
     def bad():
-        return expect_error(_infer(stack, "simple", simple_inputs(data, data)), status=INVALID,
-                            contains=("batch-size", "8", "simple"))
+        return expect_error(
+            _infer(stack, "simple", simple_inputs(data, data)),
+            status=INVALID,
+            contains=("batch-size", "8", "simple"),
+        )
 
     _check_rejected_then_valid(stack, "simple", bad)
 
@@ -184,8 +207,11 @@ def test_zero_batch_size(stack: RunningStack) -> None:
     data = _ones((0, 16))
 
     def bad():
-        return expect_error(_infer(stack, "simple", simple_inputs(data, data)), status=INVALID,
-                            contains=("batch-size", "simple"))
+        return expect_error(
+            _infer(stack, "simple", simple_inputs(data, data)),
+            status=INVALID,
+            contains=("batch-size", "simple"),
+        )
 
     _check_rejected_then_valid(stack, "simple", bad)
 
@@ -200,8 +226,11 @@ def test_raw_byte_size_mismatch(stack: RunningStack) -> None:
     i1 = tensor_input("INPUT1", _ones((1, 16)), "INT32")
 
     def bad():
-        return expect_error(_infer(stack, "simple", [i0, i1]), status=INVALID,
-                            contains=("INPUT0", "simple", "64", "60"))
+        return expect_error(
+            _infer(stack, "simple", [i0, i1]),
+            status=INVALID,
+            contains=("INPUT0", "simple", "64", "60"),
+        )
 
     _check_rejected_then_valid(stack, "simple", bad)
 
@@ -211,8 +240,9 @@ def test_raw_contents_count_differs_from_inputs(stack: RunningStack) -> None:
     del request.raw_input_contents[1]
 
     def bad():
-        return expect_raw_error(stack.url, request, grpc.StatusCode.INVALID_ARGUMENT,
-                                contains=("raw", "simple"))
+        return expect_raw_error(
+            stack.url, request, grpc.StatusCode.INVALID_ARGUMENT, contains=("raw", "simple")
+        )
 
     _check_rejected_then_valid(stack, "simple", bad)
 
@@ -223,8 +253,12 @@ def test_wrong_element_count_in_typed_contents(stack: RunningStack) -> None:
     request.inputs[1].contents.int_contents.extend(range(16))
 
     def bad():
-        return expect_raw_error(stack.url, request, grpc.StatusCode.INVALID_ARGUMENT,
-                                contains=("INPUT0", "simple", "16", "15"))
+        return expect_raw_error(
+            stack.url,
+            request,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            contains=("INPUT0", "simple", "16", "15"),
+        )
 
     _check_rejected_then_valid(stack, "simple", bad)
 
@@ -235,8 +269,9 @@ def test_typed_contents_in_the_wrong_field(stack: RunningStack) -> None:
     request.inputs[1].contents.int_contents.extend(range(16))
 
     def bad():
-        return expect_raw_error(stack.url, request, grpc.StatusCode.INVALID_ARGUMENT,
-                                contains=("INPUT0", "simple"))
+        return expect_raw_error(
+            stack.url, request, grpc.StatusCode.INVALID_ARGUMENT, contains=("INPUT0", "simple")
+        )
 
     _check_rejected_then_valid(stack, "simple", bad)
 
@@ -246,8 +281,9 @@ def test_typed_contents_and_raw_contents_together(stack: RunningStack) -> None:
     request.inputs[0].contents.int_contents.extend(range(16))
 
     def bad():
-        return expect_raw_error(stack.url, request, grpc.StatusCode.INVALID_ARGUMENT,
-                                contains=("INPUT0", "contents"))
+        return expect_raw_error(
+            stack.url, request, grpc.StatusCode.INVALID_ARGUMENT, contains=("INPUT0", "contents")
+        )
 
     _check_rejected_then_valid(stack, "simple", bad)
 
@@ -257,8 +293,9 @@ def test_fp16_cannot_use_typed_contents(stack: RunningStack) -> None:
     request.inputs[0].contents.fp32_contents.extend([1.0, 2.0])
 
     def bad():
-        return expect_raw_error(stack.url, request, grpc.StatusCode.INVALID_ARGUMENT,
-                                contains=("INPUT0", "FP16", "raw"))
+        return expect_raw_error(
+            stack.url, request, grpc.StatusCode.INVALID_ARGUMENT, contains=("INPUT0", "FP16", "raw")
+        )
 
     _check_rejected_then_valid(stack, "simple", bad)
 
@@ -277,8 +314,12 @@ def test_malformed_bytes_framing(stack: RunningStack, raw: bytes, shape, fragmen
     request.raw_input_contents.append(raw)
 
     def bad():
-        return expect_raw_error(stack.url, request, grpc.StatusCode.INVALID_ARGUMENT,
-                                contains=("INPUT0", "identity_bytes", "BYTES", fragment))
+        return expect_raw_error(
+            stack.url,
+            request,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            contains=("INPUT0", "identity_bytes", "BYTES", fragment),
+        )
 
     _check_rejected_then_valid(stack, "identity_bytes", bad)
 
@@ -290,8 +331,9 @@ def test_missing_input(stack: RunningStack) -> None:
     i0 = tensor_input("INPUT0", _ones((1, 16)), "INT32")
 
     def bad():
-        return expect_error(_infer(stack, "simple", [i0]), status=INVALID,
-                            contains=("INPUT1", "simple", "missing"))
+        return expect_error(
+            _infer(stack, "simple", [i0]), status=INVALID, contains=("INPUT1", "simple", "missing")
+        )
 
     _check_rejected_then_valid(stack, "simple", bad)
 
@@ -301,8 +343,11 @@ def test_unexpected_input(stack: RunningStack) -> None:
     inputs.append(tensor_input("INPUT2", _ones((1, 16)), "INT32"))
 
     def bad():
-        return expect_error(_infer(stack, "simple", inputs), status=INVALID,
-                            contains=("INPUT2", "simple", "unexpected"))
+        return expect_error(
+            _infer(stack, "simple", inputs),
+            status=INVALID,
+            contains=("INPUT2", "simple", "unexpected"),
+        )
 
     _check_rejected_then_valid(stack, "simple", bad)
 
@@ -312,32 +357,43 @@ def test_duplicate_input(stack: RunningStack) -> None:
     inputs.append(tensor_input("INPUT0", _ones((1, 16)), "INT32"))
 
     def bad():
-        return expect_error(_infer(stack, "simple", inputs), status=INVALID,
-                            contains=("INPUT0", "simple"))
+        return expect_error(
+            _infer(stack, "simple", inputs), status=INVALID, contains=("INPUT0", "simple")
+        )
 
     _check_rejected_then_valid(stack, "simple", bad)
 
 
 def test_unknown_requested_output(stack: RunningStack) -> None:
     inputs = simple_inputs(_ones((1, 16)), _ones((1, 16)))
-    outputs = [grpcclient.InferRequestedOutput("OUTPUT0"),
-               grpcclient.InferRequestedOutput("OUTPUT9")]
+    outputs = [
+        grpcclient.InferRequestedOutput("OUTPUT0"),
+        grpcclient.InferRequestedOutput("OUTPUT9"),
+    ]
 
     def bad():
-        return expect_error(_infer(stack, "simple", inputs, outputs=outputs), status=INVALID,
-                            contains=("OUTPUT9", "simple"))
+        return expect_error(
+            _infer(stack, "simple", inputs, outputs=outputs),
+            status=INVALID,
+            contains=("OUTPUT9", "simple"),
+        )
 
     _check_rejected_then_valid(stack, "simple", bad)
 
 
 def test_output_requested_twice(stack: RunningStack) -> None:
     inputs = simple_inputs(_ones((1, 16)), _ones((1, 16)))
-    outputs = [grpcclient.InferRequestedOutput("OUTPUT1"),
-               grpcclient.InferRequestedOutput("OUTPUT1")]
+    outputs = [
+        grpcclient.InferRequestedOutput("OUTPUT1"),
+        grpcclient.InferRequestedOutput("OUTPUT1"),
+    ]
 
     def bad():
-        return expect_error(_infer(stack, "simple", inputs, outputs=outputs), status=INVALID,
-                            contains=("OUTPUT1", "simple"))
+        return expect_error(
+            _infer(stack, "simple", inputs, outputs=outputs),
+            status=INVALID,
+            contains=("OUTPUT1", "simple"),
+        )
 
     _check_rejected_then_valid(stack, "simple", bad)
 
@@ -370,8 +426,9 @@ def test_parameter_of_wrong_type(stack: RunningStack, name: str, kind: str, valu
     request = _with_param(name, kind, value)
 
     def bad():
-        return expect_raw_error(stack.url, request, grpc.StatusCode.INVALID_ARGUMENT,
-                                contains=(f"'{name}'",))
+        return expect_raw_error(
+            stack.url, request, grpc.StatusCode.INVALID_ARGUMENT, contains=(f"'{name}'",)
+        )
 
     _check_rejected_then_valid(stack, "simple", bad)
 
@@ -380,8 +437,11 @@ def test_timeout_parameter_of_wrong_type_through_tritonclient(stack: RunningStac
     inputs = simple_inputs(_ones((1, 16)), _ones((1, 16)))
 
     def bad():
-        return expect_error(_infer(stack, "simple", inputs, parameters={"timeout": "soon"}),
-                            status=INVALID, contains=("timeout",))
+        return expect_error(
+            _infer(stack, "simple", inputs, parameters={"timeout": "soon"}),
+            status=INVALID,
+            contains=("timeout",),
+        )
 
     _check_rejected_then_valid(stack, "simple", bad)
 
@@ -404,8 +464,9 @@ def test_valid_priority_and_timeout_are_accepted(stack: RunningStack) -> None:
 def test_stream_reports_validation_errors_and_keeps_serving(stack: RunningStack) -> None:
     c = stack.client()
     results: queue.Queue = queue.Queue()
-    c.start_stream(callback=lambda result, error: results.put((result, error)),
-                   stream_timeout=RPC_TIMEOUT_S)
+    c.start_stream(
+        callback=lambda result, error: results.put((result, error)), stream_timeout=RPC_TIMEOUT_S
+    )
     try:
         data = _ones((1, 16))
         c.async_stream_infer("simple", simple_inputs(data, _ones((1, 15))), request_id="bad")

@@ -55,8 +55,14 @@ def test_model_ready_for_every_served_model(stack: RunningStack, model: str) -> 
 
 @pytest.mark.parametrize(
     ("model", "version"),
-    [("no_such_model", ""), ("no_such_model", "1"), ("simple", "2"), ("simple", "0"),
-     ("simple", "not-a-number"), ("", "")],
+    [
+        ("no_such_model", ""),
+        ("no_such_model", "1"),
+        ("simple", "2"),
+        ("simple", "0"),
+        ("simple", "not-a-number"),
+        ("", ""),
+    ],
 )
 def test_model_ready_false_for_unknown_model_or_version(
     stack: RunningStack, model: str, version: str
@@ -316,12 +322,6 @@ def test_typed_contents_identity(stack: RunningStack, datatype: str) -> None:
     np.testing.assert_array_equal(got, np.array(values, dtype=dtype).reshape(2, 3))
 
 
-@pytest.mark.xfail(
-    reason="BUG: uint64_contents >= 2**63 go through float64 in "
-    "services/gateway/validation.py _raw_from_contents (np.asarray(list(values)) infers "
-    "float64 for a mix of small and >int64 ints): 2**64-1 arrives as 0, 2**63+1 as 2**63",
-    strict=True,
-)
 def test_typed_uint64_contents_above_int64_range(stack: RunningStack) -> None:
     values = [0, 1, 2**63, 2**63 + 1, 2**64 - 2, 2**64 - 1]
     request = raw_request("identity_uint64", [("INPUT0", "UINT64", [1, 6])])

@@ -1,0 +1,501 @@
+"""Triton's dynamic batcher queue semantics, seen through tritonclient.grpc.
+
+priority_levels / default_priority_level, ModelQueuePolicy (timeout_action
+REJECT|DELAY, default_timeout_microseconds, allow_timeout_override,
+max_queue_size), preserve_ordering and batching of same-shape requests only.
+
+One stack (explicit model control, every model loaded) serves identity models
+configured for one test each. A model with the `execute_delay_ms` parameter
+sleeps that long per execution in the worker; with max_batch_size 1 and one
+instance, a first "blocker" request keeps the instance busy while the test
+queues others behind it, so what is queued is deterministic. Timing
+assertions are tolerances well inside those delays, never tight timings.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from stageserve.examples import write_identity
+from tests.integration.helpers import (
+    RPC_TIMEOUT_S,
+    expect_error,
+    expect_raw_error,
+    model_stats,
+    raw_infer,
+    raw_request,
+    stack_retrying,
+    tensor_input,
+)
+from tests.stack import RunningStack
+
+UNAVAILABLE = "StatusCode.UNAVAILABLE"
+INVALID = "StatusCode.INVALID_ARGUMENT"
+
+#: time after sending a blocker by which it is surely executing
+SETTLE_S = 0.15
+#: gap between requests that must reach the scheduler in this order
+GAP_S = 0.02
+
+# name: (max_batch_size, instances, dynamic_batching body, execute_delay_ms)
+MODELS: dict[str, tuple[int, int, str, int]] = {
+    "prio": (1, 1, "priority_levels: 2\n  default_priority_level: 2", 300),
+    "bounded": (1, 1, "default_queue_policy { max_queue_size: 2 }", 300),
+    "reject": (1, 1, "default_queue_policy { default_timeout_microseconds: 200000 }", 1000),
+    "override_on": (1, 1, "default_queue_policy { allow_timeout_override: true }", 800),
+    "override_off": (1, 1, "default_queue_policy { allow_timeout_override: false }", 500),
+    "override_cap": (
+        1,
+        1,
+        "default_queue_policy {\n"
+        "    default_timeout_microseconds: 300000\n"
+        "    allow_timeout_override: true\n  }",
+        800,
+    ),
+    "delayed": (
+        2,
+        1,
+        "default_queue_policy {\n"
+        "    timeout_action: DELAY\n"
+        "    default_timeout_microseconds: 10000000\n"
+        "    allow_timeout_override: true\n  }",
+        400,
+    ),
+    "ordered": (8, 2, "preserve_ordering: true", 0),
+    "unordered": (8, 2, "", 0),
+    "shapes": (8, 1, "", 300),
+    "reloaded": (8, 1, "", 0),
+}
+
+
+def _config_path(root: Path, name: str) -> Path:
+    return root / name / "config.pbtxt"
+
+
+def _set_dynamic_batching(root: Path, name: str, body: str) -> None:
+    path = _config_path(root, name)
+    text, n = re.subn(
+        r"dynamic_batching \{.*?\n\}",
+        lambda _: "dynamic_batching {\n  " + body + "\n}",
+        path.read_text(),
+        flags=re.S,
+    )
+    assert n == 1, text
+    path.write_text(text)
+
+
+def _write_repository(root: Path) -> None:
+    for name, (max_batch, instances, body, delay_ms) in MODELS.items():
+        write_identity(
+            root, name, "FP32", dims=[-1], max_batch_size=max_batch, instance_count=instances
+        )
+        _set_dynamic_batching(root, name, body)
+        if delay_ms:
+            path = _config_path(root, name)
+            param = f'key: "execute_delay_ms" value {{ string_value: "{delay_ms}" }}'
+            path.write_text(path.read_text() + f"parameters {{ {param} }}\n")
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("queue_policies")
+    _write_repository(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def stack(repo: Path) -> Iterator[RunningStack]:
+    with stack_retrying(repo, control_mode="explicit", load_models=("*",)) as s:
+        c = s.client()
+        # Open the gateway's scheduler stream with one request before any
+        # concurrent traffic, then touch every model once (queue created,
+        # instance warm) so no test pays first-request costs.
+        c.infer("unordered", [_input(np.zeros((1, 4), np.float32))], client_timeout=RPC_TIMEOUT_S)
+        warm = Calls(c, "")
+        for name in MODELS:
+            warm.model = name
+            warm.send(name)
+        warm.wait()
+        assert all(o.error is None for o in warm.outcomes), warm.outcomes
+        yield s
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def _input(data: np.ndarray) -> grpcclient.InferInput:
+    return tensor_input("INPUT0", data, "FP32")
+
+
+@dataclass
+class Outcome:
+    tag: str
+    data: np.ndarray
+    sent: float
+    done: float | None = None
+    result: grpcclient.InferResult | None = None
+    error: InferenceServerException | None = None
+    finished: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def elapsed(self) -> float:
+        assert self.done is not None
+        return self.done - self.sent
+
+    def ok(self) -> None:
+        """It succeeded and got its own data back."""
+        assert self.error is None, f"{self.tag}: {self.error}"
+        assert self.result is not None
+        np.testing.assert_array_equal(self.result.as_numpy("OUTPUT0"), self.data)
+
+    def rejected(self, *fragments: str) -> str:
+        """It failed with UNAVAILABLE; returns the message."""
+        assert self.error is not None, f"{self.tag} succeeded"
+        assert self.error.status() == UNAVAILABLE, f"{self.tag}: {self.error}"
+        message = self.error.message() or ""
+        for fragment in fragments:
+            assert fragment.lower() in message.lower(), (fragment, message)
+        return message
+
+
+class Calls:
+    """Concurrent async_infer calls to one model, with completion times."""
+
+    def __init__(self, client: grpcclient.InferenceServerClient, model: str) -> None:
+        self.client = client
+        self.model = model
+        self.outcomes: list[Outcome] = []
+
+    def send(self, tag: str, shape=(1, 4), **kwargs) -> Outcome:
+        value = float(len(self.outcomes) + 1)
+        data = np.full(shape, value, np.float32)
+        outcome = Outcome(tag, data, time.monotonic())
+
+        def callback(result, error) -> None:
+            outcome.done = time.monotonic()
+            outcome.result, outcome.error = result, error
+            outcome.finished.set()
+
+        self.outcomes.append(outcome)
+        self.client.async_infer(
+            self.model,
+            [_input(data)],
+            callback=callback,
+            client_timeout=RPC_TIMEOUT_S,
+            **kwargs,
+        )
+        return outcome
+
+    def wait(self) -> None:
+        for o in self.outcomes:
+            assert o.finished.wait(RPC_TIMEOUT_S + 5), f"{o.tag}: no answer"
+
+    def completion_order(self) -> list[str]:
+        return [o.tag for o in sorted(self.outcomes, key=lambda o: o.done)]
+
+
+def _blocked(stack: RunningStack, model: str) -> tuple[grpcclient.InferenceServerClient, Calls]:
+    """A client and a Calls whose first request ("blocker") is executing."""
+    c = stack.client()
+    calls = Calls(c, model)
+    calls.send("blocker")
+    time.sleep(SETTLE_S)
+    return c, calls
+
+
+def _fail_count(c: grpcclient.InferenceServerClient, model: str) -> int:
+    return model_stats(c, model).inference_stats.fail.count
+
+
+def _success_count(c: grpcclient.InferenceServerClient, model: str) -> int:
+    return model_stats(c, model).inference_stats.success.count
+
+
+# ------------------------------------------------------------------ priority
+
+
+def test_high_priority_request_overtakes_queued_low_priority_ones(stack: RunningStack) -> None:
+    _, calls = _blocked(stack, "prio")
+    # priority 2 is the default level; 0 and out-of-range (9 > 2 levels) mean it too
+    for tag, priority in (("low-2", 2), ("low-0", 0), ("low-9", 9)):
+        calls.send(tag, priority=priority)
+        time.sleep(GAP_S)
+    high = calls.send("high", priority=1)
+    calls.wait()
+    for o in calls.outcomes:
+        o.ok()
+    assert calls.completion_order() == ["blocker", "high", "low-2", "low-0", "low-9"]
+    # it ran right after the blocker: one execution (300 ms) after it was sent
+    # at the latest, not behind the three low ones (~1.2 s)
+    assert high.elapsed < 0.9, high.elapsed
+
+
+# ------------------------------------------------------------------ max_queue_size
+
+
+def test_max_queue_size_rejects_overflow_with_unavailable(stack: RunningStack) -> None:
+    c = stack.client()
+    fails0, successes0 = _fail_count(c, "bounded"), _success_count(c, "bounded")
+    _, calls = _blocked(stack, "bounded")
+    blocker = calls.outcomes[0]
+    for k in range(6):
+        calls.send(f"q{k}")
+        time.sleep(GAP_S / 4)
+    calls.wait()
+    blocker.ok()
+    queued = calls.outcomes[1:]
+    rejected = [o for o in queued if o.error is not None]
+    accepted = [o for o in queued if o.error is None]
+    assert len(accepted) == 2 and len(rejected) == 4, [(o.tag, o.error) for o in queued]
+    for o in accepted:
+        o.ok()
+    for o in rejected:
+        message = o.rejected("Exceeds maximum queue size")
+        assert "full" in message, message
+        assert "bounded" in message, message
+        # answered at once, not after the blocker finished
+        assert o.done < blocker.done, (o.tag, o.elapsed)
+    # the model still serves
+    r = c.infer("bounded", [_input(np.ones((1, 3), np.float32))], client_timeout=RPC_TIMEOUT_S)
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), np.ones((1, 3), np.float32))
+    assert _fail_count(c, "bounded") - fails0 == 4
+    assert _success_count(c, "bounded") - successes0 == 4
+
+
+# ------------------------------------------------------------------ timeouts
+
+
+def test_timeout_reject_answers_at_the_deadline_not_after_the_execution(
+    stack: RunningStack,
+) -> None:
+    c = stack.client()
+    fails0 = _fail_count(c, "reject")
+    _, calls = _blocked(stack, "reject")
+    blocker = calls.outcomes[0]
+    victim = calls.send("victim")
+    calls.wait()
+    # the blocker ran for 1 s, longer than the 200 ms queue timeout: the timeout
+    # bounds the time in the queue only
+    blocker.ok()
+    victim.rejected("timeout")
+    # 200 ms after it was queued; the blocker still had ~650 ms to run
+    assert 0.195 <= victim.elapsed < 0.6, victim.elapsed
+    assert victim.done < blocker.done
+    assert _fail_count(c, "reject") - fails0 == 1
+
+
+def test_timeout_override_applies_when_allowed(stack: RunningStack) -> None:
+    _, calls = _blocked(stack, "override_on")
+    blocker = calls.outcomes[0]
+    timed = calls.send("timed", timeout=200_000)  # microseconds
+    time.sleep(GAP_S)
+    patient = calls.send("patient")  # no timeout: the default is none
+    calls.wait()
+    blocker.ok()
+    timed.rejected("timeout")
+    assert 0.195 <= timed.elapsed < 0.5, timed.elapsed  # the blocker runs 800 ms
+    assert timed.done < blocker.done
+    patient.ok()
+    assert patient.done > blocker.done
+
+
+def test_timeout_override_is_ignored_when_not_allowed(stack: RunningStack) -> None:
+    _, calls = _blocked(stack, "override_off")
+    blocker = calls.outcomes[0]
+    timed = calls.send("timed", timeout=100_000)
+    calls.wait()
+    blocker.ok()
+    timed.ok()
+    # it waited for the blocker (500 ms), far past its 100 ms
+    assert timed.elapsed > 0.25, timed.elapsed
+    assert calls.completion_order() == ["blocker", "timed"]
+
+
+def test_timeout_override_can_shorten_but_not_extend_the_default(stack: RunningStack) -> None:
+    _, calls = _blocked(stack, "override_cap")  # default 300 ms, blocker runs 800 ms
+    blocker = calls.outcomes[0]
+    short = calls.send("short", timeout=100_000)
+    long = calls.send("long", timeout=10_000_000)
+    calls.wait()
+    blocker.ok()
+    short.rejected("timeout")
+    long.rejected("timeout")
+    assert 0.095 <= short.elapsed < 0.28, short.elapsed
+    assert 0.295 <= long.elapsed < 0.6, long.elapsed  # the 300 ms default, not 10 s
+    assert short.done < long.done < blocker.done
+
+
+def test_timeout_delay_puts_expired_requests_behind_live_ones(stack: RunningStack) -> None:
+    # max_batch_size 2, blocker 400 ms; default timeout 10 s, overridable
+    _, calls = _blocked(stack, "delayed")
+    blocker = calls.outcomes[0]
+    expired = [calls.send("expired-1", timeout=30_000), calls.send("expired-2", timeout=30_000)]
+    time.sleep(0.08)  # both are past their 30 ms now
+    live = [calls.send("live-1"), calls.send("live-2")]
+    calls.wait()
+    for o in calls.outcomes:
+        o.ok()  # DELAY never rejects
+    assert all(o.done > blocker.done for o in expired + live)
+    # the live ones (queued later) ran first, the expired ones after them
+    assert max(o.done for o in live) < min(o.done for o in expired), calls.completion_order()
+
+
+# ------------------------------------------------------------------ preserve_ordering
+
+
+def _stream(c: grpcclient.InferenceServerClient, model: str, arrays: list[np.ndarray]) -> list[str]:
+    """Send arrays on one stream concurrently; the request ids in answer order."""
+    answers: list[tuple[grpcclient.InferResult | None, InferenceServerException | None]] = []
+    done = threading.Event()
+
+    def callback(result, error) -> None:
+        answers.append((result, error))
+        if len(answers) == len(arrays):
+            done.set()
+
+    c.start_stream(callback=callback)
+    try:
+        for i, a in enumerate(arrays):
+            c.async_stream_infer(model, [_input(a)], request_id=str(i))
+        assert done.wait(RPC_TIMEOUT_S), f"{len(answers)} of {len(arrays)} answers"
+    finally:
+        c.stop_stream(cancel_requests=True)
+    ids = []
+    for result, error in answers:
+        assert error is None, error
+        rid = result.get_response().id
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), arrays[int(rid)])
+        ids.append(rid)
+    return ids
+
+
+def _big_then_small() -> list[np.ndarray]:
+    # The big request is dispatched first but takes longer (16 MB through
+    # every hop and back) than the small ones on the model's second instance.
+    big = np.full((1, 4_000_000), 7.0, np.float32)
+    return [big] + [np.full((1, 4), float(k), np.float32) for k in range(1, 5)]
+
+
+def test_preserve_ordering_releases_responses_in_dispatch_order(stack: RunningStack) -> None:
+    c = stack.client()
+    arrays = _big_then_small()
+    # premise: without preserve_ordering the small requests finish first
+    unordered = _stream(c, "unordered", arrays)
+    assert unordered[0] != "0", unordered
+    ordered = _stream(c, "ordered", arrays)
+    assert ordered == [str(i) for i in range(len(arrays))]
+
+
+def test_preserve_ordering_stream_of_concurrent_requests(stack: RunningStack) -> None:
+    c = stack.client()
+    arrays = [np.full((1, 1 + k % 3), float(k), np.float32) for k in range(16)]
+    assert _stream(c, "ordered", arrays) == [str(i) for i in range(16)]
+
+
+# ------------------------------------------------------------------ shapes
+
+
+def _batch_counts(stats) -> Counter:
+    return Counter({b.batch_size: b.compute_infer.count for b in stats.batch_stats})
+
+
+def test_requests_of_different_shapes_never_share_a_batch(stack: RunningStack) -> None:
+    c = stack.client()
+    before = model_stats(c, "shapes")
+    calls = Calls(c, "shapes")
+    calls.send("blocker", shape=(1, 2))
+    time.sleep(SETTLE_S)
+    for tag, width in (("a1", 4), ("a2", 4), ("a3", 4), ("b1", 6), ("b2", 6), ("a4", 4)):
+        calls.send(tag, shape=(1, width))
+        time.sleep(GAP_S)
+    calls.wait()
+    for o in calls.outcomes:
+        o.ok()  # every request got its own data and shape back
+    after = model_stats(c, "shapes")
+    assert after.inference_count - before.inference_count == 7
+    # blocker, [a1 a2 a3], [b1 b2], [a4]: a batch ends at the first other shape
+    assert after.execution_count - before.execution_count == 4
+    assert _batch_counts(after) - _batch_counts(before) == Counter({1: 2, 3: 1, 2: 1})
+    done = {o.tag: o.done for o in calls.outcomes}
+    assert done["a1"] == pytest.approx(done["a3"], abs=0.15)
+    assert done["a3"] < done["b1"] < done["a4"]
+
+
+# ------------------------------------------------------------------ parameters
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "value"),
+    [
+        ("priority", "string_param", "high"),
+        ("priority", "bool_param", True),
+        ("priority", "double_param", 1.0),
+        ("timeout", "string_param", "100"),
+        ("timeout", "bool_param", True),
+        ("timeout", "double_param", 0.5),
+    ],
+)
+def test_wrong_type_priority_or_timeout_is_invalid_argument(
+    stack: RunningStack, name: str, kind: str, value
+) -> None:
+    request = raw_request("prio", [("INPUT0", "FP32", [1, 4])])
+    request.raw_input_contents.append(np.ones((1, 4), np.float32).tobytes())
+    setattr(request.parameters[name], kind, value)
+    expect_raw_error(stack.url, request, grpc.StatusCode.INVALID_ARGUMENT, (name,))
+
+
+def test_integer_priority_and_timeout_parameters_are_accepted(stack: RunningStack) -> None:
+    request = raw_request("unordered", [("INPUT0", "FP32", [1, 4])])
+    request.raw_input_contents.append(np.ones((1, 4), np.float32).tobytes())
+    request.parameters["priority"].int64_param = 3  # no priority levels: ignored
+    request.parameters["timeout"].uint64_param = 5_000_000
+    response = raw_infer(stack.url, request)
+    assert response.outputs[0].name == "OUTPUT0"
+    # tritonclient's own way (uint64 priority, int64 timeout)
+    c = stack.client()
+    r = c.infer(
+        "prio",
+        [_input(np.ones((1, 2), np.float32))],
+        priority=1,
+        timeout=5_000_000,
+        client_timeout=RPC_TIMEOUT_S,
+    )
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), np.ones((1, 2), np.float32))
+    # "timeout" is not reserved in tritonclient's `parameters`: a string goes out as is
+    expect_error(
+        c.infer,
+        "prio",
+        [_input(np.ones((1, 2), np.float32))],
+        status=INVALID,
+        contains=("timeout",),
+        parameters={"timeout": "100"},
+        client_timeout=RPC_TIMEOUT_S,
+    )
+
+
+# ------------------------------------------------------------------ reload
+
+
+def test_reload_turning_preserve_ordering_on_keeps_answering(
+    stack: RunningStack, repo: Path
+) -> None:
+    c = stack.client()
+    x = np.ones((1, 4), np.float32)
+    for _ in range(3):
+        c.infer("reloaded", [_input(x)], client_timeout=RPC_TIMEOUT_S)
+    _set_dynamic_batching(repo, "reloaded", "preserve_ordering: true")
+    c.load_model("reloaded", client_timeout=RPC_TIMEOUT_S)
+    r = c.infer("reloaded", [_input(x)], client_timeout=5.0)
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), x)

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     _redis(wk)
     _common(wk)
 
+    run = sub.add_parser("exec", help=argparse.SUPPRESS)  # launcher: run a binary as a child
+    run.add_argument("argv", nargs=argparse.REMAINDER)
+
     ex = sub.add_parser("make-examples", help="write the example model repository")
     ex.add_argument("directory", type=Path)
     return parser
@@ -109,7 +112,12 @@ def _need(args: argparse.Namespace, *names: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from stageserve.launcher import die_with_parent
+
+    die_with_parent()
     args = build_parser().parse_args(argv)
+    if args.command == "exec":  # PDEATHSIG survives exec: redis-server dies with us too
+        os.execv(args.argv[0], args.argv)
     if args.command == "make-examples":
         from stageserve.examples import build_example_repository
 

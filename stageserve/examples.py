@@ -19,8 +19,8 @@ import argparse
 import sys
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx

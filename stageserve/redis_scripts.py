@@ -185,3 +185,17 @@ for i = 5, #ARGV, 3 do
 end
 return out
 """
+
+# ARGV: prefix, now_ms, lease_ms, grant ids... -> the ids no longer held
+RENEW = """
+local p, deadline = ARGV[1], tonumber(ARGV[2]) + tonumber(ARGV[3])
+local lost = {}
+for i = 4, #ARGV do
+  if redis.call('ZSCORE', p .. 'grants', ARGV[i]) then
+    redis.call('ZADD', p .. 'grants', 'XX', deadline, ARGV[i])
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+"""

@@ -40,8 +40,6 @@ class ModelEntry:
     config: mc.ModelConfig | None = None
     spec: ModelSpec | None = None
     generation: int = 0
-    in_flight: int = 0
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def ready_versions(self) -> list[int]:
         return sorted(v for v, s in self.versions.items() if s == READY)
@@ -63,6 +61,8 @@ class ModelManager:
         self.load_timeout_s = load_timeout_s
         self.entries: dict[str, ModelEntry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._in_flight: dict[str, int] = {}
+        self._idle: dict[str, asyncio.Event] = {}
 
     # ----------------------------------------------------------------- lookup
 
@@ -126,14 +126,15 @@ class ModelManager:
             model = read_model(self.repository, name)
             old = self.entries.get(name)
             if not model.ok:
-                if old is None or not old.ready_versions():
+                in_repository = model.path.is_dir()
+                if in_repository and (old is None or not old.ready_versions()):
                     self.entries[name] = ModelEntry(name, reason=model.error or "")
                 log.error("model load failed", extra={"model": name, "reason": model.error})
                 raise invalid(f"failed to load '{name}': {model.error}")
             assert model.config is not None and model.spec is not None
             start = time.monotonic()
             generation = await self.state.publish_loaded(model.config, model.versions, model.path)
-            versions, reasons = await self._await_instances(name, model.versions)
+            versions, reasons = await self._await_instances(name, model.versions, generation)
             entry = ModelEntry(
                 name,
                 versions=versions,
@@ -142,9 +143,6 @@ class ModelManager:
                 spec=model.spec,
                 generation=generation,
             )
-            entry.idle.set()
-            if old is not None:
-                entry.in_flight = old.in_flight
             self.entries[name] = entry
             seconds = time.monotonic() - start
             for v in entry.ready_versions():
@@ -161,15 +159,18 @@ class ModelManager:
                 raise unavailable(f"failed to load '{name}': " + "; ".join(reasons.values()))
 
     async def _await_instances(
-        self, name: str, versions: tuple[int, ...]
+        self, name: str, versions: tuple[int, ...], generation: int
     ) -> tuple[dict[int, str], dict[int, str]]:
+        """Wait until each version has an instance of this generation (instance ids
+        carry it: .../<version>/g<generation>/<group>/<index>) or a load error."""
+        tag = f"g{generation}"
         deadline = time.monotonic() + self.load_timeout_s
         while True:
             errors = await self.state.load_errors(name)
             resp = await self.ratelimiter.ListInstances(
                 pb.ListInstancesRequest(model=name), timeout=10
             )
-            have = {i.version for i in resp.instances}
+            have = {i.version for i in resp.instances if i.instance_id.split("/")[-3] == tag}
             states = {v: READY if v in have else LOADING for v in versions}
             reasons: dict[int, str] = {}
             for v in versions:
@@ -196,22 +197,26 @@ class ModelManager:
             # Stop admitting, let in-flight requests finish, then withdraw.
             for v in entry.versions:
                 entry.versions[v] = UNLOADING
-            while entry.in_flight:
-                entry.idle.clear()
-                await entry.idle.wait()
+            idle = self._idle.setdefault(name, asyncio.Event())
+            while self._in_flight.get(name, 0):
+                idle.clear()
+                await idle.wait()
             await self.state.publish_unloaded(name)
             self.entries[name] = ModelEntry(name, reason="unloaded")
             log.info("model unloaded", extra={"model": name})
 
     # ------------------------------------------------------------- in-flight
 
+    # Counted per model name, not per entry: a reload replaces the entry while
+    # requests admitted under the old one are still running.
+
     def begin(self, entry: ModelEntry) -> None:
-        entry.in_flight += 1
+        self._in_flight[entry.name] = self._in_flight.get(entry.name, 0) + 1
 
     def end(self, entry: ModelEntry) -> None:
-        entry.in_flight -= 1
-        if entry.in_flight == 0:
-            entry.idle.set()
+        left = self._in_flight[entry.name] = self._in_flight[entry.name] - 1
+        if left == 0 and entry.name in self._idle:
+            self._idle[entry.name].set()
 
     # ------------------------------------------------------------------ index
 

@@ -53,6 +53,7 @@ class RedisRegistry:
         self._acquire = redis.register_script(scripts.ACQUIRE)
         self._release = redis.register_script(scripts.RELEASE)
         self._sweep = redis.register_script(scripts.SWEEP)
+        self._renew = redis.register_script(scripts.RENEW)
 
     async def register(
         self, worker_id: str, address: str, instances: list[Instance], lease_ms: int
@@ -83,6 +84,13 @@ class RedisRegistry:
 
     async def release(self, grant_id: str, failed: bool = False) -> bool:
         return bool(await self._release(args=[self.prefix, grant_id, "1" if failed else "0"]))
+
+    async def renew(self, grant_ids: list[str], lease_ms: int) -> list[str]:
+        """Extend held grants' leases; returns the ids that are no longer held."""
+        if not grant_ids:
+            return []
+        lost = await self._renew(args=[self.prefix, now_ms(), lease_ms, *grant_ids])
+        return [g.decode() for g in lost]
 
     async def sweep(self) -> tuple[int, int]:
         expired, dead = await self._sweep(args=[self.prefix, now_ms()])

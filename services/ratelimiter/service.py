@@ -141,6 +141,10 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             self.wakeups.wake_all()
         return pb.ReleaseResponse()
 
+    async def Renew(self, request: pb.RenewRequest, context) -> pb.RenewResponse:
+        lost = await self.registry.renew(list(request.grant_ids), request.lease_ms or 5000)
+        return pb.RenewResponse(lost_grant_ids=lost)
+
     async def ListInstances(
         self, request: pb.ListInstancesRequest, context
     ) -> pb.ListInstancesResponse:

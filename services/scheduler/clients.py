@@ -27,12 +27,39 @@ class Granted:
 
 
 class RateLimiterClient:
-    def __init__(self, address: str, wait_ms: int = 500, lease_ms: int = 60_000) -> None:
+    """Acquire / release grants, and keep the leases of held grants alive.
+
+    Leases are short (LEASE_MS), so the grants of a scheduler that crashed
+    come free within seconds; a live scheduler renews what it holds every
+    RENEW_S. A renewal also reports grants the rate limiter dropped (their
+    worker died), which the holder must stop using.
+    """
+
+    LEASE_MS = 5_000
+    RENEW_S = 1.0
+
+    def __init__(self, address: str, wait_ms: int = 500, lease_ms: int = LEASE_MS) -> None:
         self.address = address
         self.channel = insecure_channel(address)
         self.stub = pb_grpc.RateLimiterStub(self.channel)
         self.wait_ms = wait_ms
         self.lease_ms = lease_ms
+        self.held: set[str] = set()
+        self.lost: set[str] = set()
+        self._renewer: asyncio.Task | None = None
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.RENEW_S)
+            if not self.held:
+                continue
+            try:
+                resp = await self.stub.Renew(
+                    pb.RenewRequest(grant_ids=list(self.held), lease_ms=self.lease_ms), timeout=2
+                )
+                self.lost.update(resp.lost_grant_ids)
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+                log.warning("grant renewal failed", extra={"error": str(exc)})
 
     async def acquire(self, model: str, version: int) -> Granted | None:
         """A grant, or None when every instance stayed busy for wait_ms.
@@ -58,12 +85,17 @@ class RateLimiterClient:
                 time.perf_counter() - start
             )
         if resp.granted:
+            self.held.add(resp.grant_id)
+            if self._renewer is None:
+                self._renewer = asyncio.create_task(self._renew_forever())
             return Granted(resp.grant_id, resp.instance.instance_id, resp.instance.worker_address)
         if "no instance" in resp.reason:
             raise StageError(grpc.StatusCode.UNAVAILABLE, resp.reason)
         return None
 
     async def release(self, grant_id: str, failed: bool = False, reason: str = "") -> None:
+        self.held.discard(grant_id)
+        self.lost.discard(grant_id)
         try:
             await self.stub.Release(
                 pb.ReleaseRequest(grant_id=grant_id, instance_failed=failed, reason=reason),
@@ -74,6 +106,8 @@ class RateLimiterClient:
             log.warning("release failed", extra={"grant_id": grant_id, "error": str(exc)})
 
     async def close(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
         await self.channel.close()
 
 
@@ -98,6 +132,9 @@ class WorkerStream:
         self._outbox: asyncio.Queue | None = None
         self._reader: asyncio.Task | None = None
         self._timer = STAGE_RPC_DURATION.labels("scheduler", "worker", "Execute")
+        # Set when the stream broke (the worker died or went away); cleared by
+        # the next answer. Grants on a broken worker are not reused.
+        self.broken = False
 
     def _ensure_stream(self) -> asyncio.Queue:
         if self._outbox is not None and self._reader is not None and not self._reader.done():
@@ -117,11 +154,13 @@ class WorkerStream:
         error = WorkerCallError(grpc.StatusCode.UNAVAILABLE, "worker stream closed")
         try:
             async for resp in call:
+                self.broken = False
                 fut = self._pending.pop(resp.id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(resp)
         except grpc.aio.AioRpcError as exc:
             error = WorkerCallError(exc.code(), exc.details() or "worker stream failed")
+            self.broken = exc.code() != grpc.StatusCode.CANCELLED
         finally:
             if self._outbox is outbox:
                 self._outbox = None
@@ -172,6 +211,10 @@ class WorkerClients:
     def __init__(self, execute_timeout_s: float = 300.0) -> None:
         self._streams: dict[str, WorkerStream] = {}
         self.execute_timeout_s = execute_timeout_s
+
+    def is_broken(self, address: str) -> bool:
+        stream = self._streams.get(address)
+        return stream is not None and stream.broken
 
     async def execute(self, address: str, request: pb.ExecuteRequest) -> pb.ExecuteResponse:
         stream = self._streams.get(address)

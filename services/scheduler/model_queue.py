@@ -48,6 +48,8 @@ Respond = Callable[[pb.ScheduleResponse], None]
 
 # How long an idle queue keeps its grants before handing them back.
 STANDBY_HOLD_S = 0.5
+# How often a batch is retried when its instance disappeared under it (a reload).
+MAX_ATTEMPTS = 3
 # How long one grant may be reused before it goes back to the rate limiter
 # (well inside the grant lease, so a held grant never expires under us).
 GRANT_REUSE_S = 2.0
@@ -59,6 +61,8 @@ class Queued:
     respond: Respond
     enqueue_ns: int
     seq: int = 0  # dispatch order, for preserve_ordering
+    pending: Pending | None = None  # its queue entry, to requeue it
+    attempts: int = 0
 
 
 def _policy(p: QueuePolicySpec) -> QueuePolicy:
@@ -166,11 +170,12 @@ class ModelQueue:
     def submit(self, msg: pb.ScheduleRequest, respond: Respond) -> None:
         now = time.monotonic_ns()
         batching = self.spec.batching
-        pending = Pending(
+        queued = Queued(msg, respond, now)
+        pending = queued.pending = Pending(
             batch_size=msg.batch_size if batching else 1,
             shape_key=shape_key(msg, batching),
             enqueue_ns=now,
-            payload=Queued(msg, respond, now),
+            payload=queued,
             priority=int(msg.priority),
         )
         try:
@@ -286,6 +291,7 @@ class ModelQueue:
         else:
             self._spare.append((grant, since))
         self._grant_event.set()
+        self._arrived.set()  # an idle loop starts its standby hold now
 
     async def _acquire_into_spare(self) -> None:
         try:
@@ -304,8 +310,14 @@ class ModelQueue:
         """A held grant if there is one, else wait for a batch to finish or the
         rate limiter to grant another instance. None once the queue emptied."""
         while True:
-            if self._spare:
-                return self._spare.pop()
+            while self._spare:
+                grant, since = self._spare.pop()
+                if self.workers.is_broken(grant.worker_address):
+                    self._spawn(self.ratelimiter.release(grant.grant_id, failed=True))
+                elif grant.grant_id in self.ratelimiter.lost:
+                    self._spawn(self.ratelimiter.release(grant.grant_id))
+                else:
+                    return grant, since
             if not self._has_work():
                 return None
             if self._acquiring is None:
@@ -316,13 +328,27 @@ class ModelQueue:
     # ---------------------------------------------------------------- dispatch
 
     async def _dispatch_loop(self) -> None:
+        idle_since: float | None = None
         while True:
             try:
                 if not self._has_work():
-                    await self._wait_arrival(STANDBY_HOLD_S if self._spare else None)
-                    if not self._has_work():
+                    # Idle: keep held grants STANDBY_HOLD_S for the next request,
+                    # then hand them back. A batch finishing wakes us (its grant
+                    # joins the spares), so the hold starts when the last ends.
+                    if not self._spare:
+                        idle_since = None
+                        await self._wait_arrival(None)
+                        continue
+                    now = time.monotonic()
+                    idle_since = idle_since or now
+                    remaining = STANDBY_HOLD_S - (now - idle_since)
+                    if remaining <= 0:
                         self._release_spare()
+                        idle_since = None
+                    else:
+                        await self._wait_arrival(remaining)
                     continue
+                idle_since = None
                 held = await self._next_grant()
                 if held is None:
                     continue
@@ -377,6 +403,8 @@ class ModelQueue:
                 resp = await self.workers.execute(grant.worker_address, request)
             except WorkerCallError as exc:
                 err, failed_instance = self._execution_error(exc, grant)
+                if failed_instance is None and self._requeue(batch):
+                    return  # the instance was unloaded (a reload): run elsewhere
                 for q in batch:
                     self._deliver(q, error_response(q.msg.id, err))
                 return
@@ -400,6 +428,17 @@ class ModelQueue:
         finally:
             self.executing -= 1
             self._give_back(grant, since, failed_instance)
+
+    def _requeue(self, batch: list[Queued]) -> bool:
+        """Put a batch whose instance went away back at the head of the queue."""
+        if any(q.pending is None or q.attempts >= MAX_ATTEMPTS for q in batch):
+            return False
+        for q in batch:
+            q.attempts += 1
+        self.batcher.requeue_front([q.pending for q in batch if q.pending is not None])
+        self._depth_changed()
+        self._arrived.set()
+        return True
 
     def _execution_error(
         self, exc: WorkerCallError, grant: Granted

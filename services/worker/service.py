@@ -121,11 +121,14 @@ class WorkerService(pb_grpc.WorkerServicer):
         """Make the hosted instances match the published model set."""
         async with self._reconcile_lock:
             wanted = await self.state.loaded()
-            changed = await self._unload_stale(wanted)
+            # New generations load (and register) before old ones unload, so a
+            # reload under traffic never leaves a model without instances.
+            changed = False
             for model in wanted.values():
                 changed |= await self._load(model)
             if changed:
                 await self.register()
+            await self._unload_stale(wanted)
 
     async def _unload_stale(self, wanted: dict[str, LoadedModel]) -> bool:
         stale = [
@@ -148,7 +151,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         return True
 
     async def _load(self, model: LoadedModel) -> bool:
-        hosted = {(i.model, i.version) for i in self.instances.values()}
+        hosted = {(i.model, i.version, i.generation) for i in self.instances.values()}
         groups = [(g, placements(g, self.gpu)) for g in model.spec.instance_groups]
         total = sum(len(p) for _, p in groups)
         threads = int(model.spec.parameters.get("intra_op_thread_count", "0")) or (
@@ -156,7 +159,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         )
         changed = False
         for version in model.versions:
-            if (model.name, version) in hosted:
+            if (model.name, version, model.generation) in hosted:
                 continue
             path = model.path / str(version) / model.spec.model_filename
             loaded: list[HostedInstance] = []
@@ -174,7 +177,10 @@ class WorkerService(pb_grpc.WorkerServicer):
                             },
                             output_types=_output_types(model.spec),
                         )
-                        iid = f"{self.worker_id}/{model.name}/{version}/{g.name}/{index}"
+                        iid = (
+                            f"{self.worker_id}/{model.name}/{version}/g{model.generation}/"
+                            f"{g.name}/{index}"
+                        )
                         loaded.append(
                             HostedInstance(
                                 iid,

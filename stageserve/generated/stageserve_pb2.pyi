@@ -208,6 +208,20 @@ class ReleaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RenewRequest(_message.Message):
+    __slots__ = ("grant_ids", "lease_ms")
+    GRANT_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    grant_ids: _containers.RepeatedScalarFieldContainer[str]
+    lease_ms: int
+    def __init__(self, grant_ids: _Optional[_Iterable[str]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class RenewResponse(_message.Message):
+    __slots__ = ("lost_grant_ids",)
+    LOST_GRANT_IDS_FIELD_NUMBER: _ClassVar[int]
+    lost_grant_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lost_grant_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ListInstancesRequest(_message.Message):
     __slots__ = ("model", "version")
     MODEL_FIELD_NUMBER: _ClassVar[int]

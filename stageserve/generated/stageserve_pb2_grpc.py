@@ -176,6 +176,11 @@ class RateLimiterStub:
                 request_serializer=stageserve__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=stageserve__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/stageserve.v1.RateLimiter/Renew',
+                request_serializer=stageserve__pb2.RenewRequest.SerializeToString,
+                response_deserializer=stageserve__pb2.RenewResponse.FromString,
+                _registered_method=True)
         self.ListInstances = channel.unary_unary(
                 '/stageserve.v1.RateLimiter/ListInstances',
                 request_serializer=stageserve__pb2.ListInstancesRequest.SerializeToString,
@@ -216,6 +221,13 @@ class RateLimiterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Renew(self, request, context):
+        """Extend the leases of grants a scheduler holds (it renews well before expiry).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListInstances(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -249,6 +261,11 @@ def add_RateLimiterServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=stageserve__pb2.ReleaseRequest.FromString,
                     response_serializer=stageserve__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=stageserve__pb2.RenewRequest.FromString,
+                    response_serializer=stageserve__pb2.RenewResponse.SerializeToString,
             ),
             'ListInstances': grpc.unary_unary_rpc_method_handler(
                     servicer.ListInstances,
@@ -391,6 +408,33 @@ class RateLimiter:
             '/stageserve.v1.RateLimiter/Release',
             stageserve__pb2.ReleaseRequest.SerializeToString,
             stageserve__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stageserve.v1.RateLimiter/Renew',
+            stageserve__pb2.RenewRequest.SerializeToString,
+            stageserve__pb2.RenewResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -312,15 +312,6 @@ def test_worker_added_later_registers_and_takes_load(one_worker: RunningStack) -
     assert load.ok() > 0
 
 
-@pytest.mark.xfail(
-    reason="BUG: an idle scheduler keeps a grant it reused for good, past STANDBY_HOLD_S "
-    "(services/scheduler/model_queue.py _dispatch_loop computes its idle wait timeout "
-    "while the last batch still holds the grant -> waits with timeout None; _give_back then "
-    "parks the grant in _spare where nothing releases it). When that worker dies, the rate "
-    "limiter removes it, yet the next request runs on the stale grant and fails UNAVAILABLE "
-    "'worker ... failed while executing ... Connection refused'",
-    strict=True,
-)
 def test_worker_added_later_serves_alone_after_the_first_dies(one_worker: RunningStack) -> None:
     s = one_worker
     first = s.workers[0]
@@ -340,14 +331,6 @@ def test_worker_added_later_serves_alone_after_the_first_dies(one_worker: Runnin
     infer_simple(c)
 
 
-@pytest.mark.xfail(
-    reason="BUG: an idle scheduler holds an execution grant indefinitely (same cause as "
-    "test_worker_added_later_serves_alone_after_the_first_dies): with one instance, "
-    "ss:rl:grants stays non-empty long after the last request, so other schedulers could "
-    "not get that instance and the grant's 60 s lease would expire under a holder that "
-    "still uses it",
-    strict=True,
-)
 def test_idle_scheduler_returns_its_grants(one_worker: RunningStack) -> None:
     s = one_worker
     c = s.client()

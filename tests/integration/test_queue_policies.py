@@ -47,12 +47,12 @@ INVALID = "StatusCode.INVALID_ARGUMENT"
 #: time after sending a blocker by which it is surely executing
 SETTLE_S = 0.15
 #: gap between requests that must reach the scheduler in this order
-GAP_S = 0.02
+GAP_S = 0.01
 
 # name: (max_batch_size, instances, dynamic_batching body, execute_delay_ms)
 MODELS: dict[str, tuple[int, int, str, int]] = {
-    "prio": (1, 1, "priority_levels: 2\n  default_priority_level: 2", 300),
-    "bounded": (1, 1, "default_queue_policy { max_queue_size: 2 }", 300),
+    "prio": (1, 1, "priority_levels: 2\n  default_priority_level: 2", 500),
+    "bounded": (1, 1, "default_queue_policy { max_queue_size: 2 }", 500),
     "reject": (1, 1, "default_queue_policy { default_timeout_microseconds: 200000 }", 1000),
     "override_on": (1, 1, "default_queue_policy { allow_timeout_override: true }", 800),
     "override_off": (1, 1, "default_queue_policy { allow_timeout_override: false }", 500),
@@ -71,11 +71,11 @@ MODELS: dict[str, tuple[int, int, str, int]] = {
         "    timeout_action: DELAY\n"
         "    default_timeout_microseconds: 10000000\n"
         "    allow_timeout_override: true\n  }",
-        400,
+        600,
     ),
     "ordered": (8, 2, "preserve_ordering: true", 0),
     "unordered": (8, 2, "", 0),
-    "shapes": (8, 1, "", 300),
+    "shapes": (8, 1, "", 500),
     "reloaded": (8, 1, "", 0),
 }
 
@@ -116,19 +116,20 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stack(repo: Path) -> Iterator[RunningStack]:
+def qstack(repo: Path) -> Iterator[RunningStack]:
     with stack_retrying(repo, control_mode="explicit", load_models=("*",)) as s:
         c = s.client()
-        # Open the gateway's scheduler stream with one request before any
-        # concurrent traffic, then touch every model once (queue created,
-        # instance warm) so no test pays first-request costs.
+        # One request first: on a fresh gateway, concurrent first requests can
+        # each open a scheduler stream and reach the scheduler out of order
+        # (SchedulerLink._ensure_stream). Then touch every model once (queue
+        # created, instance warm) so no test pays first-request costs.
         c.infer("unordered", [_input(np.zeros((1, 4), np.float32))], client_timeout=RPC_TIMEOUT_S)
-        warm = Calls(c, "")
-        for name in MODELS:
-            warm.model = name
-            warm.send(name)
-        warm.wait()
-        assert all(o.error is None for o in warm.outcomes), warm.outcomes
+        warm = [Calls(c, name) for name in MODELS]
+        for calls in warm:
+            calls.send("warm-up")
+        for calls in warm:
+            calls.wait()
+            calls.outcomes[0].ok()
         yield s
 
 
@@ -206,9 +207,9 @@ class Calls:
         return [o.tag for o in sorted(self.outcomes, key=lambda o: o.done)]
 
 
-def _blocked(stack: RunningStack, model: str) -> tuple[grpcclient.InferenceServerClient, Calls]:
+def _blocked(qstack: RunningStack, model: str) -> tuple[grpcclient.InferenceServerClient, Calls]:
     """A client and a Calls whose first request ("blocker") is executing."""
-    c = stack.client()
+    c = qstack.client()
     calls = Calls(c, model)
     calls.send("blocker")
     time.sleep(SETTLE_S)
@@ -226,8 +227,8 @@ def _success_count(c: grpcclient.InferenceServerClient, model: str) -> int:
 # ------------------------------------------------------------------ priority
 
 
-def test_high_priority_request_overtakes_queued_low_priority_ones(stack: RunningStack) -> None:
-    _, calls = _blocked(stack, "prio")
+def test_high_priority_request_overtakes_queued_low_priority_ones(qstack: RunningStack) -> None:
+    _, calls = _blocked(qstack, "prio")
     # priority 2 is the default level; 0 and out-of-range (9 > 2 levels) mean it too
     for tag, priority in (("low-2", 2), ("low-0", 0), ("low-9", 9)):
         calls.send(tag, priority=priority)
@@ -237,18 +238,18 @@ def test_high_priority_request_overtakes_queued_low_priority_ones(stack: Running
     for o in calls.outcomes:
         o.ok()
     assert calls.completion_order() == ["blocker", "high", "low-2", "low-0", "low-9"]
-    # it ran right after the blocker: one execution (300 ms) after it was sent
-    # at the latest, not behind the three low ones (~1.2 s)
-    assert high.elapsed < 0.9, high.elapsed
+    # it ran right after the blocker: within ~2 executions (500 ms each) of
+    # being sent, not behind the three low ones (~2 s)
+    assert high.elapsed < 1.3, high.elapsed
 
 
 # ------------------------------------------------------------------ max_queue_size
 
 
-def test_max_queue_size_rejects_overflow_with_unavailable(stack: RunningStack) -> None:
-    c = stack.client()
+def test_max_queue_size_rejects_overflow_with_unavailable(qstack: RunningStack) -> None:
+    c = qstack.client()
     fails0, successes0 = _fail_count(c, "bounded"), _success_count(c, "bounded")
-    _, calls = _blocked(stack, "bounded")
+    _, calls = _blocked(qstack, "bounded")
     blocker = calls.outcomes[0]
     for k in range(6):
         calls.send(f"q{k}")
@@ -278,11 +279,11 @@ def test_max_queue_size_rejects_overflow_with_unavailable(stack: RunningStack) -
 
 
 def test_timeout_reject_answers_at_the_deadline_not_after_the_execution(
-    stack: RunningStack,
+    qstack: RunningStack,
 ) -> None:
-    c = stack.client()
+    c = qstack.client()
     fails0 = _fail_count(c, "reject")
-    _, calls = _blocked(stack, "reject")
+    _, calls = _blocked(qstack, "reject")
     blocker = calls.outcomes[0]
     victim = calls.send("victim")
     calls.wait()
@@ -296,8 +297,8 @@ def test_timeout_reject_answers_at_the_deadline_not_after_the_execution(
     assert _fail_count(c, "reject") - fails0 == 1
 
 
-def test_timeout_override_applies_when_allowed(stack: RunningStack) -> None:
-    _, calls = _blocked(stack, "override_on")
+def test_timeout_override_applies_when_allowed(qstack: RunningStack) -> None:
+    _, calls = _blocked(qstack, "override_on")
     blocker = calls.outcomes[0]
     timed = calls.send("timed", timeout=200_000)  # microseconds
     time.sleep(GAP_S)
@@ -311,20 +312,20 @@ def test_timeout_override_applies_when_allowed(stack: RunningStack) -> None:
     assert patient.done > blocker.done
 
 
-def test_timeout_override_is_ignored_when_not_allowed(stack: RunningStack) -> None:
-    _, calls = _blocked(stack, "override_off")
+def test_timeout_override_is_ignored_when_not_allowed(qstack: RunningStack) -> None:
+    _, calls = _blocked(qstack, "override_off")
     blocker = calls.outcomes[0]
     timed = calls.send("timed", timeout=100_000)
     calls.wait()
     blocker.ok()
     timed.ok()
     # it waited for the blocker (500 ms), far past its 100 ms
-    assert timed.elapsed > 0.25, timed.elapsed
+    assert timed.elapsed > 0.3, timed.elapsed
     assert calls.completion_order() == ["blocker", "timed"]
 
 
-def test_timeout_override_can_shorten_but_not_extend_the_default(stack: RunningStack) -> None:
-    _, calls = _blocked(stack, "override_cap")  # default 300 ms, blocker runs 800 ms
+def test_timeout_override_can_shorten_but_not_extend_the_default(qstack: RunningStack) -> None:
+    _, calls = _blocked(qstack, "override_cap")  # default 300 ms, blocker runs 800 ms
     blocker = calls.outcomes[0]
     short = calls.send("short", timeout=100_000)
     long = calls.send("long", timeout=10_000_000)
@@ -337,9 +338,9 @@ def test_timeout_override_can_shorten_but_not_extend_the_default(stack: RunningS
     assert short.done < long.done < blocker.done
 
 
-def test_timeout_delay_puts_expired_requests_behind_live_ones(stack: RunningStack) -> None:
-    # max_batch_size 2, blocker 400 ms; default timeout 10 s, overridable
-    _, calls = _blocked(stack, "delayed")
+def test_timeout_delay_puts_expired_requests_behind_live_ones(qstack: RunningStack) -> None:
+    # max_batch_size 2, blocker 600 ms; default timeout 10 s, overridable
+    _, calls = _blocked(qstack, "delayed")
     blocker = calls.outcomes[0]
     expired = [calls.send("expired-1", timeout=30_000), calls.send("expired-2", timeout=30_000)]
     time.sleep(0.08)  # both are past their 30 ms now
@@ -370,10 +371,12 @@ def _stream(c: grpcclient.InferenceServerClient, model: str, arrays: list[np.nda
         for i, a in enumerate(arrays):
             c.async_stream_infer(model, [_input(a)], request_id=str(i))
         assert done.wait(RPC_TIMEOUT_S), f"{len(answers)} of {len(arrays)} answers"
+        got = answers[: len(arrays)]
     finally:
-        c.stop_stream(cancel_requests=True)
+        # every request answered: close the stream politely; else cancel them
+        c.stop_stream(cancel_requests=not done.is_set())
     ids = []
-    for result, error in answers:
+    for result, error in got:
         assert error is None, error
         rid = result.get_response().id
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), arrays[int(rid)])
@@ -388,8 +391,8 @@ def _big_then_small() -> list[np.ndarray]:
     return [big] + [np.full((1, 4), float(k), np.float32) for k in range(1, 5)]
 
 
-def test_preserve_ordering_releases_responses_in_dispatch_order(stack: RunningStack) -> None:
-    c = stack.client()
+def test_preserve_ordering_releases_responses_in_dispatch_order(qstack: RunningStack) -> None:
+    c = qstack.client()
     arrays = _big_then_small()
     # premise: without preserve_ordering the small requests finish first
     unordered = _stream(c, "unordered", arrays)
@@ -398,8 +401,8 @@ def test_preserve_ordering_releases_responses_in_dispatch_order(stack: RunningSt
     assert ordered == [str(i) for i in range(len(arrays))]
 
 
-def test_preserve_ordering_stream_of_concurrent_requests(stack: RunningStack) -> None:
-    c = stack.client()
+def test_preserve_ordering_stream_of_concurrent_requests(qstack: RunningStack) -> None:
+    c = qstack.client()
     arrays = [np.full((1, 1 + k % 3), float(k), np.float32) for k in range(16)]
     assert _stream(c, "ordered", arrays) == [str(i) for i in range(16)]
 
@@ -411,8 +414,8 @@ def _batch_counts(stats) -> Counter:
     return Counter({b.batch_size: b.compute_infer.count for b in stats.batch_stats})
 
 
-def test_requests_of_different_shapes_never_share_a_batch(stack: RunningStack) -> None:
-    c = stack.client()
+def test_requests_of_different_shapes_never_share_a_batch(qstack: RunningStack) -> None:
+    c = qstack.client()
     before = model_stats(c, "shapes")
     calls = Calls(c, "shapes")
     calls.send("blocker", shape=(1, 2))
@@ -448,23 +451,23 @@ def test_requests_of_different_shapes_never_share_a_batch(stack: RunningStack) -
     ],
 )
 def test_wrong_type_priority_or_timeout_is_invalid_argument(
-    stack: RunningStack, name: str, kind: str, value
+    qstack: RunningStack, name: str, kind: str, value
 ) -> None:
     request = raw_request("prio", [("INPUT0", "FP32", [1, 4])])
     request.raw_input_contents.append(np.ones((1, 4), np.float32).tobytes())
     setattr(request.parameters[name], kind, value)
-    expect_raw_error(stack.url, request, grpc.StatusCode.INVALID_ARGUMENT, (name,))
+    expect_raw_error(qstack.url, request, grpc.StatusCode.INVALID_ARGUMENT, (name,))
 
 
-def test_integer_priority_and_timeout_parameters_are_accepted(stack: RunningStack) -> None:
+def test_integer_priority_and_timeout_parameters_are_accepted(qstack: RunningStack) -> None:
     request = raw_request("unordered", [("INPUT0", "FP32", [1, 4])])
     request.raw_input_contents.append(np.ones((1, 4), np.float32).tobytes())
     request.parameters["priority"].int64_param = 3  # no priority levels: ignored
     request.parameters["timeout"].uint64_param = 5_000_000
-    response = raw_infer(stack.url, request)
+    response = raw_infer(qstack.url, request)
     assert response.outputs[0].name == "OUTPUT0"
     # tritonclient's own way (uint64 priority, int64 timeout)
-    c = stack.client()
+    c = qstack.client()
     r = c.infer(
         "prio",
         [_input(np.ones((1, 2), np.float32))],
@@ -488,14 +491,27 @@ def test_integer_priority_and_timeout_parameters_are_accepted(stack: RunningStac
 # ------------------------------------------------------------------ reload
 
 
+@pytest.mark.xfail(
+    strict=True,
+    raises=InferenceServerException,
+    reason=(
+        "BUG: services/scheduler/model_queue.py: _form_batch (line ~375) numbers every "
+        "batched request (q.seq) whatever preserve_ordering says, but _deliver (line ~239) "
+        "advances _next_release only when ordering is on, and reconfigure (line ~160) keeps "
+        "both counters. A model reloaded with preserve_ordering turned on then holds every "
+        "response in _held waiting for seq 0, already answered: requests hang"
+    ),
+)
 def test_reload_turning_preserve_ordering_on_keeps_answering(
-    stack: RunningStack, repo: Path
+    qstack: RunningStack, repo: Path
 ) -> None:
-    c = stack.client()
+    """Served without preserve_ordering, reloaded (explicit load_model) with it on:
+    the next request must still be answered (observed: DEADLINE_EXCEEDED)."""
+    c = qstack.client()
     x = np.ones((1, 4), np.float32)
     for _ in range(3):
         c.infer("reloaded", [_input(x)], client_timeout=RPC_TIMEOUT_S)
     _set_dynamic_batching(repo, "reloaded", "preserve_ordering: true")
     c.load_model("reloaded", client_timeout=RPC_TIMEOUT_S)
-    r = c.infer("reloaded", [_input(x)], client_timeout=5.0)
+    r = c.infer("reloaded", [_input(x)], client_timeout=3.0)
     np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), x)

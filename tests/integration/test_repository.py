@@ -292,13 +292,6 @@ def test_explicit_load_of_missing_model_fails_clearly(explicit: RunningStack) ->
     infer_simple(c)
 
 
-@pytest.mark.xfail(
-    reason="BUG: after a failed load_model of a name that is not in the repository, "
-    "services/gateway/models.py ModelManager.load stores ModelEntry(name, reason=...) for it, "
-    "so resolve() answers UNAVAILABLE '... is not ready: ...' instead of NOT_FOUND "
-    "'unknown model' for every later request to that name",
-    strict=True,
-)
 def test_explicit_failed_load_of_missing_model_keeps_it_unknown(explicit: RunningStack) -> None:
     c = explicit.client()
     expect_error(c.load_model, "never_there", client_timeout=RPC_TIMEOUT_S, status=INVALID)
@@ -462,28 +455,11 @@ def _reload_under_load(running: RunningStack, reloads: int = 4) -> list[str]:
     return outcomes
 
 
-@pytest.mark.xfail(
-    reason="BUG: reloading a loaded model drops requests: load_model returns as soon as the "
-    "OLD generation's instances are listed (services/gateway/models.py _await_instances "
-    "checks versions, not generation), then the worker deregisters the old instances "
-    "before registering the new ones (services/worker/service.py reconcile: _unload_stale "
-    "then _load): requests fail UNAVAILABLE 'no instance of model 'mlp' version 1 is "
-    "registered' or 'instance went away: ... is not hosted here'",
-    strict=True,
-)
 def test_reload_of_a_loaded_model_keeps_serving(reload_stack: RunningStack) -> None:
     outcomes = _reload_under_load(reload_stack)
     assert [o for o in outcomes if o != "ok"] == []
 
 
-@pytest.mark.xfail(
-    reason="BUG: unload hangs forever after a reload that happened while requests were in "
-    "flight: services/gateway/models.py ModelManager.load copies old.in_flight into the new "
-    "entry, but those requests later call end() on the OLD entry, so the new entry's "
-    "in_flight never returns to 0 and unload() waits on entry.idle forever (holding the "
-    "model lock, so later load/unload of that model hang too)",
-    strict=True,
-)
 def test_unload_after_reload_under_load_completes(reload_stack: RunningStack) -> None:
     _reload_under_load(reload_stack)
     c = reload_stack.client()

@@ -20,6 +20,7 @@ from stageserve.generated import model_config_pb2 as mc
 ONNX_PLATFORM = "onnxruntime_onnx"
 ONNX_BACKEND = "onnxruntime"
 DEFAULT_ONNX_FILENAME = "model.onnx"
+ENSEMBLE_PLATFORM = "ensemble"
 
 
 class ConfigError(ValueError):
@@ -182,7 +183,9 @@ def _tensor_spec(t: mc.ModelInput | mc.ModelOutput, where: str, model: str) -> T
     try:
         datatype = from_config_enum(enum_name)
     except KeyError:
-        raise ConfigError(f"{where} '{t.name}' of model '{model}' has data_type {enum_name}") from None
+        raise ConfigError(
+            f"{where} '{t.name}' of model '{model}' has data_type {enum_name}"
+        ) from None
     if not t.name:
         raise ConfigError(f"an {where} of model '{model}' has no name")
     dims = tuple(int(d) for d in t.dims)
@@ -204,10 +207,10 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
     """Validate a ModelConfig and derive the ModelSpec with Triton's defaults."""
     name = config.name
     platform = config.platform or (ONNX_PLATFORM if config.backend == ONNX_BACKEND else "")
-    if platform != ONNX_PLATFORM:
+    if platform not in (ONNX_PLATFORM, ENSEMBLE_PLATFORM):
         raise ConfigError(
             f"model '{name}': platform '{config.platform}' / backend '{config.backend}' is not "
-            f"supported (StageServe serves '{ONNX_PLATFORM}' models)"
+            f"supported (StageServe serves '{ONNX_PLATFORM}' and '{ENSEMBLE_PLATFORM}' models)"
         )
     if config.max_batch_size < 0:
         raise ConfigError(f"model '{name}': max_batch_size must be >= 0")
@@ -266,12 +269,15 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
         if g.count < 0:
             raise ConfigError(f"model '{name}': instance_group count must be >= 0")
         groups.append(
-            InstanceGroup(g.name or f"{name}_{i}", g.count or 1, kind, tuple(int(x) for x in g.gpus))
+            InstanceGroup(
+                g.name or f"{name}_{i}", g.count or 1, kind, tuple(int(x) for x in g.gpus)
+            )
         )
     if not groups:
         groups.append(InstanceGroup(f"{name}_0", 1, "KIND_AUTO"))
 
     sequence = _sequence_spec(config) if config.HasField("sequence_batching") else None
+    steps = _ensemble_steps(config, inputs, outputs) if platform == ENSEMBLE_PLATFORM else ()
     return ModelSpec(
         name=name,
         platform=platform,
@@ -283,7 +289,52 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
         model_filename=config.default_model_filename or DEFAULT_ONNX_FILENAME,
         parameters={k: v.string_value for k, v in config.parameters.items()},
         sequence=sequence,
+        steps=steps,
     )
+
+
+@dataclass(frozen=True)
+class EnsembleStep:
+    model: str
+    version: int  # -1: the latest ready version
+    input_map: tuple[tuple[str, str], ...]  # (composing model input, ensemble tensor)
+    output_map: tuple[tuple[str, str], ...]  # (composing model output, ensemble tensor)
+
+
+def _ensemble_steps(
+    config: mc.ModelConfig, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...]
+) -> tuple[EnsembleStep, ...]:
+    """Steps of an ensemble, checked as a dataflow: every step input is produced
+    by the ensemble's inputs or an earlier-or-later step, and every ensemble
+    output by some step."""
+    name = config.name
+    if not config.ensemble_scheduling.step:
+        raise ConfigError(f"ensemble '{name}' has no ensemble_scheduling steps")
+    steps = tuple(
+        EnsembleStep(
+            s.model_name,
+            int(s.model_version) if s.model_version else -1,
+            tuple(sorted(s.input_map.items())),
+            tuple(sorted(s.output_map.items())),
+        )
+        for s in config.ensemble_scheduling.step
+    )
+    produced = {t.name for t in inputs}
+    for step in steps:
+        produced.update(tensor for _, tensor in step.output_map)
+    for step in steps:
+        if not step.model:
+            raise ConfigError(f"ensemble '{name}': a step has no model_name")
+        missing = [tensor for _, tensor in step.input_map if tensor not in produced]
+        if missing:
+            raise ConfigError(
+                f"ensemble '{name}': step '{step.model}' reads {missing}, which no input or "
+                f"step produces"
+            )
+    unproduced = [t.name for t in outputs if t.name not in produced]
+    if unproduced:
+        raise ConfigError(f"ensemble '{name}': no step produces outputs {unproduced}")
+    return steps
 
 
 _CONTROL_KINDS = {
@@ -300,7 +351,9 @@ def _control(name: str, c: mc.ModelSequenceBatching.Control, model: str) -> Cont
         try:
             datatype = from_config_enum(mc.DataType.Name(c.data_type))
         except (KeyError, ValueError):
-            raise ConfigError(f"model '{model}': CORRID control '{name}' needs a data_type") from None
+            raise ConfigError(
+                f"model '{model}': CORRID control '{name}' needs a data_type"
+            ) from None
         if datatype.triton not in ("UINT64", "INT64", "UINT32", "INT32", "BYTES"):
             raise ConfigError(
                 f"model '{model}': CORRID control '{name}' data_type must be an integer or string"
@@ -328,7 +381,9 @@ def _sequence_spec(config: mc.ModelConfig) -> SequenceBatching:
     sb = config.sequence_batching
     name = config.name
     if config.HasField("dynamic_batching"):
-        raise ConfigError(f"model '{name}': dynamic_batching and sequence_batching exclude each other")
+        raise ConfigError(
+            f"model '{name}': dynamic_batching and sequence_batching exclude each other"
+        )
     controls = []
     for ci in sb.control_input:
         for c in ci.control:
@@ -342,7 +397,9 @@ def _sequence_spec(config: mc.ModelConfig) -> SequenceBatching:
         try:
             datatype = from_config_enum(mc.DataType.Name(s.data_type))
         except (KeyError, ValueError):
-            raise ConfigError(f"model '{name}': state '{s.input_name}' has no valid data_type") from None
+            raise ConfigError(
+                f"model '{name}': state '{s.input_name}' has no valid data_type"
+            ) from None
         if not s.input_name or not s.output_name:
             raise ConfigError(f"model '{name}': a state needs input_name and output_name")
         dims = tuple(int(d) for d in s.dims)

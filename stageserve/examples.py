@@ -439,6 +439,82 @@ def write_accumulator(
     )
 
 
+# --------------------------------------------------------------------------
+# an ensemble: preprocess -> classifier
+
+
+def scale_model(size: int = 256, offset: float = 0.5, factor: float = 2.0) -> onnx.ModelProto:
+    """OUTPUT0 = (INPUT0 - offset) * factor: a stand-in preprocessing step."""
+    fp32 = from_triton("FP32")
+    shape = _onnx_shape((size,), 64, "d")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Sub", ["INPUT0", "offset"], ["centered"]),
+            helper.make_node("Mul", ["centered", "factor"], ["OUTPUT0"]),
+        ],
+        "scale",
+        [_value_info("INPUT0", fp32, shape)],
+        [_value_info("OUTPUT0", fp32, shape)],
+        initializer=[
+            helper.make_tensor("offset", fp32.onnx, [], [offset]),
+            helper.make_tensor("factor", fp32.onnx, [], [factor]),
+        ],
+    )
+    return make_model(graph)
+
+
+def ensemble_config(name: str, steps_text: str, inputs: str, outputs: str, mbs: int = 64) -> str:
+    return f"""name: "{name}"
+platform: "ensemble"
+max_batch_size: {mbs}
+input [ {inputs} ]
+output [ {outputs} ]
+ensemble_scheduling {{
+{steps_text}
+}}
+"""
+
+
+def write_ensemble_mlp(root: Path, name: str = "ensemble_mlp", mlp: str = "mlp") -> Path:
+    """RAW --preprocess--> NORMALIZED --mlp--> PROBS (the example ensemble)."""
+    steps = f"""  step [
+    {{
+      model_name: "preprocess"
+      model_version: -1
+      input_map {{ key: "INPUT0" value: "RAW" }}
+      output_map {{ key: "OUTPUT0" value: "NORMALIZED" }}
+    }},
+    {{
+      model_name: "{mlp}"
+      model_version: -1
+      input_map {{ key: "INPUT0" value: "NORMALIZED" }}
+      output_map {{ key: "OUTPUT0" value: "PROBS" }}
+    }}
+  ]"""
+    model_dir = Path(root) / name
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.pbtxt").write_text(
+        ensemble_config(
+            name,
+            steps,
+            '{ name: "RAW" data_type: TYPE_FP32 dims: [ 256 ] }',
+            '{ name: "PROBS" data_type: TYPE_FP32 dims: [ 10 ] }',
+        )
+    )
+    return model_dir
+
+
+def write_preprocess(root: Path, name: str = "preprocess") -> Path:
+    fp32: TensorSpec = ("INPUT0", "FP32", (256,))
+    out: TensorSpec = ("OUTPUT0", "FP32", (256,))
+    return write_model(
+        root,
+        name,
+        scale_model(),
+        config_text(name, [fp32], [out], max_batch_size=64, dynamic_batching=True),
+    )
+
+
 def build_example_repository(root: Path) -> list[str]:
     """Write the whole example repository under ``root``; return model names."""
     root = Path(root)
@@ -464,6 +540,10 @@ def build_example_repository(root: Path) -> list[str]:
 
     write_accumulator(root, "accumulator")
     names.append("accumulator")
+
+    write_preprocess(root, "preprocess")
+    write_ensemble_mlp(root, "ensemble_mlp")
+    names += ["preprocess", "ensemble_mlp"]
     return names
 
 

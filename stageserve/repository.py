@@ -40,7 +40,9 @@ def version_folders(model_dir: Path) -> list[int]:
 def read_model(root: Path, name: str) -> RepositoryModel:
     path = root / name
     if not path.is_dir():
-        return RepositoryModel(name, path, None, None, (), f"model '{name}' is not in the repository")
+        return RepositoryModel(
+            name, path, None, None, (), f"model '{name}' is not in the repository"
+        )
     try:
         config = read_config(path)
     except (ConfigError, OSError) as exc:
@@ -50,7 +52,7 @@ def read_model(root: Path, name: str) -> RepositoryModel:
         versions = select_versions(config, version_folders(path))
         if not versions:
             raise ConfigError(f"model '{name}' has no version folder")
-        for v in versions:
+        for v in versions if spec.platform != "ensemble" else ():
             file = path / str(v) / spec.model_filename
             if not file.is_file():
                 raise ConfigError(f"model '{name}' version {v}: missing model file {file}")

@@ -44,10 +44,13 @@ async def run_server(
         address = f"{host}:{port}"
     await server.start()
     serving = health_pb2.HealthCheckResponse.SERVING
+    if before_ready is not None:
+        # Live but not ready (e.g. the gateway loading models): probes wait.
+        await _set_status(health_servicer, "", health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("started, getting ready", extra={"address": address})
+        await before_ready
     await _set_status(health_servicer, "", serving)
     log.info("serving", extra={"address": address})
-    if before_ready is not None:
-        await before_ready
     announce_ready(service, address)
 
     stop = asyncio.Event()

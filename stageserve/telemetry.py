@@ -23,54 +23,30 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram, generate_late
 # ------------------------------------------------------------------- Triton
 
 TRITON_FAMILIES: dict[str, tuple[str, str]] = {
-    "nv_inference_request_success": (
-        "counter",
-        "Number of successful inference requests, all batch sizes",
-    ),
-    "nv_inference_request_failure": (
-        "counter",
-        "Number of failed inference requests, all batch sizes",
-    ),
-    "nv_inference_count": (
-        "counter",
-        "Number of inferences performed (does not include cached requests)",
-    ),
-    "nv_inference_exec_count": (
-        "counter",
-        "Number of model executions performed (does not include cached requests)",
-    ),
-    "nv_inference_request_duration_us": (
-        "counter",
-        "Cumulative inference request duration in microseconds (includes cached requests)",
-    ),
-    "nv_inference_queue_duration_us": (
-        "counter",
-        "Cumulative inference queuing duration in microseconds (includes cached requests)",
-    ),
+    "nv_inference_request_success": ("counter", "Inference requests that succeeded"),
+    "nv_inference_request_failure": ("counter", "Inference requests that failed, by reason"),
+    "nv_inference_count": ("counter", "Inferences run (a request of batch n counts n)"),
+    "nv_inference_exec_count": ("counter", "Model executions (one per batch)"),
+    "nv_inference_request_duration_us": ("counter", "Total request time, microseconds"),
+    "nv_inference_queue_duration_us": ("counter", "Total time queued, microseconds"),
     "nv_inference_compute_input_duration_us": (
         "counter",
-        "Cumulative compute input duration in microseconds (does not include cached requests)",
+        "Total input preparation time, microseconds",
     ),
-    "nv_inference_compute_infer_duration_us": (
-        "counter",
-        "Cumulative compute inference duration in microseconds (does not include cached requests)",
-    ),
+    "nv_inference_compute_infer_duration_us": ("counter", "Total model run time, microseconds"),
     "nv_inference_compute_output_duration_us": (
         "counter",
-        "Cumulative inference compute output duration in microseconds (does not include cached requests)",
+        "Total output extraction time, microseconds",
     ),
-    "nv_inference_pending_request_count": (
-        "gauge",
-        "Instantaneous number of pending requests awaiting execution per-model.",
-    ),
-    "nv_model_load_duration_secs": ("gauge", "Model load time in seconds"),
-    "nv_cpu_utilization": ("gauge", "CPU utilization rate [0.0 - 1.0]"),
-    "nv_cpu_memory_total_bytes": ("gauge", "CPU total memory (RAM), in bytes"),
-    "nv_cpu_memory_used_bytes": ("gauge", "CPU used memory (RAM), in bytes"),
-    "nv_gpu_utilization": ("gauge", "GPU utilization rate [0.0 - 1.0)"),
-    "nv_gpu_memory_total_bytes": ("gauge", "GPU total memory, in bytes"),
-    "nv_gpu_memory_used_bytes": ("gauge", "GPU used memory, in bytes"),
-    "nv_gpu_power_usage": ("gauge", "GPU power usage in watts"),
+    "nv_inference_pending_request_count": ("gauge", "Requests queued, awaiting execution"),
+    "nv_model_load_duration_secs": ("gauge", "Time the last load of the model took, seconds"),
+    "nv_cpu_utilization": ("gauge", "CPU utilization, 0.0 to 1.0"),
+    "nv_cpu_memory_total_bytes": ("gauge", "Total CPU memory, bytes"),
+    "nv_cpu_memory_used_bytes": ("gauge", "Used CPU memory, bytes"),
+    "nv_gpu_utilization": ("gauge", "GPU utilization, 0.0 to 1.0"),
+    "nv_gpu_memory_total_bytes": ("gauge", "Total GPU memory, bytes"),
+    "nv_gpu_memory_used_bytes": ("gauge", "Used GPU memory, bytes"),
+    "nv_gpu_power_usage": ("gauge", "GPU power draw, watts"),
 }
 
 Labels = tuple[tuple[str, str], ...]

@@ -94,7 +94,9 @@ def raw_to_numpy(raw: bytes | memoryview, datatype: str, shape: Sequence[int]) -
         return arr.reshape(shape)
     expected = element_count(shape) * dt.item_size
     if len(raw) != expected:
-        raise TensorError(f"{datatype} tensor of shape {list(shape)} needs {expected} bytes, got {len(raw)}")
+        raise TensorError(
+            f"{datatype} tensor of shape {list(shape)} needs {expected} bytes, got {len(raw)}"
+        )
     return np.frombuffer(raw, dtype=dt.numpy).reshape(shape)
 
 

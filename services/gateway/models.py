@@ -120,8 +120,38 @@ class ModelManager:
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
 
-    async def load(self, name: str) -> None:
+    async def _ensure_ready(self, name: str, chain: tuple[str, ...]) -> str | None:
+        """An ensemble's composing model: load it unless it is ready (or being
+        loaded, then wait for that). Returns why it is not ready, or None."""
+        if name in chain:
+            return f"ensemble cycle: {' -> '.join((*chain, name))}"
+        entry = self.entries.get(name)
+        if entry is None or not entry.ready_versions():
+            if self._lock(name).locked():
+                async with self._lock(name):
+                    pass
+            entry = self.entries.get(name)
+            if entry is None or not entry.ready_versions():
+                try:
+                    await self.load(name, chain)
+                except StageError as err:
+                    return err.message
+        return None
+
+    async def load(self, name: str, chain: tuple[str, ...] = ()) -> None:
         """(Re)load a model; raises StageError when it cannot become ready."""
+        if model_spec := self._ensemble_spec(name):
+            # Composing models first (outside this model's lock): Triton loads
+            # an ensemble's models with it.
+            for step in model_spec.steps:
+                why = await self._ensure_ready(step.model, (*chain, name))
+                if why is not None:
+                    self.entries[name] = ModelEntry(
+                        name, reason=f"composing model '{step.model}' not ready: {why}"
+                    )
+                    raise unavailable(
+                        f"failed to load '{name}': composing model '{step.model}': {why}"
+                    )
         async with self._lock(name):
             model = read_model(self.repository, name)
             old = self.entries.get(name)
@@ -134,7 +164,10 @@ class ModelManager:
             assert model.config is not None and model.spec is not None
             start = time.monotonic()
             generation = await self.state.publish_loaded(model.config, model.versions, model.path)
-            versions, reasons = await self._await_instances(name, model.versions, generation)
+            if model.spec.steps:  # an ensemble has no instances of its own
+                versions, reasons = dict.fromkeys(model.versions, READY), {}
+            else:
+                versions, reasons = await self._await_instances(name, model.versions, generation)
             entry = ModelEntry(
                 name,
                 versions=versions,
@@ -157,6 +190,10 @@ class ModelManager:
             )
             if not entry.ready_versions():
                 raise unavailable(f"failed to load '{name}': " + "; ".join(reasons.values()))
+
+    def _ensemble_spec(self, name: str) -> ModelSpec | None:
+        model = read_model(self.repository, name)
+        return model.spec if model.spec is not None and model.spec.steps else None
 
     async def _await_instances(
         self, name: str, versions: tuple[int, ...], generation: int

@@ -34,10 +34,19 @@ class SchedulerLink:
         self._pending: dict[int, asyncio.Future[pb.ScheduleResponse]] = {}
         self._outbox: asyncio.Queue | None = None
         self._reader: asyncio.Task | None = None
+        self._opening = asyncio.Lock()
 
     async def _ensure_stream(self) -> asyncio.Queue:
         if self._outbox is not None and self._reader is not None and not self._reader.done():
             return self._outbox
+        # One stream at a time: concurrent first requests wait for the same
+        # stream instead of each opening one (which would reorder them).
+        async with self._opening:
+            if self._outbox is not None and self._reader is not None and not self._reader.done():
+                return self._outbox
+            return await self._open_stream()
+
+    async def _open_stream(self) -> asyncio.Queue:
         try:
             await asyncio.wait_for(self.channel.channel_ready(), self.connect_timeout_s)
         except TimeoutError:

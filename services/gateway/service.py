@@ -144,6 +144,7 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
                     sequence_end=validated.sequence_end,
                 )
             )
+            self._record_steps(resp)
             if resp.code:
                 raise StageError(code_from_int(resp.code), resp.message)
         except StageError as err:
@@ -166,6 +167,17 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
             entry.name, version, time.monotonic_ns() - start, validated.batch_size, resp.timing
         )
         return out
+
+    def _record_steps(self, resp: pb.ScheduleResponse) -> None:
+        """An ensemble's composing executions count for their own models."""
+        for st in resp.steps:
+            if st.failed:
+                code = code_from_int(st.code)
+                self.recorder.failure(st.model, st.version, st.duration_ns, code, st.message)
+            else:
+                self.recorder.success(
+                    st.model, st.version, st.duration_ns, st.batch_size, st.timing
+                )
 
     def _inflight(self, model: str):
         gauge = self._inflight_gauges.get(model)

@@ -43,11 +43,11 @@ class QueuePolicy:
     max_queue_size: int = 0  # 0: unbounded
 
     def timeout_us(self, requested_us: int) -> int:
-        """The timeout that applies; a request may only shorten the default."""
-        if self.allow_timeout_override and requested_us > 0:
-            if self.default_timeout_us == 0:
-                return requested_us
-            return min(requested_us, self.default_timeout_us)
+        """The timeout that applies. As in Triton's core, a request's timeout only
+        counts when overrides are allowed and it is shorter than a (non-zero)
+        default: it may shorten the default, never extend or create one."""
+        if self.allow_timeout_override and 0 < requested_us < self.default_timeout_us:
+            return requested_us
         return self.default_timeout_us
 
 

@@ -35,8 +35,8 @@ class RateLimiterClient:
     worker died), which the holder must stop using.
     """
 
-    LEASE_MS = 5_000
-    RENEW_S = 1.0
+    LEASE_MS = 2_000
+    RENEW_S = 0.5
 
     def __init__(self, address: str, wait_ms: int = 500, lease_ms: int = LEASE_MS) -> None:
         self.address = address

@@ -164,6 +164,11 @@ class ModelQueue:
         self.spec = spec
         self.batcher = make_batcher(spec)
         self.batcher.requeue_front(pending)
+        # Ordering restarts with the new settings: release what was held.
+        for seq in sorted(self._held):
+            respond, held = self._held.pop(seq)
+            respond(held)
+        self._next_release = self._seq
         self._release_spare()
         self._arrived.set()
 
@@ -371,9 +376,10 @@ class ModelQueue:
             if decision.batch:
                 self._depth_changed()
                 batch = [p.payload for p in decision.batch]
-                for q in batch:
-                    q.seq = self._seq
-                    self._seq += 1
+                if self._ordered:
+                    for q in batch:
+                        q.seq = self._seq
+                        self._seq += 1
                 return batch
             if decision.wake_at_ns is None:
                 return []

@@ -9,6 +9,7 @@ import grpc
 import redis.asyncio as aioredis
 
 from services.scheduler.clients import RateLimiterClient, WorkerClients
+from services.scheduler.ensemble import check_step_input, run_ensemble
 from services.scheduler.model_queue import ModelQueue, error_response
 from services.scheduler.sequence_queue import make_sequence_queue
 from stageserve.errors import internal, unavailable
@@ -28,6 +29,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         self.workers = workers
         self.models: dict[str, LoadedModel] = {}
         self.queues: dict[tuple[str, int], ModelQueue] = {}
+        self._tasks: set[asyncio.Task] = set()
 
     async def _model(self, name: str, generation: int) -> LoadedModel | None:
         cached = self.models.get(name)
@@ -72,7 +74,48 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             err = unavailable(f"model '{msg.model}' version {msg.version} is not loaded")
             respond(error_response(msg.id, err))
             return
+        if cached.spec.steps:
+            self._spawn(self._run_ensemble(msg, cached, respond))
+            return
         self._queue(cached, msg.version).submit(msg, respond)
+
+    async def _run_ensemble(self, msg: pb.ScheduleRequest, loaded: LoadedModel, respond) -> None:
+        try:
+            respond(await run_ensemble(msg, loaded.spec, self._submit_step))
+        except Exception as exc:  # a bug must answer the request, not hang it
+            log.exception("ensemble failed", extra={"model": msg.model})
+            respond(error_response(msg.id, internal(f"ensemble error: {exc}")))
+
+    async def _submit_step(self, request: pb.ScheduleRequest) -> pb.ScheduleResponse:
+        """One ensemble step: an internal request to a composing model."""
+        loaded = self.models.get(request.model) or await self._model(request.model, -1)
+        if loaded is None:
+            raise unavailable(f"composing model '{request.model}' is not loaded")
+        if request.version <= 0:
+            request.version = max(loaded.versions)
+        if request.version not in loaded.versions:
+            raise unavailable(
+                f"composing model '{request.model}' version {request.version} is not loaded"
+            )
+        request.config_generation = loaded.generation
+        if not loaded.spec.batching:
+            request.batch_size = 0
+        if loaded.spec.steps:
+            return await run_ensemble(request, loaded.spec, self._submit_step)
+        check_step_input(loaded.spec, request)
+        answered: asyncio.Future[pb.ScheduleResponse] = asyncio.get_running_loop().create_future()
+
+        def respond(resp: pb.ScheduleResponse) -> None:
+            if not answered.done():
+                answered.set_result(resp)
+
+        self._queue(loaded, request.version).submit(request, respond)
+        return await answered
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def Schedule(self, request_iterator, context: grpc.aio.ServicerContext):
         responses: asyncio.Queue[pb.ScheduleResponse | None] = asyncio.Queue()

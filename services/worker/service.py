@@ -151,6 +151,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         return True
 
     async def _load(self, model: LoadedModel) -> bool:
+        if model.spec.steps:  # an ensemble runs in the scheduler, not on instances
+            return False
         hosted = {(i.model, i.version, i.generation) for i in self.instances.values()}
         groups = [(g, placements(g, self.gpu)) for g in model.spec.instance_groups]
         total = sum(len(p) for _, p in groups)

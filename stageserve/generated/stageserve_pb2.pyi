@@ -65,18 +65,40 @@ class ScheduleRequest(_message.Message):
     def __init__(self, id: _Optional[int] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., priority: _Optional[int] = ..., timeout_us: _Optional[int] = ..., config_generation: _Optional[int] = ..., sequence_id: _Optional[int] = ..., sequence_id_str: _Optional[str] = ..., sequence_start: _Optional[bool] = ..., sequence_end: _Optional[bool] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
-    __slots__ = ("id", "code", "message", "outputs", "timing")
+    __slots__ = ("id", "code", "message", "outputs", "timing", "steps")
     ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     id: int
     code: int
     message: str
     outputs: _containers.RepeatedCompositeFieldContainer[Tensor]
     timing: Timing
-    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+    steps: _containers.RepeatedCompositeFieldContainer[StepStat]
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepStat, _Mapping]]] = ...) -> None: ...
+
+class StepStat(_message.Message):
+    __slots__ = ("model", "version", "timing", "batch_size", "duration_ns", "failed", "code", "message")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DURATION_NS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    timing: Timing
+    batch_size: int
+    duration_ns: int
+    failed: bool
+    code: int
+    message: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., batch_size: _Optional[int] = ..., duration_ns: _Optional[int] = ..., failed: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ScheduleBatch(_message.Message):
     __slots__ = ("requests",)

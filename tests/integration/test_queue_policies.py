@@ -297,19 +297,19 @@ def test_timeout_reject_answers_at_the_deadline_not_after_the_execution(
     assert _fail_count(c, "reject") - fails0 == 1
 
 
-def test_timeout_override_applies_when_allowed(qstack: RunningStack) -> None:
+def test_timeout_override_without_default_timeout_is_ignored(qstack: RunningStack) -> None:
+    # As in Triton's core: a request may shorten a default timeout, but with
+    # no default there is nothing to shorten, so its timeout is ignored.
     _, calls = _blocked(qstack, "override_on")
     blocker = calls.outcomes[0]
     timed = calls.send("timed", timeout=200_000)  # microseconds
     time.sleep(GAP_S)
-    patient = calls.send("patient")  # no timeout: the default is none
+    patient = calls.send("patient")
     calls.wait()
     blocker.ok()
-    timed.rejected("timeout")
-    assert 0.195 <= timed.elapsed < 0.5, timed.elapsed  # the blocker runs 800 ms
-    assert timed.done < blocker.done
+    timed.ok()
     patient.ok()
-    assert patient.done > blocker.done
+    assert timed.done > blocker.done and patient.done > blocker.done
 
 
 def test_timeout_override_is_ignored_when_not_allowed(qstack: RunningStack) -> None:
@@ -491,17 +491,6 @@ def test_integer_priority_and_timeout_parameters_are_accepted(qstack: RunningSta
 # ------------------------------------------------------------------ reload
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=InferenceServerException,
-    reason=(
-        "BUG: services/scheduler/model_queue.py: _form_batch (line ~375) numbers every "
-        "batched request (q.seq) whatever preserve_ordering says, but _deliver (line ~239) "
-        "advances _next_release only when ordering is on, and reconfigure (line ~160) keeps "
-        "both counters. A model reloaded with preserve_ordering turned on then holds every "
-        "response in _held waiting for seq 0, already answered: requests hang"
-    ),
-)
 def test_reload_turning_preserve_ordering_on_keeps_answering(
     qstack: RunningStack, repo: Path
 ) -> None:

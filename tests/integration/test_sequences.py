@@ -147,7 +147,9 @@ def test_sequence_over_a_stream(seq_stack: RunningStack) -> None:
 
 
 def test_restarted_scheduler_continues_the_sequence(tmp_path: Path) -> None:
-    write_accumulator(tmp_path, "acc", strategy="oldest")
+    # A long idle timeout: the restart itself takes a few seconds (the dead
+    # scheduler's grant has to expire first).
+    write_accumulator(tmp_path, "acc", strategy="oldest", idle_us=60_000_000)
     with running_stack(tmp_path) as running:
         client = running.client()
         send(client, "acc", 5, 9009, start=True)

@@ -64,12 +64,11 @@ def test_policy_override_may_shorten_but_not_extend_the_default():
     assert p.timeout_us(0) == 500  # 0: the request asks for nothing
 
 
-def test_policy_override_with_no_default_timeout_applies_the_request_timeout():
-    # StageServe's reading: default 0 means "no timeout", so any requested
-    # timeout shortens it. (Triton's core ignores the override when the default
-    # is 0; see the report that came with these tests.)
+def test_policy_override_with_no_default_timeout_is_ignored_as_in_triton():
+    # Triton's core only takes a requested timeout shorter than a non-zero
+    # default; with no default timeout there is nothing to shorten.
     p = QueuePolicy(default_timeout_us=0, allow_timeout_override=True)
-    assert p.timeout_us(200) == 200
+    assert p.timeout_us(200) == 0
     assert p.timeout_us(0) == 0
 
 

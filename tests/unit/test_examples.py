@@ -12,6 +12,7 @@ import pytest
 
 from services.worker.onnx_backend import BackendError, OnnxInstance
 from stageserve import examples
+from stageserve.config import parse_config_text, to_spec
 from stageserve.datatypes import from_triton
 from stageserve.tensors import numpy_to_raw, raw_to_numpy
 
@@ -22,8 +23,13 @@ EXPECTED_MODELS = {
     "simple_nobatch",
     "bench_identity",
     "mlp",
+    "accumulator",
+    "preprocess",
+    "ensemble_mlp",
     *(f"identity_{d.lower()}" for d in examples.ALL_DATATYPES),
 }
+# Ensembles have a config and an empty version folder, no model file.
+ONNX_MODELS = EXPECTED_MODELS - {"ensemble_mlp"}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +51,7 @@ def _model(repo: Path, name: str) -> Path:
 
 def test_layout(repo: Path) -> None:
     assert {p.name for p in repo.iterdir()} == EXPECTED_MODELS
-    for name in EXPECTED_MODELS:
+    for name in ONNX_MODELS:
         assert (repo / name / "config.pbtxt").is_file()
         assert _model(repo, name).is_file()
     everything = "BOOL UINT8 UINT16 UINT32 UINT64 INT8 INT16 INT32 INT64 FP16 FP32 FP64 BF16 BYTES"
@@ -53,7 +59,7 @@ def test_layout(repo: Path) -> None:
 
 
 def test_models_pass_onnx_checker_with_pinned_opset(repo: Path) -> None:
-    for name in EXPECTED_MODELS:
+    for name in ONNX_MODELS:
         m = onnx.load(str(_model(repo, name)))
         onnx.checker.check_model(m)
         assert m.ir_version == examples.IR_VERSION
@@ -132,7 +138,7 @@ def _parse_config(cls, path: Path):
 
 def test_configs_parse_and_match_models(repo: Path, model_config_cls) -> None:
     """Every config.pbtxt parses as a ModelConfig and agrees with its ONNX file."""
-    for name in EXPECTED_MODELS:
+    for name in ONNX_MODELS:
         cfg = _parse_config(model_config_cls, repo / name / "config.pbtxt")
         assert cfg.name == name
         assert cfg.platform == "onnxruntime_onnx"
@@ -143,12 +149,18 @@ def test_configs_parse_and_match_models(repo: Path, model_config_cls) -> None:
         )
         in_types = {i.name: enum.values_by_number[i.data_type].name for i in cfg.input}
         out_types = {o.name: enum.values_by_number[o.data_type].name for o in cfg.output}
+        # Sequence models also take control and state tensors the scheduler fills.
+        spec = to_spec(parse_config_text((repo / name / "config.pbtxt").read_text()))
+        states = spec.sequence.states if spec.sequence else ()
         inst = OnnxInstance(
             _model(repo, name),
             "cpu",
             1,
-            {n: _triton(t) for n, t in in_types.items()},
-            {n: _triton(t) for n, t in out_types.items()},
+            {**{n: _triton(t) for n, t in in_types.items()}, **spec.extra_inputs()},
+            {
+                **{n: _triton(t) for n, t in out_types.items()},
+                **{st.output_name: st.datatype.triton for st in states},
+            },
         )
         desc = inst.describe()
         batch = [-1] if cfg.max_batch_size > 0 else []

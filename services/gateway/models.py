@@ -112,15 +112,21 @@ class ModelManager:
     # ------------------------------------------------------------ load/unload
 
     async def startup(self, load: list[str]) -> None:
-        await self.state.clear_all()
+        """Load the startup models. A model another gateway already published with
+        the same config is adopted as it is (no reload), so gateways can be
+        added or restarted while the others serve."""
         names = model_names(self.repository)
         wanted = names if self.control_mode == "none" or "*" in load else load
-        await asyncio.gather(*(self.load(name) for name in wanted), return_exceptions=True)
+        await asyncio.gather(
+            *(self.load(name, adopt=True) for name in wanted), return_exceptions=True
+        )
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
 
-    async def _ensure_ready(self, name: str, chain: tuple[str, ...]) -> str | None:
+    async def _ensure_ready(
+        self, name: str, chain: tuple[str, ...], adopt: bool = False
+    ) -> str | None:
         """An ensemble's composing model: load it unless it is ready (or being
         loaded, then wait for that). Returns why it is not ready, or None."""
         if name in chain:
@@ -133,18 +139,18 @@ class ModelManager:
             entry = self.entries.get(name)
             if entry is None or not entry.ready_versions():
                 try:
-                    await self.load(name, chain)
+                    await self.load(name, chain, adopt)
                 except StageError as err:
                     return err.message
         return None
 
-    async def load(self, name: str, chain: tuple[str, ...] = ()) -> None:
+    async def load(self, name: str, chain: tuple[str, ...] = (), adopt: bool = False) -> None:
         """(Re)load a model; raises StageError when it cannot become ready."""
         if model_spec := self._ensemble_spec(name):
             # Composing models first (outside this model's lock): Triton loads
             # an ensemble's models with it.
             for step in model_spec.steps:
-                why = await self._ensure_ready(step.model, (*chain, name))
+                why = await self._ensure_ready(step.model, (*chain, name), adopt)
                 if why is not None:
                     self.entries[name] = ModelEntry(
                         name, reason=f"composing model '{step.model}' not ready: {why}"
@@ -163,7 +169,18 @@ class ModelManager:
                 raise invalid(f"failed to load '{name}': {model.error}")
             assert model.config is not None and model.spec is not None
             start = time.monotonic()
-            generation = await self.state.publish_loaded(model.config, model.versions, model.path)
+            published = await self.state.get(name) if adopt else None
+            if (
+                published is not None
+                and published.config == model.config
+                and published.versions == model.versions
+                and published.path == model.path
+            ):
+                generation = published.generation
+            else:
+                generation = await self.state.publish_loaded(
+                    model.config, model.versions, model.path
+                )
             if model.spec.steps:  # an ensemble has no instances of its own
                 versions, reasons = dict.fromkeys(model.versions, READY), {}
             else:

@@ -173,3 +173,30 @@ def test_restarted_scheduler_continues_the_sequence(tmp_path: Path) -> None:
             except InferenceServerException as exc:
                 assert exc.status() == "StatusCode.UNAVAILABLE"
         assert r is not None and r.as_numpy("OUTPUT")[0, 0] == 18
+
+
+def test_two_schedulers_share_sequences(tmp_path: Path) -> None:
+    """A second gateway + scheduler on the same Redis: requests of one sequence
+    alternate between the two paths and still accumulate in order."""
+    write_accumulator(tmp_path, "acc", strategy="oldest", idle_us=60_000_000)
+    with running_stack(tmp_path) as running:
+        sched2 = running.stack.start_service(
+            "scheduler-2",
+            ["scheduler", "--listen", "127.0.0.1:0", "--redis-url", running.redis_url,
+             "--ratelimiter", running.ratelimiter.address],
+        )
+        gw2 = running.stack.start_service(
+            "gateway-2",
+            ["gateway", "--listen", "127.0.0.1:0", "--redis-url", running.redis_url,
+             "--ratelimiter", running.ratelimiter.address, "--scheduler", sched2.address,
+             "--model-repository", str(tmp_path)],
+        )
+        clients = [running.client(), grpcclient.InferenceServerClient(gw2.address)]
+        total = 0
+        for step in range(10):
+            r = send(clients[step % 2], "acc", step + 1, 7007, step == 0, step == 9)
+            total += step + 1
+            assert r.as_numpy("OUTPUT")[0, 0] == total
+        # Both paths executed part of the sequence.
+        for c in clients:
+            assert c.get_inference_statistics("acc").model_stats[0].inference_count == 5

@@ -35,6 +35,7 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -575,6 +576,21 @@ def _server_version(url: str) -> str:
         client.close()
 
 
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    return out.stdout.strip()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bench.compare",
@@ -628,6 +644,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta: dict = {
         "command": " ".join(["python -m bench.compare", *(argv or sys.argv[1:])]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "stageserve_commit": _git_commit(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -20,6 +20,10 @@ MS = 1_000_000  # ns
 US = 1_000  # ns
 
 
+# A default long enough never to fire in these tests: requests shorten it (Triton's rule).
+LONG = 10**9
+
+
 def req(tag, priority=0, t=0, batch_size=1, shape="a"):
     return Pending(
         batch_size=batch_size, shape_key=shape, enqueue_ns=t, payload=tag, priority=priority
@@ -236,7 +240,9 @@ def test_no_timeout_means_no_deadline():
 
 
 def test_expire_reject_returns_expired_requests_and_keeps_order_of_the_rest():
-    b = DynamicBatcher(8, default_policy=QueuePolicy(allow_timeout_override=True))
+    b = DynamicBatcher(
+        8, default_policy=QueuePolicy(default_timeout_us=LONG, allow_timeout_override=True)
+    )
     b.add(req("a", t=0), timeout_us=100)
     b.add(req("b", t=0))  # no timeout
     b.add(req("c", t=0), timeout_us=50)
@@ -255,7 +261,9 @@ def test_expire_delay_moves_requests_behind_every_live_request():
         1,
         priority_levels=2,
         default_priority_level=2,
-        default_policy=QueuePolicy(timeout_action=DELAY, allow_timeout_override=True),
+        default_policy=QueuePolicy(
+            timeout_action=DELAY, default_timeout_us=LONG, allow_timeout_override=True
+        ),
     )
     b.add(req("h-timed", 1, t=0), timeout_us=10)
     b.add(req("l-timed", 2, t=0), timeout_us=10)
@@ -266,8 +274,8 @@ def test_expire_delay_moves_requests_behind_every_live_request():
     # live requests of every level first, then delayed ones by level
     assert tags(b.queue) == ["h-live", "l-live", "h-timed", "l-timed"]
     # a delayed request has no deadline any more and never expires again
-    assert b.next_deadline() is None
-    assert b.expire(10**18) == []
+    assert [r.deadline_ns for r in b.queue if r.payload.endswith("timed")] == [None, None]
+    assert b.next_deadline() == LONG * 1000  # only the live ones' default remains
     # later live arrivals still go ahead of the delayed ones
     b.add(req("l-new", 2, t=2 * MS))
     assert take_all(b, 2 * MS) == [["h-live"], ["l-live"], ["l-new"], ["h-timed"], ["l-timed"]]
@@ -275,7 +283,10 @@ def test_expire_delay_moves_requests_behind_every_live_request():
 
 def test_delayed_requests_still_batch_together_after_live_ones():
     b = DynamicBatcher(
-        4, default_policy=QueuePolicy(timeout_action=DELAY, allow_timeout_override=True)
+        4,
+        default_policy=QueuePolicy(
+            timeout_action=DELAY, default_timeout_us=LONG, allow_timeout_override=True
+        ),
     )
     b.add(req("t1", t=0), timeout_us=1)
     b.add(req("t2", t=0), timeout_us=1)
@@ -303,7 +314,10 @@ def test_expire_mixed_actions_per_level():
 
 def test_remove_and_drain_see_delayed_requests():
     b = DynamicBatcher(
-        1, default_policy=QueuePolicy(timeout_action=DELAY, allow_timeout_override=True)
+        1,
+        default_policy=QueuePolicy(
+            timeout_action=DELAY, default_timeout_us=LONG, allow_timeout_override=True
+        ),
     )
     b.add(req("d", t=0), timeout_us=1)
     b.add(req("x", t=0))

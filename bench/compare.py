@@ -22,7 +22,10 @@ and ``stageserve``. See docs/benchmarks.md.
 
 ``cores`` is the average number of CPU cores the server's processes (all of
 them: Triton's stubs, MLServer's workers, every StageServe service and
-Redis) used while perf_analyzer ran; ``cpu us/inf`` = cores / throughput.
+Redis) used while perf_analyzer ran; ``cpu us/inf`` = cores / throughput;
+``spread`` = (max - min) / mean throughput of the 3 windows perf_analyzer
+averaged; ``batch`` = inferences per model execution from ModelStatistics
+(MLServer has no statistics RPC).
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class Measurement:
     p99_us: float
     server_cores: float | None = None  # average cores the server used during the run
     window_spread: float | None = None  # (max-min)/mean infer/s of the 3 windows averaged
+    avg_batch: float | None = None  # inferences per model execution (ModelStatistics)
     stability_pct: int = 0
     stable: bool = True  # False: only stable after relaxing stability_pct
     repeat: int = 0
@@ -109,6 +113,7 @@ class Point:
     throughput_min: float | None = None
     throughput_max: float | None = None
     window_spread: float | None = None  # worst over the repeats
+    avg_batch: float | None = None
     stable: bool = True
 
     @property
@@ -135,6 +140,7 @@ def summarize(measurements: Iterable[Measurement]) -> list[Point]:
         cores = [m.server_cores for m in ms if m.server_cores is not None]
         thr = [m.throughput for m in ms]
         spreads = [m.window_spread for m in ms if m.window_spread is not None]
+        batches = [m.avg_batch for m in ms if m.avg_batch is not None]
         points.append(
             Point(
                 server=server,
@@ -148,6 +154,7 @@ def summarize(measurements: Iterable[Measurement]) -> list[Point]:
                 throughput_min=min(thr),
                 throughput_max=max(thr),
                 window_spread=max(spreads) if spreads else None,
+                avg_batch=statistics.median(batches) if batches else None,
                 stable=all(m.stable for m in ms),
             )
         )
@@ -178,6 +185,8 @@ def ratios(
 ) -> list[Ratio]:
     index = {(p.server, p.model, p.concurrency): p for p in points}
     present = {p.server for p in points}
+    if ours not in present:
+        return []
     references = [r for r in references if r in present]
     keys = []
     for p in points:
@@ -206,6 +215,11 @@ def ratios(
 
 
 # --------------------------------------------------------------------------- formatting
+
+
+def proxy_overhead(points: Sequence[Point]) -> list[Ratio]:
+    """MLServer behind the ModelConfig proxy over MLServer alone (when both were run)."""
+    return ratios(points, ours="mlserver-proxy", references=("mlserver",))
 
 
 def _num(value: float | None, digits: int = 0) -> str:
@@ -243,7 +257,8 @@ def _grid(
 def format_points(points: Sequence[Point], markdown: bool = False) -> str:
     """One row per (model, concurrency, server): infer/s, p50/p99 ms, CPU use."""
     header = [
-        "model", "conc", "server", "infer/s", "spread", "p50 ms", "p99 ms", "cores", "cpu us/inf",
+        "model", "conc", "server", "infer/s", "spread", "p50 ms", "p99 ms", "cores",
+        "cpu us/inf", "batch",
     ]  # fmt: skip
     order = {s: i for i, s in enumerate(ALL_SERVERS)}
     rows = []
@@ -267,17 +282,21 @@ def format_points(points: Sequence[Point], markdown: bool = False) -> str:
                 _num(p.p99_us / 1000, 2),
                 _num(p.server_cores, 2),
                 _num(p.cpu_us_per_infer, 0),
+                _num(p.avg_batch, 1),
             ]
         )
     return _grid(header, rows, markdown)
 
 
-def format_ratios(rs: Sequence[Ratio], markdown: bool = False) -> str:
-    """StageServe / reference: throughput (>1 better), p50 and p99 (<1 better), per core."""
-    refs = [r for r in REFERENCES if any(x.reference == r for x in rs)]
+def format_ratios(rs: Sequence[Ratio], markdown: bool = False, ours_label: str = "SS") -> str:
+    """Ours / reference: throughput (>1 better), p50 and p99 (<1 better), per core."""
+    refs: list[str] = []
+    for r in rs:
+        if r.reference not in refs:
+            refs.append(r.reference)
     header = ["model", "conc"]
     for ref in refs:
-        lab = f"SS/{LABELS[ref]}"
+        lab = f"{ours_label}/{LABELS.get(ref, ref)}"
         header += [f"{lab} infer/s", f"{lab} p50", f"{lab} p99", f"{lab} per-core"]
     by_key: dict[tuple[str, int], dict[str, Ratio]] = {}
     for r in rs:
@@ -300,7 +319,7 @@ def format_ratios(rs: Sequence[Ratio], markdown: bool = False) -> str:
 CSV_FIELDS = (
     "server", "model", "concurrency", "repeats", "infer_per_s", "infer_per_s_min",
     "infer_per_s_max", "p50_us", "p99_us", "server_cores", "cpu_us_per_infer",
-    "infer_per_s_per_core", "window_spread", "stable",
+    "infer_per_s_per_core", "window_spread", "avg_batch", "stable",
 )  # fmt: skip
 
 
@@ -318,7 +337,7 @@ def points_csv(points: Sequence[Point]) -> str:
                 p.server, p.model, p.concurrency, p.repeats, cell(p.throughput),
                 cell(p.throughput_min), cell(p.throughput_max), cell(p.p50_us),
                 cell(p.p99_us), cell(p.server_cores), cell(p.cpu_us_per_infer),
-                cell(p.per_core), cell(p.window_spread), int(p.stable),
+                cell(p.per_core), cell(p.window_spread), cell(p.avg_batch), int(p.stable),
             ]
         )  # fmt: skip
     return buf.getvalue()
@@ -358,6 +377,7 @@ def write_results(
     out.mkdir(parents=True, exist_ok=True)
     points = summarize(measurements)
     rs = ratios(points)
+    proxy = proxy_overhead(points)
     files = {
         "points": out / "compare.csv",
         "ratios": out / "ratios.csv",
@@ -369,7 +389,12 @@ def write_results(
     files["ratios"].write_text(ratios_csv(rs))
     files["raw"].write_text(measurements_csv(measurements))
     files["markdown"].write_text(
-        format_points(points, markdown=True) + "\n\n" + format_ratios(rs, markdown=True) + "\n"
+        "\n\n".join(
+            [format_points(points, markdown=True)]
+            + ([format_ratios(rs, markdown=True)] if rs else [])
+            + ([format_ratios(proxy, markdown=True, ours_label="proxy")] if proxy else [])
+        )
+        + "\n"
     )
     files["meta"].write_text(json.dumps(meta, indent=2, default=str) + "\n")
     if plot:
@@ -395,6 +420,8 @@ def plot_points(points: Sequence[Point], path: Path) -> Path | None:
         return None
     models = [m for m in MODELS if any(p.model == m for p in points)]
     models += sorted({p.model for p in points} - set(models))
+    if not models:
+        return None
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
         for server in ALL_SERVERS:
@@ -483,6 +510,7 @@ def measure_point(
     stable = True
     for attempt in range(2):
         extra = ["--max-trials", str(trials), "-v"]
+        counts0 = execution_counts(server.url, model)
         cpu0, t0 = server.cpu_seconds(), time.monotonic()
         try:
             r = run_perf(
@@ -505,6 +533,10 @@ def measure_point(
             continue
         wall = time.monotonic() - t0
         cores = (server.cpu_seconds() - cpu0) / wall if wall > 0 else None
+        counts1 = execution_counts(server.url, model)
+        batch = None
+        if counts0 and counts1 and counts1[1] > counts0[1]:
+            batch = (counts1[0] - counts0[0]) / (counts1[1] - counts0[1])
         return Measurement(
             server=label,
             model=model,
@@ -514,11 +546,30 @@ def measure_point(
             p99_us=r.p99_us,
             server_cores=cores,
             window_spread=window_spread(r.stdout),
+            avg_batch=batch,
             stability_pct=pct,
             stable=stable,
             repeat=repeat,
         )
     raise AssertionError("unreachable")
+
+
+def execution_counts(url: str, model: str) -> tuple[int, int] | None:
+    """(inference_count, execution_count) from ModelStatistics; None where unsupported."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        stats = client.get_inference_statistics(model)
+    except InferenceServerException:  # MLServer: UNIMPLEMENTED
+        return None
+    finally:
+        client.close()
+    return (
+        sum(s.inference_count for s in stats.model_stats),
+        sum(s.execution_count for s in stats.model_stats),
+    )
 
 
 def _repeats_for(concurrency: int, args) -> int:
@@ -527,12 +578,17 @@ def _repeats_for(concurrency: int, args) -> int:
     return max(1, args.repeats)
 
 
-def run_server(label: str, args, models, workdir: Path, log) -> tuple[list[Measurement], dict]:
-    """Start one server, check its answers, measure every point, stop it."""
+def run_server(
+    label: str, args, models, workdir: Path, log, measurements: list[Measurement], info: dict
+) -> None:
+    """Start one server, check its answers, measure every point, stop it.
+
+    Appends to ``measurements`` as it goes (so an interrupted run keeps what it
+    measured) and records startup time, version and failures in ``info``.
+    """
     kind, options = _server_options(label, args)
     t0 = time.monotonic()
-    measurements: list[Measurement] = []
-    info: dict = {"options": options}
+    info["options"] = options
     with start_server(kind, workdir, models, **options) as server:
         info["startup_s"] = round(time.monotonic() - t0, 1)
         info["notes"] = server.notes
@@ -557,10 +613,10 @@ def run_server(label: str, args, models, workdir: Path, log) -> tuple[list[Measu
                         f"  {model:8s} c={c:<3d} {m.throughput:9.1f} infer/s  "
                         f"p50 {m.p50_us / 1000:7.2f} ms  p99 {m.p99_us / 1000:7.2f} ms  "
                         f"cores {m.server_cores or 0:.2f}{spread}"
+                        + ("" if m.avg_batch is None else f"  batch {m.avg_batch:.1f}")
                         + ("" if m.stable else f"  (stable only at -s {m.stability_pct})")
                     )
     info["wall_s"] = round(time.monotonic() - t0, 1)
-    return measurements, info
 
 
 def _server_version(url: str) -> str:
@@ -653,16 +709,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = False
     try:
         for label in servers:
+            info: dict = {}
+            meta["servers"][label] = info
             with tempfile.TemporaryDirectory(prefix=f"bench-compare-{label}-") as tmp:
                 try:
-                    ms, info = run_server(label, args, models, Path(tmp), log)
+                    run_server(label, args, models, Path(tmp), log, measurements, info)
                 except (ServerStartError, AssertionError, RuntimeError) as exc:
                     log(f"{LABELS[label]}: FAILED: {exc}")
-                    meta["servers"][label] = {"error": str(exc)}
+                    info["error"] = str(exc)
                     failed = True
-                    continue
-                measurements += ms
-                meta["servers"][label] = info
     except (KeyboardInterrupt, PerfAnalyzerNotInstalled) as exc:
         log(f"interrupted ({type(exc).__name__}); writing what was measured")
         failed = True
@@ -672,9 +727,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(format_points(points))
     print()
-    print(format_ratios(ratios(points)))
+    rs = ratios(points)
+    if rs:
+        print(format_ratios(rs))
+        print()
+    proxy = proxy_overhead(points)
+    if proxy:
+        print("ModelConfig proxy overhead (MLServer behind the proxy / MLServer alone):")
+        print(format_ratios(proxy, ours_label="proxy"))
+        print()
     files = write_results(args.out, measurements, meta, plot=not args.no_plot)
-    print()
     print(f"total {meta['wall_s']:.0f}s; wrote " + ", ".join(str(p) for p in files.values()))
     return 1 if failed else 0
 

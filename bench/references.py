@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import io
 import json
 import os
@@ -79,6 +80,7 @@ MODEL_CONFIG_METHOD = "/inference.GRPCInferenceService/ModelConfig"
 STREAM_METHODS = frozenset({"/inference.GRPCInferenceService/ModelStreamInfer"})
 
 INSTALL_HINT = "run scripts/install_references.sh"
+_PR_SET_PDEATHSIG = 1
 
 
 class ReferenceNotInstalled(FileNotFoundError):
@@ -439,6 +441,14 @@ class RunningServer:
         self.stop()
 
 
+def _own_group_and_die_with_parent() -> None:
+    """Runs in the child before exec: own process group (stopped as a whole), and
+    SIGTERM when the harness dies, so a killed benchmark leaves no server behind."""
+    os.setsid()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _popen(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd=None):
     fh = log.open("ab")
     try:
@@ -449,7 +459,7 @@ def _popen(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd=Non
             stdin=subprocess.DEVNULL,
             env=env,
             cwd=cwd,
-            start_new_session=True,  # own process group: stopped as a whole
+            preexec_fn=_own_group_and_die_with_parent,
         )
     finally:
         fh.close()

@@ -53,7 +53,13 @@ PYTRITON_VERSION="${PYTRITON_VERSION:-0.7.0}"
 MLSERVER_VERSION="${MLSERVER_VERSION:-1.7.1}"
 
 log() { echo "[install_references] $*" >&2; }
-pip_install() { "$1/bin/python" -m pip install -q --disable-pip-version-check "${@:2}"; }
+# pip, minus the warnings a pip.conf with missing local index directories prints per package.
+pip_install() {
+  local out rc=0
+  out="$("$1/bin/python" -m pip install -q --disable-pip-version-check "${@:2}" 2>&1)" || rc=$?
+  printf '%s\n' "$out" | grep -v -e "is neither a file nor a directory" -e '^$' >&2 || true
+  return "$rc"
+}
 
 if [ -z "${ORT_VERSION:-}" ]; then
   main_py="python3"
@@ -140,9 +146,10 @@ assert int(v['numpy'].split('.')[0]) < 2, v
 assert not '$ORT_VERSION' or v['onnxruntime'] == '$ORT_VERSION', v
 " >/dev/null 2>&1; then
     log "installing nvidia-pytriton==$PYTRITON_VERSION (binary + backend only), numpy<2, $ORT_SPEC"
-    # --no-deps: pytriton's own Python deps are for its API, which is not used.
-    pip_install "$TRITON_VENV" --no-deps "nvidia-pytriton==$PYTRITON_VERSION"
     pip_install "$TRITON_VENV" "numpy<2" "$ORT_SPEC"
+    # --no-deps (and last, so pip does not list them as conflicts): pytriton's
+    # own Python deps are for its API, which is not used.
+    pip_install "$TRITON_VENV" --no-deps "nvidia-pytriton==$PYTRITON_VERSION"
   fi
   site="$(triton_site)"
   stub_dir="$site/pytriton/tritonserver/python_backend_stubs/$py_ver"

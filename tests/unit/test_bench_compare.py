@@ -38,8 +38,8 @@ def _points() -> list[Point]:
 
 def test_summarize_takes_medians_over_repeats():
     ms = [
-        _m("stageserve", "mlp", 8, 100.0, p50=10, p99=50, cores=1.0, window_spread=0.1, repeat=0),
-        _m("stageserve", "mlp", 8, 300.0, p50=30, p99=70, cores=2.0, window_spread=0.3, repeat=1),
+        _m("stageserve", "mlp", 8, 100.0, 10, 50, 1.0, window_spread=0.1, avg_batch=2.0),
+        _m("stageserve", "mlp", 8, 300.0, 30, 70, 2.0, window_spread=0.3, avg_batch=4.0),
         _m("stageserve", "mlp", 8, 200.0, p50=20, p99=60, cores=1.5, stable=False, repeat=2),
         _m("stageserve", "mlp", 1, 50.0),
     ]
@@ -49,6 +49,7 @@ def test_summarize_takes_medians_over_repeats():
     assert (p.throughput, p.p50_us, p.p99_us, p.server_cores) == (200.0, 20, 60, 1.5)
     assert (p.repeats, p.throughput_min, p.throughput_max) == (3, 100.0, 300.0)
     assert p.window_spread == 0.3  # the worst repeat
+    assert p.avg_batch == 3.0  # median of the repeats that have it
     assert p.stable is False  # one repeat needed the relaxed criterion
     assert points[1].repeats == 1 and points[1].stable
 
@@ -82,12 +83,27 @@ def test_ratios_skip_references_that_were_not_run():
     assert {r.reference for r in compare.ratios(points)} == {"triton"}
 
 
+def test_no_ratios_without_stageserve_and_proxy_overhead_table():
+    ms = [
+        _m("mlserver", "mlp", 8, 1500.0, p50=4000, p99=12000, cores=1.0),
+        _m("mlserver-proxy", "mlp", 8, 1000.0, p50=6000, p99=18000, cores=1.5),
+    ]
+    points = compare.summarize(ms)
+    assert compare.ratios(points) == []
+    (r,) = compare.proxy_overhead(points)
+    assert (r.reference, r.throughput, r.p50, r.p99) == ("mlserver", pytest.approx(2 / 3), 1.5, 1.5)
+    assert r.per_core == pytest.approx((1000 / 1.5) / 1500)
+    text = compare.format_ratios([r], ours_label="proxy")
+    assert text.splitlines()[0].split()[:4] == ["model", "conc", "proxy/MLServer", "infer/s"]
+    assert text.splitlines()[-1].split() == ["mlp", "8", "0.67x", "1.50x", "1.50x", "0.44x"]
+
+
 def test_format_points_table():
     text = compare.format_points(_points())
     lines = text.splitlines()
     assert lines[0].split() == [
         "model", "conc", "server", "infer/s", "spread", "p50", "ms", "p99", "ms", "cores",
-        "cpu", "us/inf",
+        "cpu", "us/inf", "batch",
     ]  # fmt: skip
     assert set(lines[1]) <= {"-", " "}
     # identity (MODELS order) before mlp; Triton before MLServer before StageServe
@@ -100,8 +116,8 @@ def test_format_points_table():
         ["mlp", "8", "StageServe"],
     ]
     stage = lines[-1].split()
-    assert stage[3:] == ["2,000", "-", "2.00", "2.00", "0.50", "250"]
-    assert lines[2].split()[-2:] == ["-", "-"]  # Triton identity: no CPU figure
+    assert stage[3:] == ["2,000", "-", "2.00", "2.00", "0.50", "250", "-"]
+    assert lines[2].split()[-3:] == ["-", "-", "-"]  # Triton identity: no CPU figure
 
 
 def test_format_points_marks_repeats_and_unstable():
@@ -160,6 +176,7 @@ def test_plot_written_when_matplotlib_is_there(tmp_path: Path):
     pytest.importorskip("matplotlib")
     png = compare.plot_points(_points(), tmp_path / "p.png")
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert compare.plot_points([], tmp_path / "none.png") is None  # nothing measured
 
 
 def test_window_spread_from_verbose_output():

@@ -1,0 +1,105 @@
+"""`stageserve up`: the one command that starts everything, and stops everything."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from stageserve.net import free_port
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone for our purpose.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _start_up(repository: Path) -> tuple[subprocess.Popen, dict]:
+    grpc_port, metrics_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stageserve.cli",
+            "up",
+            "--model-repository",
+            str(repository),
+            "--grpc-port",
+            str(grpc_port),
+            "--metrics-port",
+            str(metrics_port),
+            "--device",
+            "cpu",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("{") and '"stageserve up"' in line:
+            return proc, json.loads(line)
+    proc.kill()
+    pytest.fail("stageserve up did not report its services")
+
+
+def _infer_simple(address: str) -> None:
+    client = grpcclient.InferenceServerClient(address)
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = [grpcclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+    for i in inputs:
+        i.set_data_from_numpy(a)
+    np.testing.assert_array_equal(client.infer("simple", inputs).as_numpy("OUTPUT0"), 2 * a)
+
+
+def test_up_serves_and_ctrl_c_stops_every_process(example_repository: Path) -> None:
+    proc, info = _start_up(example_repository)
+    try:
+        pids = info["pids"]
+        assert set(pids) >= {"redis", "ratelimiter", "worker-0", "scheduler", "gateway"}
+        assert len(set(pids.values())) == len(pids)  # each stage its own process
+        port = info["grpc"].rsplit(":", 1)[1]
+        _infer_simple(f"127.0.0.1:{port}")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(p) for p in pids.values()):
+            time.sleep(0.1)
+        assert not [n for n, p in pids.items() if _alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_killed_launcher_leaves_no_orphans(example_repository: Path) -> None:
+    proc, info = _start_up(example_repository)
+    pids = info["pids"]
+    proc.kill()  # SIGKILL: no chance to clean up; children die with it
+    proc.wait(10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_alive(p) for p in pids.values()):
+        time.sleep(0.1)
+    leftover = [n for n, p in pids.items() if _alive(p)]
+    for name in leftover:  # never leave them running, even when failing
+        os.kill(pids[name], signal.SIGKILL)
+    assert not leftover

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 
 import grpc
 
@@ -35,16 +36,26 @@ class SchedulerLink:
         self._outbox: asyncio.Queue | None = None
         self._reader: asyncio.Task | None = None
         self._opening = asyncio.Lock()
+        self._last_failure: tuple[float, StageError] | None = None
 
     async def _ensure_stream(self) -> asyncio.Queue:
         if self._outbox is not None and self._reader is not None and not self._reader.done():
             return self._outbox
         # One stream at a time: concurrent first requests wait for the same
-        # stream instead of each opening one (which would reorder them).
+        # stream instead of each opening one (which would reorder them). A
+        # failed attempt answers everyone who waited for it at once, so a down
+        # scheduler costs each request one bounded wait, not one per waiter.
+        asked_at = time.monotonic()
         async with self._opening:
             if self._outbox is not None and self._reader is not None and not self._reader.done():
                 return self._outbox
-            return await self._open_stream()
+            if self._last_failure is not None and self._last_failure[0] >= asked_at:
+                raise self._last_failure[1]
+            try:
+                return await self._open_stream()
+            except StageError as err:
+                self._last_failure = (time.monotonic(), err)
+                raise
 
     async def _open_stream(self) -> asyncio.Queue:
         try:

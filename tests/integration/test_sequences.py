@@ -133,8 +133,12 @@ def test_sequence_over_a_stream(seq_stack: RunningStack) -> None:
             inp = grpcclient.InferInput("INPUT", [1, 1], "INT32")
             inp.set_data_from_numpy(np.array([[v]], dtype=np.int32))
             client.async_stream_infer(
-                "acc_oldest", [inp], sequence_id=4004, sequence_start=step == 0,
-                sequence_end=step == 3, request_id=str(step),
+                "acc_oldest",
+                [inp],
+                sequence_id=4004,
+                sequence_start=step == 0,
+                sequence_end=step == 3,
+                request_id=str(step),
             )
         outs = {}
         for _ in range(4):
@@ -161,8 +165,15 @@ def test_restarted_scheduler_continues_the_sequence(tmp_path: Path) -> None:
         host, port = old.address.rsplit(":", 1)
         new = running.stack.start_service(
             "scheduler-2",
-            ["scheduler", "--listen", f"127.0.0.1:{port}", "--redis-url", running.redis_url,
-             "--ratelimiter", running.ratelimiter.address],
+            [
+                "scheduler",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--redis-url",
+                running.redis_url,
+                "--ratelimiter",
+                running.ratelimiter.address,
+            ],
         )
         assert new.address.endswith(port)
         r = None
@@ -182,14 +193,31 @@ def test_two_schedulers_share_sequences(tmp_path: Path) -> None:
     with running_stack(tmp_path) as running:
         sched2 = running.stack.start_service(
             "scheduler-2",
-            ["scheduler", "--listen", "127.0.0.1:0", "--redis-url", running.redis_url,
-             "--ratelimiter", running.ratelimiter.address],
+            [
+                "scheduler",
+                "--listen",
+                "127.0.0.1:0",
+                "--redis-url",
+                running.redis_url,
+                "--ratelimiter",
+                running.ratelimiter.address,
+            ],
         )
         gw2 = running.stack.start_service(
             "gateway-2",
-            ["gateway", "--listen", "127.0.0.1:0", "--redis-url", running.redis_url,
-             "--ratelimiter", running.ratelimiter.address, "--scheduler", sched2.address,
-             "--model-repository", str(tmp_path)],
+            [
+                "gateway",
+                "--listen",
+                "127.0.0.1:0",
+                "--redis-url",
+                running.redis_url,
+                "--ratelimiter",
+                running.ratelimiter.address,
+                "--scheduler",
+                sched2.address,
+                "--model-repository",
+                str(tmp_path),
+            ],
         )
         clients = [running.client(), grpcclient.InferenceServerClient(gw2.address)]
         total = 0
@@ -200,3 +228,47 @@ def test_two_schedulers_share_sequences(tmp_path: Path) -> None:
         # Both paths executed part of the sequence.
         for c in clients:
             assert c.get_inference_statistics("acc").model_stats[0].inference_count == 5
+
+
+def test_initial_state_from_data_file(tmp_path: Path) -> None:
+    """initial_state { data_file } seeds a sequence's state at START."""
+    import onnx
+    from onnx import helper
+
+    from stageserve.examples import make_model, write_model
+
+    i32 = onnx.TensorProto.INT32
+    vi = [helper.make_tensor_value_info(n, i32, ["batch", 1]) for n in ("INPUT", "STATE_IN")]
+    outs = [helper.make_tensor_value_info(n, i32, ["batch", 1]) for n in ("OUTPUT", "STATE_OUT")]
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["STATE_IN", "INPUT"], ["OUTPUT"]),
+            helper.make_node("Identity", ["OUTPUT"], ["STATE_OUT"]),
+        ],
+        "seeded",
+        vi,
+        outs,
+    )
+    config = """name: "seeded"
+platform: "onnxruntime_onnx"
+max_batch_size: 4
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+sequence_batching {
+  max_sequence_idle_microseconds: 60000000
+  oldest { }
+  state [ {
+    input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_INT32 dims: [ 1 ]
+    initial_state: { data_type: TYPE_INT32 dims: [ 1 ] data_file: "hundred" name: "seed" }
+  } ]
+}
+"""
+    model_dir = write_model(tmp_path, "seeded", make_model(graph), config)
+    (model_dir / "initial_state").mkdir()
+    (model_dir / "initial_state" / "hundred").write_bytes(np.array([100], np.int32).tobytes())
+    with running_stack(tmp_path) as running:
+        client = running.client()
+        assert send(client, "seeded", 1, 42, start=True).as_numpy("OUTPUT")[0, 0] == 101
+        assert send(client, "seeded", 2, 42).as_numpy("OUTPUT")[0, 0] == 103
+        # A new sequence starts from the file's value again.
+        assert send(client, "seeded", 5, 43, start=True).as_numpy("OUTPUT")[0, 0] == 105

@@ -193,6 +193,13 @@ class ModelManager:
                 spec=model.spec,
                 generation=generation,
             )
+            if not entry.ready_versions() and old is not None and old.ready_versions():
+                # A failed reload keeps the loaded versions serving, as in Triton.
+                log.error(
+                    "model reload failed; previous load keeps serving",
+                    extra={"model": name, "reasons": reasons},
+                )
+                raise unavailable(f"failed to load '{name}': " + "; ".join(reasons.values()))
             self.entries[name] = entry
             seconds = time.monotonic() - start
             for v in entry.ready_versions():

@@ -131,12 +131,22 @@ class WorkerService(pb_grpc.WorkerServicer):
             await self._unload_stale(wanted)
 
     async def _unload_stale(self, wanted: dict[str, LoadedModel]) -> bool:
+        # An older generation goes only once the new one is hosted: a reload
+        # whose new files fail to load leaves the old instances serving.
+        current = {
+            (i.model, i.version)
+            for i in self.instances.values()
+            if i.model in wanted and i.generation == wanted[i.model].generation
+        }
         stale = [
             inst
             for inst in self.instances.values()
             if inst.model not in wanted
-            or wanted[inst.model].generation != inst.generation
             or inst.version not in wanted[inst.model].versions
+            or (
+                wanted[inst.model].generation != inst.generation
+                and (inst.model, inst.version) in current
+            )
         ]
         if not stale:
             return False

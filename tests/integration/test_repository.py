@@ -735,3 +735,22 @@ def test_mixed_stack_comes_up_with_everything_listed(mixed: RunningStack, mixed_
     states = index_states(mixed.client())
     assert sorted(states) == sorted(p.name for p in mixed_repo.iterdir() if p.is_dir())
     assert wait_until(lambda: mixed.client().is_model_ready("simple"), 5)
+
+
+def test_failed_reload_keeps_the_loaded_model_serving(tmp_path: Path) -> None:
+    """Triton keeps serving a loaded model whose reload fails; so do we."""
+    write_simple(tmp_path, "simple")
+    model_file = tmp_path / "simple" / "1" / "model.onnx"
+    good = model_file.read_bytes()
+    with stack_retrying(tmp_path, control_mode="explicit", load_models=("simple",)) as s:
+        c = s.client()
+        infer_simple(c)
+        model_file.write_bytes(b"not an onnx model")
+        with pytest.raises(InferenceServerException):
+            c.load_model("simple", client_timeout=RPC_TIMEOUT_S)
+        for _ in range(5):  # still the old, loaded version
+            infer_simple(c)
+        assert c.is_model_ready("simple")
+        model_file.write_bytes(good)
+        c.load_model("simple", client_timeout=RPC_TIMEOUT_S)
+        infer_simple(c)

@@ -73,12 +73,6 @@ class ModelStateStore:
             pipe.publish(keys.MODEL_EVENTS, name)
             await pipe.execute()
 
-    async def clear_all(self) -> None:
-        """Forget every published model (a fresh gateway starts from its repository)."""
-        names = await self.redis.hkeys(keys.MODELS)
-        for raw in names:
-            await self.publish_unloaded(raw.decode())
-
     async def loaded(self) -> dict[str, LoadedModel]:
         out: dict[str, LoadedModel] = {}
         for raw in await self.redis.hkeys(keys.MODELS):

@@ -150,3 +150,19 @@ def test_metrics_agree_with_model_statistics(mstack: MetricsStack) -> None:
     assert executions == stats.execution_count
     rl = scrape(mstack.ports["ratelimiter"])
     assert value(rl, "stageserve_ratelimiter_grants_total", **labels) >= 1
+
+
+def test_scheduler_queue_stats_rpc(mstack: MetricsStack) -> None:
+    """The scheduler's own QueueStats RPC lists each model version it queued for."""
+    import grpc
+
+    from stageserve.generated import stageserve_pb2 as pb
+    from stageserve.generated import stageserve_pb2_grpc as pb_grpc
+
+    client = grpcclient.InferenceServerClient(mstack.url)
+    client.infer("simple", simple_inputs(1))
+    with grpc.insecure_channel(mstack.services.scheduler.address) as channel:
+        stats = pb_grpc.SchedulerStub(channel).QueueStats(pb.QueueStatsRequest(), timeout=10)
+    by_model = {(m.model, m.version): m for m in stats.models}
+    assert ("simple", 1) in by_model
+    assert by_model[("simple", 1)].pending == 0

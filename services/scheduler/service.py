@@ -139,7 +139,6 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 item = await responses.get()
                 if item is None:
                     break
-                await asyncio.sleep(0)  # let other finished batches answer into this write
                 # Everything answered since the last write goes out as one message.
                 out = pb.ScheduleResponses()
                 out.responses.append(item)

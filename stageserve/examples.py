@@ -337,7 +337,18 @@ def write_mlp(
 # a stateful model for the sequence batcher
 
 
-def accumulator_model(corrid_type: str = "UINT64", max_batch_size: int = 8) -> onnx.ModelProto:
+# The three forms a sequence control can take in config.pbtxt, with the
+# false/true values the accumulator's configs use.
+CONTROL_FORMS = {
+    "INT32": "int32_false_true: [ 0, 1 ]",
+    "FP32": "fp32_false_true: [ 0.0, 1.0 ]",
+    "BOOL": "bool_false_true: [ false, true ]",
+}
+
+
+def accumulator_model(
+    corrid_type: str = "UINT64", max_batch_size: int = 8, control_type: str = "INT32"
+) -> onnx.ModelProto:
     """Running sum per sequence, kept in implicit state ACC_IN -> ACC_OUT.
 
     OUTPUT = (0 if START else ACC_IN) + INPUT; the control inputs are echoed
@@ -345,15 +356,19 @@ def accumulator_model(corrid_type: str = "UINT64", max_batch_size: int = 8) -> o
     scheduler filled in.
     """
     i32 = from_triton("INT32")
+    ctl = from_triton(control_type)
     corr = from_triton(corrid_type)
     shape = _onnx_shape((1,), max_batch_size, "d")
-    inputs = [
-        _value_info(n, i32, shape) for n in ("INPUT", "START", "END", "READY", "ACC_IN")
-    ] + [_value_info("CORRID", corr, shape)]
-    outputs = [
-        _value_info(n, i32, shape)
-        for n in ("OUTPUT", "ACC_OUT", "START_OUT", "END_OUT", "READY_OUT")
-    ] + [_value_info("CORRID_OUT", corr, shape)]
+    inputs = (
+        [_value_info(n, i32, shape) for n in ("INPUT", "ACC_IN")]
+        + [_value_info(n, ctl, shape) for n in ("START", "END", "READY")]
+        + [_value_info("CORRID", corr, shape)]
+    )
+    outputs = (
+        [_value_info(n, i32, shape) for n in ("OUTPUT", "ACC_OUT")]
+        + [_value_info(n, ctl, shape) for n in ("START_OUT", "END_OUT", "READY_OUT")]
+        + [_value_info("CORRID_OUT", corr, shape)]
+    )
     zero = helper.make_tensor("zero", i32.onnx, [], [0])
     nodes = [
         helper.make_node("Cast", ["START"], ["start_b"], to=onnx.TensorProto.BOOL),
@@ -378,8 +393,11 @@ def accumulator_config(
     idle_us: int = 5_000_000,
     instance_count: int = 1,
     extra: str = "",
+    control_type: str = "INT32",
 ) -> str:
     corr_enum = from_triton(corrid_type).config_enum
+    ctl_enum = from_triton(control_type).config_enum
+    form = CONTROL_FORMS[control_type]
     if strategy == "direct":
         strategy_text = "direct { }"
     else:
@@ -388,9 +406,9 @@ def accumulator_config(
         f'  {{ name: "{n}" data_type: {t} dims: [ 1 ] }}'
         for n, t in (
             ("OUTPUT", "TYPE_INT32"),
-            ("START_OUT", "TYPE_INT32"),
-            ("END_OUT", "TYPE_INT32"),
-            ("READY_OUT", "TYPE_INT32"),
+            ("START_OUT", ctl_enum),
+            ("END_OUT", ctl_enum),
+            ("READY_OUT", ctl_enum),
             ("CORRID_OUT", corr_enum),
         )
     )
@@ -405,9 +423,9 @@ sequence_batching {{
   max_sequence_idle_microseconds: {idle_us}
   {strategy_text}
   control_input [
-    {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] }} ] }},
-    {{ name: "END" control [ {{ kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] }} ] }},
-    {{ name: "READY" control [ {{ kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START {form} }} ] }},
+    {{ name: "END" control [ {{ kind: CONTROL_SEQUENCE_END {form} }} ] }},
+    {{ name: "READY" control [ {{ kind: CONTROL_SEQUENCE_READY {form} }} ] }},
     {{ name: "CORRID" control [ {{ kind: CONTROL_SEQUENCE_CORRID data_type: {corr_enum} }} ] }}
   ]
   state [
@@ -434,7 +452,9 @@ def write_accumulator(
     return write_model(
         root,
         name,
-        accumulator_model(corrid_type, config.get("max_batch_size", 8)),
+        accumulator_model(
+            corrid_type, config.get("max_batch_size", 8), config.get("control_type", "INT32")
+        ),
         accumulator_config(name, corrid_type, strategy, **config),
     )
 

@@ -25,6 +25,8 @@ def seq_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack
     write_accumulator(root, "acc_direct", strategy="direct", max_batch_size=4)
     write_accumulator(root, "acc_string", corrid_type="BYTES")
     write_accumulator(root, "acc_idle", idle_us=300_000)
+    write_accumulator(root, "acc_fp32", control_type="FP32")
+    write_accumulator(root, "acc_bool", control_type="BOOL")
     with running_stack(root) as running:
         yield running
 
@@ -272,3 +274,19 @@ sequence_batching {
         assert send(client, "seeded", 2, 42).as_numpy("OUTPUT")[0, 0] == 103
         # A new sequence starts from the file's value again.
         assert send(client, "seeded", 5, 43, start=True).as_numpy("OUTPUT")[0, 0] == 105
+
+
+@pytest.mark.parametrize(
+    ("model", "false", "true"), [("acc_fp32", 0.0, 1.0), ("acc_bool", False, True)]
+)
+def test_control_forms_fp32_and_bool(seq_stack: RunningStack, model, false, true) -> None:
+    client = seq_stack.client()
+    r = send(client, model, 4, 6006, start=True)
+    assert r.as_numpy("OUTPUT")[0, 0] == 4
+    assert r.as_numpy("START_OUT")[0, 0] == true
+    assert r.as_numpy("END_OUT")[0, 0] == false
+    assert r.as_numpy("READY_OUT")[0, 0] == true
+    r = send(client, model, 6, 6006, end=True)
+    assert r.as_numpy("OUTPUT")[0, 0] == 10
+    assert r.as_numpy("START_OUT")[0, 0] == false
+    assert r.as_numpy("END_OUT")[0, 0] == true

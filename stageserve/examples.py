@@ -26,28 +26,13 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from stageserve.datatypes import DataType, from_triton
+from stageserve.datatypes import BY_TRITON, DataType, from_triton
 
 OPSET = 17
 IR_VERSION = 8
 
 #: Every Triton datatype, in model_config.proto order; one identity model each.
-ALL_DATATYPES: tuple[str, ...] = (
-    "BOOL",
-    "UINT8",
-    "UINT16",
-    "UINT32",
-    "UINT64",
-    "INT8",
-    "INT16",
-    "INT32",
-    "INT64",
-    "FP16",
-    "FP32",
-    "FP64",
-    "BF16",
-    "BYTES",
-)
+ALL_DATATYPES: tuple[str, ...] = tuple(BY_TRITON)
 
 MLP_SEED = 20240607
 

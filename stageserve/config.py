@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from google.protobuf import text_format
@@ -34,6 +35,9 @@ class TensorSpec:
     dims: tuple[int, ...]  # without the batch dimension; -1 is variable
     reshape: tuple[int, ...] | None = None  # shape the model sees, if different
     optional: bool = False
+    # Ragged: requests batch whatever this input's non-batch shape; the model
+    # receives every request's elements concatenated into one 1-D tensor.
+    allow_ragged_batch: bool = False
 
     def matches(self, shape: tuple[int, ...]) -> bool:
         return len(shape) == len(self.dims) and all(
@@ -88,6 +92,12 @@ class StateSpec:
     datatype: DataType
     dims: tuple[int, ...]
     initial_file: str | None = None  # file under <model>/initial_state/; None: zeros
+    initial_dims: tuple[int, ...] = ()  # the shape a sequence's state starts from
+
+    @property
+    def variable(self) -> bool:
+        """Variable dims: the state may change shape (grow) from request to request."""
+        return -1 in self.dims
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,36 @@ class SequenceBatching:
 DEFAULT_SEQUENCE_IDLE_US = 1_000_000
 
 
+#: BatchInput kinds (model_config.proto); the worker computes each from the batch.
+BATCH_INPUT_KINDS = (
+    "BATCH_ELEMENT_COUNT",
+    "BATCH_ACCUMULATED_ELEMENT_COUNT",
+    "BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO",
+    "BATCH_MAX_ELEMENT_COUNT_AS_SHAPE",
+    "BATCH_ITEM_SHAPE",
+    "BATCH_ITEM_SHAPE_FLATTEN",
+)
+
+
+@dataclass(frozen=True)
+class BatchInputSpec:
+    """An extra model input generated from the formed batch (Triton's batch_input)."""
+
+    kind: str  # one of BATCH_INPUT_KINDS
+    target_names: tuple[str, ...]  # model inputs that receive it
+    datatype: DataType  # INT32 or FP32
+    source_input: str  # the request input it describes
+
+
+@dataclass(frozen=True)
+class BatchOutputSpec:
+    """Outputs scattered back with each request's source-input shape (batch_output)."""
+
+    kind: str  # BATCH_SCATTER_WITH_INPUT_SHAPE
+    target_names: tuple[str, ...]
+    source_input: str
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
@@ -119,10 +159,20 @@ class ModelSpec:
     parameters: dict[str, str] = field(default_factory=dict)
     sequence: SequenceBatching | None = None
     steps: tuple = ()  # ensemble steps (platform "ensemble")
+    batch_inputs: tuple[BatchInputSpec, ...] = ()
+    batch_outputs: tuple[BatchOutputSpec, ...] = ()
 
     @property
     def batching(self) -> bool:
         return self.max_batch_size > 0
+
+    @cached_property  # read for every request the scheduler queues
+    def ragged_inputs(self) -> frozenset[str]:
+        """Inputs with allow_ragged_batch: left out of the batcher's shape check."""
+        return frozenset(t.name for t in self.inputs if t.allow_ragged_batch)
+
+    def batch_output(self, name: str) -> BatchOutputSpec | None:
+        return next((b for b in self.batch_outputs if name in b.target_names), None)
 
     def output_tensor(self, name: str) -> TensorSpec | None:
         """A declared output or an implicit-state output."""
@@ -134,10 +184,12 @@ class ModelSpec:
         return out
 
     def extra_inputs(self) -> dict[str, str]:
-        """Model inputs the scheduler provides: control and state tensors."""
+        """Model inputs no request carries: control and state tensors (the
+        scheduler provides them) and batch inputs (the worker computes them)."""
+        out = {t: b.datatype.triton for b in self.batch_inputs for t in b.target_names}
         if self.sequence is None:
-            return {}
-        out = {c.name: c.datatype.triton for c in self.sequence.controls}
+            return out
+        out.update({c.name: c.datatype.triton for c in self.sequence.controls})
         out.update({s.input_name: s.datatype.triton for s in self.sequence.states})
         return out
 
@@ -200,7 +252,8 @@ def _tensor_spec(t: mc.ModelInput | mc.ModelOutput, where: str, model: str) -> T
                 f"element count than dims {list(dims)}"
             )
     optional = bool(getattr(t, "optional", False))
-    return TensorSpec(t.name, datatype, dims, reshape, optional)
+    ragged = bool(getattr(t, "allow_ragged_batch", False))  # inputs only
+    return TensorSpec(t.name, datatype, dims, reshape, optional, ragged)
 
 
 def to_spec(config: mc.ModelConfig) -> ModelSpec:
@@ -278,6 +331,7 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
 
     sequence = _sequence_spec(config) if config.HasField("sequence_batching") else None
     steps = _ensemble_steps(config, inputs, outputs) if platform == ENSEMBLE_PLATFORM else ()
+    batch_inputs, batch_outputs = _ragged_spec(config, platform, inputs, outputs, sequence)
     return ModelSpec(
         name=name,
         platform=platform,
@@ -290,7 +344,114 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
         parameters={k: v.string_value for k, v in config.parameters.items()},
         sequence=sequence,
         steps=steps,
+        batch_inputs=batch_inputs,
+        batch_outputs=batch_outputs,
     )
+
+
+def _ragged_spec(
+    config: mc.ModelConfig,
+    platform: str,
+    inputs: tuple[TensorSpec, ...],
+    outputs: tuple[TensorSpec, ...],
+    sequence: SequenceBatching | None,
+) -> tuple[tuple[BatchInputSpec, ...], tuple[BatchOutputSpec, ...]]:
+    """Check allow_ragged_batch, batch_input and batch_output (Triton's rules,
+    plus where StageServe supports them: batching ONNX models that use the
+    dynamic batcher or the default scheduler)."""
+    name = config.name
+    ragged = [t.name for t in inputs if t.allow_ragged_batch]
+    features = [f"allow_ragged_batch (input(s) {ragged})"] if ragged else []
+    features += ["batch_input"] if config.batch_input else []
+    features += ["batch_output"] if config.batch_output else []
+    if not features:
+        return (), ()
+    what = " and ".join(features)
+    if config.max_batch_size == 0:
+        raise ConfigError(f"model '{name}' uses {what}: ragged batching needs max_batch_size > 0")
+    if sequence is not None or platform == ENSEMBLE_PLATFORM:
+        raise ConfigError(
+            f"model '{name}' uses {what}: ragged batching is supported for ONNX models with "
+            f"dynamic_batching or the default scheduler, not with "
+            f"{'sequence_batching' if sequence is not None else 'ensemble_scheduling'}"
+        )
+    input_names = {t.name for t in inputs}
+    batch_inputs = tuple(_batch_input(name, bi, input_names) for bi in config.batch_input)
+    targets = [t for b in batch_inputs for t in b.target_names]
+    for target in targets:
+        if target in input_names:
+            raise ConfigError(
+                f"model '{name}': batch_input target_name '{target}' is also a declared input"
+            )
+        if targets.count(target) > 1:
+            raise ConfigError(
+                f"model '{name}': batch_input target_name '{target}' is declared twice"
+            )
+    output_names = {t.name for t in outputs}
+    batch_outputs = tuple(
+        _batch_output(name, bo, input_names, output_names) for bo in config.batch_output
+    )
+    scattered = [t for b in batch_outputs for t in b.target_names]
+    twice = sorted({t for t in scattered if scattered.count(t) > 1})
+    if twice:
+        raise ConfigError(
+            f"model '{name}': batch_output target output(s) {twice} can only be given once"
+        )
+    return batch_inputs, batch_outputs
+
+
+def _enum_name(enum, value: int) -> str | None:
+    try:
+        return enum.Name(value)
+    except ValueError:  # a number that names no value ("kind: 9")
+        return None
+
+
+def _single_source(model: str, where: str, sources, input_names: set[str]) -> str:
+    if len(sources) != 1:
+        raise ConfigError(f"model '{model}': {where} expects 1 source_input, got {len(sources)}")
+    source = sources[0]
+    if source not in input_names:
+        raise ConfigError(
+            f"model '{model}': {where} has unknown source_input '{source}' (inputs are "
+            f"{sorted(input_names)})"
+        )
+    return source
+
+
+def _batch_input(model: str, bi: mc.BatchInput, input_names: set[str]) -> BatchInputSpec:
+    kind = _enum_name(mc.BatchInput.Kind, bi.kind)
+    if kind is None:
+        raise ConfigError(f"model '{model}': unknown batch input kind {bi.kind}")
+    where = f"batch_input {kind} {list(bi.target_name)}"
+    if not bi.target_name or not all(bi.target_name):
+        raise ConfigError(f"model '{model}': {where} needs a non-empty target_name")
+    source = _single_source(model, where, bi.source_input, input_names)
+    dtype = _enum_name(mc.DataType, bi.data_type)
+    if dtype not in ("TYPE_INT32", "TYPE_FP32"):
+        raise ConfigError(
+            f"model '{model}': {where} data_type must be TYPE_INT32 or TYPE_FP32, got {dtype}"
+        )
+    return BatchInputSpec(kind, tuple(bi.target_name), from_config_enum(dtype), source)
+
+
+def _batch_output(
+    model: str, bo: mc.BatchOutput, input_names: set[str], output_names: set[str]
+) -> BatchOutputSpec:
+    kind = _enum_name(mc.BatchOutput.Kind, bo.kind)
+    if kind is None:
+        raise ConfigError(f"model '{model}': unknown batch output kind {bo.kind}")
+    where = f"batch_output {kind} {list(bo.target_name)}"
+    if not bo.target_name:
+        raise ConfigError(f"model '{model}': {where} needs a target_name")
+    unknown = [t for t in bo.target_name if t not in output_names]
+    if unknown:
+        raise ConfigError(
+            f"model '{model}': {where} has unknown target output(s) {unknown} (outputs are "
+            f"{sorted(output_names)})"
+        )
+    source = _single_source(model, where, bo.source_input, input_names)
+    return BatchOutputSpec(kind, tuple(bo.target_name), source)
 
 
 @dataclass(frozen=True)
@@ -377,6 +538,33 @@ def _control(name: str, c: mc.ModelSequenceBatching.Control, model: str) -> Cont
     )
 
 
+def _initial_state(
+    s: mc.ModelSequenceBatching.State, dims: tuple[int, ...], model: str
+) -> tuple[str | None, tuple[int, ...]]:
+    """A state's data file (None: zeros) and the shape its sequences start from.
+
+    As in Triton, without initial_state every variable dim starts at 1; with
+    one, its dims must be fixed and fit the state's dims."""
+    if not s.initial_state:
+        return None, tuple(1 if d == -1 else d for d in dims)
+    if len(s.initial_state) > 1:
+        raise ConfigError(
+            f"model '{model}': state '{s.input_name}' has more than one initial_state"
+        )
+    init = s.initial_state[0]
+    init_dims = tuple(int(d) for d in init.dims) or dims
+    fits = len(init_dims) == len(dims) and all(
+        d >= 0 and (want == -1 or d == want) for d, want in zip(init_dims, dims, strict=True)
+    )
+    if not fits:
+        raise ConfigError(
+            f"model '{model}': initial_state of state '{s.input_name}' needs fixed dims that "
+            f"fit the state dims {list(dims)}, got {list(init_dims)}"
+        )
+    data_file = init.data_file if init.WhichOneof("state_data") == "data_file" else None
+    return data_file, init_dims
+
+
 def _sequence_spec(config: mc.ModelConfig) -> SequenceBatching:
     sb = config.sequence_batching
     name = config.name
@@ -403,15 +591,13 @@ def _sequence_spec(config: mc.ModelConfig) -> SequenceBatching:
         if not s.input_name or not s.output_name:
             raise ConfigError(f"model '{name}': a state needs input_name and output_name")
         dims = tuple(int(d) for d in s.dims)
-        if any(d < 1 for d in dims):
+        if any(d < 1 and d != -1 for d in dims):
             raise ConfigError(
-                f"model '{name}': state '{s.input_name}' needs fixed dims, got {list(dims)}"
+                f"model '{name}': state '{s.input_name}' dims must be positive or -1 "
+                f"(variable), got {list(dims)}"
             )
-        initial = None
-        for init in s.initial_state:
-            if init.WhichOneof("state_data") == "data_file":
-                initial = init.data_file
-        states.append(StateSpec(s.input_name, s.output_name, datatype, dims, initial))
+        initial, initial_dims = _initial_state(s, dims, name)
+        states.append(StateSpec(s.input_name, s.output_name, datatype, dims, initial, initial_dims))
     strategy = sb.WhichOneof("strategy_choice") or "direct"
     delay = getattr(sb, strategy).max_queue_delay_microseconds
     return SequenceBatching(

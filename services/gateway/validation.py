@@ -3,6 +3,9 @@
 Pure: no I/O. Every check answers INVALID_ARGUMENT with a message naming the
 model, the tensor and what was expected, as Triton does; nothing invalid ever
 reaches the scheduler. Typed `contents` are turned into raw bytes here, once.
+Inputs with allow_ragged_batch are checked like any other (their dims, -1 as a
+wildcard); batch inputs are computed by the worker and never accepted from a
+request.
 """
 
 from __future__ import annotations

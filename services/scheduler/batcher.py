@@ -12,7 +12,9 @@ the DELAY action, again by level. A level may cap its queue
 
 Batch rules, taking requests in queue order from the head:
 - a request whose non-batch shapes differ from the head's ends the batch (no
-  mixing);
+  mixing); inputs with allow_ragged_batch are left out of that comparison
+  (`shape_key`), so requests of different lengths share a batch (ragged
+  batching: the worker concatenates them into one 1-D tensor);
 - a batch is sent at once when it reaches max_batch_size, or when the next
   queued request cannot join it (too big or a different shape): then the
   largest preferred-size prefix if there is one, else everything that fits;
@@ -26,7 +28,7 @@ The default scheduler (no dynamic_batching) runs each request on its own.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +51,18 @@ class QueuePolicy:
         if self.allow_timeout_override and 0 < requested_us < self.default_timeout_us:
             return requested_us
         return self.default_timeout_us
+
+
+def shape_key(
+    inputs: Iterable[tuple[str, Sequence[int]]],
+    batching: bool,
+    ragged: Collection[str] = (),
+) -> tuple:
+    """What must be equal for requests to share a batch: each input's name and
+    its shape without the batch dimension. A ragged input keeps its name (the
+    same inputs must be present) but not its shape."""
+    skip = 1 if batching else 0
+    return tuple((name, None if name in ragged else tuple(shape[skip:])) for name, shape in inputs)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from services.scheduler.batcher import (
     QueueFull,
     QueuePolicy,
 )
+from services.scheduler.batcher import shape_key as batch_shape_key
 from services.scheduler.clients import Granted, RateLimiterClient, WorkerCallError, WorkerClients
 from stageserve.config import ModelSpec, QueuePolicySpec
 from stageserve.errors import StageError, unavailable
@@ -86,9 +88,10 @@ def make_batcher(spec: ModelSpec) -> Batcher:
     )
 
 
-def shape_key(msg: pb.ScheduleRequest, batching: bool) -> tuple:
-    skip = 1 if batching else 0
-    return tuple((t.name, tuple(t.shape[skip:])) for t in msg.inputs)
+def shape_key(
+    msg: pb.ScheduleRequest, batching: bool, ragged: frozenset[str] = frozenset()
+) -> tuple:
+    return batch_shape_key(((t.name, t.shape) for t in msg.inputs), batching, ragged)
 
 
 def error_response(request_id: int, err: StageError) -> pb.ScheduleResponse:
@@ -96,12 +99,22 @@ def error_response(request_id: int, err: StageError) -> pb.ScheduleResponse:
 
 
 def build_execute_request(
-    instance_id: str, batch: list[Queued], batching: bool
+    instance_id: str,
+    batch: list[Queued],
+    batching: bool,
+    ragged: frozenset[str] = frozenset(),
 ) -> pb.ExecuteRequest:
-    """Concatenate each input's raw bytes across the batch (batch dim is outermost)."""
+    """Concatenate each input's raw bytes across the batch (batch dim is outermost).
+
+    A ragged input becomes one 1-D tensor of all the requests' elements (what
+    Triton's ONNX Runtime backend feeds such an input), with the requests' own
+    shapes alongside; the bytes are still only concatenated, never decoded."""
     first = batch[0].msg
     req = pb.ExecuteRequest(instance_id=instance_id)
     for i, t in enumerate(first.inputs):
+        if t.name in ragged:
+            req.inputs.append(_ragged_input(req, t, [q.msg.inputs[i] for q in batch]))
+            continue
         if len(batch) == 1:
             req.inputs.append(t)
             continue
@@ -118,6 +131,19 @@ def build_execute_request(
     for q in batch:
         req.requested.add(names=q.msg.outputs)
     return req
+
+
+def _ragged_input(req: pb.ExecuteRequest, first: pb.Tensor, parts: list[pb.Tensor]) -> pb.Tensor:
+    """One ragged input across the batch; records each request's shape in req."""
+    shapes = req.ragged_shapes.add(input=first.name, rank=len(first.shape))
+    for t in parts:
+        shapes.dims.extend(t.shape)
+    return pb.Tensor(
+        name=first.name,
+        datatype=first.datatype,
+        shape=[sum(math.prod(t.shape) for t in parts)],
+        raw=parts[0].raw if len(parts) == 1 else b"".join(t.raw for t in parts),
+    )
 
 
 class ModelQueue:
@@ -163,6 +189,8 @@ class ModelQueue:
         pending = self.batcher.drain()
         self.spec = spec
         self.batcher = make_batcher(spec)
+        for p in pending:  # the new config may make other inputs ragged
+            p.shape_key = shape_key(p.payload.msg, spec.batching, spec.ragged_inputs)
         self.batcher.requeue_front(pending)
         # Ordering restarts with the new settings: release what was held.
         for seq in sorted(self._held):
@@ -178,7 +206,7 @@ class ModelQueue:
         queued = Queued(msg, respond, now)
         pending = queued.pending = Pending(
             batch_size=msg.batch_size if batching else 1,
-            shape_key=shape_key(msg, batching),
+            shape_key=shape_key(msg, batching, self.spec.ragged_inputs),
             enqueue_ns=now,
             payload=queued,
             priority=int(msg.priority),
@@ -404,7 +432,9 @@ class ModelQueue:
         failed_instance: bool | None = False
         try:
             compute_start = time.monotonic_ns()
-            request = build_execute_request(grant.instance_id, batch, self.spec.batching)
+            request = build_execute_request(
+                grant.instance_id, batch, self.spec.batching, self.spec.ragged_inputs
+            )
             try:
                 resp = await self.workers.execute(grant.worker_address, request)
             except WorkerCallError as exc:

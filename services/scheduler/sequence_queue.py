@@ -13,34 +13,73 @@ Strategies:
 - direct: each sequence owns a batch slot from its START to its END (or idle
   timeout); row i of a batch is slot i, and slots with nothing to run are
   padding rows with READY false. A START waits while every slot is taken.
+
+Every accepted request is also an entry in its sequence's backlog in Redis
+(sequence_store.py): the order of a sequence's requests, and which one may
+run, is decided there, so several schedulers interleave one sequence in
+arrival order. A request becomes eligible here once its entry is listed.
+
+States with variable dims (-1, Triton's growable state) keep their shape in
+Redis next to their bytes; a batch only joins sequences whose inputs and
+states have the same shapes, the others run in a following batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from services.scheduler.clients import Granted, WorkerCallError
-from services.scheduler.model_queue import ModelQueue, Queued, Respond, error_response
-from services.scheduler.sequence_store import BUSY, UNKNOWN, SequenceStore, sequence_key
+from services.scheduler.model_queue import (
+    ModelQueue,
+    Queued,
+    Respond,
+    error_response,
+    shape_key,
+)
+from services.scheduler.sequence_store import (
+    UNKNOWN,
+    WAIT,
+    Claim,
+    SequenceStore,
+    StateUpdate,
+    sequence_key,
+)
 from stageserve.config import ControlInput, ModelSpec, StateSpec
-from stageserve.errors import StageError, invalid
+from stageserve.errors import StageError, invalid, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.tensors import element_count, numpy_to_raw, serialize_bytes_elements
 
-# How soon to retry a sequence another scheduler is executing.
+log = logging.getLogger(__name__)
+
+# How soon to retry a sequence whose earlier request runs at another scheduler.
 BUSY_RETRY_S = 0.005
+
+
+@dataclass
+class SeqQueued(Queued):
+    entry: str = ""  # its backlog entry in Redis
+    listed: bool = False  # the entry is in Redis: the request may run
+
+
+# A claimed row: (cid, request, its states' raw bytes, their shapes)
+Row = tuple[str, SeqQueued, dict[str, bytes], dict[str, tuple[int, ...]]]
 
 
 class SequenceQueue(ModelQueue):
     def __init__(self, *args, store: SequenceStore, model_dir: Path, **kwargs) -> None:
         self.store = store
         self.model_dir = model_dir
-        self.backlogs: dict[str, deque[Queued]] = {}
+        self.backlogs: dict[str, deque[SeqQueued]] = {}
+        self._unlisted: list[tuple[str, SeqQueued]] = []  # entries not yet in Redis
+        self._listing: asyncio.Task | None = None
+        self._slot_timer: asyncio.TimerHandle | None = None
         self.running: set[str] = set()  # sequences with a request executing
         self.slots: dict[str, tuple[int, float]] = {}  # direct: cid -> (slot, last use)
         self.retry_at: dict[str, float] = {}  # busy elsewhere: not before this time
@@ -50,9 +89,52 @@ class SequenceQueue(ModelQueue):
 
     def submit(self, msg: pb.ScheduleRequest, respond: Respond) -> None:
         cid = sequence_key(msg.sequence_id, msg.sequence_id_str)
-        self.backlogs.setdefault(cid, deque()).append(Queued(msg, respond, time.monotonic_ns()))
+        q = SeqQueued(msg, respond, time.monotonic_ns(), entry=self.store.new_entry())
+        self.backlogs.setdefault(cid, deque()).append(q)
+        self._unlisted.append((cid, q))
         self._depth_changed()
-        self._arrived.set()
+        if self._listing is None:
+            self._listing = asyncio.create_task(self._list_arrivals())
+
+    async def _list_arrivals(self) -> None:
+        """Append new requests to their sequences' backlogs in Redis, in
+        arrival order; each burst of arrivals is one round trip."""
+        try:
+            while self._unlisted:
+                items, self._unlisted = self._unlisted, []
+                try:
+                    await self.store.enqueue([(cid, q.entry) for cid, q in items])
+                except Exception as exc:  # Redis unreachable: answer, never hang
+                    err = unavailable(f"sequence backlog in Redis unavailable: {exc}")
+                    for cid, q in items:
+                        if self._drop(cid, q):
+                            q.respond(error_response(q.msg.id, err))
+                    self._depth_changed()
+                    continue
+                gone = []
+                for cid, q in items:
+                    q.listed = True
+                    if not self._queued(cid, q):  # answered meanwhile (_fail_all)
+                        gone.append((cid, q.entry))
+                if gone:
+                    await self.store.forget(gone)
+                self._arrived.set()
+        except Exception:
+            log.exception("listing sequence requests failed", extra={"model": self.model})
+        finally:
+            self._listing = None
+
+    def _queued(self, cid: str, q: SeqQueued) -> bool:
+        return any(x is q for x in self.backlogs.get(cid, ()))
+
+    def _drop(self, cid: str, q: SeqQueued) -> bool:
+        backlog = self.backlogs.get(cid)
+        if backlog is None or not self._queued(cid, q):
+            return False
+        backlog.remove(q)
+        if not backlog and cid not in self.running:
+            del self.backlogs[cid]
+        return True
 
     @property
     def pending(self) -> int:
@@ -63,12 +145,21 @@ class SequenceQueue(ModelQueue):
         self._depth_gauge.set(depth)
 
     def _fail_all(self, err: StageError) -> None:
+        listed = []
         for cid in list(self.backlogs):
             if cid in self.running:
                 continue
             for q in self.backlogs.pop(cid):
                 q.respond(error_response(q.msg.id, err))
+                if q.listed:
+                    listed.append((cid, q.entry))
         self._depth_changed()
+        if listed:
+            self._spawn(self.store.forget(listed))
+
+    def close(self) -> None:
+        super().close()
+        self.store.close()
 
     # ---------------------------------------------------------------- batches
 
@@ -96,7 +187,10 @@ class SequenceQueue(ModelQueue):
         ready = [
             cid
             for cid, backlog in self.backlogs.items()
-            if backlog and cid not in self.running and self.retry_at.get(cid, 0.0) <= now
+            if backlog
+            and backlog[0].listed
+            and cid not in self.running
+            and self.retry_at.get(cid, 0.0) <= now
         ]
         ready.sort(key=lambda cid: self.backlogs[cid][0].enqueue_ns)
         if not self._direct():
@@ -111,7 +205,25 @@ class SequenceQueue(ModelQueue):
                 out.append(cid)
                 if cid not in self.slots:
                     self.slots[cid] = (self._free_slot(), time.monotonic())
+            else:
+                self._wake_when_a_slot_idles_out()
         return out
+
+    def _wake_when_a_slot_idles_out(self) -> None:
+        """A START waits for a slot: look again when the least recently used
+        idle slot times out, not only when the next request arrives."""
+        if self._slot_timer is not None:
+            return
+        idle = [last for cid, (_, last) in self.slots.items() if cid not in self.running]
+        if not idle:
+            return  # a running sequence's finish wakes the loop
+        delay = max(0.0, min(idle) + self._seqspec.max_idle_us / 1e6 - time.monotonic())
+
+        def wake() -> None:
+            self._slot_timer = None
+            self._arrived.set()
+
+        self._slot_timer = asyncio.get_running_loop().call_later(delay + 0.001, wake)
 
     def _free_slot(self) -> int | None:
         used = {slot for slot, _ in self.slots.values()}
@@ -131,7 +243,12 @@ class SequenceQueue(ModelQueue):
             if full or not delay_ns or time.monotonic_ns() >= oldest + delay_ns:
                 break
             await self._wait_arrival((oldest + delay_ns - time.monotonic_ns()) / 1e9)
-        chosen = eligible[: self._capacity()]
+        # Rows of one batch share their input shapes (the oldest one's).
+        batching = self.spec.batching
+        want = shape_key(self.backlogs[eligible[0]][0].msg, batching)
+        chosen = [
+            cid for cid in eligible if shape_key(self.backlogs[cid][0].msg, batching) == want
+        ][: self._capacity()]
         batch = []
         for cid in chosen:
             batch.append(self.backlogs[cid].popleft())
@@ -143,48 +260,48 @@ class SequenceQueue(ModelQueue):
 
     async def _execute(self, batch: list[Queued], grant: Granted, since: float) -> None:
         failed_instance: bool | None = False
-        cids = [sequence_key(q.msg.sequence_id, q.msg.sequence_id_str) for q in batch]
-        claimed: list[tuple[str, Queued, dict[str, bytes], int]] = []
+        seqs: list[SeqQueued] = [q for q in batch if isinstance(q, SeqQueued)]
+        cids = [sequence_key(q.msg.sequence_id, q.msg.sequence_id_str) for q in seqs]
+        unsettled: dict[str, str] = {}  # claimed entries not yet committed: cid -> entry
         try:
             claims = await self.store.claim(
                 [
-                    (cid, q.msg.sequence_start, self.slots.get(cid, (-1, 0.0))[0])
-                    for cid, q in zip(cids, batch, strict=True)
+                    (cid, q.entry, q.msg.sequence_start, self.slots.get(cid, (-1, 0.0))[0])
+                    for cid, q in zip(cids, seqs, strict=True)
                 ]
             )
-            for cid, q, claim in zip(cids, batch, claims, strict=True):
-                if claim.status == BUSY:  # another scheduler runs it: try again soon
-                    self.backlogs.setdefault(cid, deque()).appendleft(q)
-                    self.running.discard(cid)
-                    self.retry_at[cid] = time.monotonic() + BUSY_RETRY_S
-                    asyncio.get_running_loop().call_later(BUSY_RETRY_S, self._arrived.set)
+            claimed: list[tuple[Row, int]] = []
+            for cid, q, claim in zip(cids, seqs, claims, strict=True):
+                if claim.status == WAIT:  # an earlier request runs elsewhere: soon again
+                    self._put_back(cid, q, BUSY_RETRY_S)
                 elif claim.status == UNKNOWN:
                     self.running.discard(cid)
                     self.slots.pop(cid, None)
                     q.respond(error_response(q.msg.id, self._unknown(q)))
                 else:
-                    claimed.append((cid, q, claim.states, claim.slot))
+                    unsettled[cid] = q.entry
+                    claimed.append(((cid, q, *self._start_states(q, claim)), claim.slot))
+            claimed = self._same_state_shapes(claimed, unsettled)
             if not claimed:
                 return
             rows = self._rows(claimed)
             try:
                 request = self._execute_request(grant.instance_id, rows)
             except StageError as err:
-                await self.store.commit([(cid, False, None) for cid, *_ in claimed])
-                for _, q, _, _ in claimed:
-                    q.respond(error_response(q.msg.id, err))
+                await self._settle_failed(claimed, err, unsettled)
                 return
             compute_start = time.monotonic_ns()
             try:
                 resp = await self.workers.execute(grant.worker_address, request)
             except WorkerCallError as exc:
                 err, failed_instance = self._execution_error(exc, grant)
-                await self.store.commit([(cid, False, None) for cid, *_ in claimed])
-                for _, q, _, _ in claimed:
-                    q.respond(error_response(q.msg.id, err))
+                await self._settle_failed(claimed, err, unsettled)
                 return
             await self._finish(rows, resp, compute_start)
+            unsettled.clear()
         finally:
+            if unsettled:  # an unexpected error: free the sequences' backlogs
+                self._spawn(self.store.forget(list(unsettled.items())))
             for cid in cids:
                 self.running.discard(cid)
                 if cid in self.slots:
@@ -195,6 +312,60 @@ class SequenceQueue(ModelQueue):
             self._give_back(grant, since, failed_instance)
             self._arrived.set()
 
+    def _put_back(self, cid: str, q: SeqQueued, delay_s: float) -> None:
+        """Return a request to the head of its backlog, eligible after delay_s."""
+        self.backlogs.setdefault(cid, deque()).appendleft(q)
+        self.running.discard(cid)
+        if delay_s:
+            self.retry_at[cid] = time.monotonic() + delay_s
+            asyncio.get_running_loop().call_later(delay_s, self._arrived.set)
+        self._depth_changed()
+
+    async def _settle_failed(
+        self, claimed: list[tuple[Row, int]], err: StageError, unsettled: dict[str, str]
+    ) -> None:
+        """A failed execution leaves each sequence's state as it was."""
+        await self.store.commit([(cid, q.entry, False, None) for (cid, q, _, _), _ in claimed])
+        unsettled.clear()
+        for (_, q, _, _), _ in claimed:
+            q.respond(error_response(q.msg.id, err))
+
+    def _start_states(
+        self, q: SeqQueued, claim: Claim
+    ) -> tuple[dict[str, bytes], dict[str, tuple[int, ...]]]:
+        """The states a request runs with: the kept ones, or initial at START."""
+        if q.msg.sequence_start:
+            return {}, {}
+        return claim.states, claim.shapes
+
+    def _state_shape(self, state: StateSpec, row: Row) -> tuple[int, ...]:
+        _, q, states, shapes = row
+        if q.msg.sequence_start or state.output_name not in states:
+            return state.initial_dims
+        return shapes.get(state.output_name, state.initial_dims)
+
+    def _same_state_shapes(
+        self, claimed: list[tuple[Row, int]], unsettled: dict[str, str]
+    ) -> list[tuple[Row, int]]:
+        """Keep the rows whose variable states match the first row's shapes; the
+        others go back (still heading their backlogs) for the next batch."""
+        variable = [s for s in self._seqspec.states if s.variable]
+        if not variable or len(claimed) < 2:
+            return claimed
+
+        def key(row: Row) -> tuple:
+            return tuple(self._state_shape(s, row) for s in variable)
+
+        want = key(claimed[0][0])
+        keep = []
+        for row, slot in claimed:
+            if key(row) == want:
+                keep.append((row, slot))
+            else:
+                unsettled.pop(row[0], None)
+                self._put_back(row[0], row[1], 0.0)
+        return keep
+
     def _unknown(self, q: Queued) -> StageError:
         ident = q.msg.sequence_id_str or q.msg.sequence_id
         return invalid(
@@ -203,19 +374,19 @@ class SequenceQueue(ModelQueue):
             f"{self._seqspec.max_idle_us} us)"
         )
 
-    def _rows(self, claimed) -> list[tuple[str, Queued, dict[str, bytes]] | None]:
+    def _rows(self, claimed: list[tuple[Row, int]]) -> list[Row | None]:
         """Batch rows; for direct, row i is slot i and gaps are padding (None)."""
         if not self._direct():
-            return [(cid, q, states) for cid, q, states, _ in claimed]
-        by_slot = {}
+            return [row for row, _ in claimed]
+        by_slot: dict[int, Row] = {}
         spill = []
-        for cid, q, states, slot in claimed:
-            slot = self.slots.get(cid, (slot, 0.0))[0]
+        for row, slot in claimed:
+            slot = self.slots.get(row[0], (slot, 0.0))[0]
             if 0 <= slot < self._capacity() and slot not in by_slot:
-                by_slot[slot] = (cid, q, states)
+                by_slot[slot] = row
             else:
-                spill.append((cid, q, states))
-        rows: list = [by_slot.get(i) for i in range(max(by_slot, default=-1) + 1)]
+                spill.append(row)
+        rows: list[Row | None] = [by_slot.get(i) for i in range(max(by_slot, default=-1) + 1)]
         for item in spill:  # a slot clash (e.g. after a restart): use a gap
             gap = rows.index(None) if None in rows else len(rows)
             if gap == len(rows):
@@ -224,7 +395,7 @@ class SequenceQueue(ModelQueue):
                 rows[gap] = item
         return rows
 
-    def _execute_request(self, instance_id: str, rows) -> pb.ExecuteRequest:
+    def _execute_request(self, instance_id: str, rows: list[Row | None]) -> pb.ExecuteRequest:
         spec = self.spec
         seq = self._seqspec
         real = [r for r in rows if r is not None]
@@ -247,15 +418,15 @@ class SequenceQueue(ModelQueue):
         for control in seq.controls:
             req.inputs.append(_control_tensor(control, rows, batch_dim))
         for state in seq.states:
+            shape = self._state_shape(state, real[0])  # every real row has it
             raw = b"".join(
-                self._state_row(state, r[1].msg.sequence_start, r[2]) if r else self._initial(state)
-                for r in rows
+                self._state_row(state, r, shape) if r else self._initial(state, shape) for r in rows
             )
             req.inputs.append(
                 pb.Tensor(
                     name=state.input_name,
                     datatype=state.datatype.triton,
-                    shape=batch_dim + list(state.dims),
+                    shape=batch_dim + list(shape),
                     raw=raw,
                 )
             )
@@ -269,14 +440,15 @@ class SequenceQueue(ModelQueue):
                 req.requested.add(names=wanted + [s for s in state_outputs if s not in wanted])
         return req
 
-    def _state_row(self, state: StateSpec, start: bool, states: dict[str, bytes]) -> bytes:
-        if not start and state.output_name in states:
+    def _state_row(self, state: StateSpec, row: Row, shape: tuple[int, ...]) -> bytes:
+        _, q, states, _ = row
+        if not q.msg.sequence_start and state.output_name in states:
             return states[state.output_name]
-        return self._initial(state)
+        return self._initial(state, shape)
 
-    def _initial(self, state: StateSpec) -> bytes:
-        size = element_count(state.dims) * max(state.datatype.item_size, 1)
-        if state.initial_file:
+    def _initial(self, state: StateSpec, shape: tuple[int, ...]) -> bytes:
+        size = element_count(shape) * max(state.datatype.item_size, 1)
+        if state.initial_file and shape == state.initial_dims:
             path = self.model_dir / "initial_state" / state.initial_file
             try:
                 data = path.read_bytes()
@@ -287,10 +459,13 @@ class SequenceQueue(ModelQueue):
             return data
         return b"\0" * size
 
-    async def _finish(self, rows, resp: pb.ExecuteResponse, compute_start: int) -> None:
+    async def _finish(
+        self, rows: list[Row | None], resp: pb.ExecuteResponse, compute_start: int
+    ) -> None:
         seq = self._seqspec
         state_names = {s.output_name for s in seq.states}
         declared = {o.name for o in self.spec.outputs}
+        skip = 1 if self.spec.batching else 0  # a row's state shape has no batch dim
         commits = []
         answers = []
         leader = True
@@ -298,9 +473,13 @@ class SequenceQueue(ModelQueue):
         for r, result in zip(rows, resp.results, strict=True):
             if r is None:
                 continue
-            cid, q, _ = r
-            new_states = {t.name: t.raw for t in result.outputs if t.name in state_names}
-            commits.append((cid, q.msg.sequence_end, new_states))
+            cid, q, _, _ = r
+            new_states = {
+                t.name: StateUpdate(t.raw, tuple(t.shape[skip:]))
+                for t in result.outputs
+                if t.name in state_names
+            }
+            commits.append((cid, q.entry, q.msg.sequence_end, new_states))
             if q.msg.sequence_end:
                 self.slots.pop(cid, None)
             outputs = [t for t in result.outputs if t.name not in state_names or t.name in declared]

@@ -1,15 +1,30 @@
-"""Sequence routing and implicit state in Redis.
+"""Sequence routing, backlog and implicit state in Redis.
 
-A sequence (one correlation id of one model version) lives in a Redis hash
-that expires after max_sequence_idle_microseconds of inactivity: its slot
-and the latest value of every implicit state. A short-lived busy key makes
-sure only one request of a sequence executes at a time, across any number of
-scheduler processes. Because nothing about a sequence stays only in memory,
-a restarted scheduler (or a second one) continues it with the right state.
+Per sequence (one correlation id of one model version), with expiry tied to
+max_sequence_idle_microseconds:
+
+- a hash with its slot, the latest value of every implicit state and that
+  state's shape (states with variable dims change shape as they grow);
+- a list, the backlog: one entry per request of the sequence that some
+  scheduler has accepted and not yet finished, in arrival order. Only the
+  entry at the head may execute, and it stays there until its results are
+  committed, so one request of a sequence runs at a time, in order, across
+  any number of schedulers.
+
+Entries are "{owner}:{n}"; each scheduler's owner key lives while it
+heartbeats. A scheduler that dies leaves entries whose owner key expires, and
+the next claim drops them, so its in-flight request cannot block the
+sequence. The request payloads stay with the scheduler that accepted them:
+the reply channel is that scheduler's stream to the gateway, which ends with
+it, so a payload copy in Redis could only be replayed against a client that
+was already answered UNAVAILABLE (and would apply its state change twice).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import uuid
 from dataclasses import dataclass, field
 
@@ -18,7 +33,12 @@ import redis.asyncio as aioredis
 from stageserve import redis_keys as keys
 from stageserve import redis_scripts as scripts
 
-CLAIMED, UNKNOWN, BUSY = 0, 1, 2
+CLAIMED, UNKNOWN, WAIT = 0, 1, 2
+
+# An owner key outlives a few missed heartbeats; a dead scheduler's entries
+# block their sequences at most this long.
+OWNER_TTL_MS = 3000
+HEARTBEAT_S = OWNER_TTL_MS / 3000
 
 
 def sequence_key(sequence_id: int, sequence_id_str: str) -> str:
@@ -30,6 +50,13 @@ class Claim:
     status: int
     slot: int = -1
     states: dict[str, bytes] = field(default_factory=dict)  # state output name -> raw
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # its shape, if kept
+
+
+@dataclass
+class StateUpdate:
+    raw: bytes
+    shape: tuple[int, ...]
 
 
 class SequenceStore:
@@ -37,36 +64,101 @@ class SequenceStore:
         self.redis = redis
         self.prefix = keys.sequence_prefix(model, version)
         self.owner = uuid.uuid4().hex
+        self.owner_key = keys.sequence_owner(self.owner)
         self.idle_ms = max(1, idle_ms)
+        self._counter = itertools.count()
         self._claim = redis.register_script(scripts.SEQUENCE_CLAIM)
+        self._heartbeat: asyncio.Task | None = None
 
-    async def claim(
-        self, items: list[tuple[str, bool, int]], lease_ms: int = 60_000
-    ) -> list[Claim]:
-        """Claim (cid, start, slot) sequences for one execution each."""
-        args: list[str | int] = [self.prefix, self.owner, lease_ms, self.idle_ms]
-        for cid, start, slot in items:
-            args += [cid, "1" if start else "0", slot]
+    def new_entry(self) -> str:
+        return f"{self.owner}:{next(self._counter)}"
+
+    # ------------------------------------------------------------ liveness
+
+    async def _beat(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):  # Redis down: enqueue reports it
+                await self.redis.set(self.owner_key, "1", px=OWNER_TTL_MS)
+            await asyncio.sleep(HEARTBEAT_S)
+
+    def close(self) -> None:
+        """Stop heartbeating; our leftover entries then expire with the owner key."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
+
+    # ------------------------------------------------------------ backlog
+
+    async def enqueue(self, items: list[tuple[str, str]]) -> None:
+        """Append (cid, entry) to their sequences' backlogs, in this order."""
+        if self._heartbeat is None:
+            self._heartbeat = asyncio.create_task(self._beat())
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.owner_key, "1", px=OWNER_TTL_MS)
+            for cid, entry in items:
+                backlog = self.prefix + cid + ":q"
+                pipe.rpush(backlog, entry)
+                pipe.pexpire(backlog, self.idle_ms)
+            await pipe.execute()
+
+    async def forget(self, items: list[tuple[str, str]]) -> None:
+        """Drop entries whose requests left without executing."""
+        if not items:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for cid, entry in items:
+                pipe.lrem(self.prefix + cid + ":q", 1, entry)
+            await pipe.execute()
+
+    async def backlog(self, cid: str) -> list[str]:
+        return [e.decode() for e in await self.redis.lrange(self.prefix + cid + ":q", 0, -1)]
+
+    # ------------------------------------------------------------ execution
+
+    async def claim(self, items: list[tuple[str, str, bool, int]]) -> list[Claim]:
+        """Claim (cid, entry, start, slot) for one execution each: CLAIMED when
+        the entry heads its backlog, WAIT when an earlier request of the
+        sequence (here or at another scheduler) has not finished, UNKNOWN when
+        a non-START request finds no sequence (its entry is dropped)."""
+        args: list[str | int] = [
+            self.prefix,
+            keys.sequence_owner(""),
+            self.owner,
+            OWNER_TTL_MS,
+            self.idle_ms,
+        ]
+        for cid, entry, start, slot in items:
+            args += [cid, entry, "1" if start else "0", slot]
         out = []
         for status, slot, fields in await self._claim(args=args):
-            states = {}
+            claim = Claim(int(status), int(slot))
             for k, v in zip(fields[::2], fields[1::2], strict=True):
                 name = k.decode()
                 if name.startswith("st:"):
-                    states[name[3:]] = v
-            out.append(Claim(int(status), int(slot), states))
+                    claim.states[name[3:]] = v
+                elif name.startswith("sh:"):
+                    text = v.decode()
+                    claim.shapes[name[3:]] = tuple(int(d) for d in text.split(",") if d)
+            out.append(claim)
         return out
 
-    async def commit(self, results: list[tuple[str, bool, dict[str, bytes] | None]]) -> None:
-        """After execution: keep each sequence's new states (None: unchanged), end
-        the ones whose request had END, and free them for their next request."""
+    async def commit(
+        self, results: list[tuple[str, str, bool, dict[str, StateUpdate] | None]]
+    ) -> None:
+        """After execution: keep each sequence's new states (None: unchanged),
+        end the ones whose request had END, and take each entry off its
+        backlog so the sequence's next request may run."""
         async with self.redis.pipeline(transaction=True) as pipe:
-            for cid, end, states in results:
+            for cid, entry, end, states in results:
                 key = self.prefix + cid
                 if end:
                     pipe.delete(key)
                 elif states:
-                    pipe.hset(key, mapping={f"st:{k}": v for k, v in states.items()})
+                    mapping: dict[str, bytes | str] = {}
+                    for name, update in states.items():
+                        mapping[f"st:{name}"] = update.raw
+                        mapping[f"sh:{name}"] = ",".join(str(d) for d in update.shape)
+                    pipe.hset(key, mapping=mapping)
                     pipe.pexpire(key, self.idle_ms)
-                pipe.delete(key + ":busy")
+                pipe.lrem(key + ":q", 1, entry)
             await pipe.execute()

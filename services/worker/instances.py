@@ -14,6 +14,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from services.worker.batch_io import (
+    BatchIOError,
+    batch_input_array,
+    request_shapes,
+    scatter,
+    scatter_shapes,
+)
 from services.worker.onnx_backend import BackendError, OnnxInstance
 from stageserve.config import InstanceGroup, ModelSpec
 from stageserve.datatypes import from_triton
@@ -87,7 +94,8 @@ class HostedInstance:
         t0 = time.monotonic_ns()
         try:
             feeds = {t.name: raw_to_numpy(t.raw, t.datatype, t.shape) for t in request.inputs}
-        except TensorError as exc:
+            feeds.update(self._batch_inputs(request))
+        except (TensorError, BatchIOError) as exc:
             raise BackendError(f"bad input tensor: {exc}") from exc
         wanted = self._wanted_outputs(request)
         t1 = time.monotonic_ns()
@@ -95,13 +103,22 @@ class HostedInstance:
             time.sleep(self.execute_delay_s)
         results = self.backend.run(feeds, wanted)
         t2 = time.monotonic_ns()
+        try:
+            scattered = self._scatter(request, results)
+        except BatchIOError as exc:
+            raise BackendError(f"model '{self.model}': {exc}") from exc
         response = pb.ExecuteResponse()
         offset = 0
         batching = self.spec.batching
-        for size, requested in zip(request.request_batch_sizes, request.requested, strict=True):
+        for i, (size, requested) in enumerate(
+            zip(request.request_batch_sizes, request.requested, strict=True)
+        ):
             names = list(requested.names) or [o.name for o in self.spec.outputs]
             per_request = response.results.add()
             for name in names:
+                if name in scattered:  # already in the request's own shape
+                    per_request.outputs.append(_tensor(name, scattered[name][i], self.spec))
+                    continue
                 arr = results[name]
                 if batching:
                     arr = arr[offset : offset + size]
@@ -112,6 +129,30 @@ class HostedInstance:
         response.compute_infer_ns = t2 - t1
         response.compute_output_ns = t3 - t2
         return response
+
+    def _batch_inputs(self, request: pb.ExecuteRequest) -> dict[str, np.ndarray]:
+        """Triton's batch_input tensors, computed from the formed batch."""
+        feeds: dict[str, np.ndarray] = {}
+        for spec in self.spec.batch_inputs:
+            shapes = request_shapes(request, self.spec, spec.source_input)
+            arr = batch_input_array(spec, shapes)
+            feeds.update(dict.fromkeys(spec.target_names, arr))
+        return feeds
+
+    def _scatter(
+        self, request: pb.ExecuteRequest, results: dict[str, np.ndarray]
+    ) -> dict[str, list[np.ndarray]]:
+        """BATCH_SCATTER_WITH_INPUT_SHAPE outputs, cut into per-request pieces."""
+        out: dict[str, list[np.ndarray]] = {}
+        for spec in self.spec.batch_outputs:
+            sources = request_shapes(request, self.spec, spec.source_input)
+            for name in spec.target_names:
+                declared = self.spec.output(name)
+                if name not in results or declared is None:
+                    continue  # not requested by this batch
+                dims = (-1, *declared.dims)  # batch outputs need batching (config.py)
+                out[name] = scatter(results[name], scatter_shapes(dims, sources))
+        return out
 
     def _wanted_outputs(self, request: pb.ExecuteRequest) -> list[str]:
         """Union of what the batch's requests asked for (state outputs included)."""
@@ -125,10 +166,11 @@ class HostedInstance:
         self.executor.shutdown(wait=True)
 
 
-def _tensor(name: str, arr: np.ndarray, spec: ModelSpec, batch: int) -> pb.Tensor:
+def _tensor(name: str, arr: np.ndarray, spec: ModelSpec, batch: int | None = None) -> pb.Tensor:
+    """One request's output; batch None: arr already has its final shape."""
     out = spec.output_tensor(name)
     assert out is not None
-    if out.reshape is not None:  # the model's shape -> the config's dims
+    if out.reshape is not None and batch is not None:  # the model's shape -> the config's dims
         arr = arr.reshape(((batch,) if spec.batching else ()) + out.dims)
     dt = out.datatype
     if dt.triton not in ("BYTES", "BF16") and dt.numpy is not None and arr.dtype != dt.numpy:

@@ -272,19 +272,31 @@ class RequestOutputs(_message.Message):
     outputs: _containers.RepeatedCompositeFieldContainer[Tensor]
     def __init__(self, outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
 
+class RaggedShapes(_message.Message):
+    __slots__ = ("input", "rank", "dims")
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    input: str
+    rank: int
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, input: _Optional[str] = ..., rank: _Optional[int] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ExecuteRequest(_message.Message):
-    __slots__ = ("id", "instance_id", "inputs", "request_batch_sizes", "requested")
+    __slots__ = ("id", "instance_id", "inputs", "request_batch_sizes", "requested", "ragged_shapes")
     ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    RAGGED_SHAPES_FIELD_NUMBER: _ClassVar[int]
     id: int
     instance_id: str
     inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
     request_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
     requested: _containers.RepeatedCompositeFieldContainer[RequestedOutputs]
-    def __init__(self, id: _Optional[int] = ..., instance_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., request_batch_sizes: _Optional[_Iterable[int]] = ..., requested: _Optional[_Iterable[_Union[RequestedOutputs, _Mapping]]] = ...) -> None: ...
+    ragged_shapes: _containers.RepeatedCompositeFieldContainer[RaggedShapes]
+    def __init__(self, id: _Optional[int] = ..., instance_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., request_batch_sizes: _Optional[_Iterable[int]] = ..., requested: _Optional[_Iterable[_Union[RequestedOutputs, _Mapping]]] = ..., ragged_shapes: _Optional[_Iterable[_Union[RaggedShapes, _Mapping]]] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
     __slots__ = ("id", "code", "message", "results", "compute_input_ns", "compute_infer_ns", "compute_output_ns")

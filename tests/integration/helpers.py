@@ -25,7 +25,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from stageserve.launcher import Child
-from tests.stack import RunningStack, start_stack
+from tests.stack import RunningStack, running_stack, start_stack
 
 #: Upper bound for any single RPC a test makes; nothing may hang a test.
 RPC_TIMEOUT_S = 30.0
@@ -245,3 +245,38 @@ def process_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@contextlib.contextmanager
+def two_paths(root: Path) -> Iterator[tuple[RunningStack, Child, grpcclient.InferenceServerClient]]:
+    """The stack plus a second scheduler and a gateway in front of it."""
+    with running_stack(root) as running:
+        sched2 = running.stack.start_service(
+            "scheduler-2",
+            [
+                "scheduler",
+                "--listen",
+                "127.0.0.1:0",
+                "--redis-url",
+                running.redis_url,
+                "--ratelimiter",
+                running.ratelimiter.address,
+            ],
+        )
+        gw2 = running.stack.start_service(
+            "gateway-2",
+            [
+                "gateway",
+                "--listen",
+                "127.0.0.1:0",
+                "--redis-url",
+                running.redis_url,
+                "--ratelimiter",
+                running.ratelimiter.address,
+                "--scheduler",
+                sched2.address,
+                "--model-repository",
+                str(root),
+            ],
+        )
+        yield running, sched2, grpcclient.InferenceServerClient(gw2.address)

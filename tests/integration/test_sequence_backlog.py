@@ -1,0 +1,163 @@
+"""The sequence backlog in Redis, and states that grow (variable dims).
+
+Two gateway+scheduler paths share one Redis: a sequence's requests queue in
+its Redis backlog in arrival order whichever scheduler took them, and a
+scheduler killed while executing cannot block the sequence."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from services.scheduler.sequence_store import OWNER_TTL_MS
+from stageserve.examples import write_accumulator, write_history
+from tests.integration.helpers import two_paths
+from tests.integration.test_sequences import send
+from tests.stack import RunningStack, running_stack
+
+SLOW_MS = 600
+SLOW = f'parameters {{ key: "execute_delay_ms" value {{ string_value: "{SLOW_MS}" }} }}'
+BACKLOG = "ss:seq:acc:1:i:{cid}:q"
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_backlog_orders_a_sequence_across_schedulers(tmp_path: Path) -> None:
+    """While path A executes request 2 of a sequence, request 3 arrives at
+    path B: it waits in the Redis backlog behind A's entry and runs after it."""
+    write_accumulator(tmp_path, "acc", idle_us=60_000_000, extra=SLOW)
+    with two_paths(tmp_path) as (running, _, client_b):
+        r = redis.Redis.from_url(running.redis_url)
+        client_a = running.client()
+        key = BACKLOG.format(cid=4242)
+        send(client_a, "acc", 1, 4242, start=True)
+        assert r.llen(key) == 0  # finished requests leave the backlog
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(send, client_a, "acc", 2, 4242)
+            wait_for(lambda: r.llen(key) == 1)
+            second = pool.submit(send, client_b, "acc", 3, 4242)
+            wait_for(lambda: r.llen(key) == 2)
+            entries = [e.decode() for e in r.lrange(key, 0, -1)]
+            owners = {e.split(":")[0] for e in entries}
+            assert len(owners) == 2, entries  # one entry per scheduler, A's first
+            assert not first.done() and not second.done()
+            assert first.result().as_numpy("OUTPUT")[0, 0] == 3
+            assert second.result().as_numpy("OUTPUT")[0, 0] == 6
+        assert r.llen(key) == 0
+
+
+def test_scheduler_killed_mid_execution_does_not_block_the_sequence(tmp_path: Path) -> None:
+    """Path A's scheduler dies while executing a request: that request fails,
+    its state change is never kept, and path B continues the sequence from
+    the last committed state once the dead scheduler's entry expires."""
+    write_accumulator(tmp_path, "acc", idle_us=60_000_000, extra=SLOW)
+    with two_paths(tmp_path) as (running, _, client_b):
+        r = redis.Redis.from_url(running.redis_url)
+        client_a = running.client()
+        key = BACKLOG.format(cid=5151)
+        send(client_a, "acc", 10, 5151, start=True)
+        errors: list[InferenceServerException] = []
+
+        def doomed() -> None:
+            try:
+                send(client_a, "acc", 1000, 5151)
+            except InferenceServerException as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=doomed)
+        t.start()
+        wait_for(lambda: r.llen(key) == 1)
+        time.sleep(SLOW_MS / 3000)  # inside the execution
+        running.scheduler.proc.send_signal(signal.SIGKILL)
+        running.scheduler.proc.wait(10)
+        t.join(30)
+        assert errors and errors[0].status() == "StatusCode.UNAVAILABLE", errors
+        began = time.monotonic()
+        out = send(client_b, "acc", 5, 5151, end=True).as_numpy("OUTPUT")[0, 0]
+        assert out == 15  # 10 + 5: the killed request's +1000 was never committed
+        # It waited for the dead owner's key, not for the idle timeout (60 s).
+        assert time.monotonic() - began < OWNER_TTL_MS / 1000 + 10
+        assert r.llen(key) == 0
+
+
+@pytest.fixture(scope="module")
+def history_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    root = tmp_path_factory.mktemp("history_repository")
+    write_history(root, "history_oldest", "oldest")
+    write_history(root, "history_direct", "direct")
+    write_history(root, "history_one_slot", "direct", max_batch_size=1, idle_us=500_000)
+    with running_stack(root) as running:
+        yield running
+
+
+@pytest.mark.parametrize("model", ["history_oldest", "history_direct"])
+def test_state_grows_request_by_request(history_stack: RunningStack, model: str) -> None:
+    client = history_stack.client()
+    out = grpcclient.InferRequestedOutput
+    expected = [0]  # variable dims without initial_state start as one zero
+    for step, value in enumerate([4, 7, 1, 9]):
+        inp = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+        inp.set_data_from_numpy(np.array([[value]], dtype=np.int32))
+        r = client.infer(
+            model,
+            [inp],
+            outputs=[out("OUTPUT"), out("STATE_OUT")],
+            sequence_id=77,
+            sequence_start=step == 0,
+            sequence_end=step == 3,
+        )
+        expected.append(value)
+        assert r.as_numpy("STATE_OUT").tolist() == [expected]
+        assert r.as_numpy("OUTPUT")[0, 0] == sum(expected)
+
+
+@pytest.mark.parametrize("model", ["history_oldest", "history_direct"])
+def test_sequences_of_different_state_lengths_interleave(
+    history_stack: RunningStack, model: str
+) -> None:
+    """Concurrent sequences whose states have different lengths: a batch only
+    joins equal shapes, and every sequence sees exactly its own history."""
+    client = history_stack.client()
+
+    def run(seq: int) -> list[int]:
+        sums = []
+        for step in range(seq % 4 + 3):  # 3..6 steps: lengths drift apart
+            last = step == seq % 4 + 2
+            r = send(client, model, seq * 100 + step, 9000 + seq, step == 0, last)
+            sums.append(int(r.as_numpy("OUTPUT")[0, 0]))
+        return sums
+
+    seqs = list(range(1, 9))
+    with ThreadPoolExecutor(len(seqs)) as pool:
+        results = dict(zip(seqs, pool.map(run, seqs), strict=True))
+    for seq, sums in results.items():
+        values = [seq * 100 + step for step in range(seq % 4 + 3)]
+        assert sums == [sum(values[: i + 1]) for i in range(len(values))], seq
+
+
+def test_start_waiting_for_a_slot_runs_when_the_slot_idles_out(
+    history_stack: RunningStack,
+) -> None:
+    """direct with one slot: a sequence that never ends holds it until its idle
+    timeout; a second START waits for that, then runs (no later arrival needed)."""
+    client = history_stack.client()
+    send(client, "history_one_slot", 1, 501, start=True)
+    began = time.monotonic()
+    assert send(client, "history_one_slot", 2, 502, start=True).as_numpy("OUTPUT")[0, 0] == 2
+    waited = time.monotonic() - began
+    assert 0.3 < waited < 10, waited

@@ -32,6 +32,7 @@ STAGES = ("gateway", "scheduler", "ratelimiter", "worker", "redis")
 class Point:
     result: PerfResult
     cpu_us_per_request: dict[str, float]
+    mean_batch: float  # requests per model execution over the measurement
 
 
 def _cpu_seconds(stack: Stack) -> dict[str, float]:
@@ -47,16 +48,20 @@ def _cpu_seconds(stack: Stack) -> dict[str, float]:
     return out
 
 
-def _requests_served(url: str, model: str) -> int:
+def _served(url: str, model: str) -> tuple[int, int]:
+    """(successful requests, model executions) so far, from ModelStatistics."""
     import tritonclient.grpc as grpcclient
 
     stats = grpcclient.InferenceServerClient(url).get_inference_statistics(model)
-    return sum(s.inference_stats.success.count for s in stats.model_stats)
+    return (
+        sum(s.inference_stats.success.count for s in stats.model_stats),
+        sum(s.execution_count for s in stats.model_stats),
+    )
 
 
 def measure(url: str, stack: Stack, model: str, concurrency: int, args) -> Point:
     cpu_before = _cpu_seconds(stack)
-    served_before = _requests_served(url, model)
+    served_before, executions_before = _served(url, model)
     result = run_perf(
         url,
         model,
@@ -65,14 +70,15 @@ def measure(url: str, stack: Stack, model: str, concurrency: int, args) -> Point
         stability_pct=args.stability_pct,
         extra_args=["--max-trials", "6"],
     )
-    served = max(1, _requests_served(url, model) - served_before)
+    served_after, executions_after = _served(url, model)
+    served = max(1, served_after - served_before)
     cpu_after = _cpu_seconds(stack)
     per_request = {s: (cpu_after[s] - cpu_before[s]) / served * 1e6 for s in STAGES}
-    return Point(result, per_request)
+    return Point(result, per_request, served / max(1, executions_after - executions_before))
 
 
 def format_points(points: list[Point]) -> str:
-    header = ["model", "conc", "infer/s", "p50 ms", "p99 ms"] + [f"{s} us" for s in STAGES]
+    header = ["model", "conc", "infer/s", "p50 ms", "p99 ms", "batch"] + [f"{s} us" for s in STAGES]
     rows = [header]
     for p in points:
         r = p.result
@@ -83,6 +89,7 @@ def format_points(points: list[Point]) -> str:
                 f"{r.throughput:.0f}",
                 f"{r.p50_us / 1000:.2f}",
                 f"{r.p99_us / 1000:.2f}",
+                f"{p.mean_batch:.1f}",
             ]
             + [f"{p.cpu_us_per_request[s]:.0f}" for s in STAGES]
         )
@@ -129,13 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         with args.csv.open("w", newline="") as f:
             w = csv.writer(f)
             w.writerow(
-                ["model", "concurrency", "infer_per_s", "p50_us", "p99_us"]
+                ["model", "concurrency", "infer_per_s", "p50_us", "p99_us", "mean_batch"]
                 + [f"cpu_us_{s}" for s in STAGES]
             )
             for p in points:
                 r = p.result
                 w.writerow(
-                    [r.model, r.concurrency, r.throughput, r.p50_us, r.p99_us]
+                    [r.model, r.concurrency, r.throughput, r.p50_us, r.p99_us, p.mean_batch]
                     + [p.cpu_us_per_request[s] for s in STAGES]
                 )
     return 0

@@ -86,9 +86,9 @@ def _fam(name: str, type_: str, *labels: str) -> Family:
 #: Every metric family the dashboards may use. Triton's names and labels for
 #: the nv_* families (counters without a _total suffix, durations in
 #: microseconds); StageServe's own families are Prometheus histograms in
-#: seconds. stageserve_worker_compute_seconds' `instance` label (the model
-#: instance) collides with the target label and is renamed `model_instance` by
-#: the scrape configs (deploy/prometheus/*.yml).
+#: seconds. No family may carry a target label (``TARGET_LABELS``): Prometheus
+#: would store it as ``exported_<label>`` (why the worker's model-instance label
+#: is ``model_instance``, not ``instance``).
 METRICS: dict[str, Family] = {
     f.name: f
     for f in (
@@ -953,17 +953,22 @@ def check_grafana_provisioning() -> list[str]:
 # --------------------------------------------------------------------------- prometheus
 
 
-def _relabels_model_instance(job: dict) -> bool:
-    rules = job.get("metric_relabel_configs") or []
-    renames = any(
-        r.get("source_labels") == ["exported_instance"]
-        and r.get("target_label") == "model_instance"
-        for r in rules
+def _catalogue_label_clashes() -> list[str]:
+    """Families whose own labels collide with a target label (stored as exported_*)."""
+    return [
+        f"metric {f.name}: label {label!r} collides with Prometheus' target label"
+        for f in METRICS.values()
+        for label in sorted(f.labels & TARGET_LABELS)
+    ]
+
+
+def _renames_exported_labels(job: dict) -> bool:
+    """A metric relabel rule that reads exported_* labels: a clash worked around at scrape."""
+    return any(
+        str(label).startswith("exported_")
+        for r in job.get("metric_relabel_configs") or []
+        for label in [*(r.get("source_labels") or []), r.get("regex", "")]
     )
-    drops = any(
-        r.get("action") == "labeldrop" and r.get("regex") == "exported_instance" for r in rules
-    )
-    return renames and drops
 
 
 def check_prometheus() -> list[str]:
@@ -993,10 +998,6 @@ def check_prometheus() -> list[str]:
             errors.append(f"prometheus.yml: worker dns_sd port must be {METRICS_PORTS['worker']}")
         if worker.get("static_configs"):
             errors.append("prometheus.yml: scaled workers must not be static targets")
-        if not _relabels_model_instance(worker):
-            errors.append(
-                "prometheus.yml: worker job must rename exported_instance to model_instance"
-            )
     (k8s,) = load_yaml_docs(PROMETHEUS_K8S_FILE)
     for job in k8s.get("scrape_configs", []):
         sd = job.get("kubernetes_sd_configs") or []
@@ -1013,8 +1014,16 @@ def check_prometheus() -> list[str]:
         for label in ("job", "namespace", "pod", "__address__"):
             if label not in targets:
                 errors.append(f"prometheus-k8s.yml: no relabel to {label!r}")
-        if not _relabels_model_instance(job):
-            errors.append("prometheus-k8s.yml: must rename exported_instance to model_instance")
+    # Label clashes are fixed at the source (stageserve/telemetry.py), so the
+    # dashboards work with any scrape config; no scrape-time renames.
+    errors += _catalogue_label_clashes()
+    for name, cfg_ in (("prometheus.yml", cfg), ("prometheus-k8s.yml", k8s)):
+        for job in cfg_.get("scrape_configs", []):
+            if _renames_exported_labels(job):
+                errors.append(
+                    f"{name}: job {job.get('job_name')} relabels exported_* labels; "
+                    "rename the label in stageserve/telemetry.py instead"
+                )
     return errors
 
 

@@ -25,6 +25,11 @@ What it does, on 127.0.0.1 only:
 
 Needs the project installed (stageserve, tritonclient) and `prometheus` on
 PATH; scripts/validate_deploy.sh --live runs it. Exit status 1 on failure.
+
+With ``--render DIR`` it then puts a minute of load on the stack
+(deploy/load.py: perf_analyzer if installed, else tritonclient, with some
+invalid requests) and draws both dashboards from Prometheus into DIR
+(deploy/render_dashboards.py): dashboard-models.png, dashboard-stages.png.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import importlib.util
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -52,6 +58,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 import checks  # noqa: E402  (deploy/checks.py)
+import load  # noqa: E402  (deploy/load.py)
+import render_dashboards  # noqa: E402  (deploy/render_dashboards.py)
 
 # Panels allowed to be empty, by metric they read: no GPU here; no inter-stage
 # errors in a healthy run.
@@ -159,12 +167,39 @@ def send_load(url: str, seconds: float) -> tuple[int, int]:
     return ok, failed
 
 
+def render(args: argparse.Namespace, gateway: str, prom_addr: str, prom_started: float) -> None:
+    """Load the stack, then draw every dashboard over the load (and a little before)."""
+    # Let the smoke test's own requests leave the rate windows, so the pictures
+    # show this load alone, from a few quiet points on.
+    time.sleep(6)
+    start = max(prom_started, time.time() - 3)
+    report = load.run_load(gateway, args.render_load_seconds, args.load_tool)
+    print(f"smoke: load by {report.summary()}")
+    time.sleep(3)  # last scrapes
+    written = render_dashboards.render_all(
+        f"http://{prom_addr}",
+        checks.dashboard_files(),
+        args.render,
+        start=start,
+        end=report.end,  # the last point still under load
+        scrape_interval=render_dashboards.parse_duration(SCRAPE_INTERVAL),
+    )
+    for path in written:
+        print(f"smoke: drew {path} ({path.stat().st_size // 1024} KiB)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--load-seconds", type=float, default=6.0)
     p.add_argument("--keep-seconds", type=float, default=0, help="keep it up to look at it")
+    p.add_argument("--render", type=Path, help="then load the stack and draw the dashboards here")
+    p.add_argument("--render-load-seconds", type=float, default=60.0)
+    p.add_argument("--load-tool", choices=("auto", "perf_analyzer", "tritonclient"), default="auto")
     args = p.parse_args(argv)
+    # SIGTERM (a CI timeout, `kill`) unwinds through the finally below, which stops
+    # Prometheus and the stack: they would outlive us otherwise.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from stageserve.launcher import Stack
     from stageserve.net import free_port
@@ -233,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             stdout=subprocess.DEVNULL,
             stderr=open(tmp / "prometheus.log", "w"),  # noqa: SIM115
         )
+        prom_started = time.time()
 
         # 4. load
         ok, failed = send_load(addresses["gateway"], args.load_seconds)
@@ -262,13 +298,15 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"smoke: {len(names)} series names; outside the catalogue: {sorted(unknown) or 'none'}"
         )
-        # the worker's model-instance label arrives as model_instance (prometheus.yml)
+        # The worker's model-instance label arrives unrenamed as model_instance; an
+        # exported_* label would mean a source label clashed with a target label.
         labels = query(prom_addr, "stageserve_worker_compute_seconds_count")
         if not labels or any(
-            "exported_instance" in r["metric"] or not r["metric"].get("model_instance")
+            any(k.startswith("exported_") for k in r["metric"])
+            or not r["metric"].get("model_instance")
             for r in labels
         ):
-            errors.append("worker series lack model_instance (or keep exported_instance)")
+            errors.append("worker series lack model_instance (or carry an exported_* label)")
 
         # 6. every dashboard query
         n = empty = 0
@@ -301,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                     flat = " ".join(promql.split())
                     errors.append(f"{path.name} {title!r} {ref}: no data\n    {flat}")
         print(f"smoke: {n} dashboard queries evaluated, {empty} allowed empty")
+        if args.render:
+            render(args, addresses["gateway"], prom_addr, prom_started)
         if args.keep_seconds:
             print(f"smoke: Prometheus at http://{prom_addr}, gateway at {addresses['gateway']}")
             time.sleep(args.keep_seconds)

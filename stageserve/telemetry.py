@@ -206,7 +206,7 @@ RATELIMITER_GRANTS = Counter(
 WORKER_COMPUTE = Histogram(
     "stageserve_worker_compute_seconds",
     "Batch compute time per instance and phase (input / infer / output)",
-    ["model", "version", "instance", "phase"],
+    ["model", "version", "model_instance", "phase"],
     buckets=LATENCY_BUCKETS,
 )
 STAGE_RPC_DURATION = Histogram(

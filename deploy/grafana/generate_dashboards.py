@@ -683,8 +683,10 @@ def stages_dashboard() -> dict:
     L.add(
         timeseries(
             "Grant wait p50 / p99",
-            "Time a batch waited for an execution grant (a free model instance): "
-            "stageserve_ratelimiter_wait_seconds.",
+            "Time an Acquire call waited for an execution grant (a free model instance): "
+            "stageserve_ratelimiter_wait_seconds. Schedulers reuse the grants they hold and "
+            "ask only for instances beyond them, so under load these calls wait for an "
+            "instance to free up (or for their wait limit).",
             [
                 (_quantile(0.5, wait, "model"), "p50 {{model}}"),
                 (_quantile(0.99, wait, "model"), "p99 {{model}}"),
@@ -696,8 +698,9 @@ def stages_dashboard() -> dict:
     L.add(
         timeseries(
             "Grants/s",
-            "Execution grants handed out per second (stageserve_ratelimiter_grants_total): "
-            "one per executed batch.",
+            "Execution grants handed out per second (stageserve_ratelimiter_grants_total). "
+            "A scheduler reuses a grant for the next batches on that instance for a short "
+            "while, so this counts instance hand-overs: far fewer than executions.",
             [
                 (
                     f"sum by (model) (rate(stageserve_ratelimiter_grants_total{{{M}}}[{RATE}]))",

@@ -148,6 +148,9 @@ def test_metrics_agree_with_model_statistics(mstack: MetricsStack) -> None:
         worker, "stageserve_worker_compute_seconds_count", model="mlp", phase="infer"
     )
     assert executions == stats.execution_count
+    # The model instance is `model_instance` at the source: `instance` is Prometheus'.
+    compute = worker["stageserve_worker_compute_seconds_count"]
+    assert all(s.labels.get("model_instance") and "instance" not in s.labels for s in compute)
     rl = scrape(mstack.ports["ratelimiter"])
     assert value(rl, "stageserve_ratelimiter_grants_total", **labels) >= 1
 

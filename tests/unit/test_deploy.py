@@ -11,11 +11,9 @@ health-check script.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import re
 import shutil
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,23 +22,14 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tests.script_modules import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-checks = _load("stageserve_deploy_checks", ROOT / "deploy" / "checks.py")
-dashboards = _load(
-    "stageserve_deploy_dashboards", ROOT / "deploy" / "grafana" / "generate_dashboards.py"
-)
-healthcheck = _load("stageserve_deploy_healthcheck", ROOT / "docker" / "healthcheck.py")
+checks = load_script("stageserve_deploy_checks", "deploy/checks.py")
+dashboards = load_script("stageserve_deploy_dashboards", "deploy/grafana/generate_dashboards.py")
+healthcheck = load_script("stageserve_deploy_healthcheck", "docker/healthcheck.py")
 
 
 # --------------------------------------------------------------------------- the files pass
@@ -107,6 +96,41 @@ def test_compose_workers_scale_and_gpu_is_a_profile():
     assert services["worker-gpu"]["profiles"] == ["gpu"]
     (device,) = services["worker-gpu"]["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+
+
+def test_catalogue_labels_are_the_exported_ones():
+    """deploy/checks.py's catalogue matches stageserve/telemetry.py, label for label,
+    and no exported label is a target label (Prometheus would store it as exported_*)."""
+    from prometheus_client import Counter
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from stageserve import telemetry
+
+    seen = 0  # prometheus_client has no public accessor for a metric's name and labels
+    for metric in vars(telemetry).values():
+        if not isinstance(metric, MetricWrapperBase):
+            continue
+        name = metric._name + ("_total" if isinstance(metric, Counter) else "")
+        assert name in checks.METRICS, name
+        assert set(metric._labelnames) == checks.METRICS[name].labels, name
+        assert not set(metric._labelnames) & checks.TARGET_LABELS, name
+        seen += 1
+    assert seen >= 10
+    assert "model_instance" in checks.METRICS["stageserve_worker_compute_seconds"].labels
+
+
+def test_prometheus_checker_rejects_scrape_time_label_renames(tmp_path, monkeypatch):
+    (cfg,) = checks.load_yaml_docs(checks.PROMETHEUS_FILE)
+    worker = next(j for j in cfg["scrape_configs"] if j["job_name"] == "worker")
+    worker["metric_relabel_configs"] = [{"regex": "exported_instance", "action": "labeldrop"}]
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(cfg))
+    monkeypatch.setattr(checks, "PROMETHEUS_FILE", path)
+    errors = checks.check_prometheus()
+    assert any("relabels exported_* labels" in e for e in errors), errors
+    clash = checks._fam("stageserve_clash", "gauge", "instance")
+    monkeypatch.setitem(checks.METRICS, clash.name, clash)
+    assert any("collides" in e for e in checks.check_prometheus())
 
 
 def test_metrics_ports_agree_everywhere():

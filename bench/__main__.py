@@ -8,6 +8,7 @@ next optimisation is chosen from data.
 
   python -m bench                                  # simple + mlp at 1, 16, 64
   python -m bench --models mlp --concurrency 1 64 --measurement-ms 5000
+  python -m bench --models accumulator --concurrency 1 8 --perf-arg=--sequence-length=20
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def measure(url: str, stack: Stack, model: str, concurrency: int, args) -> Point
         concurrency,
         measurement_ms=args.measurement_ms,
         stability_pct=args.stability_pct,
-        extra_args=["--max-trials", "6"],
+        extra_args=["--max-trials", "6", *args.perf_arg],
     )
     served_after, executions_after = _served(url, model)
     served = max(1, served_after - served_before)
@@ -108,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--csv", type=Path, default=None, help="also write the table as CSV")
+    parser.add_argument(
+        "--perf-arg",
+        action="append",
+        default=[],
+        help="extra perf_analyzer argument, repeatable (e.g. --perf-arg=--sequence-length=20)",
+    )
     args = parser.parse_args(argv)
 
     if find_perf_analyzer() is None:

@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--listen", default="0.0.0.0:9001")
     sc.add_argument("--ratelimiter", default=_env("STAGESERVE_RATELIMITER"))
     sc.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
+    sc.add_argument(
+        "--adaptive-batch-delay-us",
+        type=int,
+        default=int(_env("STAGESERVE_ADAPTIVE_BATCH_DELAY_US") or 0),
+        help="beyond Triton: hold a dynamic batch open while requests keep arriving, at "
+        "most this long after its oldest (0: off, Triton's behaviour)",
+    )
     _redis(sc)
     _common(sc)
 
@@ -166,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         from services.scheduler.service import serve
 
         _need(args, "ratelimiter")
-        coro = serve(args.listen, args.redis_url, args.ratelimiter)
+        coro = serve(args.listen, args.redis_url, args.ratelimiter, args.adaptive_batch_delay_us)
     elif args.command == "ratelimiter":
         from services.ratelimiter.service import serve
 

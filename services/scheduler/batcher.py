@@ -225,11 +225,27 @@ class DefaultBatcher(Batcher):
 
 
 class DynamicBatcher(Batcher):
+    """Triton's dynamic batcher, plus an optional adaptive hold (beyond Triton).
+
+    Adaptive hold (adaptive_delay_ns > 0): when a batch could go out but
+    requests piled up while the instance was busy (two or more queued) and
+    arrivals are still coming, keep the batch open while the next arrival is
+    due (twice the recent mean gap between arrivals) and at most
+    adaptive_delay_ns after its oldest request. Under load the batches grow,
+    and with them the work shared per message on every hop; a lone request
+    (concurrency 1) never waits, because one queued request never holds.
+    """
+
+    # Bounds on the gap after the last arrival that keeps a held batch open.
+    MIN_GAP_NS = 50_000
+    GAP_WEIGHT = 0.2  # EWMA weight of the newest gap
+
     def __init__(
         self,
         max_batch_size: int,
         preferred_batch_sizes: tuple[int, ...] = (),
         max_queue_delay_ns: int = 0,
+        adaptive_delay_ns: int = 0,
         **queue_options: Any,
     ) -> None:
         super().__init__(**queue_options)
@@ -238,6 +254,23 @@ class DynamicBatcher(Batcher):
         self.max_batch_size = max_batch_size
         self.preferred = frozenset(preferred_batch_sizes)
         self.max_queue_delay_ns = max_queue_delay_ns
+        self.adaptive_delay_ns = adaptive_delay_ns
+        self.last_arrival_ns: int | None = None
+        self.mean_gap_ns = 0.0
+
+    def add(self, request: Pending, timeout_us: int = 0) -> None:
+        super().add(request, timeout_us)
+        if self.last_arrival_ns is not None:
+            gap = max(0, request.enqueue_ns - self.last_arrival_ns)
+            self.mean_gap_ns += self.GAP_WEIGHT * (gap - self.mean_gap_ns)
+        self.last_arrival_ns = request.enqueue_ns
+
+    def _hold_until(self, count: int, oldest: int) -> int | None:
+        """Until when the adaptive hold keeps a ready batch of `count` open."""
+        if not self.adaptive_delay_ns or count < 2 or self.last_arrival_ns is None:
+            return None
+        gap = min(max(2 * self.mean_gap_ns, self.MIN_GAP_NS), self.adaptive_delay_ns)
+        return min(oldest + self.adaptive_delay_ns, self.last_arrival_ns + int(gap))
 
     def next_batch(self, now_ns: int) -> Decision:
         if not self._size:
@@ -268,5 +301,8 @@ class DynamicBatcher(Batcher):
             return Decision(self._take(best_preferred), None)
         deadline = oldest + self.max_queue_delay_ns
         if now_ns >= deadline:
+            hold = self._hold_until(count, oldest)
+            if hold is not None and now_ns < hold:
+                return Decision(None, hold)
             return Decision(self._take(count), None)
         return Decision(None, deadline)

@@ -73,7 +73,7 @@ def _policy(p: QueuePolicySpec) -> QueuePolicy:
     )
 
 
-def make_batcher(spec: ModelSpec) -> Batcher:
+def make_batcher(spec: ModelSpec, adaptive_delay_us: int = 0) -> Batcher:
     db = spec.dynamic_batching
     if db is None:
         return DefaultBatcher()
@@ -81,6 +81,7 @@ def make_batcher(spec: ModelSpec) -> Batcher:
         spec.max_batch_size,
         db.preferred_batch_sizes,
         db.max_queue_delay_us * 1000,
+        adaptive_delay_us * 1000,
         priority_levels=db.priority_levels,
         default_priority_level=db.default_priority_level,
         default_policy=_policy(db.default_queue_policy),
@@ -154,11 +155,13 @@ class ModelQueue:
         spec: ModelSpec,
         ratelimiter: RateLimiterClient,
         workers: WorkerClients,
+        adaptive_delay_us: int = 0,
     ) -> None:
         self.model = model
         self.version = version
         self.spec = spec
-        self.batcher = make_batcher(spec)
+        self.adaptive_delay_us = adaptive_delay_us
+        self.batcher = make_batcher(spec, adaptive_delay_us)
         self.ratelimiter = ratelimiter
         self.workers = workers
         self.executing = 0
@@ -188,7 +191,7 @@ class ModelQueue:
         and hand back held grants (their instances belong to the old load)."""
         pending = self.batcher.drain()
         self.spec = spec
-        self.batcher = make_batcher(spec)
+        self.batcher = make_batcher(spec, self.adaptive_delay_us)
         for p in pending:  # the new config may make other inputs ragged
             p.shape_key = shape_key(p.payload.msg, spec.batching, spec.ragged_inputs)
         self.batcher.requeue_front(pending)

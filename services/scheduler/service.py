@@ -22,8 +22,13 @@ log = logging.getLogger(__name__)
 
 class SchedulerService(pb_grpc.SchedulerServicer):
     def __init__(
-        self, state: ModelStateStore, ratelimiter: RateLimiterClient, workers: WorkerClients
+        self,
+        state: ModelStateStore,
+        ratelimiter: RateLimiterClient,
+        workers: WorkerClients,
+        adaptive_delay_us: int = 0,
     ) -> None:
+        self.adaptive_delay_us = adaptive_delay_us
         self.state = state
         self.ratelimiter = ratelimiter
         self.workers = workers
@@ -61,7 +66,12 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 )
             else:
                 queue = ModelQueue(
-                    loaded.name, version, loaded.spec, self.ratelimiter, self.workers
+                    loaded.name,
+                    version,
+                    loaded.spec,
+                    self.ratelimiter,
+                    self.workers,
+                    adaptive_delay_us=self.adaptive_delay_us,
                 )
             self.queues[key] = queue
         return queue
@@ -164,7 +174,9 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         )
 
 
-async def serve(listen: str, redis_url: str, ratelimiter_address: str) -> None:
+async def serve(
+    listen: str, redis_url: str, ratelimiter_address: str, adaptive_delay_us: int = 0
+) -> None:
     from stageserve.net import SERVER_OPTIONS
     from stageserve.service_runtime import run_server
 
@@ -172,7 +184,7 @@ async def serve(listen: str, redis_url: str, ratelimiter_address: str) -> None:
     await redis.ping()
     ratelimiter = RateLimiterClient(ratelimiter_address)
     workers = WorkerClients()
-    service = SchedulerService(ModelStateStore(redis), ratelimiter, workers)
+    service = SchedulerService(ModelStateStore(redis), ratelimiter, workers, adaptive_delay_us)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_SchedulerServicer_to_server(service, server)
     try:

@@ -27,8 +27,13 @@ def test_perf_analyzer_grpc_measures_throughput(stack: RunningStack, analyzer, m
     client = stack.client()
     before = client.get_inference_statistics(model).model_stats[0].inference_count
     result = run_perf(
-        stack.url, model, 4, measurement_ms=1000, stability_pct=100,
-        extra_args=["--max-trials", "3"], analyzer=analyzer,
+        stack.url,
+        model,
+        4,
+        measurement_ms=1000,
+        stability_pct=100,
+        extra_args=["--max-trials", "3"],
+        analyzer=analyzer,
     )
     assert result.throughput > 0
     assert 0 < result.p50_us <= result.p99_us

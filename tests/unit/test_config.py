@@ -541,9 +541,7 @@ def test_variable_state_without_initial_state_starts_with_ones():
 
 
 def test_variable_state_takes_initial_state_dims():
-    body = _state(
-        'dims: [ -1 ] initial_state { data_type: TYPE_INT32 dims: [ 3 ] data_file: "f" }'
-    )
+    body = _state('dims: [ -1 ] initial_state { data_type: TYPE_INT32 dims: [ 3 ] data_file: "f" }')
     (s,) = spec(body).sequence.states
     assert s.initial_dims == (3,) and s.initial_file == "f"
 

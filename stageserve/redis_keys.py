@@ -7,6 +7,9 @@ Model state (written by the gateway, read by scheduler and worker):
   ss:model:{name}:errors      hash  "{version}@{worker}" -> load error text
   ss:models:events            pub/sub channel, message = model name
 
+Statistics shared by the gateways (services/gateway/shared_stats.py):
+  ss:stats:{model}:g{gen}:v{ver}  hash  gateway id -> serialized ModelStatistics
+
 Rate limiter registry and grants (ratelimiter only; see redis_scripts.py):
   ss:rl:workers               set   worker ids
   ss:rl:worker:{wid}          str   worker address; PX lease = liveness
@@ -52,3 +55,8 @@ def sequence_prefix(model: str, version: int) -> str:
 def sequence_owner(owner: str) -> str:
     """Liveness of one scheduler's sequence store; "" gives the prefix."""
     return f"{PREFIX}seq-owner:{owner}"
+
+
+def model_stats(model: str, generation: int, version: int) -> str:
+    """Every gateway's ModelStatistics of one model load and version."""
+    return f"{PREFIX}stats:{model}:g{generation}:v{version}"

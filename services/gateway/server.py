@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from services.gateway.models import ModelManager
 from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.service import InferenceService
+from services.gateway.shared_stats import SharedStats
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
@@ -40,6 +41,8 @@ async def serve(
     )
     link = SchedulerLink(scheduler_address)
     service = InferenceService(models, link)
+    service.shared = SharedStats(redis, service.stats)
+    service.shared.start()
     server = grpc.aio.server(options=SERVER_OPTIONS)
     gs_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
     if metrics_port:
@@ -56,6 +59,7 @@ async def serve(
         await run_server(server, listen, "gateway", before_ready=loader)
     finally:
         loader.cancel()
+        await service.shared.close()
         await link.close()
         await rl_channel.close()
         await redis.aclose()

@@ -16,6 +16,7 @@ import grpc
 from services.gateway.models import ModelManager
 from services.gateway.recorder import RequestRecorder
 from services.gateway.scheduler_link import SchedulerLink
+from services.gateway.shared_stats import SharedStats
 from services.gateway.statistics import StatsBook
 from services.gateway.validation import validate_infer
 from stageserve import __version__
@@ -42,8 +43,9 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
     def __init__(self, models: ModelManager, scheduler: SchedulerLink) -> None:
         self.models = models
         self.scheduler = scheduler
-        self.stats = StatsBook()
+        self.stats = StatsBook(self._generation_of)
         self.recorder = RequestRecorder(self.stats)
+        self.shared: SharedStats | None = None  # set by the server: fleet-wide totals
         self._inflight_gauges: dict[str, object] = {}
         self._rpc_timers: dict[str, object] = {}
         self.ready = False
@@ -228,23 +230,36 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
 
     # ------------------------------------------------------------- statistics
 
+    def _generation_of(self, model: str) -> int:
+        entry = self.models.entries.get(model)
+        return entry.generation if entry is not None else 0
+
     async def ModelStatistics(
         self, request: gs.ModelStatisticsRequest, context
     ) -> gs.ModelStatisticsResponse:
-        out = gs.ModelStatisticsResponse()
+        wanted: list[tuple[str, int, int]] = []
         if request.name:
             try:
                 entry, _ = self.models.resolve(request.name, request.version)
             except StageError as err:
                 await context.abort(err.code, err.message)
             versions = [int(request.version)] if request.version else entry.ready_versions()
-            for v in versions:
-                out.model_stats.append(self.stats.of(entry.name, v).to_pb(entry.name, v))
-            return out
-        for name, entry in sorted(self.models.entries.items()):
-            for v in entry.ready_versions():
-                out.model_stats.append(self.stats.of(name, v).to_pb(name, v))
+            wanted = [(entry.name, v, entry.generation) for v in versions]
+        else:
+            for name, entry in sorted(self.models.entries.items()):
+                wanted += [(name, v, entry.generation) for v in entry.ready_versions()]
+        out = gs.ModelStatisticsResponse()
+        out.model_stats.extend(await self._statistics(wanted))
         return out
+
+    async def _statistics(self, wanted: list[tuple[str, int, int]]) -> list[gs.ModelStatistics]:
+        """Totals over every gateway; this gateway's own if Redis is away."""
+        if self.shared is not None and wanted:
+            try:
+                return await self.shared.totals(wanted)
+            except Exception as exc:
+                log.warning("shared statistics unavailable", extra={"error": str(exc)})
+        return [self.stats.of(m, v).to_pb(m, v) for m, v, _ in wanted]
 
     # ------------------------------------------------------------- repository
 

@@ -10,6 +10,7 @@ batch size. Exactly one request per batch (the "leader") carries the batch.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from stageserve.generated import grpc_service_pb2 as gs
@@ -96,17 +97,69 @@ class ModelVersionStats:
 
 
 class StatsBook:
-    def __init__(self) -> None:
-        self._stats: dict[tuple[str, int], ModelVersionStats] = {}
+    """This gateway's statistics per model version, for the model's current
+    load (generation): a model loaded again starts afresh, as in Triton."""
+
+    def __init__(self, generation_of: Callable[[str], int] = lambda model: 0) -> None:
+        self._stats: dict[tuple[str, int], tuple[int, ModelVersionStats]] = {}
+        self._generation_of = generation_of
 
     def of(self, model: str, version: int) -> ModelVersionStats:
         key = (model, version)
-        stats = self._stats.get(key)
-        if stats is None:
-            stats = self._stats[key] = ModelVersionStats()
-        return stats
+        generation = self._generation_of(model)
+        held = self._stats.get(key)
+        if held is None or held[0] != generation:
+            held = self._stats[key] = (generation, ModelVersionStats())
+        return held[1]
+
+    def items(self) -> list[tuple[str, int, int, ModelVersionStats]]:
+        """(model, version, generation, stats) for every version recorded."""
+        return [(m, v, g, st) for (m, v), (g, st) in self._stats.items()]
 
     def reset(self, model: str) -> None:
         """A reloaded model starts its statistics afresh, as in Triton."""
         for key in [k for k in self._stats if k[0] == model]:
             del self._stats[key]
+
+
+def merge(parts: Iterable[gs.ModelStatistics]) -> gs.ModelStatistics:
+    """Add up one model version's statistics kept by several gateways: counts
+    and durations sum, batch statistics sum per batch size, last_inference is
+    the latest."""
+    parts = list(parts)
+    out = gs.ModelStatistics()
+    out.CopyFrom(parts[0])
+    del out.batch_stats[:]
+    batches: dict[int, gs.InferBatchStatistics] = {}
+    for i, p in enumerate(parts):
+        if i:
+            out.last_inference = max(out.last_inference, p.last_inference)
+            out.inference_count += p.inference_count
+            out.execution_count += p.execution_count
+            for name in _INFER_FIELDS:
+                _add(getattr(out.inference_stats, name), getattr(p.inference_stats, name))
+        for b in p.batch_stats:
+            held = batches.get(b.batch_size)
+            if held is None:
+                batches[b.batch_size] = held = gs.InferBatchStatistics(batch_size=b.batch_size)
+            for name in ("compute_input", "compute_infer", "compute_output"):
+                _add(getattr(held, name), getattr(b, name))
+    out.batch_stats.extend(batches[size] for size in sorted(batches))
+    return out
+
+
+_INFER_FIELDS = (
+    "success",
+    "fail",
+    "queue",
+    "compute_input",
+    "compute_infer",
+    "compute_output",
+    "cache_hit",
+    "cache_miss",
+)
+
+
+def _add(into: gs.StatisticDuration, other: gs.StatisticDuration) -> None:
+    into.count += other.count
+    into.ns += other.ns

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from services.gateway.statistics import Duration, ModelVersionStats, StatsBook
+from services.gateway.statistics import Duration, ModelVersionStats, StatsBook, merge
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
 
@@ -172,3 +172,37 @@ def test_stats_book_per_model_version_and_reset():
     assert book.of("a", 2) is not a2
     assert book.of("b", 1) is b1 and b1.fail.count == 1
     book.reset("missing")  # harmless
+
+
+def test_stats_book_starts_afresh_for_a_new_model_load():
+    generation = {"m": 1}
+    book = StatsBook(lambda model: generation.get(model, 0))
+    record_batch(book.of("m", 1), [1])
+    assert book.of("m", 1).inference_count == 1
+    generation["m"] = 2  # the model was loaded again
+    assert book.of("m", 1).inference_count == 0
+    assert [(m, v, g) for m, v, g, _ in book.items()] == [("m", 1, 2)]
+
+
+def test_merge_adds_up_gateways():
+    a, b = ModelVersionStats(), ModelVersionStats()
+    record_batch(a, [1, 1])  # one execution of batch 2
+    record_batch(b, [1, 1])  # another of batch 2
+    record_batch(b, [1])  # and one of batch 1
+    b.record_failure(500)
+    a.last_inference_ms, b.last_inference_ms = 10, 20
+    total = merge([a.to_pb("m", 1), b.to_pb("m", 1)])
+    assert (total.name, total.version) == ("m", "1")
+    assert total.inference_count == 5 and total.execution_count == 3
+    assert total.last_inference == 20
+    s = total.inference_stats
+    assert s.success.count == 5 and s.fail.count == 1 and s.fail.ns == 500
+    assert s.queue.ns == 5 * 10 and s.compute_infer.ns == 5 * 30
+    assert [(x.batch_size, x.compute_infer.count) for x in total.batch_stats] == [(1, 1), (2, 2)]
+    assert total.batch_stats[1].compute_infer.ns == 60
+
+
+def test_merge_of_one_is_itself():
+    a = ModelVersionStats()
+    record_batch(a, [1, 1, 1])
+    assert merge([a.to_pb("m", 3)]) == a.to_pb("m", 3)

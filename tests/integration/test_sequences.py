@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import queue
 import signal
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from stageserve.examples import write_accumulator
+from stageserve.generated import grpc_service_pb2 as gs
 from tests.integration.helpers import two_paths
 from tests.stack import RunningStack, running_stack
 
@@ -200,9 +203,19 @@ def test_two_schedulers_share_sequences(tmp_path: Path) -> None:
             r = send(clients[step % 2], "acc", step + 1, 7007, step == 0, step == 9)
             total += step + 1
             assert r.as_numpy("OUTPUT")[0, 0] == total
-        # Both paths executed part of the sequence.
+        # Both paths executed half of the sequence: each gateway's own share,
+        # as published to Redis, is 5 (ModelStatistics answers the total, 10).
+        r = redis.Redis.from_url(running.redis_url)
+        (key,) = list(r.scan_iter("ss:stats:acc:*"))
+        deadline = time.monotonic() + 10
+        while True:
+            shares = [gs.ModelStatistics.FromString(v).inference_count for v in r.hvals(key)]
+            if shares == [5, 5] or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert shares == [5, 5]
         for c in clients:
-            assert c.get_inference_statistics("acc").model_stats[0].inference_count == 5
+            assert c.get_inference_statistics("acc").model_stats[0].inference_count == 10
 
 
 def test_initial_state_from_data_file(tmp_path: Path) -> None:

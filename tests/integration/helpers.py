@@ -251,32 +251,17 @@ def process_alive(pid: int) -> bool:
 def two_paths(root: Path) -> Iterator[tuple[RunningStack, Child, grpcclient.InferenceServerClient]]:
     """The stack plus a second scheduler and a gateway in front of it."""
     with running_stack(root) as running:
-        sched2 = running.stack.start_service(
-            "scheduler-2",
-            [
-                "scheduler",
-                "--listen",
-                "127.0.0.1:0",
-                "--redis-url",
-                running.redis_url,
-                "--ratelimiter",
-                running.ratelimiter.address,
-            ],
-        )
+        common = [
+            "--listen",
+            "127.0.0.1:0",
+            "--redis-url",
+            running.redis_url,
+            "--ratelimiter",
+            running.ratelimiter.address,
+        ]
+        sched2 = running.stack.start_service("scheduler-2", ["scheduler", *common])
         gw2 = running.stack.start_service(
             "gateway-2",
-            [
-                "gateway",
-                "--listen",
-                "127.0.0.1:0",
-                "--redis-url",
-                running.redis_url,
-                "--ratelimiter",
-                running.ratelimiter.address,
-                "--scheduler",
-                sched2.address,
-                "--model-repository",
-                str(root),
-            ],
+            ["gateway", *common, "--scheduler", sched2.address, "--model-repository", str(root)],
         )
         yield running, sched2, grpcclient.InferenceServerClient(gw2.address)

@@ -23,18 +23,11 @@ from services.scheduler.sequence_store import OWNER_TTL_MS
 from stageserve.examples import write_accumulator, write_history
 from tests.integration.helpers import two_paths
 from tests.integration.test_sequences import send
-from tests.stack import RunningStack, running_stack
+from tests.stack import RunningStack, running_stack, wait_until
 
 SLOW_MS = 600
 SLOW = f'parameters {{ key: "execute_delay_ms" value {{ string_value: "{SLOW_MS}" }} }}'
 BACKLOG = "ss:seq:acc:1:i:{cid}:q"
-
-
-def wait_for(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def test_backlog_orders_a_sequence_across_schedulers(tmp_path: Path) -> None:
@@ -49,9 +42,9 @@ def test_backlog_orders_a_sequence_across_schedulers(tmp_path: Path) -> None:
         assert r.llen(key) == 0  # finished requests leave the backlog
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(send, client_a, "acc", 2, 4242)
-            wait_for(lambda: r.llen(key) == 1)
+            assert wait_until(lambda: r.llen(key) == 1, interval_s=0.01)
             second = pool.submit(send, client_b, "acc", 3, 4242)
-            wait_for(lambda: r.llen(key) == 2)
+            assert wait_until(lambda: r.llen(key) == 2, interval_s=0.01)
             entries = [e.decode() for e in r.lrange(key, 0, -1)]
             owners = {e.split(":")[0] for e in entries}
             assert len(owners) == 2, entries  # one entry per scheduler, A's first
@@ -81,7 +74,7 @@ def test_scheduler_killed_mid_execution_does_not_block_the_sequence(tmp_path: Pa
 
         t = threading.Thread(target=doomed)
         t.start()
-        wait_for(lambda: r.llen(key) == 1)
+        assert wait_until(lambda: r.llen(key) == 1, interval_s=0.01)
         time.sleep(SLOW_MS / 3000)  # inside the execution
         running.scheduler.proc.send_signal(signal.SIGKILL)
         running.scheduler.proc.wait(10)
@@ -161,3 +154,19 @@ def test_start_waiting_for_a_slot_runs_when_the_slot_idles_out(
     assert send(client, "history_one_slot", 2, 502, start=True).as_numpy("OUTPUT")[0, 0] == 2
     waited = time.monotonic() - began
     assert 0.3 < waited < 10, waited
+
+
+def test_without_redis_a_sequence_request_is_unavailable(tmp_path: Path) -> None:
+    """The backlog cannot be written: the request is answered UNAVAILABLE
+    with the reason, at once, instead of waiting."""
+    write_accumulator(tmp_path, "acc", idle_us=60_000_000)
+    with running_stack(tmp_path) as running:
+        client = running.client()
+        send(client, "acc", 1, 31, start=True)
+        redis_child = next(c for c in running.stack.children if c.name == "redis")
+        redis_child.proc.kill()
+        redis_child.proc.wait(10)
+        with pytest.raises(InferenceServerException) as info:
+            send(client, "acc", 2, 31)
+        assert info.value.status() == "StatusCode.UNAVAILABLE"
+        assert "sequence backlog in Redis unavailable" in info.value.message()

@@ -19,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 from stageserve.examples import write_accumulator
 from stageserve.generated import grpc_service_pb2 as gs
 from tests.integration.helpers import two_paths
-from tests.stack import RunningStack, running_stack
+from tests.stack import RunningStack, running_stack, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,6 @@ def test_start_on_active_sequence_starts_over(seq_stack: RunningStack) -> None:
 
 
 def test_idle_sequence_expires(seq_stack: RunningStack) -> None:
-    import time
 
     client = seq_stack.client()
     send(client, "acc_idle", 1, 3003, start=True)
@@ -207,13 +206,11 @@ def test_two_schedulers_share_sequences(tmp_path: Path) -> None:
         # as published to Redis, is 5 (ModelStatistics answers the total, 10).
         r = redis.Redis.from_url(running.redis_url)
         (key,) = list(r.scan_iter("ss:stats:acc:*"))
-        deadline = time.monotonic() + 10
-        while True:
-            shares = [gs.ModelStatistics.FromString(v).inference_count for v in r.hvals(key)]
-            if shares == [5, 5] or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        assert shares == [5, 5]
+
+        def shares() -> list[int]:
+            return [gs.ModelStatistics.FromString(v).inference_count for v in r.hvals(key)]
+
+        assert wait_until(lambda: shares() == [5, 5]), shares()
         for c in clients:
             assert c.get_inference_statistics("acc").model_stats[0].inference_count == 10
 

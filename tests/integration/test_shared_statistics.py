@@ -3,7 +3,6 @@ totals (its own live figures plus the others' published ones)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from tritonclient.utils import InferenceServerException
 
 from stageserve.examples import write_simple
 from tests.integration.helpers import infer_simple, two_paths
+from tests.stack import wait_until
 
 
 def counts(client: grpcclient.InferenceServerClient) -> tuple[int, int, int]:
@@ -20,11 +20,8 @@ def counts(client: grpcclient.InferenceServerClient) -> tuple[int, int, int]:
     return s.inference_stats.success.count, s.inference_stats.fail.count, s.inference_count
 
 
-def wait_for_counts(client, expected, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while counts(client) != expected:
-        assert time.monotonic() < deadline, (counts(client), expected)
-        time.sleep(0.1)
+def wait_for_counts(client, expected) -> None:
+    assert wait_until(lambda: counts(client) == expected), (counts(client), expected)
 
 
 def test_every_gateway_answers_the_totals(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from services.worker.batch_io import (
     scatter,
     scatter_shapes,
 )
+from services.worker.inline_policy import InlinePolicy
 from services.worker.onnx_backend import BackendError, OnnxInstance
 from stageserve.config import InstanceGroup, ModelSpec
 from stageserve.datatypes import from_triton
@@ -76,6 +77,7 @@ class HostedInstance:
     )
     in_flight: int = 0
     compute_timers: tuple = ()
+    inline: InlinePolicy = field(default_factory=InlinePolicy)
 
     @property
     def execute_delay_s(self) -> float:
@@ -90,7 +92,8 @@ class HostedInstance:
         )
 
     def execute(self, request: pb.ExecuteRequest) -> pb.ExecuteResponse:
-        """Decode, run and split one batch; runs on the instance's own thread."""
+        """Decode, run and split one batch: on the instance's own thread, or
+        inline on the event loop when its policy says the model is fast."""
         t0 = time.monotonic_ns()
         try:
             feeds = {t.name: raw_to_numpy(t.raw, t.datatype, t.shape) for t in request.inputs}
@@ -125,6 +128,7 @@ class HostedInstance:
                 per_request.outputs.append(_tensor(name, arr, self.spec, size))
             offset += size
         t3 = time.monotonic_ns()
+        self.inline.observe(t3 - t0)
         response.compute_input_ns = t1 - t0
         response.compute_infer_ns = t2 - t1
         response.compute_output_ns = t3 - t2

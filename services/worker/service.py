@@ -49,11 +49,13 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.gpu = gpu
         self.instances: dict[str, HostedInstance] = {}
         self._reconcile_lock = asyncio.Lock()
+        self._executing = 0  # batches executing on this worker, all instances
 
     # ---------------------------------------------------------------- execute
 
     async def _run(self, request: pb.ExecuteRequest) -> pb.ExecuteResponse:
-        """Execute one batch on its instance's thread; errors become the answer's code."""
+        """Execute one batch (inline when short, see inline_policy); errors
+        become the answer's code."""
         inst = self.instances.get(request.instance_id)
         if inst is None:
             return pb.ExecuteResponse(
@@ -62,9 +64,14 @@ class WorkerService(pb_grpc.WorkerServicer):
                 message=f"instance {request.instance_id} is not hosted here",
             )
         inst.in_flight += 1
+        inline = inst.inline.runs_inline(self._executing)
+        self._executing += 1
         try:
-            loop = asyncio.get_running_loop()
-            resp = await loop.run_in_executor(inst.executor, inst.execute, request)
+            if inline:
+                resp = inst.execute(request)
+            else:
+                loop = asyncio.get_running_loop()
+                resp = await loop.run_in_executor(inst.executor, inst.execute, request)
         except Exception as exc:  # BackendError or a bug: answer, never hang the batch
             if not isinstance(exc, BackendError):
                 log.exception("execution failed", extra={"instance": inst.instance_id})
@@ -75,6 +82,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             )
         finally:
             inst.in_flight -= 1
+            self._executing -= 1
         resp.id = request.id
         c_in, c_infer, c_out = inst.compute_timers
         c_in.observe(resp.compute_input_ns / 1e9)

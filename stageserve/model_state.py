@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
 
 from stageserve import redis_keys as keys
 from stageserve.config import ModelSpec, to_spec
@@ -65,6 +66,36 @@ class ModelStateStore:
             pipe.publish(keys.MODEL_EVENTS, name)
             await pipe.execute()
         return generation
+
+    async def restore(self, previous: LoadedModel, failed_generation: int) -> bool:
+        """Put back the record a failed reload replaced, generation and all, so
+        workers keep (and schedulers configure) the instances still serving
+        instead of retrying the broken files. Only while the failed
+        generation is still the published one: a later load wins. Returns
+        whether it restored."""
+        record = keys.model(previous.name)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(record)
+                current = await pipe.hget(record, "generation")
+                if current is None or int(current) != failed_generation:
+                    return False
+                pipe.multi()
+                pipe.hset(
+                    record,
+                    mapping={
+                        "config": previous.config.SerializeToString(),
+                        "versions": ",".join(str(v) for v in previous.versions),
+                        "path": str(previous.path),
+                        "generation": previous.generation,
+                    },
+                )
+                pipe.hset(keys.MODELS, previous.name, previous.generation)
+                pipe.publish(keys.MODEL_EVENTS, previous.name)
+                await pipe.execute()
+            except WatchError:
+                return False
+        return True
 
     async def publish_unloaded(self, name: str) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:

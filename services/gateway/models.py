@@ -169,9 +169,10 @@ class ModelManager:
                 raise invalid(f"failed to load '{name}': {model.error}")
             assert model.config is not None and model.spec is not None
             start = time.monotonic()
-            published = await self.state.get(name) if adopt else None
+            published = await self.state.get(name)
             if (
-                published is not None
+                adopt
+                and published is not None
                 and published.config == model.config
                 and published.versions == model.versions
                 and published.path == model.path
@@ -194,10 +195,16 @@ class ModelManager:
                 generation=generation,
             )
             if not entry.ready_versions() and old is not None and old.ready_versions():
-                # A failed reload keeps the loaded versions serving, as in Triton.
+                # A failed reload keeps the loaded versions serving, as in Triton,
+                # and their record goes back to Redis for the other stages.
+                restored = (
+                    published is not None
+                    and published.generation == old.generation
+                    and await self.state.restore(published, generation)
+                )
                 log.error(
                     "model reload failed; previous load keeps serving",
-                    extra={"model": name, "reasons": reasons},
+                    extra={"model": name, "reasons": reasons, "record_restored": restored},
                 )
                 raise unavailable(f"failed to load '{name}': " + "; ".join(reasons.values()))
             self.entries[name] = entry

@@ -20,10 +20,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+import redis
 import tritonclient.grpc as grpcclient
 from onnx import TensorProto, helper, numpy_helper
 from tritonclient.utils import InferenceServerException
 
+from stageserve import redis_keys as keys
 from stageserve.examples import (
     config_text,
     make_model,
@@ -32,6 +34,7 @@ from stageserve.examples import (
     write_model,
     write_simple,
 )
+from stageserve.generated import model_config_pb2 as mc
 from tests.integration.helpers import (
     RPC_TIMEOUT_S,
     expect_error,
@@ -753,4 +756,39 @@ def test_failed_reload_keeps_the_loaded_model_serving(tmp_path: Path) -> None:
         assert c.is_model_ready("simple")
         model_file.write_bytes(good)
         c.load_model("simple", client_timeout=RPC_TIMEOUT_S)
+        infer_simple(c)
+
+
+def _published(redis_url: str, name: str) -> tuple[int, int]:
+    """(generation, max_batch_size) of the model record other stages read from Redis."""
+    record = redis.Redis.from_url(redis_url).hgetall(keys.model(name))
+    config = mc.ModelConfig.FromString(record[b"config"])
+    return int(record[b"generation"]), config.max_batch_size
+
+
+def test_failed_reload_restores_the_serving_record_for_the_other_stages(tmp_path: Path) -> None:
+    """The failed reload's config (here max_batch_size 4 instead of 8) must not
+    reach schedulers and workers while the old instances keep serving: the
+    gateway puts the serving record back in Redis, generation and all."""
+    write_simple(tmp_path, "simple", max_batch_size=8)
+    model_file = tmp_path / "simple" / "1" / "model.onnx"
+    good = model_file.read_bytes()
+    with stack_retrying(tmp_path, control_mode="explicit", load_models=("simple",)) as s:
+        c = s.client()
+        infer_simple(c)
+        serving = _published(s.redis_url, "simple")
+        assert serving[1] == 8
+        write_simple(tmp_path, "simple", max_batch_size=4)
+        model_file.write_bytes(b"not an onnx model")
+        with pytest.raises(InferenceServerException, match="failed to load 'simple'"):
+            c.load_model("simple", client_timeout=RPC_TIMEOUT_S)
+        assert _published(s.redis_url, "simple") == serving
+        assert c.get_model_config("simple").config.max_batch_size == 8
+        for _ in range(5):
+            infer_simple(c)
+        # The next good load replaces it as usual.
+        model_file.write_bytes(good)
+        c.load_model("simple", client_timeout=RPC_TIMEOUT_S)
+        generation, max_batch_size = _published(s.redis_url, "simple")
+        assert generation > serving[0] and max_batch_size == 4
         infer_simple(c)

@@ -1,0 +1,79 @@
+"""stageserve/model_state.py against a real redis-server: restoring the record a
+failed reload replaced, and never over a newer load."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from stageserve import redis_keys as keys
+from stageserve.generated import model_config_pb2 as mc
+from stageserve.model_state import ModelStateStore
+
+
+def _config(max_batch_size: int) -> mc.ModelConfig:
+    return mc.ModelConfig(
+        name="m",
+        platform="onnxruntime_onnx",
+        max_batch_size=max_batch_size,
+        input=[mc.ModelInput(name="X", data_type=mc.TYPE_FP32, dims=[4])],
+        output=[mc.ModelOutput(name="Y", data_type=mc.TYPE_FP32, dims=[4])],
+    )
+
+
+def run(url: str, body) -> None:
+    async def main() -> None:
+        r = aioredis.from_url(url)
+        await r.flushdb()
+        try:
+            await body(ModelStateStore(r), r)
+        finally:
+            await r.aclose()
+
+    asyncio.run(main())
+
+
+def test_restore_puts_back_the_serving_record_and_tells_the_workers(redis_url) -> None:
+    async def body(store: ModelStateStore, r) -> None:
+        await store.publish_loaded(_config(8), (1,), Path("/repo/m"))
+        serving = await store.get("m")
+        failed = await store.publish_loaded(_config(4), (1, 2), Path("/repo/m"))
+        events = r.pubsub()
+        await events.subscribe(keys.MODEL_EVENTS)
+        await events.get_message(timeout=1)  # the subscribe confirmation
+        assert await store.restore(serving, failed)
+        restored = await store.get("m")
+        assert restored == serving
+        assert (await store.loaded())["m"].generation == serving.generation
+        message = await events.get_message(timeout=1)
+        assert message is not None and message["data"] == b"m"
+        await events.aclose()
+
+    run(redis_url, body)
+
+
+def test_restore_never_overwrites_a_later_load(redis_url) -> None:
+    async def body(store: ModelStateStore, r) -> None:
+        await store.publish_loaded(_config(8), (1,), Path("/repo/m"))
+        serving = await store.get("m")
+        failed = await store.publish_loaded(_config(4), (1,), Path("/repo/m"))
+        later = await store.publish_loaded(_config(2), (1,), Path("/repo/m"))  # another gateway
+        assert not await store.restore(serving, failed)
+        current = await store.get("m")
+        assert current.generation == later and current.config.max_batch_size == 2
+
+    run(redis_url, body)
+
+
+def test_restore_after_an_unload_does_not_bring_the_model_back(redis_url) -> None:
+    async def body(store: ModelStateStore, r) -> None:
+        await store.publish_loaded(_config(8), (1,), Path("/repo/m"))
+        serving = await store.get("m")
+        failed = await store.publish_loaded(_config(4), (1,), Path("/repo/m"))
+        await store.publish_unloaded("m")
+        assert not await store.restore(serving, failed)
+        assert await store.get("m") is None and await store.loaded() == {}
+
+    run(redis_url, body)

@@ -126,9 +126,20 @@ class ModelStateStore:
             await self.redis.hdel(keys.model_errors(name), *mine)
 
     async def load_errors(self, name: str) -> dict[int, str]:
+        """Why each failed version did not load. Workers that failed alike are
+        reported once; different reasons are each named with their worker."""
         raw = await self.redis.hgetall(keys.model_errors(name))
-        out: dict[int, str] = {}
+        by_version: dict[int, dict[str, list[str]]] = {}
         for k, v in raw.items():
-            version = int(k.decode().split("@", 1)[0])
-            out[version] = v.decode()
-        return out
+            version, worker = k.decode().split("@", 1)
+            by_version.setdefault(int(version), {}).setdefault(v.decode(), []).append(worker)
+        return {version: _join_reasons(reasons) for version, reasons in by_version.items()}
+
+
+def _join_reasons(reasons: dict[str, list[str]]) -> str:
+    if len(reasons) == 1:
+        return next(iter(reasons))
+    return "; ".join(
+        f"worker {', '.join(sorted(workers))}: {message}"
+        for message, workers in sorted(reasons.items(), key=lambda kv: sorted(kv[1]))
+    )

@@ -77,3 +77,18 @@ def test_restore_after_an_unload_does_not_bring_the_model_back(redis_url) -> Non
         assert await store.get("m") is None and await store.loaded() == {}
 
     run(redis_url, body)
+
+
+def test_load_errors_name_each_worker_only_when_the_reasons_differ(redis_url) -> None:
+    async def body(store: ModelStateStore, r) -> None:
+        await store.report_load_error("m", 1, "w-a", "bad file")
+        await store.report_load_error("m", 1, "w-b", "bad file")
+        await store.report_load_error("m", 2, "w-a", "bad file")
+        await store.report_load_error("m", 2, "w-b", "no GPU 3 here")
+        errors = await store.load_errors("m")
+        assert errors[1] == "bad file"
+        assert errors[2] == "worker w-a: bad file; worker w-b: no GPU 3 here"
+        await store.clear_load_errors("m", "w-b")
+        assert await store.load_errors("m") == {1: "bad file", 2: "bad file"}
+
+    run(redis_url, body)

@@ -432,6 +432,11 @@ def format_table(rows: Iterable[PerfResult]) -> str:
                 _fmt(r.server.compute_us if r.server else None),
             )
         )
+    return text_table(header, body)
+
+
+def text_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    """A plain-text table: first column left-aligned, the rest right-aligned."""
     widths = [max([len(h)] + [len(b[i]) for b in body]) for i, h in enumerate(header)]
 
     def line(cells: Sequence[str]) -> str:

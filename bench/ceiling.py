@@ -1,0 +1,488 @@
+"""How fast can one Python gRPC process answer Triton's protocol on this machine?
+
+StageServe is a pipeline of Python gRPC processes (gateway -> scheduler ->
+worker). This module measures the *ceiling* of such a design: servers that do
+no inference at all, only speak ``GRPCInferenceService`` for one model
+``id16`` (FP32 ``INPUT0``/``OUTPUT0``, dims [16], max_batch_size 64) and
+answer ``OUTPUT0`` = the raw input bytes. Each variant runs in its own child
+process on a free port, one variant at a time:
+
+``direct``
+    one ``grpc.aio`` server answering ``ModelInfer`` itself.
+``forward``
+    the same front, but every ``ModelInfer`` goes over ONE long-lived
+    bidirectional stream to a second process that echoes each stream message
+    back: the cheapest possible one-hop pipeline (a gateway with a zero-cost
+    backend). Requests carry an 8-byte id (plus a 4-byte length) and each
+    stream write carries everything queued since the last one, as StageServe's
+    gateway does.
+``sync-direct``
+    like ``direct`` on the synchronous ``grpc.server`` with 8 worker threads.
+
+For each variant and concurrency it runs ``perf_analyzer`` and divides the
+server process's CPU time (user + system, psutil) over the run by the number
+of ``ModelInfer`` requests it answered (the servers report their counters in
+``ServerMetadata``: ``version`` is the request count, ``extensions`` carry
+the stream counters of ``forward``).
+
+Why: on the 2-core development VM (perf_analyzer sharing the cores) a
+prototype reached ~6,000-6,700 infer/s at c=64 with ``direct`` (~175-185 us
+of CPU per request), ~8,500 with ``sync-direct`` (~128 us) and only
+~3,400-3,500 with ``forward`` (~300 us in the front alone, ~1.05 requests per
+stream message), while real Triton 2.51 served ``identity`` at 8,300-12,300
+infer/s (c=8-64) in the same week's ``bench.compare`` run. A pipeline whose
+every hop is a Python gRPC process therefore cannot reach Triton's throughput
+on 2 cores, whatever its scheduling does.
+
+  python -m bench.ceiling [--concurrency 1 64] [--measurement-ms 3000] [--csv PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import itertools
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from concurrent import futures
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+import psutil
+
+from bench.perf_analyzer import (
+    PerfAnalyzerError,
+    PerfAnalyzerNotInstalled,
+    run_perf,
+    text_table,
+)
+from stageserve.generated import grpc_service_pb2 as gs
+from stageserve.generated import grpc_service_pb2_grpc
+from stageserve.generated import model_config_pb2 as mc
+from stageserve.net import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODEL = "id16"
+VARIANTS = ("direct", "forward", "sync-direct")
+ECHO_METHOD = "/bench.Echo/Stream"
+FRAME = struct.Struct("<QI")  # request id, payload length
+START_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 5.0
+
+# --------------------------------------------------------------------------- protocol
+
+CONFIG = mc.ModelConfig(
+    name=MODEL,
+    max_batch_size=64,
+    input=[mc.ModelInput(name="INPUT0", data_type=mc.TYPE_FP32, dims=[16])],
+    output=[mc.ModelOutput(name="OUTPUT0", data_type=mc.TYPE_FP32, dims=[16])],
+)
+_Tensor = gs.ModelMetadataResponse.TensorMetadata
+METADATA = gs.ModelMetadataResponse(
+    name=MODEL,
+    versions=["1"],
+    platform="bench",
+    inputs=[_Tensor(name="INPUT0", datatype="FP32", shape=[-1, 16])],
+    outputs=[_Tensor(name="OUTPUT0", datatype="FP32", shape=[-1, 16])],
+)
+
+
+class Counters:
+    """What the server reports through ServerMetadata (safe across threads)."""
+
+    def __init__(self) -> None:
+        self.requests = 0  # ModelInfer answered
+        self.messages = 0  # stream messages written (forward)
+        self.forwarded = 0  # requests carried by those messages (forward)
+        self._lock = threading.Lock()
+
+    def answered(self) -> None:
+        with self._lock:
+            self.requests += 1
+
+    def metadata(self) -> gs.ServerMetadataResponse:
+        return gs.ServerMetadataResponse(
+            name="bench-ceiling",
+            version=str(self.requests),
+            extensions=[f"messages={self.messages}", f"forwarded={self.forwarded}"],
+        )
+
+
+def echo_response(request: gs.ModelInferRequest, raw: bytes) -> gs.ModelInferResponse:
+    response = gs.ModelInferResponse(model_name=MODEL, model_version="1", id=request.id)
+    response.outputs.add(name="OUTPUT0", datatype="FP32", shape=request.inputs[0].shape)
+    response.raw_output_contents.append(raw)
+    return response
+
+
+class Forwarder:
+    """One bidirectional stream to the echo process, multiplexed by request id."""
+
+    def __init__(self, channel: grpc.aio.Channel, counters: Counters) -> None:
+        self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
+        self._pending: dict[int, asyncio.Future[bytes]] = {}
+        self._ids = itertools.count()
+        self._counters = counters
+        self._call = channel.stream_stream(ECHO_METHOD)(self._writes())
+        self._reader = asyncio.create_task(self._read())
+
+    async def _writes(self) -> AsyncIterator[bytes]:
+        while True:
+            frames = [await self._outbox.get()]
+            while not self._outbox.empty():
+                frames.append(self._outbox.get_nowait())
+            self._counters.messages += 1
+            self._counters.forwarded += len(frames)
+            yield b"".join(frames)
+
+    async def _read(self) -> None:
+        async for message in self._call:
+            view, at = memoryview(message), 0
+            while at < len(view):
+                rid, size = FRAME.unpack_from(view, at)
+                at += FRAME.size
+                fut = self._pending.pop(rid, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(bytes(view[at : at + size]))
+                at += size
+
+    async def send(self, raw: bytes) -> bytes:
+        rid = next(self._ids)
+        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        self._outbox.put_nowait(FRAME.pack(rid, len(raw)) + raw)
+        return await fut
+
+
+class AioServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, counters: Counters, forwarder: Forwarder | None = None) -> None:
+        self.counters = counters
+        self.forwarder = forwarder
+
+    async def ServerLive(self, request, context):  # noqa: N802 (gRPC method names)
+        return gs.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):  # noqa: N802
+        return gs.ServerReadyResponse(ready=True)
+
+    async def ModelReady(self, request, context):  # noqa: N802
+        return gs.ModelReadyResponse(ready=request.name == MODEL)
+
+    async def ServerMetadata(self, request, context):  # noqa: N802
+        return self.counters.metadata()
+
+    async def ModelMetadata(self, request, context):  # noqa: N802
+        return METADATA
+
+    async def ModelConfig(self, request, context):  # noqa: N802
+        return gs.ModelConfigResponse(config=CONFIG)
+
+    async def ModelInfer(self, request, context):  # noqa: N802
+        raw = request.raw_input_contents[0]
+        if self.forwarder is not None:
+            raw = await self.forwarder.send(raw)
+        self.counters.answered()
+        return echo_response(request, raw)
+
+
+class SyncServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, counters: Counters) -> None:
+        self.counters = counters
+
+    def ServerLive(self, request, context):  # noqa: N802
+        return gs.ServerLiveResponse(live=True)
+
+    def ServerReady(self, request, context):  # noqa: N802
+        return gs.ServerReadyResponse(ready=True)
+
+    def ModelReady(self, request, context):  # noqa: N802
+        return gs.ModelReadyResponse(ready=request.name == MODEL)
+
+    def ServerMetadata(self, request, context):  # noqa: N802
+        return self.counters.metadata()
+
+    def ModelMetadata(self, request, context):  # noqa: N802
+        return METADATA
+
+    def ModelConfig(self, request, context):  # noqa: N802
+        return gs.ModelConfigResponse(config=CONFIG)
+
+    def ModelInfer(self, request, context):  # noqa: N802
+        self.counters.answered()
+        return echo_response(request, request.raw_input_contents[0])
+
+
+# --------------------------------------------------------------------------- child processes
+
+
+async def _serve_aio(port: int, backend: str | None) -> None:
+    counters = Counters()
+    forwarder = None
+    if backend is not None:
+        channel = grpc.aio.insecure_channel(backend)
+        await asyncio.wait_for(channel.channel_ready(), START_TIMEOUT_S)
+        forwarder = Forwarder(channel, counters)
+    server = grpc.aio.server()
+    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+        AioServicer(counters, forwarder), server
+    )
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+async def _serve_echo(port: int) -> None:
+    async def stream(messages: AsyncIterator[bytes], context) -> AsyncIterator[bytes]:
+        async for message in messages:
+            yield message
+
+    service, method = ECHO_METHOD.strip("/").split("/")
+    handler = grpc.method_handlers_generic_handler(
+        service, {method: grpc.stream_stream_rpc_method_handler(stream)}
+    )
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers([handler])
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def _serve_sync(port: int) -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+        SyncServicer(Counters()), server
+    )
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    server.wait_for_termination()
+
+
+def serve(role: str, port: int, backend: str | None = None) -> None:
+    """Child-process entry: ``direct``/``forward`` (aio front), ``sync-direct`` or ``echo``."""
+    if role == "sync-direct":
+        _serve_sync(port)
+    elif role == "echo":
+        asyncio.run(_serve_echo(port))
+    else:
+        asyncio.run(_serve_aio(port, backend if role == "forward" else None))
+
+
+@dataclass
+class Running:
+    """A started variant: its front (what perf_analyzer talks to) and, for forward, the echo."""
+
+    variant: str
+    url: str
+    front: subprocess.Popen[bytes]
+    backend: subprocess.Popen[bytes] | None = None
+
+
+def _spawn(role: str, port: int, backend: str | None = None) -> subprocess.Popen[bytes]:
+    args = [sys.executable, "-m", "bench.ceiling", "--serve", role, "--port", str(port)]
+    if backend is not None:
+        args += ["--backend", backend]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL)
+
+
+def _wait_listening(proc: subprocess.Popen[bytes], address: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    with grpc.insecure_channel(address) as channel:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server for {address} exited with {proc.returncode}")
+            try:
+                grpc.channel_ready_future(channel).result(timeout=0.2)
+                return
+            except grpc.FutureTimeoutError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server for {address} did not start") from None
+
+
+def _stop_proc(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(STOP_TIMEOUT_S)
+
+
+def start(variant: str) -> Running:
+    """Start ``variant``'s process(es) on free loopback ports; ready when this returns."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+    backend_proc = None
+    backend = None
+    try:
+        if variant == "forward":
+            backend = f"127.0.0.1:{free_port()}"
+            backend_proc = _spawn("echo", int(backend.rsplit(":", 1)[1]))
+            _wait_listening(backend_proc, backend)
+        url = f"127.0.0.1:{free_port()}"
+        front = _spawn(variant, int(url.rsplit(":", 1)[1]), backend)
+        running = Running(variant, url, front, backend_proc)
+    except BaseException:
+        _stop_proc(backend_proc)
+        raise
+    try:
+        _wait_listening(front, url)
+    except BaseException:
+        stop(running)
+        raise
+    return running
+
+
+def stop(running: Running) -> None:
+    """Stop the front, then the echo: terminate, kill after a timeout."""
+    try:
+        _stop_proc(running.front)
+    finally:
+        _stop_proc(running.backend)
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+@dataclass(frozen=True)
+class Row:
+    variant: str
+    concurrency: int
+    throughput: float
+    p50_ms: float
+    p99_ms: float
+    front_cpu_us: float
+    backend_cpu_us: float | None = None
+    requests_per_message: float | None = None
+
+
+def _cpu_s(proc: subprocess.Popen[bytes] | None) -> float:
+    if proc is None:
+        return 0.0
+    times = psutil.Process(proc.pid).cpu_times()
+    return times.user + times.system
+
+
+def read_counters(url: str) -> tuple[int, int, int]:
+    """(requests answered, stream messages, requests forwarded) from ServerMetadata."""
+    import tritonclient.grpc as triton  # here: the child processes do not need it
+
+    client = triton.InferenceServerClient(url)
+    try:
+        meta = client.get_server_metadata()
+    finally:
+        client.close()
+    extra = dict(e.split("=", 1) for e in meta.extensions)
+    return int(meta.version), int(extra["messages"]), int(extra["forwarded"])
+
+
+def measure(running: Running, concurrency: int, measurement_ms: int, stability_pct: int) -> Row:
+    n0, m0, f0 = read_counters(running.url)
+    front0, back0 = _cpu_s(running.front), _cpu_s(running.backend)
+    perf = run_perf(
+        running.url,
+        MODEL,
+        concurrency,
+        measurement_ms=measurement_ms,
+        stability_pct=stability_pct,
+        extra_args=["--max-trials", "6"],
+    )
+    front1, back1 = _cpu_s(running.front), _cpu_s(running.backend)
+    n1, m1, f1 = read_counters(running.url)
+    requests = max(1, n1 - n0)
+    forward = running.backend is not None
+    return Row(
+        variant=running.variant,
+        concurrency=concurrency,
+        throughput=perf.throughput,
+        p50_ms=perf.p50_us / 1000,
+        p99_ms=perf.p99_us / 1000,
+        front_cpu_us=(front1 - front0) / requests * 1e6,
+        backend_cpu_us=(back1 - back0) / requests * 1e6 if forward else None,
+        requests_per_message=(f1 - f0) / max(1, m1 - m0) if forward else None,
+    )
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    header = ("variant", "conc", "infer/s", "p50 ms", "p99 ms", "front us/req",
+              "backend us/req", "req/msg")  # fmt: skip
+
+    def opt(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    body = [
+        (
+            r.variant,
+            str(r.concurrency),
+            f"{r.throughput:,.0f}",
+            f"{r.p50_ms:.2f}",
+            f"{r.p99_ms:.2f}",
+            f"{r.front_cpu_us:.0f}",
+            opt(r.backend_cpu_us, ".0f"),
+            opt(r.requests_per_message, ".2f"),
+        )
+        for r in rows
+    ]
+    return text_table(header, body)
+
+
+def write_csv(path: str, rows: Sequence[Row]) -> None:
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(Row.__dataclass_fields__))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(
+                {k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(row).items()}
+            )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.ceiling", description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--measurement-ms", type=int, default=3000)
+    ap.add_argument("--stability-pct", type=int, default=30)
+    ap.add_argument("--csv", default=None, help="also write the rows to this CSV file")
+    ap.add_argument("--serve", choices=[*VARIANTS, "echo"], help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--backend", help=argparse.SUPPRESS)
+    ns = ap.parse_args(argv)
+    if ns.serve is not None:
+        serve(ns.serve, ns.port, ns.backend)
+        return 0
+    rows: list[Row] = []
+    for variant in ns.variants:
+        running = start(variant)
+        try:
+            for c in ns.concurrency:
+                try:
+                    rows.append(measure(running, c, ns.measurement_ms, ns.stability_pct))
+                except PerfAnalyzerNotInstalled as exc:
+                    print(exc, file=sys.stderr)
+                    return 1
+                except PerfAnalyzerError as exc:
+                    print(f"{variant} c={c}: {exc}", file=sys.stderr)
+                    continue
+                r = rows[-1]
+                print(f"{variant} c={c}: {r.throughput:,.0f} infer/s", file=sys.stderr)
+        finally:
+            stop(running)
+    print()
+    print(format_table(rows))
+    if ns.csv:
+        write_csv(ns.csv, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""bench.ceiling's servers answer a real ModelInfer with the input echoed (no perf_analyzer)."""
+
+from __future__ import annotations
+
+import numpy as np
+import psutil
+import pytest
+import tritonclient.grpc as triton
+
+from bench import ceiling
+
+
+def _infer(url: str, values: np.ndarray) -> np.ndarray:
+    client = triton.InferenceServerClient(url)
+    try:
+        inp = triton.InferInput("INPUT0", list(values.shape), "FP32")
+        inp.set_data_from_numpy(values)
+        result = client.infer(
+            ceiling.MODEL, [inp], outputs=[triton.InferRequestedOutput("OUTPUT0")]
+        )
+        out = result.as_numpy("OUTPUT0")
+        assert out is not None
+        return out
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("variant", ["forward", "direct", "sync-direct"])
+def test_variant_echoes_input(variant: str) -> None:
+    values = np.arange(16, dtype=np.float32).reshape(1, 16) * 0.5 - 3.0
+    running = ceiling.start(variant)
+    pids = [p.pid for p in (running.front, running.backend) if p is not None]
+    assert len(pids) == (2 if variant == "forward" else 1)
+    try:
+        np.testing.assert_array_equal(_infer(running.url, values), values)
+        np.testing.assert_array_equal(_infer(running.url, values + 1), values + 1)
+        requests, messages, forwarded = ceiling.read_counters(running.url)
+        assert requests == 2
+        if variant == "forward":
+            assert messages >= 1 and forwarded == 2
+        else:
+            assert (messages, forwarded) == (0, 0)
+    finally:
+        ceiling.stop(running)
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

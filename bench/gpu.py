@@ -1,0 +1,156 @@
+"""`python -m bench.gpu`: StageServe against ONNX Runtime alone on a CNN.
+
+Issue 5's GPU check: with dynamic batching, StageServe should reach at least
+90% of the throughput ONNX Runtime reaches by itself, in one process, at the
+same batch size, on the CUDA execution provider. This builds the ResNet-style
+CNN of `bench/cnn.py`, then
+
+1. runs it in this process through the worker's own backend
+   (`OnnxInstance`, same session options) at `--batch` for `--seconds`,
+   feeding numpy arrays as the worker does (host-to-device copies included);
+2. starts a StageServe stack (`--device`, one worker) on a repository holding
+   the same model with dynamic batching up to `--batch`, and runs
+   perf_analyzer over gRPC at `--concurrency` (default 2 x batch, so a full
+   batch waits while one executes);
+
+and prints both throughputs, the ratio and the batch size StageServe formed.
+On a machine without a GPU it runs on the CPU provider (the device reported
+in the output says which); there the server's stages and perf_analyzer share
+the cores the model computes on, so the ratio is a lower bound.
+
+  python -m bench.gpu                          # auto device, batch 32, 64x64 images
+  python -m bench.gpu --device cuda:0 --batch 64 --image-size 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bench.__main__ import measure
+from bench.cnn import write_cnn
+from bench.perf_analyzer import find_perf_analyzer, text_table
+from services.worker.instances import default_intra_op_threads
+from services.worker.onnx_backend import OnnxInstance
+from services.worker.service import detect_gpu
+from stageserve.launcher import Stack, start_services
+
+TARGET_RATIO = 0.9
+
+
+@dataclass(frozen=True)
+class AloneResult:
+    device: str
+    providers: list[str]
+    images_per_s: float
+
+
+def ort_alone(model_file: Path, device: str, batch: int, image_size: int, seconds: float):
+    """Images/s of back-to-back runs at one batch size, warmed up first."""
+    backend = OnnxInstance(
+        model_file,
+        device=device,
+        intra_op_threads=default_intra_op_threads(1),
+        input_types={"INPUT": "FP32"},
+        output_types={"OUTPUT": "FP32"},
+    )
+    rng = np.random.default_rng(0)
+    feeds = {"INPUT": rng.random((batch, 3, image_size, image_size), dtype=np.float32)}
+    for _ in range(3):
+        backend.run(feeds, ["OUTPUT"])
+    runs = 0
+    start = time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        backend.run(feeds, ["OUTPUT"])
+        runs += 1
+    return AloneResult(backend.device, backend.providers, runs * batch / elapsed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__)
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--image-size", type=int, default=64)
+    ap.add_argument("--width", type=int, default=32, help="channels of the first stage")
+    ap.add_argument("--seconds", type=float, default=10.0, help="ORT-alone run length")
+    ap.add_argument("--concurrency", type=int, default=0, help="default: 2 x batch")
+    ap.add_argument("--measurement-ms", type=int, default=5000)
+    ap.add_argument("--stability-pct", type=int, default=30)
+    args = ap.parse_args(argv)
+    args.perf_arg = []
+    concurrency = args.concurrency or 2 * args.batch
+    if find_perf_analyzer() is None:
+        print(
+            "perf_analyzer is not installed: run scripts/install_perf_analyzer.sh", file=sys.stderr
+        )
+        return 2
+
+    with tempfile.TemporaryDirectory(prefix="stageserve-gpu-") as tmp:
+        repository = Path(tmp) / "models"
+        model_dir = write_cnn(
+            repository, image_size=args.image_size, width=args.width, max_batch_size=args.batch
+        )
+        gpu = detect_gpu(args.device)  # what the worker will pick
+        device = "cpu" if gpu is None else f"cuda:{gpu}"
+        alone = ort_alone(
+            model_dir / "1" / "model.onnx", device, args.batch, args.image_size, args.seconds
+        )
+        print(
+            f"ONNX Runtime alone on {alone.device} ({', '.join(alone.providers)}): "
+            f"{alone.images_per_s:,.0f} images/s at batch {args.batch}",
+            flush=True,
+        )
+        stack = Stack()
+        try:
+            services = start_services(stack, repository, device=device)
+            point = measure(services.gateway.address, stack, "cnn", concurrency, args)
+        finally:
+            stack.stop()
+
+    r = point.result
+    ratio = r.throughput / alone.images_per_s
+    print()
+    print(
+        text_table(
+            ["server", "device", "batch", "conc", "infer/s", "p50 ms", "p99 ms", "ratio"],
+            [
+                [
+                    "ORT alone",
+                    alone.device,
+                    str(args.batch),
+                    "-",
+                    f"{alone.images_per_s:,.0f}",
+                    "-",
+                    "-",
+                    "1.00",
+                ],
+                [
+                    "StageServe",
+                    alone.device,
+                    f"{point.mean_batch:.1f}",
+                    str(concurrency),
+                    f"{r.throughput:,.0f}",
+                    f"{r.p50_us / 1000:.2f}",
+                    f"{r.p99_us / 1000:.2f}",
+                    f"{ratio:.2f}",
+                ],
+            ],
+        )
+    )
+    verdict = "meets" if ratio >= TARGET_RATIO else "misses"
+    print(
+        f"\nStageServe reaches {ratio:.0%} of ONNX Runtime alone ({verdict} the "
+        f"{TARGET_RATIO:.0%} target); CPU us per request by stage: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in point.cpu_us_per_request.items())
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from stageserve.autocomplete import DEFAULT_MAX_BATCH_SIZE, AutoComplete
 from stageserve.logs import setup_logging
 
 log = logging.getLogger("stageserve")
@@ -40,6 +41,25 @@ def _redis(p: argparse.ArgumentParser, required: bool = True) -> None:
     )
 
 
+def _autocomplete(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--disable-auto-complete-config",
+        action="store_true",
+        help="as Triton's: configs must declare platform, inputs and outputs",
+    )
+    p.add_argument(
+        "--default-max-batch-size",
+        type=int,
+        default=DEFAULT_MAX_BATCH_SIZE,
+        help="max_batch_size auto-complete gives a batchable ONNX model that sets none "
+        "(Triton's --backend-config=default-max-batch-size)",
+    )
+
+
+def _autocomplete_of(args: argparse.Namespace) -> AutoComplete:
+    return AutoComplete(not args.disable_auto_complete_config, args.default_max_batch_size)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stageserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -56,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics-port", type=int, default=8002)
     up.add_argument("--model-control-mode", choices=["none", "explicit"], default="none")
     up.add_argument("--load-model", action="append", default=[], help="repeatable; * = all")
+    _autocomplete(up)
     up.add_argument("--workers", type=int, default=1, help="worker processes to start")
     up.add_argument("--device", default="auto", help="auto | cpu | cuda:N for the workers")
     _redis(up, required=False)
@@ -67,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--model-repository", type=Path, required=True)
     gw.add_argument("--model-control-mode", choices=["none", "explicit"], default="none")
     gw.add_argument("--load-model", action="append", default=[])
+    _autocomplete(gw)
     gw.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
     gw.add_argument("--ratelimiter", default=_env("STAGESERVE_RATELIMITER"), required=False)
     gw.add_argument("--scheduler", default=_env("STAGESERVE_SCHEDULER"), required=False)
@@ -153,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             workers=args.workers,
             device=args.device,
             log_verbose=args.log_verbose,
+            autocomplete=_autocomplete_of(args),
         )
     if args.command == "gateway":
         from services.gateway.server import serve
@@ -168,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             args.model_control_mode,
             args.load_model,
             args.metrics_port or None,
+            _autocomplete_of(args),
         )
     elif args.command == "scheduler":
         from services.scheduler.service import serve

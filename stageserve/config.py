@@ -209,9 +209,13 @@ def parse_config_text(text: str) -> mc.ModelConfig:
     return config
 
 
-def read_config(model_dir: Path) -> mc.ModelConfig:
+def read_config(model_dir: Path, allow_missing: bool = False) -> mc.ModelConfig:
+    """The model's config.pbtxt; with allow_missing (auto-complete on, as in
+    Triton) a missing file is an empty config named after the directory."""
     path = model_dir / "config.pbtxt"
     if not path.is_file():
+        if allow_missing:
+            return mc.ModelConfig(name=model_dir.name)
         raise ConfigError(f"no config.pbtxt in {model_dir}")
     try:
         text = path.read_text(encoding="utf-8")

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stageserve.autocomplete import TRITON_DEFAULT, AutoComplete
 from stageserve.net import free_port
 from stageserve.service_runtime import READY_MARKER
 
@@ -183,6 +184,7 @@ def start_services(
     device: str = "auto",
     metrics_port: int = 0,
     stage_metrics: bool = False,
+    autocomplete: AutoComplete = TRITON_DEFAULT,
 ) -> StackServices:
     """Start Redis (unless given) and every service, in path order, on `stack`.
 
@@ -222,6 +224,9 @@ def start_services(
     ]
     for m in load_models:
         gw_args += ["--load-model", m]
+    gw_args += ["--default-max-batch-size", str(autocomplete.default_max_batch_size)]
+    if not autocomplete.enabled:
+        gw_args.append("--disable-auto-complete-config")
     gw = stack.start_service("gateway", gw_args, timeout_s=600)
     return StackServices(redis_url, rl, worker_children, sched, gw)
 
@@ -236,6 +241,7 @@ def up(
     workers: int,
     device: str,
     log_verbose: int,
+    autocomplete: AutoComplete = TRITON_DEFAULT,
 ) -> int:
     stack = Stack(log_verbose)
     stopping = threading.Event()
@@ -257,6 +263,7 @@ def up(
             device,
             metrics_port,
             stage_metrics=True,
+            autocomplete=autocomplete,
         )
         print(
             json.dumps(

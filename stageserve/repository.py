@@ -10,6 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from stageserve.autocomplete import (
+    TRITON_DEFAULT,
+    AutoComplete,
+    complete_io,
+    complete_platform,
+    model_file_for,
+    needs_io,
+)
 from stageserve.config import ConfigError, ModelSpec, read_config, select_versions, to_spec
 from stageserve.generated import model_config_pb2 as mc
 
@@ -37,14 +45,18 @@ def version_folders(model_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
 
 
-def read_model(root: Path, name: str) -> RepositoryModel:
+def read_model(
+    root: Path, name: str, autocomplete: AutoComplete = TRITON_DEFAULT
+) -> RepositoryModel:
     path = root / name
     if not path.is_dir():
         return RepositoryModel(
             name, path, None, None, (), f"model '{name}' is not in the repository"
         )
     try:
-        config = read_config(path)
+        config = read_config(path, allow_missing=autocomplete.enabled)
+        if autocomplete.enabled:
+            _complete(config, path, autocomplete)
     except (ConfigError, OSError) as exc:
         return RepositoryModel(name, path, None, None, (), str(exc))
     try:
@@ -59,3 +71,25 @@ def read_model(root: Path, name: str) -> RepositoryModel:
     except (ConfigError, OSError) as exc:
         return RepositoryModel(name, path, config, None, (), str(exc))
     return RepositoryModel(name, path, config, spec, tuple(versions))
+
+
+def _complete(config: mc.ModelConfig, path: Path, autocomplete: AutoComplete) -> None:
+    """Triton's auto-complete (stageserve/autocomplete.py), before validation."""
+    written = (path / "config.pbtxt").is_file()
+    model_file = model_file_for(config, path, version_folders(path))
+    complete_platform(config, model_file)
+    if not written and not (config.platform or config.backend):
+        raise ConfigError(f"no config.pbtxt in {path}, and no model file to generate one from")
+    if not needs_io(config):
+        return
+    try:
+        if model_file is None:
+            raise ConfigError(
+                f"model '{config.name}' declares no inputs or outputs and has no model file "
+                f"to complete them from"
+            )
+        complete_io(config, model_file, autocomplete.default_max_batch_size)
+    except ConfigError as exc:
+        if written:
+            raise
+        raise ConfigError(f"no config.pbtxt in {path}, and auto-complete failed: {exc}") from exc

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
+from stageserve.autocomplete import TRITON_DEFAULT, AutoComplete
 from stageserve.launcher import Child, Stack, start_services
 
 
@@ -61,6 +62,7 @@ def start_stack(
     control_mode: str = "none",
     load_models: tuple[str, ...] = (),
     workers: int = 1,
+    autocomplete: AutoComplete = TRITON_DEFAULT,
 ) -> RunningStack:
     stack = Stack()
     try:
@@ -71,6 +73,7 @@ def start_stack(
             load_models=load_models,
             workers=workers,
             device="cpu",
+            autocomplete=autocomplete,
         )
     except BaseException:
         stack.stop()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 
+from stageserve.autocomplete import TRITON_DEFAULT, AutoComplete
 from stageserve.config import ModelSpec
 from stageserve.errors import StageError, invalid, not_found, unavailable
 from stageserve.generated import model_config_pb2 as mc
@@ -53,7 +54,9 @@ class ModelManager:
         ratelimiter: pb_grpc.RateLimiterStub,
         control_mode: str = "none",
         load_timeout_s: float = 120.0,
+        autocomplete: AutoComplete = TRITON_DEFAULT,
     ) -> None:
+        self.autocomplete = autocomplete
         self.repository = repository
         self.state = state
         self.ratelimiter = ratelimiter
@@ -159,7 +162,7 @@ class ModelManager:
                         f"failed to load '{name}': composing model '{step.model}': {why}"
                     )
         async with self._lock(name):
-            model = read_model(self.repository, name)
+            model = read_model(self.repository, name, self.autocomplete)
             old = self.entries.get(name)
             if not model.ok:
                 in_repository = model.path.is_dir()
@@ -223,7 +226,7 @@ class ModelManager:
                 raise unavailable(f"failed to load '{name}': " + "; ".join(reasons.values()))
 
     def _ensemble_spec(self, name: str) -> ModelSpec | None:
-        model = read_model(self.repository, name)
+        model = read_model(self.repository, name, self.autocomplete)
         return model.spec if model.spec is not None and model.spec.steps else None
 
     async def _await_instances(

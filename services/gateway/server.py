@@ -13,6 +13,7 @@ from services.gateway.models import ModelManager
 from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.service import InferenceService
 from services.gateway.shared_stats import SharedStats
+from stageserve.autocomplete import TRITON_DEFAULT, AutoComplete
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
@@ -32,12 +33,17 @@ async def serve(
     control_mode: str,
     load_models: list[str],
     metrics_port: int | None = None,
+    autocomplete: AutoComplete = TRITON_DEFAULT,
 ) -> None:
     redis = aioredis.from_url(redis_url)
     await redis.ping()
     rl_channel = insecure_channel(ratelimiter_address)
     models = ModelManager(
-        repository, ModelStateStore(redis), pb_grpc.RateLimiterStub(rl_channel), control_mode
+        repository,
+        ModelStateStore(redis),
+        pb_grpc.RateLimiterStub(rl_channel),
+        control_mode,
+        autocomplete=autocomplete,
     )
     link = SchedulerLink(scheduler_address)
     service = InferenceService(models, link)

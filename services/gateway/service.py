@@ -16,9 +16,10 @@ import grpc
 from services.gateway.models import ModelManager
 from services.gateway.recorder import RequestRecorder
 from services.gateway.scheduler_link import SchedulerLink
+from services.gateway.shared_memory import Region, SystemSharedMemory
 from services.gateway.shared_stats import SharedStats
 from services.gateway.statistics import StatsBook
-from services.gateway.validation import validate_infer
+from services.gateway.validation import SharedRef, validate_infer
 from stageserve import __version__
 from stageserve.errors import StageError, code_from_int, unavailable
 from stageserve.generated import grpc_service_pb2 as gs
@@ -36,6 +37,7 @@ EXTENSIONS = [
     "schedule_policy",
     "model_configuration",
     "statistics",
+    "system_shared_memory",
 ]
 
 
@@ -49,6 +51,7 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
         self._inflight_gauges: dict[str, object] = {}
         self._rpc_timers: dict[str, object] = {}
         self.ready = False
+        self.shm = SystemSharedMemory()
 
     # ------------------------------------------------------------ health/meta
 
@@ -128,8 +131,12 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
         inflight = self._inflight(entry.name)
         inflight.inc()
         self.models.begin(entry)
+        held: dict[str, Region] = {}  # output -> its region, released when the request ends
         try:
-            validated = validate_infer(request, spec)
+            validated = validate_infer(request, spec, self._read_shared)
+            for name, ref in validated.shared_outputs.items():
+                held[name] = self.shm.acquire(ref.region)
+                held[name].check(ref.offset, ref.byte_size)  # Triton checks before running
             resp = await self.scheduler.schedule(
                 pb.ScheduleRequest(
                     model=entry.name,
@@ -149,6 +156,16 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
             self._record_steps(resp)
             if resp.code:
                 raise StageError(code_from_int(resp.code), resp.message)
+            out = gs.ModelInferResponse(
+                model_name=entry.name, model_version=str(version), id=request.id
+            )
+            for t in resp.outputs:
+                out.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+                if t.name in held:  # as Triton: the bytes go to the region, the entry stays empty
+                    _write_shared(held[t.name], validated.shared_outputs[t.name], t)
+                    out.raw_output_contents.append(b"")
+                else:
+                    out.raw_output_contents.append(t.raw)
         except StageError as err:
             # Invalid requests count as failures too (Triton's reason OTHER);
             # they never reach the scheduler, so inference counts do not move.
@@ -157,18 +174,56 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
             )
             raise
         finally:
+            for region in held.values():
+                self.shm.release(region)
             self.models.end(entry)
             inflight.dec()
-        out = gs.ModelInferResponse(
-            model_name=entry.name, model_version=str(version), id=request.id
-        )
-        for t in resp.outputs:
-            out.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
-            out.raw_output_contents.append(t.raw)
         self.recorder.success(
             entry.name, version, time.monotonic_ns() - start, validated.batch_size, resp.timing
         )
         return out
+
+    def _read_shared(self, ref: SharedRef) -> bytes:
+        region = self.shm.acquire(ref.region)
+        try:
+            return region.read(ref.offset, ref.byte_size)
+        finally:
+            self.shm.release(region)
+
+    # ----------------------------------------------------- system shared memory
+
+    async def SystemSharedMemoryRegister(
+        self, request: gs.SystemSharedMemoryRegisterRequest, context
+    ) -> gs.SystemSharedMemoryRegisterResponse:
+        try:
+            self.shm.register(request.name, request.key, request.offset, request.byte_size)
+        except StageError as err:
+            await context.abort(err.code, err.message)
+        return gs.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryStatus(
+        self, request: gs.SystemSharedMemoryStatusRequest, context
+    ) -> gs.SystemSharedMemoryStatusResponse:
+        try:
+            regions = self.shm.status(request.name)
+        except StageError as err:
+            await context.abort(err.code, err.message)
+        out = gs.SystemSharedMemoryStatusResponse()
+        for r in regions:
+            status = out.regions[r.name]
+            status.name, status.key, status.offset, status.byte_size = (
+                r.name,
+                r.key,
+                r.offset,
+                r.byte_size,
+            )
+        return out
+
+    async def SystemSharedMemoryUnregister(
+        self, request: gs.SystemSharedMemoryUnregisterRequest, context
+    ) -> gs.SystemSharedMemoryUnregisterResponse:
+        self.shm.unregister(request.name)
+        return gs.SystemSharedMemoryUnregisterResponse()
 
     def _record_steps(self, resp: pb.ScheduleResponse) -> None:
         """An ensemble's composing executions count for their own models."""
@@ -312,3 +367,13 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
                 f"'{self.models.control_mode}' (start with --model-control-mode explicit)"
             )
             await context.abort(err.code, err.message)
+
+
+def _write_shared(region: Region, ref: SharedRef, t: pb.Tensor) -> None:
+    if len(t.raw) > ref.byte_size:
+        raise StageError(
+            grpc.StatusCode.INTERNAL,
+            f"shared memory size specified with the request for output '{t.name}' "
+            f"({ref.byte_size} bytes) should be at least {len(t.raw)} bytes to hold the results",
+        )
+    region.write(ref.offset, t.raw)

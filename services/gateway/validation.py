@@ -1,8 +1,12 @@
 """ModelInferRequest -> validated internal request, or Triton's error.
 
-Pure: no I/O. Every check answers INVALID_ARGUMENT with a message naming the
-model, the tensor and what was expected, as Triton does; nothing invalid ever
-reaches the scheduler. Typed `contents` are turned into raw bytes here, once.
+Pure: no I/O of its own (an input in shared memory is read through the
+`read_shared` callback the caller passes). Every check answers
+INVALID_ARGUMENT with a message naming the model, the tensor and what was
+expected, as Triton does; nothing invalid ever reaches the scheduler. Typed
+`contents` are turned into raw bytes here, once. As in Triton, the
+raw_input_contents entries belong, in order, to the inputs that are not in
+shared memory.
 Inputs with allow_ragged_batch are checked like any other (their dims, -1 as a
 wildcard); batch inputs are computed by the worker and never accepted from a
 request.
@@ -10,7 +14,8 @@ request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -66,6 +71,48 @@ class ValidatedRequest:
     sequence_id_str: str = ""
     sequence_start: bool = False
     sequence_end: bool = False
+    shared_outputs: dict[str, SharedRef] = field(default_factory=dict)  # output -> region
+
+
+@dataclass(frozen=True)
+class SharedRef:
+    """Where a tensor lives in a registered system shared-memory region."""
+
+    region: str
+    offset: int
+    byte_size: int
+
+
+ReadShared = Callable[[SharedRef], bytes]
+
+
+def shared_ref(params, what: str) -> SharedRef | None:
+    """Triton's shared_memory_region / _byte_size / _offset tensor parameters."""
+    if "shared_memory_region" not in params:
+        return None
+    region = params["shared_memory_region"]
+    if region.WhichOneof("parameter_choice") != "string_param":
+        raise invalid(f"invalid value type for 'shared_memory_region' of {what}: expected string")
+    numbers = {}
+    for key in ("shared_memory_byte_size", "shared_memory_offset"):
+        if key not in params:
+            continue
+        which = params[key].WhichOneof("parameter_choice")
+        if which not in _INT_PARAMS:
+            raise invalid(f"invalid value type for '{key}' of {what}: expected an integer")
+        numbers[key] = int(getattr(params[key], which))
+    if "shared_memory_byte_size" not in numbers:
+        raise invalid(
+            f"'shared_memory_byte_size' must be given with 'shared_memory_region' of {what}"
+        )
+    offset = numbers.get("shared_memory_offset", 0)
+    if offset < 0 or numbers["shared_memory_byte_size"] < 0:
+        raise invalid(f"shared memory offset and byte size of {what} must not be negative")
+    return SharedRef(region.string_param, offset, numbers["shared_memory_byte_size"])
+
+
+def _no_shared_memory(ref: SharedRef) -> bytes:
+    raise invalid(f"shared memory region '{ref.region}' cannot be read here")
 
 
 def _shape_text(shape) -> str:
@@ -194,18 +241,27 @@ def _reshaped(spec: ModelSpec, t: TensorSpec, shape: list[int]) -> list[int]:
     return batch + target
 
 
-def validate_infer(request: gs.ModelInferRequest, spec: ModelSpec) -> ValidatedRequest:
+def validate_infer(
+    request: gs.ModelInferRequest, spec: ModelSpec, read_shared: ReadShared = _no_shared_memory
+) -> ValidatedRequest:
     model = spec.name
     use_raw = len(request.raw_input_contents) > 0
-    if use_raw and len(request.raw_input_contents) != len(request.inputs):
+    shared = {
+        t.name: ref
+        for t in request.inputs
+        if (ref := shared_ref(t.parameters, f"input '{t.name}' of model '{model}'")) is not None
+    }
+    wanted_raw = len(request.inputs) - len(shared)
+    if use_raw and len(request.raw_input_contents) != wanted_raw:
         raise invalid(
-            f"expected {len(request.inputs)} raw input contents (one per input) for model "
-            f"'{model}', got {len(request.raw_input_contents)}"
+            f"expected {wanted_raw} raw input contents (one per input not in shared memory) "
+            f"for model '{model}', got {len(request.raw_input_contents)}"
         )
+    raw_index = 0
     seen: set[str] = set()
     batch_size: int | None = None
     tensors: list[pb.Tensor] = []
-    for index, tensor in enumerate(request.inputs):
+    for tensor in request.inputs:
         name = tensor.name
         t = spec.input(name)
         if t is None:
@@ -246,13 +302,23 @@ def validate_infer(request: gs.ModelInferRequest, spec: ModelSpec) -> ValidatedR
                 f"{_shape_text(_expected_shape(spec, t))}, got {_shape_text(shape)}"
             )
         count = element_count(shape)
-        if use_raw:
-            if tensor.HasField("contents") and tensor.contents.ByteSize():
+        has_contents = tensor.HasField("contents") and tensor.contents.ByteSize() > 0
+        if name in shared:
+            if has_contents:
+                raise invalid(
+                    f"unexpected 'content' provided when using shared memory for input tensor "
+                    f"'{name}' for model '{model}'"
+                )
+            raw = read_shared(shared[name])
+            _check_raw(raw, t, name, model, count)
+        elif use_raw:
+            if has_contents:
                 raise invalid(
                     f"input '{name}' of model '{model}': contents must not be set when "
                     f"raw_input_contents is used"
                 )
-            raw = request.raw_input_contents[index]
+            raw = request.raw_input_contents[raw_index]
+            raw_index += 1
             _check_raw(raw, t, name, model, count)
         else:
             raw = _raw_from_contents(tensor, model, count)
@@ -270,12 +336,16 @@ def validate_infer(request: gs.ModelInferRequest, spec: ModelSpec) -> ValidatedR
         )
 
     outputs: list[str] = []
+    shared_outputs: dict[str, SharedRef] = {}
     for out in request.outputs:
         if spec.output(out.name) is None:
             raise invalid(f"unexpected inference output '{out.name}' for model '{model}'")
         if out.name in outputs:
             raise invalid(f"output '{out.name}' is requested twice for model '{model}'")
         outputs.append(out.name)
+        ref = shared_ref(out.parameters, f"output '{out.name}' of model '{model}'")
+        if ref is not None:
+            shared_outputs[out.name] = ref
 
     _check_sequence_params(request)
     sid, sid_str, start, end = _sequence_fields(request, spec, batch_size or 0)
@@ -289,6 +359,7 @@ def validate_infer(request: gs.ModelInferRequest, spec: ModelSpec) -> ValidatedR
         batch_size=batch_size or 0,
         priority=_int_param(request, "priority"),
         timeout_us=_int_param(request, "timeout"),
+        shared_outputs=shared_outputs,
     )
 
 

@@ -1,0 +1,125 @@
+"""services/gateway/shared_memory.py on real POSIX shm objects in /dev/shm:
+Triton's register / status / unregister rules, bounds, deferred unmapping."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from services.gateway.shared_memory import SHM_ROOT, SystemSharedMemory
+from stageserve.errors import StageError
+
+
+@pytest.fixture
+def shm_key() -> Iterator[str]:
+    """A 3-page shm object holding bytes 0..255 repeated."""
+    key = f"/stageserve-test-{uuid.uuid4().hex}"
+    path = SHM_ROOT / key[1:]
+    path.write_bytes(bytes(range(256)) * (3 * mmap.PAGESIZE // 256))
+    yield key
+    path.unlink(missing_ok=True)
+
+
+def _code(exc: pytest.ExceptionInfo[StageError]) -> grpc.StatusCode:
+    return exc.value.code
+
+
+def test_register_read_write_status_unregister(shm_key: str) -> None:
+    shm = SystemSharedMemory()
+    shm.register("r", shm_key, 16, 64)
+    (status,) = shm.status()
+    assert (status.name, status.key, status.offset, status.byte_size) == ("r", shm_key, 16, 64)
+    region = shm.acquire("r")
+    assert region.read(0, 4) == bytes([16, 17, 18, 19])
+    region.write(4, b"\xff\xfe")
+    shm.release(region)
+    with open(SHM_ROOT / shm_key[1:], "rb") as f:  # the client sees the write
+        assert f.read(22)[20:22] == b"\xff\xfe"
+    shm.unregister("r")
+    assert shm.status() == []
+
+
+def test_an_unaligned_offset_past_the_first_page_maps(shm_key: str) -> None:
+    shm = SystemSharedMemory()
+    shm.register("r", shm_key, mmap.PAGESIZE + 3, 8)
+    region = shm.acquire("r")
+    assert region.read(0, 2) == bytes([3, 4])
+    shm.release(region)
+
+
+def test_registering_a_name_twice_is_already_exists(shm_key: str) -> None:
+    shm = SystemSharedMemory()
+    shm.register("r", shm_key, 0, 8)
+    with pytest.raises(StageError, match="already in manager") as exc:
+        shm.register("r", shm_key, 8, 8)
+    assert _code(exc) == grpc.StatusCode.ALREADY_EXISTS
+
+
+@pytest.mark.parametrize("key", ["/no-such-stageserve-region", "", "/", "/a/b"])
+def test_a_key_that_does_not_open_is_internal(key: str) -> None:
+    with pytest.raises(StageError, match="Unable to open shared memory region") as exc:
+        SystemSharedMemory().register("r", key, 0, 8)
+    assert _code(exc) == grpc.StatusCode.INTERNAL
+
+
+@pytest.mark.parametrize(
+    "offset, size", [(0, 3 * mmap.PAGESIZE + 1), (3 * mmap.PAGESIZE, 1), (8, 0)]
+)
+def test_a_window_outside_the_object_is_invalid(shm_key: str, offset: int, size: int) -> None:
+    with pytest.raises(StageError, match="failed to register shared memory region 'r'") as exc:
+        SystemSharedMemory().register("r", shm_key, offset, size)
+    assert _code(exc) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_status_of_an_unknown_region_is_not_found() -> None:
+    with pytest.raises(StageError, match="Unable to find system shared memory region") as exc:
+        SystemSharedMemory().status("ghost")
+    assert _code(exc) == grpc.StatusCode.NOT_FOUND
+
+
+def test_using_an_unknown_region_is_not_found() -> None:
+    with pytest.raises(StageError, match="Unable to find shared memory region: 'ghost'") as exc:
+        SystemSharedMemory().acquire("ghost")
+    assert _code(exc) == grpc.StatusCode.NOT_FOUND
+
+
+def test_reads_and_writes_stay_inside_the_region(shm_key: str) -> None:
+    shm = SystemSharedMemory()
+    shm.register("r", shm_key, 0, 16)
+    region = shm.acquire("r")
+    with pytest.raises(StageError, match="Invalid offset for") as exc:
+        region.read(16, 1)
+    assert _code(exc) == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(StageError, match="Invalid offset \\+ byte size"):
+        region.read(8, 9)
+    with pytest.raises(StageError, match="Invalid offset \\+ byte size"):
+        region.write(10, b"x" * 7)
+    assert region.read(8, 8) == bytes(range(8, 16))
+
+
+def test_unregister_of_unknown_is_fine_and_empty_name_means_all(shm_key: str) -> None:
+    shm = SystemSharedMemory()
+    shm.unregister("ghost")
+    shm.register("a", shm_key, 0, 8)
+    shm.register("b", shm_key, 8, 8)
+    shm.unregister()
+    assert shm.status() == []
+
+
+def test_a_region_in_use_is_unmapped_only_when_released(shm_key: str) -> None:
+    shm = SystemSharedMemory()
+    shm.register("r", shm_key, 0, 8)
+    region = shm.acquire("r")
+    shm.unregister("r")
+    assert region.read(0, 2) == b"\x00\x01"  # the in-flight request still reads it
+    with pytest.raises(StageError):
+        shm.acquire("r")  # but no new request finds it
+    shm.release(region)
+    with pytest.raises(ValueError):
+        region.read(0, 1)  # unmapped now
+    os.stat(SHM_ROOT / shm_key[1:])  # the client's object itself is untouched

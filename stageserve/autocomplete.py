@@ -26,6 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from stageserve.autocomplete_options import (  # noqa: F401 (re-exported)
+    DEFAULT_MAX_BATCH_SIZE,
+    TRITON_DEFAULT,
+    AutoComplete,
+)
 from stageserve.config import (
     DEFAULT_ONNX_FILENAME,
     ENSEMBLE_PLATFORM,
@@ -35,17 +40,6 @@ from stageserve.config import (
 )
 from stageserve.datatypes import BY_ONNX
 from stageserve.generated import model_config_pb2 as mc
-
-DEFAULT_MAX_BATCH_SIZE = 4  # Triton's --backend-config=default-max-batch-size
-
-
-@dataclass(frozen=True)
-class AutoComplete:
-    enabled: bool = True
-    default_max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
-
-
-TRITON_DEFAULT = AutoComplete()
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from stageserve.autocomplete import DEFAULT_MAX_BATCH_SIZE, AutoComplete
+from stageserve.autocomplete_options import DEFAULT_MAX_BATCH_SIZE, AutoComplete
 from stageserve.logs import setup_logging
 
 log = logging.getLogger("stageserve")

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stageserve.autocomplete import TRITON_DEFAULT, AutoComplete
+from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.net import free_port
 from stageserve.service_runtime import READY_MARKER
 

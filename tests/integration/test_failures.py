@@ -41,6 +41,10 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("failures_repository")
     write_simple(root, "simple")
     write_mlp(root, "mlp", instance_count=2)
+    # Every execution takes 5 ms, so a killed worker always has batches in
+    # flight (a fast model may be between batches at the instant of the kill).
+    with (root / "mlp" / "config.pbtxt").open("a") as config:
+        config.write('parameters { key: "execute_delay_ms" value { string_value: "5" } }\n')
     return root
 
 

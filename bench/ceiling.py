@@ -49,7 +49,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent import futures
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -63,15 +63,17 @@ from bench.perf_analyzer import (
     run_perf,
     text_table,
 )
+from bench.references import stop_process
+from bench.stream_vs_unary import SERVICE as ECHO_SERVICE
+from bench.stream_vs_unary import start_echo_server
 from stageserve.generated import grpc_service_pb2 as gs
-from stageserve.generated import grpc_service_pb2_grpc
 from stageserve.generated import model_config_pb2 as mc
 from stageserve.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "id16"
 VARIANTS = ("direct", "forward", "sync-direct")
-ECHO_METHOD = "/bench.Echo/Stream"
+ECHO_METHOD = f"/{ECHO_SERVICE}/Stream"  # bench.stream_vs_unary's echo server
 FRAME = struct.Struct("<QI")  # request id, payload length
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 5.0
@@ -161,62 +163,65 @@ class Forwarder:
         return await fut
 
 
-class AioServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, counters: Counters, forwarder: Forwarder | None = None) -> None:
-        self.counters = counters
-        self.forwarder = forwarder
+SERVICE_NAME = gs.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 
-    async def ServerLive(self, request, context):  # noqa: N802 (gRPC method names)
-        return gs.ServerLiveResponse(live=True)
 
-    async def ServerReady(self, request, context):  # noqa: N802
-        return gs.ServerReadyResponse(ready=True)
+def _answers(counters: Counters) -> dict[str, tuple[type, Callable]]:
+    """What perf_analyzer calls besides ModelInfer: method -> (request type, answer)."""
+    return {
+        "ServerLive": (gs.ServerLiveRequest, lambda r: gs.ServerLiveResponse(live=True)),
+        "ServerReady": (gs.ServerReadyRequest, lambda r: gs.ServerReadyResponse(ready=True)),
+        "ModelReady": (
+            gs.ModelReadyRequest,
+            lambda r: gs.ModelReadyResponse(ready=r.name == MODEL),
+        ),
+        "ServerMetadata": (gs.ServerMetadataRequest, lambda r: counters.metadata()),
+        "ModelMetadata": (gs.ModelMetadataRequest, lambda r: METADATA),
+        "ModelConfig": (gs.ModelConfigRequest, lambda r: gs.ModelConfigResponse(config=CONFIG)),
+    }
 
-    async def ModelReady(self, request, context):  # noqa: N802
-        return gs.ModelReadyResponse(ready=request.name == MODEL)
 
-    async def ServerMetadata(self, request, context):  # noqa: N802
-        return self.counters.metadata()
+def _handler(methods: dict[str, tuple[type, Callable]]) -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            name: grpc.unary_unary_rpc_method_handler(
+                fn,
+                request_deserializer=request_type.FromString,
+                response_serializer=lambda m: m.SerializeToString(),
+            )
+            for name, (request_type, fn) in methods.items()
+        },
+    )
 
-    async def ModelMetadata(self, request, context):  # noqa: N802
-        return METADATA
 
-    async def ModelConfig(self, request, context):  # noqa: N802
-        return gs.ModelConfigResponse(config=CONFIG)
+def _aio_handler(counters: Counters, forwarder: Forwarder | None) -> grpc.GenericRpcHandler:
+    def awaitable(answer: Callable) -> Callable:
+        async def call(request, context):
+            return answer(request)
 
-    async def ModelInfer(self, request, context):  # noqa: N802
+        return call
+
+    async def infer(request: gs.ModelInferRequest, context) -> gs.ModelInferResponse:
         raw = request.raw_input_contents[0]
-        if self.forwarder is not None:
-            raw = await self.forwarder.send(raw)
-        self.counters.answered()
+        if forwarder is not None:
+            raw = await forwarder.send(raw)
+        counters.answered()
         return echo_response(request, raw)
 
+    methods = {name: (t, awaitable(fn)) for name, (t, fn) in _answers(counters).items()}
+    methods["ModelInfer"] = (gs.ModelInferRequest, infer)
+    return _handler(methods)
 
-class SyncServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, counters: Counters) -> None:
-        self.counters = counters
 
-    def ServerLive(self, request, context):  # noqa: N802
-        return gs.ServerLiveResponse(live=True)
-
-    def ServerReady(self, request, context):  # noqa: N802
-        return gs.ServerReadyResponse(ready=True)
-
-    def ModelReady(self, request, context):  # noqa: N802
-        return gs.ModelReadyResponse(ready=request.name == MODEL)
-
-    def ServerMetadata(self, request, context):  # noqa: N802
-        return self.counters.metadata()
-
-    def ModelMetadata(self, request, context):  # noqa: N802
-        return METADATA
-
-    def ModelConfig(self, request, context):  # noqa: N802
-        return gs.ModelConfigResponse(config=CONFIG)
-
-    def ModelInfer(self, request, context):  # noqa: N802
-        self.counters.answered()
+def _sync_handler(counters: Counters) -> grpc.GenericRpcHandler:
+    def infer(request: gs.ModelInferRequest, context) -> gs.ModelInferResponse:
+        counters.answered()
         return echo_response(request, request.raw_input_contents[0])
+
+    methods = {name: (t, lambda r, c, fn=fn: fn(r)) for name, (t, fn) in _answers(counters).items()}
+    methods["ModelInfer"] = (gs.ModelInferRequest, infer)
+    return _handler(methods)
 
 
 # --------------------------------------------------------------------------- child processes
@@ -230,35 +235,20 @@ async def _serve_aio(port: int, backend: str | None) -> None:
         await asyncio.wait_for(channel.channel_ready(), START_TIMEOUT_S)
         forwarder = Forwarder(channel, counters)
     server = grpc.aio.server()
-    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-        AioServicer(counters, forwarder), server
-    )
+    server.add_generic_rpc_handlers([_aio_handler(counters, forwarder)])
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
 
 
 async def _serve_echo(port: int) -> None:
-    async def stream(messages: AsyncIterator[bytes], context) -> AsyncIterator[bytes]:
-        async for message in messages:
-            yield message
-
-    service, method = ECHO_METHOD.strip("/").split("/")
-    handler = grpc.method_handlers_generic_handler(
-        service, {method: grpc.stream_stream_rpc_method_handler(stream)}
-    )
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers([handler])
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
+    server = await start_echo_server(port)
     await server.wait_for_termination()
 
 
 def _serve_sync(port: int) -> None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-        SyncServicer(Counters()), server
-    )
+    server.add_generic_rpc_handlers([_sync_handler(Counters())])
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     server.wait_for_termination()
@@ -290,7 +280,9 @@ def _spawn(role: str, port: int, backend: str | None = None) -> subprocess.Popen
         args += ["--backend", backend]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    return subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(
+        args, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, start_new_session=True
+    )
 
 
 def _wait_listening(proc: subprocess.Popen[bytes], address: str) -> None:
@@ -308,14 +300,8 @@ def _wait_listening(proc: subprocess.Popen[bytes], address: str) -> None:
 
 
 def _stop_proc(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(STOP_TIMEOUT_S)
+    if proc is not None:
+        stop_process(proc, STOP_TIMEOUT_S)
 
 
 def start(variant: str) -> Running:

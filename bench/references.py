@@ -347,7 +347,7 @@ def _tail(path: Path | None, lines: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
     """SIGTERM the process group we created, then SIGKILL what is left."""
     if proc.poll() is not None:
         return
@@ -432,7 +432,7 @@ class RunningServer:
 
     def stop(self) -> None:
         for p in reversed(self.procs):
-            _stop_process(p)
+            stop_process(p)
 
     def __enter__(self) -> RunningServer:
         return self

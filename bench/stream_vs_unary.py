@@ -27,7 +27,9 @@ SERVICE = "bench.Echo"
 PAYLOAD = b"x" * 160
 
 
-def _serve(port: int, ready) -> None:
+async def start_echo_server(port: int) -> grpc.aio.Server:
+    """`bench.Echo`: Unary answers the request, Stream yields every message back."""
+
     async def unary(request: bytes, context) -> bytes:
         return request
 
@@ -35,15 +37,20 @@ def _serve(port: int, ready) -> None:
         async for request in request_iterator:
             yield request
 
+    server = grpc.aio.server()
+    handlers = {
+        "Unary": grpc.unary_unary_rpc_method_handler(unary),
+        "Stream": grpc.stream_stream_rpc_method_handler(stream),
+    }
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server
+
+
+def _serve(port: int, ready) -> None:
     async def main() -> None:
-        server = grpc.aio.server()
-        handlers = {
-            "Unary": grpc.unary_unary_rpc_method_handler(unary),
-            "Stream": grpc.stream_stream_rpc_method_handler(stream),
-        }
-        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
+        server = await start_echo_server(port)
         ready.set()
         await server.wait_for_termination()
 

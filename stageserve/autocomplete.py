@@ -26,11 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from stageserve.autocomplete_options import (  # noqa: F401 (re-exported)
-    DEFAULT_MAX_BATCH_SIZE,
-    TRITON_DEFAULT,
-    AutoComplete,
-)
 from stageserve.config import (
     DEFAULT_ONNX_FILENAME,
     ENSEMBLE_PLATFORM,

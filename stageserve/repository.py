@@ -10,14 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from stageserve.autocomplete import (
-    TRITON_DEFAULT,
-    AutoComplete,
-    complete_io,
-    complete_platform,
-    model_file_for,
-    needs_io,
-)
+from stageserve.autocomplete import complete_io, complete_platform, model_file_for, needs_io
+from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.config import ConfigError, ModelSpec, read_config, select_versions, to_spec
 from stageserve.generated import model_config_pb2 as mc
 

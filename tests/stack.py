@@ -14,7 +14,7 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
-from stageserve.autocomplete import TRITON_DEFAULT, AutoComplete
+from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.launcher import Child, Stack, start_services
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from stageserve.autocomplete import TRITON_DEFAULT, AutoComplete
+from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.config import ModelSpec
 from stageserve.errors import StageError, invalid, not_found, unavailable
 from stageserve.generated import model_config_pb2 as mc

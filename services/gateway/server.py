@@ -13,7 +13,7 @@ from services.gateway.models import ModelManager
 from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.service import InferenceService
 from services.gateway.shared_stats import SharedStats
-from stageserve.autocomplete import TRITON_DEFAULT, AutoComplete
+from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore

@@ -208,16 +208,13 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
             regions = self.shm.status(request.name)
         except StageError as err:
             await context.abort(err.code, err.message)
-        out = gs.SystemSharedMemoryStatusResponse()
-        for r in regions:
-            status = out.regions[r.name]
-            status.name, status.key, status.offset, status.byte_size = (
-                r.name,
-                r.key,
-                r.offset,
-                r.byte_size,
-            )
-        return out
+        status = gs.SystemSharedMemoryStatusResponse.RegionStatus
+        return gs.SystemSharedMemoryStatusResponse(
+            regions={
+                r.name: status(name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size)
+                for r in regions
+            }
+        )
 
     async def SystemSharedMemoryUnregister(
         self, request: gs.SystemSharedMemoryUnregisterRequest, context

@@ -32,10 +32,6 @@ from stageserve.errors import StageError
 SHM_ROOT = Path("/dev/shm")
 
 
-def _error(code: grpc.StatusCode, message: str) -> StageError:
-    return StageError(code, message)
-
-
 @dataclass
 class Region:
     name: str
@@ -60,12 +56,12 @@ class Region:
     def check(self, offset: int, byte_size: int) -> None:
         """Triton's bounds rule for a window of this region."""
         if offset < 0 or offset >= self.byte_size:
-            raise _error(
+            raise StageError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"Invalid offset for shared memory region: '{self.name}'",
             )
         if byte_size < 0 or offset + byte_size > self.byte_size:
-            raise _error(
+            raise StageError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"Invalid offset + byte size for shared memory region: '{self.name}'",
             )
@@ -85,33 +81,33 @@ class SystemSharedMemory:
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         with self._lock:
             if name in self._regions:
-                raise _error(
+                raise StageError(
                     grpc.StatusCode.ALREADY_EXISTS,
                     f"shared memory region '{name}' already in manager",
                 )
             self._regions[name] = self._map(name, key, offset, byte_size)
 
     def _map(self, name: str, key: str, offset: int, byte_size: int) -> Region:
-        path = self.root / key.lstrip("/")
-        if not key.strip("/") or "/" in key.strip("/"):
-            raise _error(grpc.StatusCode.INTERNAL, f"Unable to open shared memory region: '{key}'")
+        bare = key.strip("/")
         try:
-            fd = os.open(path, os.O_RDWR)
+            if not bare or "/" in bare:  # shm_open names one object, never a path
+                raise FileNotFoundError(key)
+            fd = os.open(self.root / bare, os.O_RDWR)
         except OSError:
-            raise _error(
+            raise StageError(
                 grpc.StatusCode.INTERNAL, f"Unable to open shared memory region: '{key}'"
             ) from None
         try:
             size = os.fstat(fd).st_size
             if offset < 0 or byte_size <= 0 or offset + byte_size > size:
-                raise _error(
+                raise StageError(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"failed to register shared memory region '{name}': invalid args",
                 )
             start = offset - offset % mmap.ALLOCATIONGRANULARITY
             mapping = mmap.mmap(fd, offset + byte_size - start, offset=start)
         except OSError as exc:
-            raise _error(
+            raise StageError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"failed to register shared memory region '{name}': {exc}",
             ) from None
@@ -125,7 +121,7 @@ class SystemSharedMemory:
                 return list(self._regions.values())
             region = self._regions.get(name)
         if region is None:
-            raise _error(
+            raise StageError(
                 grpc.StatusCode.NOT_FOUND,
                 f"Unable to find system shared memory region: '{name}'",
             )
@@ -149,7 +145,7 @@ class SystemSharedMemory:
         with self._lock:
             region = self._regions.get(name)
             if region is None:
-                raise _error(
+                raise StageError(
                     grpc.StatusCode.NOT_FOUND,
                     f"Unable to find shared memory region: '{name}'",
                 )
@@ -161,6 +157,3 @@ class SystemSharedMemory:
             region.users -= 1
             if region.users == 0 and region.unregistered:
                 region.close()
-
-    def close(self) -> None:
-        self.unregister()

@@ -11,7 +11,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from stageserve.autocomplete import AutoComplete
+from stageserve.autocomplete_options import AutoComplete
 from stageserve.examples import identity_model
 from tests.integration.helpers import RPC_TIMEOUT_S, stack_retrying
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stageserve.autocomplete import AutoComplete
+from stageserve.autocomplete_options import AutoComplete
 from stageserve.examples import identity_model, mlp_model
 from stageserve.generated import model_config_pb2 as mc
 from stageserve.repository import read_model

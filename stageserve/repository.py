@@ -14,6 +14,7 @@ from stageserve.autocomplete import complete_io, complete_platform, model_file_f
 from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.config import ConfigError, ModelSpec, read_config, select_versions, to_spec
 from stageserve.generated import model_config_pb2 as mc
+from stageserve.names import model_name_problem
 
 
 @dataclass
@@ -24,6 +25,7 @@ class RepositoryModel:
     spec: ModelSpec | None
     versions: tuple[int, ...]  # versions the version_policy selects
     error: str | None = None
+    fingerprint: tuple = ()  # what a reload compares: see fingerprint()
 
     @property
     def ok(self) -> bool:
@@ -39,10 +41,28 @@ def version_folders(model_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
 
 
+def fingerprint(path: Path, limit: int = 10_000) -> tuple:
+    """(relative path, size, mtime) of every file under a model folder: Triton
+    reloads a loaded model only when something in its folder changed."""
+    rows = []
+    for i, file in enumerate(sorted(path.rglob("*"))):
+        if i >= limit:
+            break
+        try:
+            st = file.stat()
+        except OSError:
+            continue
+        rows.append((str(file.relative_to(path)), st.st_size, st.st_mtime_ns))
+    return tuple(rows)
+
+
 def read_model(
     root: Path, name: str, autocomplete: AutoComplete = TRITON_DEFAULT
 ) -> RepositoryModel:
-    path = root / name
+    problem = model_name_problem(name)
+    path = root / name if problem is None else root
+    if problem is not None:
+        return RepositoryModel(name, path, None, None, (), problem)
     if not path.is_dir():
         return RepositoryModel(
             name, path, None, None, (), f"model '{name}' is not in the repository"
@@ -51,6 +71,8 @@ def read_model(
         config = read_config(path, allow_missing=autocomplete.enabled)
         if autocomplete.enabled:
             _complete(config, path, autocomplete)
+        if not config.HasField("version_policy"):
+            config.version_policy.latest.num_versions = 1  # Triton's default, as it reports it
     except (ConfigError, OSError) as exc:
         return RepositoryModel(name, path, None, None, (), str(exc))
     try:
@@ -64,7 +86,7 @@ def read_model(
                 raise ConfigError(f"model '{name}' version {v}: missing model file {file}")
     except (ConfigError, OSError) as exc:
         return RepositoryModel(name, path, config, None, (), str(exc))
-    return RepositoryModel(name, path, config, spec, tuple(versions))
+    return RepositoryModel(name, path, config, spec, tuple(versions), None, fingerprint(path))
 
 
 def _complete(config: mc.ModelConfig, path: Path, autocomplete: AutoComplete) -> None:

@@ -24,6 +24,7 @@ from stageserve.generated import model_config_pb2 as mc
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
+from stageserve.names import check_model_name, model_name_problem, parse_version, printable
 from stageserve.repository import model_names, read_model
 from stageserve.telemetry import TRITON, model_labels
 
@@ -41,6 +42,8 @@ class ModelEntry:
     config: mc.ModelConfig | None = None
     spec: ModelSpec | None = None
     generation: int = 0
+    unloaded: bool = False  # by request: not counted by server readiness
+    fingerprint: tuple = ()  # of the model folder when loaded (repository.fingerprint)
 
     def ready_versions(self) -> list[int]:
         return sorted(v for v, s in self.versions.items() if s == READY)
@@ -72,22 +75,20 @@ class ModelManager:
     def resolve(self, name: str, version: str) -> tuple[ModelEntry, int]:
         """The entry and version a request addresses, or Triton's error."""
         entry = self.entries.get(name)
+        name = printable(name)  # as messages show it (a 64 KiB name would not fit a trailer)
         if entry is None or not entry.versions:
             if entry is not None and entry.reason:
                 raise unavailable(
                     f"Request for unknown model: '{name}' is not ready: {entry.reason}"
                 )
             raise not_found(f"Request for unknown model: '{name}' is not found")
-        if version:
-            try:
-                v = int(version)
-            except ValueError:
-                raise invalid(f"model version '{version}' of '{name}' is not an integer") from None
+        v = parse_version(version)
+        if v is not None:
             state = entry.versions.get(v)
             if state is None:
                 raise not_found(f"Request for unknown model: '{name}' version {v} is not found")
             if state != READY:
-                reason = entry.reasons.get(v, "")
+                reason = "" if entry.unloaded else entry.reasons.get(v, "")
                 raise unavailable(
                     f"Request for unknown model: '{name}' version {v} is not at ready state"
                     + (f": {reason}" if reason else "")
@@ -95,14 +96,17 @@ class ModelManager:
             return entry, v
         ready = entry.ready_versions()
         if not ready:
-            reason = entry.reason or "; ".join(entry.reasons.values())
-            raise unavailable(
+            reason = "" if entry.unloaded else entry.reason or "; ".join(entry.reasons.values())
+            # Triton answers NOT_FOUND here (2.51, bench/triton_diff.py)
+            raise not_found(
                 f"Request for unknown model: '{name}' has no available versions"
                 + (f": {reason}" if reason else "")
             )
         return entry, ready[-1]
 
     def is_ready(self, name: str, version: str) -> bool:
+        """False for what is not ready; INVALID_ARGUMENT for a version Triton refuses."""
+        parse_version(version)
         try:
             self.resolve(name, version)
         except StageError:
@@ -110,7 +114,9 @@ class ModelManager:
         return True
 
     def all_ready(self) -> bool:
-        return all(e.ready_versions() for e in self.entries.values() if e.versions)
+        return all(
+            e.ready_versions() for e in self.entries.values() if e.versions and not e.unloaded
+        )
 
     # ------------------------------------------------------------ load/unload
 
@@ -147,8 +153,11 @@ class ModelManager:
                     return err.message
         return None
 
-    async def load(self, name: str, chain: tuple[str, ...] = (), adopt: bool = False) -> None:
-        """(Re)load a model; raises StageError when it cannot become ready."""
+    async def load(self, name: str, chain: tuple[str, ...] = (), adopt: bool = False) -> bool:
+        """(Re)load a model; raises StageError when it cannot become ready. Returns
+        False when the model was ready and nothing in its folder changed: as in
+        Triton, that load is a no-op (statistics go on)."""
+        check_model_name(name)
         if model_spec := self._ensemble_spec(name):
             # Composing models first (outside this model's lock): Triton loads
             # an ensemble's models with it.
@@ -164,6 +173,15 @@ class ModelManager:
         async with self._lock(name):
             model = read_model(self.repository, name, self.autocomplete)
             old = self.entries.get(name)
+            if (
+                not adopt
+                and model.ok
+                and old is not None
+                and old.ready_versions()
+                and old.fingerprint == model.fingerprint
+                and all(self._ready_now(step.model) for step in old.spec.steps)
+            ):
+                return False
             if not model.ok:
                 in_repository = model.path.is_dir()
                 if in_repository and (old is None or not old.ready_versions()):
@@ -196,6 +214,7 @@ class ModelManager:
                 config=model.config,
                 spec=model.spec,
                 generation=generation,
+                fingerprint=model.fingerprint,
             )
             if not entry.ready_versions() and old is not None and old.ready_versions():
                 # A failed reload keeps the loaded versions serving, as in Triton,
@@ -224,6 +243,11 @@ class ModelManager:
             )
             if not entry.ready_versions():
                 raise unavailable(f"failed to load '{name}': " + "; ".join(reasons.values()))
+            return True
+
+    def _ready_now(self, name: str) -> bool:
+        entry = self.entries.get(name)
+        return entry is not None and bool(entry.ready_versions())
 
     def _ensemble_spec(self, name: str) -> ModelSpec | None:
         model = read_model(self.repository, name, self.autocomplete)
@@ -258,12 +282,30 @@ class ModelManager:
                 return states, reasons
             await asyncio.sleep(0.05)
 
-    async def unload(self, name: str) -> None:
+    async def unload(self, name: str, dependents: bool = False) -> None:
+        """Triton's unload: a model that is not loaded (or cannot exist) is no error;
+        ensembles using the model go down with it; with `dependents`, an
+        ensemble's composing models are unloaded too."""
+        if model_name_problem(name) is not None:
+            return
+        entry = self.entries.get(name)
+        steps = [s.model for s in entry.spec.steps] if entry and entry.spec else []
+        await self._unload_with_users(name)
+        if dependents:
+            for step in dict.fromkeys(steps):
+                await self.unload(step)
+
+    async def _unload_with_users(self, name: str, chain: tuple[str, ...] = ()) -> None:
+        await self._unload_one(name)
+        for user, e in list(self.entries.items()):
+            uses = e.spec is not None and name in {step.model for step in e.spec.steps}
+            if uses and user not in chain and e.ready_versions():
+                await self._unload_with_users(user, (*chain, name))
+
+    async def _unload_one(self, name: str) -> None:
         async with self._lock(name):
             entry = self.entries.get(name)
-            if entry is None:
-                if name not in model_names(self.repository):
-                    raise not_found(f"failed to unload '{name}': model is not in the repository")
+            if entry is None or not entry.ready_versions():
                 return
             # Stop admitting, let in-flight requests finish, then withdraw.
             for v in entry.versions:
@@ -273,7 +315,13 @@ class ModelManager:
                 idle.clear()
                 await idle.wait()
             await self.state.publish_unloaded(name)
-            self.entries[name] = ModelEntry(name, reason="unloaded")
+            self.entries[name] = ModelEntry(
+                name,
+                versions=dict.fromkeys(entry.versions, UNAVAILABLE),
+                reasons=dict.fromkeys(entry.versions, "unloaded"),
+                reason="unloaded",
+                unloaded=True,
+            )
             log.info("model unloaded", extra={"model": name})
 
     # ------------------------------------------------------------- in-flight
@@ -296,8 +344,8 @@ class ModelManager:
         rows = []
         for name in model_names(self.repository):
             entry = self.entries.get(name)
-            if entry is None:
-                rows.append((name, "", "UNAVAILABLE", "unloaded"))
+            if entry is None:  # never loaded: Triton lists it without a state
+                rows.append((name, "", "", ""))
             elif not entry.versions:
                 rows.append((name, "", "UNAVAILABLE", entry.reason))
             else:

@@ -18,6 +18,7 @@ from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
 from stageserve.net import SERVER_OPTIONS, insecure_channel
+from stageserve.rpc_guard import ErrorBoundary
 from stageserve.service_runtime import run_server
 from stageserve.telemetry import serve_metrics
 
@@ -49,7 +50,7 @@ async def serve(
     service = InferenceService(models, link)
     service.shared = SharedStats(redis, service.stats)
     service.shared.start()
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[ErrorBoundary()])
     gs_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
     if metrics_port:
         serve_metrics(metrics_port)

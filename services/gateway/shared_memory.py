@@ -28,6 +28,7 @@ from pathlib import Path
 import grpc
 
 from stageserve.errors import StageError
+from stageserve.names import check_shm_key, printable
 
 SHM_ROOT = Path("/dev/shm")
 
@@ -88,15 +89,15 @@ class SystemSharedMemory:
             self._regions[name] = self._map(name, key, offset, byte_size)
 
     def _map(self, name: str, key: str, offset: int, byte_size: int) -> Region:
-        bare = key.strip("/")
+        # Triton's answer for a key shm_open cannot open (INTERNAL, its code).
+        cannot_open = StageError(
+            grpc.StatusCode.INTERNAL, f"Unable to open shared memory region: '{printable(key)}'"
+        )
+        bare = check_shm_key(key, cannot_open)  # one object of /dev/shm, never a path
         try:
-            if not bare or "/" in bare:  # shm_open names one object, never a path
-                raise FileNotFoundError(key)
-            fd = os.open(self.root / bare, os.O_RDWR)
+            fd = os.open(self.root / bare, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
-            raise StageError(
-                grpc.StatusCode.INTERNAL, f"Unable to open shared memory region: '{key}'"
-            ) from None
+            raise cannot_open from None
         try:
             size = os.fstat(fd).st_size
             if offset < 0 or byte_size <= 0 or offset + byte_size > size:

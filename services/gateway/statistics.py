@@ -10,11 +10,14 @@ batch size. Exactly one request per batch (the "leader") carries the batch.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from stageserve.errors import invalid
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve.names import parse_version, printable
 
 
 @dataclass
@@ -94,6 +97,34 @@ class ModelVersionStats:
                 for size, b in sorted(self.batches.items())
             ],
         )
+
+
+class _Loaded(Protocol):
+    name: str
+    generation: int
+
+    def ready_versions(self) -> list[int]: ...
+
+
+def requested_versions(
+    entries: Mapping[str, _Loaded], name: str, version: str
+) -> list[tuple[str, int, int]]:
+    """(model, version, generation) a ModelStatistics request covers, with
+    Triton's INVALID_ARGUMENT for a model or version that is not loaded."""
+    if not name:
+        return [
+            (n, v, e.generation) for n, e in sorted(entries.items()) for v in e.ready_versions()
+        ]
+    entry = entries.get(name)
+    ready = entry.ready_versions() if entry is not None else []
+    if not ready:
+        raise invalid(f"requested model '{printable(name)}' is not available")
+    wanted = parse_version(version)
+    if wanted is None:
+        return [(name, v, entry.generation) for v in ready]
+    if wanted not in ready:
+        raise invalid(f"requested model version is not available for model '{name}'")
+    return [(name, wanted, entry.generation)]
 
 
 class StatsBook:

@@ -97,7 +97,8 @@ def test_triton_counters_follow_triton_semantics(mstack: MetricsStack) -> None:
     assert delta("nv_inference_request_success") == 6
     assert delta("nv_inference_count") == 9  # a batch of 4 counts 4
     assert delta("nv_inference_exec_count") == 6  # sequential: one execution each
-    assert delta("nv_inference_request_failure", reason="OTHER") == 2
+    # refused by validation before scheduling: no failure in Triton 2.51 either
+    assert delta("nv_inference_request_failure", reason="OTHER") == 0
     for name in (
         "nv_inference_request_duration_us",
         "nv_inference_queue_duration_us",

@@ -1,0 +1,498 @@
+"""Behaviour diff: the same tritonclient calls against real Triton 2.51 and StageServe.
+
+``python -m bench.triton_diff`` starts both servers on free ports, each on its
+own copy of one repository (``identity``, an ensemble ``ens`` over it, a
+``broken`` model whose config does not parse; Triton's copy runs the ONNX
+files through the Python-backend twin :mod:`bench.triton_model`), runs
+:data:`STEPS` in order against each (the steps change state: loads, unloads,
+inferences), and prints every step whose normalised observation differs.
+
+An observation is ``("OK", value)`` or ``(status code, message)``. Values are
+normalised where the twins legitimately differ (``platform``/``backend``,
+timings, repository paths); messages are compared only for steps marked
+``message=True`` (elsewhere both are printed for reading). Differences that
+are deliberate StageServe choices are listed in :data:`DOCUMENTED` with the
+reason; tests/integration/test_triton_diff.py fails on any other.
+
+Exit status: 0 when every difference is documented, 1 otherwise, 2 when
+Triton is not installed (``scripts/install_references.sh triton``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from bench.references import (
+    BENCH_DIR,
+    ReferenceNotInstalled,
+    _popen,
+    bench_model,
+    find_triton,
+    stop_process,
+    triton_config_text,
+    wait_ready,
+)
+from stageserve.examples import write_model
+from stageserve.net import free_port
+
+RPC_TIMEOUT_S = 30.0
+SETTLE_S = 10.0
+STARTUP_MODELS = ("identity", "ens")
+
+ENSEMBLE_CONFIG = """name: "ens"
+platform: "ensemble"
+max_batch_size: 64
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 16 ] } ]
+ensemble_scheduling {
+  step [
+    {
+      model_name: "identity"
+      model_version: -1
+      input_map { key: "INPUT0" value: "IN" }
+      output_map { key: "OUTPUT0" value: "OUT" }
+    }
+  ]
+}
+"""
+
+
+def write_repository(root: Path, triton: bool) -> Path:
+    """The diff repository; ``triton=True`` writes the Python-backend twin."""
+    from bench.references import stageserve_config_text
+
+    model = bench_model("identity")
+    text = triton_config_text(model) if triton else stageserve_config_text(model)
+    model_dir = write_model(root, "identity", model.onnx, text)
+    if triton:
+        (model_dir / "1" / "model.py").write_bytes((BENCH_DIR / "triton_model.py").read_bytes())
+    (root / "ens" / "1").mkdir(parents=True)
+    (root / "ens" / "config.pbtxt").write_text(ENSEMBLE_CONFIG)
+    (root / "broken" / "1").mkdir(parents=True)
+    (root / "broken" / "config.pbtxt").write_text("name: 'broken' max_batch_size: [oops\n")
+    return root
+
+
+# --------------------------------------------------------------------------- servers
+
+
+class Server:
+    url: str
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+
+class Triton(Server):
+    def __init__(self, workdir: Path) -> None:
+        install = find_triton()
+        repo = write_repository(workdir / "triton_repo", triton=True)
+        backends = install.make_backend_dir(workdir / "triton_backends")
+        port = free_port()
+        self.url = f"127.0.0.1:{port}"
+        log = workdir / "tritonserver.log"
+        cmd = [
+            str(install.binary),
+            "--model-repository", str(repo),
+            "--backend-directory", str(backends),
+            "--grpc-port", str(port),
+            "--grpc-address", "127.0.0.1",
+            "--allow-http", "false",
+            "--allow-metrics", "false",
+            "--disable-auto-complete-config",
+            "--model-control-mode", "explicit",
+            "--exit-timeout-secs", "5",
+            "--strict-readiness", "true",
+        ]  # fmt: skip
+        for m in STARTUP_MODELS:
+            cmd += ["--load-model", m]
+        self.proc = _popen(cmd, log, env=install.env(), cwd=workdir)
+        try:
+            wait_ready(self.url, list(STARTUP_MODELS), 180, [self.proc], log)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+class StageServe(Server):
+    def __init__(self, workdir: Path) -> None:
+        from stageserve.launcher import Stack, start_services
+
+        repo = write_repository(workdir / "stageserve_repo", triton=False)
+        self.stack = Stack()
+        try:
+            services = start_services(
+                self.stack,
+                repo,
+                control_mode="explicit",
+                load_models=list(STARTUP_MODELS),
+                device="cpu",
+            )
+            self.url = services.gateway.address
+            wait_ready(self.url, list(STARTUP_MODELS), 120)
+        except BaseException:
+            self.stack.stop()
+            raise
+
+    def stop(self) -> None:
+        self.stack.stop()
+
+
+# --------------------------------------------------------------------------- steps
+
+Client = grpcclient.InferenceServerClient
+Observation = tuple[str, Any]
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    call: Callable[[Client], Any]
+    message: bool = False  # compare error messages too (normalised)
+    value: bool = True  # compare the OK value (False: only print it with --verbose)
+
+
+def _identity_input(name: str = "INPUT0", dtype: str = "FP32", shape=(1, 16)):
+    inp = grpcclient.InferInput(name, list(shape), dtype)
+    data = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+    inp.set_data_from_numpy(data.astype(np.int32) if dtype == "INT32" else data)
+    return inp
+
+
+def _infer(model: str, inp_name: str = "INPUT0", dtype: str = "FP32", shape=(1, 16), version=""):
+    def call(c: Client) -> Any:
+        r = c.infer(
+            model,
+            [_identity_input(inp_name, dtype, shape)],
+            model_version=version,
+            client_timeout=RPC_TIMEOUT_S,
+        )
+        out = r.get_response()
+        return [(o.name, o.datatype, list(o.shape)) for o in out.outputs]
+
+    return call
+
+
+def _index(
+    ready: bool = False, reasons: bool = False, broken: bool = False
+) -> Callable[[Client], Any]:
+    """The index once no model is LOADING/UNLOADING (Triton unloads in the
+    background); without `broken`, the broken model's row (a documented
+    difference, compared once) is left out."""
+
+    def call(c: Client) -> Any:
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            idx = c.get_model_repository_index(as_json=True).get("models", [])
+            busy = any(m.get("state") in ("LOADING", "UNLOADING") for m in idx)
+            if not busy or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        return sorted(
+            (m["name"], m.get("version", ""), m.get("state", ""))
+            + ((m.get("reason", ""),) if reasons else ())
+            for m in idx
+            if (not ready or m.get("state") == "READY") and (broken or m["name"] != "broken")
+        )
+
+    return call
+
+
+def _stats(name: str = "", version: str = "") -> Callable[[Client], Any]:
+    def call(c: Client) -> Any:
+        out = c.get_inference_statistics(name, version, as_json=True).get("model_stats", [])
+        rows = []
+        for s in out:
+            st = s.get("inference_stats", {})
+            rows.append(
+                (
+                    s["name"],
+                    s.get("version", ""),
+                    int(s.get("inference_count", 0)),
+                    int(s.get("execution_count", 0)),
+                    int(st.get("success", {}).get("count", 0)),
+                    int(st.get("fail", {}).get("count", 0)),
+                )
+            )
+        return sorted(rows)
+
+    return call
+
+
+def _metadata(name: str, version: str = "") -> Callable[[Client], Any]:
+    def call(c: Client) -> Any:
+        m = c.get_model_metadata(name, version, as_json=True)
+        m.pop("platform", None)  # python (twin) vs onnxruntime_onnx / ensemble
+        return m
+
+    return call
+
+
+def _config(name: str, version: str = "") -> Callable[[Client], Any]:
+    """The fields a client acts on; backend/platform/parameters differ by twin."""
+
+    def call(c: Client) -> Any:
+        cfg = c.get_model_config(name, version, as_json=True)["config"]
+        return {
+            "name": cfg.get("name"),
+            "max_batch_size": cfg.get("max_batch_size", 0),
+            "input": [(t["name"], t["data_type"], t.get("dims")) for t in cfg.get("input", [])],
+            "output": [(t["name"], t["data_type"], t.get("dims")) for t in cfg.get("output", [])],
+            "dynamic_batching": "dynamic_batching" in cfg,
+            "version_policy": cfg.get("version_policy"),
+        }
+
+    return call
+
+
+def _ready(name: str, version: str = "") -> Callable[[Client], Any]:
+    return lambda c: c.is_model_ready(name, version)
+
+
+def _load(name: str, **kw) -> Callable[[Client], Any]:
+    return lambda c: c.load_model(name, **kw)
+
+
+def _unload(name: str, **kw) -> Callable[[Client], Any]:
+    return lambda c: c.unload_model(name, **kw)
+
+
+HOSTILE = {
+    "slash": "a/b",
+    "dotdot": "..",
+    "parent": "../identity",
+    "absolute": "/etc",
+    "nul": "ident\x00ity",
+    "long": "x" * 300,
+    "dot": ".",
+    "version_dir": "identity/1",
+}
+
+STEPS: list[Step] = [
+    Step("live", lambda c: c.is_server_live()),
+    Step("server_ready", lambda c: c.is_server_ready()),
+    Step("index", _index()),
+    Step("index_ready", _index(ready=True)),
+    *(
+        Step(f"ready {m} {v!r}", _ready(m, v))
+        for m in ("identity", "ens", "broken", "nope")
+        for v in ("", "1", "2")
+    ),
+    *(
+        Step(f"ready identity {v!r}", _ready("identity", v), message=True)
+        for v in ("abc", "-1", "0", "9" * 30)
+    ),
+    Step("metadata identity", _metadata("identity")),
+    Step("metadata ens", _metadata("ens")),
+    Step("metadata nope", _metadata("nope"), message=True),
+    Step("metadata broken", _metadata("broken")),
+    Step("metadata identity v2", _metadata("identity", "2"), message=True),
+    Step("metadata identity vabc", _metadata("identity", "abc"), message=True),
+    Step("config identity", _config("identity")),
+    Step("config ens", _config("ens")),
+    Step("config nope", _config("nope"), message=True),
+    Step("stats all (fresh)", _stats()),
+    Step("infer identity", _infer("identity")),
+    Step("infer ens", _infer("ens", "IN")),
+    Step("infer identity wrong input", _infer("identity", "NOPE")),
+    Step("infer identity wrong dtype", _infer("identity", dtype="INT32")),
+    Step("infer identity wrong shape", _infer("identity", shape=(1, 15))),
+    Step("infer identity batch too big", _infer("identity", shape=(65, 16))),
+    Step("infer nope", _infer("nope")),
+    Step("infer identity v2", _infer("identity", version="2")),
+    Step("stats all", _stats()),
+    Step("stats identity", _stats("identity")),
+    Step("stats identity v1", _stats("identity", "1")),
+    Step("stats identity v2", _stats("identity", "2"), message=True),
+    Step("stats identity vabc", _stats("identity", "abc"), message=True),
+    Step("stats nope", _stats("nope"), message=True),
+    Step("stats broken", _stats("broken"), message=True),
+    *(Step(f"load hostile {k}", _load(v)) for k, v in HOSTILE.items()),
+    *(Step(f"unload hostile {k}", _unload(v)) for k, v in HOSTILE.items()),
+    *(Step(f"metadata hostile {k}", _metadata(v)) for k, v in HOSTILE.items()),
+    *(Step(f"stats hostile {k}", _stats(v)) for k, v in HOSTILE.items()),
+    *(Step(f"ready hostile {k}", _ready(v)) for k, v in HOSTILE.items()),
+    Step("load nope", _load("nope")),
+    Step("unload nope", _unload("nope")),
+    Step("load broken", _load("broken")),
+    Step("index after broken", _index()),
+    Step("index row of broken after its load failed", _index(broken=True)),
+    Step("index reasons after broken", _index(reasons=True), value=False),
+    Step("ready broken", _ready("broken")),
+    Step("stats broken after load", _stats("broken"), message=True),
+    Step("unload identity (ens depends on it)", _unload("identity")),
+    Step("index after unload identity", _index()),
+    Step("index reasons after unload identity", _index(reasons=True), value=False),
+    Step("ready ens after unload identity", _ready("ens")),
+    Step("ready identity after unload", _ready("identity")),
+    Step("ready identity v1 after unload", _ready("identity", "1")),
+    Step("metadata identity after unload", _metadata("identity"), message=True),
+    Step("config identity after unload", _config("identity"), message=True),
+    Step("infer identity after unload", _infer("identity"), message=True),
+    Step("infer identity v1 after unload", _infer("identity", version="1"), message=True),
+    Step("server ready after unload", lambda c: c.is_server_ready()),
+    Step("infer ens after unload identity", _infer("ens", "IN")),
+    Step("stats identity after unload", _stats("identity"), message=True),
+    Step("stats all after unload", _stats()),
+    Step("unload identity again", _unload("identity")),
+    Step("load ens (loads identity)", _load("ens")),
+    Step("index after load ens", _index()),
+    Step("infer ens after reload", _infer("ens", "IN")),
+    Step("stats ens", _stats("ens")),
+    Step("unload ens with dependents", _unload("ens", unload_dependents=True)),
+    Step("index after unload dependents", _index()),
+    Step("load identity", _load("identity")),
+    Step("infer identity again", _infer("identity")),
+    Step("load identity again (reload)", _load("identity")),
+    Step("stats identity after reload", _stats("identity")),
+    Step("unload ens (not loaded)", _unload("ens")),
+    Step("index at end", _index()),
+    Step("shm status unknown", lambda c: c.get_system_shared_memory_status("nope"), message=True),
+    Step("shm unregister unknown", lambda c: c.unregister_system_shared_memory("nope")),
+    Step(
+        "shm register missing key",
+        lambda c: c.register_system_shared_memory("r", "/nope_key_x", 16),
+    ),
+    Step(
+        "shm register traversal key",
+        lambda c: c.register_system_shared_memory("r", "/../etc/passwd", 16),
+    ),
+    Step("shm status all", lambda c: c.get_system_shared_memory_status(as_json=True)),
+]
+
+
+# --------------------------------------------------------------------------- compare
+
+_LOAD_CODE = (
+    "Triton answers INTERNAL 'failed to poll from model repository' for any load that "
+    "finds no loadable model; StageServe answers INVALID_ARGUMENT (a client's mistake is "
+    "never INTERNAL) with the reason, and never looks outside the repository"
+)
+
+#: step -> why StageServe answers differently on purpose (docs/triton-differences.md).
+DOCUMENTED: dict[str, str] = {
+    **{f"load hostile {k}": _LOAD_CODE for k in HOSTILE},
+    "load nope": _LOAD_CODE,
+    "load broken": _LOAD_CODE,
+    "index row of broken after its load failed": (
+        "a model whose config.pbtxt does not parse stays listed UNAVAILABLE with the parse "
+        "error as its reason (Triton lists it with no state: it never got past polling)"
+    ),
+    "stats ens": (
+        "Triton 2.51 reports zero for an ensemble inferred once after it was loaded again "
+        "with its composing model (it reloads the ensemble when the composing model "
+        "loads); StageServe counts that inference"
+    ),
+}
+
+
+def normalise(text: str) -> str:
+    return re.sub(r"/\S*(triton|stageserve)_repo\S*", "<repo>", text)
+
+
+def observe(client: Client, step: Step) -> Observation:
+    try:
+        value = step.call(client)
+    except InferenceServerException as err:
+        return (str(err.status()), normalise(err.message() or ""))
+    return ("OK", value)
+
+
+def run_steps(url: str) -> list[Observation]:
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        return [observe(client, step) for step in STEPS]
+    finally:
+        client.close()
+
+
+@dataclass
+class Difference:
+    step: str
+    triton: Observation
+    stageserve: Observation
+    documented: str = ""
+
+
+def differences(triton: list[Observation], ours: list[Observation]) -> list[Difference]:
+    out = []
+    for step, t, s in zip(STEPS, triton, ours, strict=True):
+        same = t[0] == s[0] and (t[0] != "OK" or not step.value or t[1] == s[1])
+        if same and t[0] != "OK" and step.message:
+            same = t[1] == s[1]
+        if not same:
+            out.append(Difference(step.name, t, s, DOCUMENTED.get(step.name, "")))
+    return out
+
+
+def run(workdir: Path) -> tuple[list[Observation], list[Observation]]:
+    """Start both servers one after the other (2 cores), run every step on each."""
+    triton = Triton(workdir)
+    try:
+        theirs = run_steps(triton.url)
+    finally:
+        triton.stop()
+    ours_server = StageServe(workdir)
+    try:
+        ours = run_steps(ours_server.url)
+    finally:
+        ours_server.stop()
+    return theirs, ours
+
+
+def _short(obs: Observation) -> str:
+    return f"{obs[0]}: {str(obs[1])[:200]!s}"
+
+
+def side_by_side(triton: list[Observation], ours: list[Observation]) -> str:
+    lines = []
+    for step, t, s in zip(STEPS, triton, ours, strict=True):
+        lines += [f"* {step.name}", f"    triton:     {_short(t)}", f"    stageserve: {_short(s)}"]
+    return "\n".join(lines)
+
+
+def report(diffs: list[Difference]) -> str:
+    lines = [f"{len(STEPS)} steps, {len(diffs)} differences"]
+    for d in diffs:
+        tag = f"documented: {d.documented}" if d.documented else "UNDOCUMENTED"
+        lines += [f"- {d.step} [{tag}]", f"    triton:     {_short(d.triton)}"]
+        lines += [f"    stageserve: {_short(d.stageserve)}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--verbose", action="store_true", help="print every step's answers")
+    args = parser.parse_args(argv)
+    try:
+        find_triton()
+    except ReferenceNotInstalled as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="triton-diff-") as tmp:
+        theirs, ours = run(args.workdir or Path(tmp))
+    if args.verbose:
+        print(side_by_side(theirs, ours))
+    diffs = differences(theirs, ours)
+    print(report(diffs))
+    return 0 if all(d.documented for d in diffs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

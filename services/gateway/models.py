@@ -153,12 +153,16 @@ class ModelManager:
                     return err.message
         return None
 
-    async def load(self, name: str, chain: tuple[str, ...] = (), adopt: bool = False) -> bool:
+    async def load(
+        self, name: str, chain: tuple[str, ...] = (), adopt: bool = False, root: Path | None = None
+    ) -> bool:
         """(Re)load a model; raises StageError when it cannot become ready. Returns
         False when the model was ready and nothing in its folder changed: as in
-        Triton, that load is a no-op (statistics go on)."""
+        Triton, that load is a no-op (statistics go on). `root`: a repository
+        holding this load's overridden copy of the model (services/gateway/overrides.py)."""
+        root = root or self.repository
         check_model_name(name)
-        if model_spec := self._ensemble_spec(name):
+        if model_spec := self._ensemble_spec(root, name):
             # Composing models first (outside this model's lock): Triton loads
             # an ensemble's models with it.
             for step in model_spec.steps:
@@ -171,7 +175,7 @@ class ModelManager:
                         f"failed to load '{name}': composing model '{step.model}': {why}"
                     )
         async with self._lock(name):
-            model = read_model(self.repository, name, self.autocomplete)
+            model = read_model(root, name, self.autocomplete)
             old = self.entries.get(name)
             if (
                 not adopt
@@ -249,8 +253,8 @@ class ModelManager:
         entry = self.entries.get(name)
         return entry is not None and bool(entry.ready_versions())
 
-    def _ensemble_spec(self, name: str) -> ModelSpec | None:
-        model = read_model(self.repository, name, self.autocomplete)
+    def _ensemble_spec(self, root: Path, name: str) -> ModelSpec | None:
+        model = read_model(root, name, self.autocomplete)
         return model.spec if model.spec is not None and model.spec.steps else None
 
     async def _await_instances(

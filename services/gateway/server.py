@@ -67,6 +67,7 @@ async def serve(
     finally:
         loader.cancel()
         await service.shared.close()
+        service.overrides.close()
         await link.close()
         await rl_channel.close()
         await redis.aclose()

@@ -14,6 +14,7 @@ import time
 import grpc
 
 from services.gateway.models import ModelManager
+from services.gateway.overrides import OverrideArea
 from services.gateway.recorder import RequestRecorder
 from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.shared_memory import Region, SystemSharedMemory
@@ -52,6 +53,7 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
         self._rpc_timers: dict[str, object] = {}
         self.ready = False
         self.shm = SystemSharedMemory()
+        self.overrides = OverrideArea()  # RepositoryModelLoad's config/file overrides
 
     # ------------------------------------------------------------ health/meta
 
@@ -327,14 +329,15 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "StageServe serves one model repository; repository_name must be empty",
             )
-        if request.parameters:
-            unsupported = sorted(request.parameters)
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"load parameters {unsupported} are not supported (config/file overrides)",
-            )
-        if await self.models.load(request.model_name):
-            self.stats.reset(request.model_name)
+        name = request.model_name
+        root = self.overrides.prepare(name, request.parameters, self.models.repository)
+        loaded = False
+        try:
+            if await self.models.load(name, root=root):
+                self.stats.reset(name)
+            loaded = True
+        finally:
+            self.overrides.settle(name, root, loaded)
         return gs.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(
@@ -343,6 +346,7 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
         await self._check_explicit(context, "unload")
         dependents = request.parameters.get("unload_dependents")
         await self.models.unload(request.model_name, bool(dependents and dependents.bool_param))
+        self.overrides.settle(request.model_name, None, loaded=True)
         return gs.RepositoryModelUnloadResponse()
 
     async def _check_explicit(self, context, what: str) -> None:

@@ -324,19 +324,6 @@ def test_explicit_load_of_broken_model_fails_clearly(explicit: RunningStack) -> 
     infer_simple(c)
 
 
-def test_explicit_load_with_config_override_is_refused(explicit: RunningStack) -> None:
-    c = explicit.client()
-    expect_error(
-        c.load_model,
-        "simple",
-        config='{"max_batch_size": 4}',
-        client_timeout=RPC_TIMEOUT_S,
-        status=INVALID,
-        contains=("not supported",),
-    )
-    assert _ready(c, "simple")
-
-
 def test_explicit_unload_of_missing_model(explicit: RunningStack) -> None:
     # Triton 2.51 answers OK: unloading what is not loaded is no error
     explicit.client().unload_model("not_there_either", client_timeout=RPC_TIMEOUT_S)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from stageserve.autocomplete_options import DEFAULT_MAX_BATCH_SIZE, AutoComplete
 from stageserve.logs import setup_logging
+from stageserve.security_options import add_flags as add_security_flags
+from stageserve.security_options import gateway_flags, restrictions_from, tls_from
 
 log = logging.getLogger("stageserve")
 
@@ -81,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--device", default="auto", help="auto | cpu | cuda:N for the workers")
     _redis(up, required=False)
     _common(up)
+    add_security_flags(up)
 
     gw = sub.add_parser("gateway", help="public GRPCInferenceService endpoint")
     gw.add_argument("--listen", default=None, help="host:port (default 0.0.0.0:--grpc-port)")
@@ -94,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--scheduler", default=_env("STAGESERVE_SCHEDULER"), required=False)
     _redis(gw)
     _common(gw)
+    add_security_flags(gw)
 
     sc = sub.add_parser("scheduler", help="per-model queues and batch formation")
     sc.add_argument("--listen", default="0.0.0.0:9001")
@@ -131,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("make-examples", help="write the example model repository")
     ex.add_argument("directory", type=Path)
     return parser
+
+
+def _security(args: argparse.Namespace, read):
+    """A security option read from the flags; a bad one ends the CLI with its message."""
+    try:
+        return read(args)
+    except ValueError as exc:
+        raise SystemExit(f"stageserve: {exc}") from None
 
 
 def _need(args: argparse.Namespace, *names: str) -> None:
@@ -176,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             log_verbose=args.log_verbose,
             autocomplete=_autocomplete_of(args),
+            gateway_extra=_security(args, gateway_flags),
         )
     if args.command == "gateway":
         from services.gateway.server import serve
@@ -192,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             args.load_model,
             args.metrics_port or None,
             _autocomplete_of(args),
+            _security(args, tls_from),
+            _security(args, restrictions_from),
         )
     elif args.command == "scheduler":
         from services.scheduler.service import serve

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,6 +186,7 @@ def start_services(
     metrics_port: int = 0,
     stage_metrics: bool = False,
     autocomplete: AutoComplete = TRITON_DEFAULT,
+    gateway_extra: Sequence[str] = (),
 ) -> StackServices:
     """Start Redis (unless given) and every service, in path order, on `stack`.
 
@@ -227,6 +229,7 @@ def start_services(
     gw_args += ["--default-max-batch-size", str(autocomplete.default_max_batch_size)]
     if not autocomplete.enabled:
         gw_args.append("--disable-auto-complete-config")
+    gw_args += gateway_extra  # e.g. Triton's TLS / restricted-protocol flags
     gw = stack.start_service("gateway", gw_args, timeout_s=600)
     return StackServices(redis_url, rl, worker_children, sched, gw)
 
@@ -242,6 +245,7 @@ def up(
     device: str,
     log_verbose: int,
     autocomplete: AutoComplete = TRITON_DEFAULT,
+    gateway_extra: Sequence[str] = (),
 ) -> int:
     stack = Stack(log_verbose)
     stopping = threading.Event()
@@ -264,6 +268,7 @@ def up(
             metrics_port,
             stage_metrics=True,
             autocomplete=autocomplete,
+            gateway_extra=gateway_extra,
         )
         print(
             json.dumps(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -11,6 +12,7 @@ import redis.asyncio as aioredis
 
 from services.gateway.models import ModelManager
 from services.gateway.scheduler_link import SchedulerLink
+from services.gateway.security import RestrictedProtocols, server_credentials
 from services.gateway.service import InferenceService
 from services.gateway.shared_stats import SharedStats
 from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
@@ -19,6 +21,7 @@ from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
 from stageserve.net import SERVER_OPTIONS, insecure_channel
 from stageserve.rpc_guard import ErrorBoundary
+from stageserve.security_options import Restriction, TlsOptions
 from stageserve.service_runtime import run_server
 from stageserve.telemetry import serve_metrics
 
@@ -35,6 +38,8 @@ async def serve(
     load_models: list[str],
     metrics_port: int | None = None,
     autocomplete: AutoComplete = TRITON_DEFAULT,
+    tls: TlsOptions | None = None,
+    restrictions: Sequence[Restriction] = (),
 ) -> None:
     redis = aioredis.from_url(redis_url)
     await redis.ping()
@@ -50,7 +55,10 @@ async def serve(
     service = InferenceService(models, link)
     service.shared = SharedStats(redis, service.stats)
     service.shared.start()
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[ErrorBoundary()])
+    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorBoundary()]
+    if restrictions:
+        interceptors.insert(0, RestrictedProtocols(restrictions))
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     gs_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
     if metrics_port:
         serve_metrics(metrics_port)
@@ -63,7 +71,12 @@ async def serve(
     # Serve health RPCs while models load; announce once loading finished.
     loader = asyncio.create_task(load_then_ready())
     try:
-        await run_server(server, listen, "gateway", before_ready=loader)
+        if tls is None:
+            await run_server(server, listen, "gateway", before_ready=loader)
+        else:  # Triton's --grpc-use-ssl: the public endpoint speaks TLS only
+            port = server.add_secure_port(listen, server_credentials(tls))
+            address = f"{listen.rsplit(':', 1)[0]}:{port}"
+            await run_server(server, address, "gateway", bound=True, before_ready=loader)
     finally:
         loader.cancel()
         await service.shared.close()

@@ -1,0 +1,161 @@
+"""Triton's security options for the public gRPC endpoint (stdlib only: the CLI parses them).
+
+services/gateway/security.py applies them: TLS credentials and the
+restricted-protocol interceptor.
+
+Flags, as tritonserver spells them:
+
+* ``--grpc-use-ssl``, ``--grpc-server-cert``, ``--grpc-server-key``,
+  ``--grpc-root-cert``, ``--grpc-use-ssl-mutual``: TLS on the public endpoint;
+  with mutual TLS a client must present a certificate signed by the root.
+* ``--grpc-restricted-protocol=<protocol>[,<protocol>...]:<key>=<value>``
+  (repeatable): the RPCs of those protocol groups answer only a call that
+  carries the header ``triton-grpc-protocol-<key>: <value>``; any other gets
+  UNAVAILABLE "This protocol is restricted, expecting header
+  'triton-grpc-protocol-<key>'" (Triton 2.51's code and message, measured).
+
+Groups and their RPCs are Triton's: health (ServerLive, ServerReady,
+ModelReady), metadata (ServerMetadata, ModelMetadata), inference (ModelInfer,
+ModelStreamInfer), shared-memory, model-config, model-repository,
+statistics, trace, logging.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+HEADER_PREFIX = "triton-grpc-protocol-"
+
+#: RPC (method name) -> Triton's protocol group
+GROUP_OF = {
+    "ServerLive": "health",
+    "ServerReady": "health",
+    "ModelReady": "health",
+    "ServerMetadata": "metadata",
+    "ModelMetadata": "metadata",
+    "ModelInfer": "inference",
+    "ModelStreamInfer": "inference",
+    "ModelConfig": "model-config",
+    "ModelStatistics": "statistics",
+    "RepositoryIndex": "model-repository",
+    "RepositoryModelLoad": "model-repository",
+    "RepositoryModelUnload": "model-repository",
+    "SystemSharedMemoryStatus": "shared-memory",
+    "SystemSharedMemoryRegister": "shared-memory",
+    "SystemSharedMemoryUnregister": "shared-memory",
+    "CudaSharedMemoryStatus": "shared-memory",
+    "CudaSharedMemoryRegister": "shared-memory",
+    "CudaSharedMemoryUnregister": "shared-memory",
+    "TraceSetting": "trace",
+    "LogSettings": "logging",
+}
+GROUPS = frozenset(GROUP_OF.values())
+
+
+@dataclass(frozen=True)
+class Restriction:
+    groups: frozenset[str]
+    header: str  # full header name, lower case (gRPC metadata keys are)
+    value: str
+
+
+def parse_restriction(text: str) -> Restriction:
+    """One --grpc-restricted-protocol value; ValueError with Triton's message."""
+    spec, sep, setting = text.partition(":")
+    key, eq, value = setting.partition("=")
+    if not sep or not eq or not spec or not key:
+        raise ValueError(
+            "--grpc-restricted-protocol option format is "
+            f"'<config name>:<setting>=<value>'. Got {text}"
+        )
+    groups = frozenset(g.strip() for g in spec.split(","))
+    for g in sorted(groups):
+        if g not in GROUPS:
+            raise ValueError(f"unknown restricted protocol '{g}'")
+    return Restriction(groups, f"{HEADER_PREFIX}{key.strip().lower()}", value)
+
+
+def restrictions_by_group(restrictions: Sequence[Restriction]) -> dict[str, Restriction]:
+    out: dict[str, Restriction] = {}
+    for r in restrictions:
+        for g in r.groups:
+            if g in out:
+                raise ValueError(f"protocol '{g}' is restricted more than once")
+            out[g] = r
+    return out
+
+
+@dataclass(frozen=True)
+class TlsOptions:
+    server_cert: Path
+    server_key: Path
+    root_cert: Path | None = None
+    mutual: bool = False
+
+
+# -------------------------------------------------------------------------- CLI
+
+
+def _flag(value: str) -> bool:
+    lowered = value.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Triton's flags; --grpc-use-ssl alone means true, as --grpc-use-ssl=true does."""
+    g = parser.add_argument_group("security (Triton's flags)")
+    g.add_argument("--grpc-use-ssl", type=_flag, nargs="?", const=True, default=False)
+    g.add_argument("--grpc-use-ssl-mutual", type=_flag, nargs="?", const=True, default=False)
+    g.add_argument("--grpc-server-cert", type=Path, default=None)
+    g.add_argument("--grpc-server-key", type=Path, default=None)
+    g.add_argument("--grpc-root-cert", type=Path, default=None)
+    g.add_argument(
+        "--grpc-restricted-protocol",
+        action="append",
+        default=[],
+        metavar="<protocol>[,<protocol>...]:<key>=<value>",
+    )
+
+
+def tls_from(args: argparse.Namespace) -> TlsOptions | None:
+    if not (args.grpc_use_ssl or args.grpc_use_ssl_mutual):
+        return None
+    if args.grpc_server_cert is None or args.grpc_server_key is None:
+        raise ValueError("--grpc-use-ssl needs --grpc-server-cert and --grpc-server-key")
+    if args.grpc_use_ssl_mutual and args.grpc_root_cert is None:
+        raise ValueError("--grpc-use-ssl-mutual needs --grpc-root-cert")
+    return TlsOptions(
+        args.grpc_server_cert.resolve(),
+        args.grpc_server_key.resolve(),
+        args.grpc_root_cert.resolve() if args.grpc_root_cert else None,
+        bool(args.grpc_use_ssl_mutual),
+    )
+
+
+def restrictions_from(args: argparse.Namespace) -> list[Restriction]:
+    restrictions = [parse_restriction(text) for text in args.grpc_restricted_protocol]
+    restrictions_by_group(restrictions)  # refuses a group restricted twice
+    return restrictions
+
+
+def gateway_flags(args: argparse.Namespace) -> list[str]:
+    """The same flags again, for the gateway child `stageserve up` starts."""
+    out: list[str] = []
+    tls = tls_from(args)
+    if tls is not None:
+        out += ["--grpc-use-ssl=true", "--grpc-server-cert", str(tls.server_cert)]
+        out += ["--grpc-server-key", str(tls.server_key)]
+        if tls.root_cert is not None:
+            out += ["--grpc-root-cert", str(tls.root_cert)]
+        if tls.mutual:
+            out.append("--grpc-use-ssl-mutual=true")
+    for text in args.grpc_restricted_protocol:
+        out.append(f"--grpc-restricted-protocol={text}")
+    return out

@@ -217,7 +217,7 @@ def test_invalid_ragged_configs_fail_to_load_with_the_reason(
         c,
         name,
         np.ones((1, 3), np.float32),
-        status=UNAVAILABLE,
+        status=(UNAVAILABLE, "StatusCode.NOT_FOUND"),  # Triton: NOT_FOUND "no available versions"
         contains=(name,),
     )
     # the valid ragged model keeps serving

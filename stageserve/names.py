@@ -10,7 +10,7 @@ Triton 2.51 answers a load of ``a/b``, ``..``, ``/etc`` or an over-long name
 with INTERNAL "failed to poll from model repository" (it looks, finds nothing).
 StageServe never looks: such a name cannot be a model folder, so the load is
 refused at once with INVALID_ARGUMENT (a client's mistake is never INTERNAL
-here; docs/triton-differences.md).
+here; docs/hardening.md).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ The area is a folder the gateway creates at start and removes at exit. A
 folder is removed when its model is loaded again or unloaded. The workers
 read model files from the published path, so in a multi-host deployment the
 area must be shared with them like the repository (--override-dir is not a
-flag yet: single host only, docs/triton-differences.md).
+flag yet: single host only, docs/hardening.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Triton's code, nothing read or written outside the repository, no Python text.
 One explicit-mode stack for the module. Codes are the ones real Triton 2.51
 answers (bench/triton_diff.py checks them against it), except load, where
 StageServe answers INVALID_ARGUMENT instead of Triton's INTERNAL
-(docs/triton-differences.md).
+(docs/hardening.md).
 """
 
 from __future__ import annotations

@@ -32,12 +32,21 @@ def internal_message(method: str) -> str:
 async def _answer(exc: BaseException, method: str, context: grpc.aio.ServicerContext) -> None:
     if isinstance(exc, StageError):
         await context.abort(exc.code, exc.message)
+    await context.abort(grpc.StatusCode.INTERNAL, stream_error_message(exc, method))
+
+
+def stream_error_message(exc: BaseException, method: str) -> str:
+    """What a client is told of `exc` (also the error_message of one streamed
+    response): a StageError's own message; for anything else the short INTERNAL
+    text, with the detail and traceback in the log."""
+    if isinstance(exc, StageError):
+        return exc.message
     log.error(
         "unexpected error in a public RPC",
         exc_info=(type(exc), exc, exc.__traceback__),
         extra={"method": method, "error": f"{type(exc).__name__}: {exc}"[:500]},
     )
-    await context.abort(grpc.StatusCode.INTERNAL, internal_message(method))
+    return internal_message(method)
 
 
 _PASS_THROUGH = (asyncio.CancelledError, grpc.aio.AbortError)

@@ -26,6 +26,7 @@ from stageserve.errors import StageError, code_from_int, unavailable
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve.rpc_guard import stream_error_message
 from stageserve.telemetry import GATEWAY_INFLIGHT, GATEWAY_RPC_DURATION
 
 log = logging.getLogger(__name__)
@@ -254,9 +255,9 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
         async def answer(request: gs.ModelInferRequest) -> None:
             try:
                 response = gs.ModelStreamInferResponse(infer_response=await self._infer(request))
-            except StageError as err:
+            except Exception as exc:  # a bug must not drop this response silently
                 response = gs.ModelStreamInferResponse(
-                    error_message=err.message,
+                    error_message=stream_error_message(exc, "ModelStreamInfer"),
                     infer_response=gs.ModelInferResponse(
                         model_name=request.model_name,
                         model_version=request.model_version,

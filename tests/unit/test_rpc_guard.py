@@ -16,7 +16,7 @@ from tritonclient.utils import InferenceServerException
 from stageserve.errors import not_found
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
-from stageserve.rpc_guard import ErrorBoundary
+from stageserve.rpc_guard import ErrorBoundary, internal_message, stream_error_message
 
 
 class Faulty(gs_grpc.GRPCInferenceServiceServicer):
@@ -99,3 +99,11 @@ def test_a_stream_handler_failure_is_internal(url) -> None:
     assert errors and errors[0] is not None
     assert "StatusCode.INTERNAL" in str(errors[0].status())
     assert "internal detail" not in str(errors[0])
+
+
+def test_a_streamed_response_gets_the_same_short_text(caplog) -> None:
+    with caplog.at_level(logging.ERROR, logger="stageserve.rpc_guard"):
+        text = stream_error_message(KeyError("secret detail"), "ModelStreamInfer")
+    assert text == internal_message("ModelStreamInfer") and "secret" not in text
+    assert any("secret detail" in str(getattr(r, "error", "")) for r in caplog.records)
+    assert stream_error_message(not_found("gone"), "ModelStreamInfer") == "gone"

@@ -51,7 +51,9 @@ def model_name_problem(name: str) -> str | None:
 
 def printable(name: str, limit: int = 256) -> str:
     """A name as it may appear in a message or log: escaped and cut short."""
-    text = name.encode("unicode_escape").decode("ascii")
+    text = "".join(
+        ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in name
+    )
     return text if len(text) <= limit else f"{text[:limit]}...({len(name)} chars)"
 
 

@@ -66,3 +66,11 @@ def test_shm_keys_name_one_object() -> None:
         with pytest.raises(StageError) as info:
             check_shm_key(key, err)
         assert info.value is err
+
+
+def test_names_in_messages_are_escaped_only_where_unprintable() -> None:
+    from stageserve.names import printable
+
+    assert printable("modèle") == "modèle"
+    assert printable("a\x00b\nc") == "a\\x00b\\nc"
+    assert printable("x" * 1000).endswith("...(1000 chars)")

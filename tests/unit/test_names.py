@@ -16,6 +16,7 @@ from stageserve.names import (
     model_dir,
     model_name_problem,
     parse_version,
+    printable,
 )
 
 HOSTILE = ["a/b", "..", ".", "../x", "/etc", "a\x00b", "x" * 256, "", ".hidden", "a\\b", "a\nb"]
@@ -69,8 +70,6 @@ def test_shm_keys_name_one_object() -> None:
 
 
 def test_names_in_messages_are_escaped_only_where_unprintable() -> None:
-    from stageserve.names import printable
-
     assert printable("modèle") == "modèle"
     assert printable("a\x00b\nc") == "a\\x00b\\nc"
     assert printable("x" * 1000).endswith("...(1000 chars)")

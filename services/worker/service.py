@@ -17,10 +17,11 @@ import socket
 import grpc
 import redis.asyncio as aioredis
 
+from services.worker.backends import create_backend
 from services.worker.instances import HostedInstance, default_intra_op_threads, placements
-from services.worker.onnx_backend import BackendError, OnnxInstance
+from services.worker.onnx_backend import BackendError
+from services.worker.warmup import WarmupError, warm_up, warmup_requests
 from stageserve import redis_keys as keys
-from stageserve.config import ModelSpec
 from stageserve.errors import code_from_int
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
@@ -184,18 +185,11 @@ class WorkerService(pb_grpc.WorkerServicer):
             path = model.path / str(version) / model.spec.model_filename
             loaded: list[HostedInstance] = []
             try:
+                warmups = warmup_requests(model.spec, model.path)
                 for g, places in groups:
                     for index, place in enumerate(places):
                         backend = await asyncio.to_thread(
-                            OnnxInstance,
-                            str(path),
-                            device=place.device,
-                            intra_op_threads=threads,
-                            input_types={
-                                **{t.name: t.datatype.triton for t in model.spec.inputs},
-                                **model.spec.extra_inputs(),
-                            },
-                            output_types=_output_types(model.spec),
+                            create_backend, model.spec, path, place.device, threads
                         )
                         iid = (
                             f"{self.worker_id}/{model.name}/{version}/g{model.generation}/"
@@ -212,11 +206,14 @@ class WorkerService(pb_grpc.WorkerServicer):
                                 backend,
                             )
                         )
-            except BackendError as exc:
+                        await warm_up(loaded[-1], warmups)  # before READY, as in Triton
+            except (BackendError, WarmupError) as exc:
                 log.error(
                     "model load failed",
                     extra={"model": model.name, "version": version, "error": str(exc)},
                 )
+                for inst in loaded:
+                    await asyncio.to_thread(inst.close)
                 await self.state.report_load_error(model.name, version, self.worker_id, str(exc))
                 continue
             for inst in loaded:
@@ -277,14 +274,6 @@ class WorkerService(pb_grpc.WorkerServicer):
                 await pubsub.get_message(ignore_subscribe_messages=True, timeout=RECONCILE_S)
             except Exception:
                 await asyncio.sleep(RECONCILE_S)
-
-
-def _output_types(spec: ModelSpec) -> dict[str, str]:
-    """Declared outputs plus implicit-state outputs (the scheduler reads those)."""
-    out = {t.name: t.datatype.triton for t in spec.outputs}
-    if spec.sequence is not None:
-        out.update({s.output_name: s.datatype.triton for s in spec.sequence.states})
-    return out
 
 
 def detect_gpu(device: str) -> int | None:

@@ -206,7 +206,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                                 backend,
                             )
                         )
-                        await warm_up(loaded[-1], warmups)  # before READY, as in Triton
+                        await warm_up(loaded[-1], warmups, self.state.redis)  # before READY
             except (BackendError, WarmupError) as exc:
                 log.error(
                     "model load failed",

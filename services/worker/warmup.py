@@ -18,8 +18,12 @@ gives them to workers. Each sample runs ``count`` times (0: once).
 `run_warmup` executes them on one instance through the same path as real
 batches (batch inputs, output splitting), on the instance's own thread. A
 failure raises `WarmupError` with the sample's name and the reason; the
-worker then fails the load with it. Warmup never passes the gateway, so
-ModelStatistics does not count it, as in Triton.
+worker then fails the load with it.
+
+Statistics: Triton counts warmup requests in ModelStatistics like any
+request (inference_count, execution_count, success, batch_stats; measured
+on Triton 2.51, see run_warmup), so StageServe does too: `warm_up` adds each
+instance's warmup figures to the model load's shared statistics in Redis.
 """
 
 from __future__ import annotations
@@ -27,13 +31,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import redis.asyncio as aioredis
 
+# The gateway's statistics bookkeeping (pure) and key lifetime: warmup figures
+# join the gateways' shares in the same Redis hash, so they are kept alike.
+from services.gateway.shared_stats import KEEP_MS
+from services.gateway.statistics import ModelVersionStats
 from services.worker.instances import HostedInstance
+from stageserve import redis_keys as keys
 from stageserve.config import ModelSpec, WarmupInput, WarmupSpec
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
@@ -122,24 +133,53 @@ def _random(triton: str, count: int, rng: np.random.Generator) -> np.ndarray:
 def run_warmup(
     execute: Callable[[pb.ExecuteRequest], pb.ExecuteResponse],
     requests: list[WarmupRequest],
-) -> int:
-    """Run every sample `count` times through `execute`; returns the executions."""
-    runs = 0
+) -> ModelVersionStats:
+    """Run every sample `count` times through `execute`; returns the
+    statistics they add, counted as Triton counts them: every warmup request
+    is a successful inference, every execution a batch (measured on Triton
+    2.51: a sample of batch_size 2, count 3 on 2 instances shows
+    inference_count 12, execution_count 6, batch_stats {2: 6})."""
+    stats = ModelVersionStats()
     for w in requests:
+        sizes = list(w.request.request_batch_sizes)
         for _ in range(w.count):
+            t0 = time.monotonic_ns()
             try:
-                execute(w.request)
+                response = execute(w.request)
             except Exception as exc:  # BackendError, or whatever the model raised
                 raise WarmupError(f"warmup '{w.name}' failed: {exc}") from exc
-            runs += 1
-    return runs
+            elapsed = time.monotonic_ns() - t0
+            for i, size in enumerate(sizes):
+                timing = pb.Timing(
+                    compute_input_ns=response.compute_input_ns,
+                    compute_infer_ns=response.compute_infer_ns,
+                    compute_output_ns=response.compute_output_ns,
+                    batch_leader=i == 0,
+                    batch_size=sum(sizes),
+                )
+                stats.record_success(elapsed, size, timing)
+    return stats
 
 
-async def warm_up(instance: HostedInstance, requests: list[WarmupRequest]) -> None:
+async def warm_up(
+    instance: HostedInstance, requests: list[WarmupRequest], redis: aioredis.Redis
+) -> None:
     """Run the warmup samples on the instance's own thread (where its backend
-    keeps per-thread settings such as torch's thread count)."""
+    keeps per-thread settings such as torch's thread count), then add their
+    statistics to the model load's shared ModelStatistics, which every
+    gateway sums (services/gateway/shared_stats.py), before the instance
+    registers: the first ModelStatistics after READY includes them."""
     if not requests:
         return
     loop = asyncio.get_running_loop()
-    runs = await loop.run_in_executor(instance.executor, run_warmup, instance.execute, requests)
-    log.info("instance warmed up", extra={"instance": instance.instance_id, "executions": runs})
+    stats = await loop.run_in_executor(instance.executor, run_warmup, instance.execute, requests)
+    key = keys.model_stats(instance.model, instance.generation, instance.version)
+    data = stats.to_pb(instance.model, instance.version).SerializeToString()
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.hset(key, f"warmup:{instance.instance_id}", data)
+        pipe.pexpire(key, KEEP_MS)
+        await pipe.execute()
+    log.info(
+        "instance warmed up",
+        extra={"instance": instance.instance_id, "executions": stats.execution_count},
+    )

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 
 from services.worker.backends import create_backend
 from services.worker.instances import HostedInstance, default_intra_op_threads, placements
-from services.worker.onnx_backend import BackendError
+from services.worker.onnx_backend import BackendError, InvalidInputError
 from services.worker.warmup import WarmupError, warm_up, warmup_requests
 from stageserve import redis_keys as keys
 from stageserve.errors import code_from_int
@@ -73,6 +73,12 @@ class WorkerService(pb_grpc.WorkerServicer):
             else:
                 loop = asyncio.get_running_loop()
                 resp = await loop.run_in_executor(inst.executor, inst.execute, request)
+        except InvalidInputError as exc:  # refused before running
+            return pb.ExecuteResponse(
+                id=request.id,
+                code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                message=f"model '{inst.model}': {exc}",
+            )
         except Exception as exc:  # BackendError or a bug: answer, never hang the batch
             if not isinstance(exc, BackendError):
                 log.exception("execution failed", extra={"instance": inst.instance_id})

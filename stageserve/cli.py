@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from stageserve.autocomplete_options import DEFAULT_MAX_BATCH_SIZE, AutoComplete
+from stageserve.gpus import parse_workers
 from stageserve.logs import setup_logging
 
 log = logging.getLogger("stageserve")
@@ -77,7 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model-control-mode", choices=["none", "explicit"], default="none")
     up.add_argument("--load-model", action="append", default=[], help="repeatable; * = all")
     _autocomplete(up)
-    up.add_argument("--workers", type=int, default=1, help="worker processes to start")
+    up.add_argument(
+        "--workers",
+        type=parse_workers,
+        default=1,
+        help="worker processes to start, or auto: one per GPU (cuda:0..N-1; 1 without a GPU)",
+    )
     up.add_argument("--device", default="auto", help="auto | cpu | cuda:N for the workers")
     _redis(up, required=False)
     _common(up)

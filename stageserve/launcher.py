@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
+from stageserve.gpus import AUTO, gpu_count, worker_devices
 from stageserve.net import free_port
 from stageserve.service_runtime import READY_MARKER
 
@@ -180,7 +181,7 @@ def start_services(
     control_mode: str = "none",
     load_models: list[str] | tuple[str, ...] = (),
     redis_url: str | None = None,
-    workers: int = 1,
+    workers: int | str = 1,
     device: str = "auto",
     metrics_port: int = 0,
     stage_metrics: bool = False,
@@ -199,11 +200,10 @@ def start_services(
 
     rl = stack.start_service("ratelimiter", ["ratelimiter", *common, *metrics()])
     peers = ["--ratelimiter", rl.address]
+    gpus = gpu_count() if workers == AUTO else 0  # --workers auto: one per GPU
     worker_children = [
-        stack.start_service(
-            f"worker-{i}", ["worker", *common, *peers, "--device", device, *metrics()]
-        )
-        for i in range(workers)
+        stack.start_service(f"worker-{i}", ["worker", *common, *peers, "--device", dev, *metrics()])
+        for i, dev in enumerate(worker_devices(workers, device, gpus))
     ]
     sched = stack.start_service("scheduler", ["scheduler", *common, *peers, *metrics()])
     gw_args = [
@@ -238,7 +238,7 @@ def up(
     control_mode: str,
     load_models: list[str],
     redis_url: str | None,
-    workers: int,
+    workers: int | str,
     device: str,
     log_verbose: int,
     autocomplete: AutoComplete = TRITON_DEFAULT,

@@ -25,6 +25,7 @@ from stageserve import redis_keys as keys
 from stageserve.errors import code_from_int
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
+from stageserve.gpus import gpu_count
 from stageserve.model_state import LoadedModel, ModelStateStore
 from stageserve.net import insecure_channel
 
@@ -283,16 +284,15 @@ class WorkerService(pb_grpc.WorkerServicer):
 
 
 def detect_gpu(device: str) -> int | None:
-    """'cpu' -> None, 'cuda:N' -> N, 'auto' -> 0 when ONNX Runtime can use CUDA."""
+    """'cpu' -> None, 'cuda:N' -> N, 'auto' -> 0 when the machine has a GPU.
+
+    Not from ONNX Runtime's provider list: onnxruntime-gpu lists
+    CUDAExecutionProvider on a host without any GPU (measured, 1.24.4)."""
     if device == "cpu":
         return None
     if device.startswith("cuda"):
         return int(device.split(":", 1)[1]) if ":" in device else 0
-    import onnxruntime
-
-    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
-        return 0
-    return None
+    return 0 if gpu_count() > 0 else None
 
 
 async def serve(

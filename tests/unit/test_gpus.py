@@ -40,6 +40,13 @@ def test_cuda_visible_devices_limits_the_count(monkeypatch: pytest.MonkeyPatch) 
     assert gpu_count() == 0
 
 
+def test_worker_device_auto_follows_the_gpu_count() -> None:
+    from services.worker.service import detect_gpu
+
+    assert detect_gpu("cpu") is None and detect_gpu("cuda:3") == 3
+    assert detect_gpu("auto") == (0 if gpu_count() else None)
+
+
 def test_without_a_gpu_no_gpu_family_is_set() -> None:
     if gpu_readings():
         pytest.skip("this machine has a GPU")

@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         repository = Path(tmp) / "models"
         size = {"image_size": args.image_size, "width": args.width, "max_batch_size": args.batch}
         if args.backend == "torch":
+            import services.worker.torch_backend  # noqa: F401 (its OpenMP settings, before torch)
             from bench.torch_cnn import write_torch_cnn
 
             model_file = write_torch_cnn(repository, **size) / "1" / "model.pt"

@@ -44,6 +44,13 @@ from stageserve.datatypes import DataType, from_triton
 
 log = logging.getLogger(__name__)
 
+# Idle OpenMP threads spin-wait by default (as ORT's do, which onnx_backend
+# turns off): on cores shared with the other stages that burns their CPU.
+# Read once, when torch's OpenMP starts, so it is set before torch loads.
+# Measured on this 2-core VM under load, the bench CNN at batch 8, 32x32:
+# 0.2-0.9 s per batch and 3.3 s CPU with spinning, 0.04-0.07 s and 2.1 s without.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # torch 2.13 marks torch.jit deprecated; TorchScript is what Triton's
 # pytorch_libtorch platform serves, so loading it is this module's job.
 warnings.filterwarnings(

@@ -175,10 +175,16 @@ async def warm_up(
     stats = await loop.run_in_executor(instance.executor, run_warmup, instance.execute, requests)
     key = keys.model_stats(instance.model, instance.generation, instance.version)
     data = stats.to_pb(instance.model, instance.version).SerializeToString()
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.hset(key, f"warmup:{instance.instance_id}", data)
-        pipe.pexpire(key, KEEP_MS)
-        await pipe.execute()
+    try:
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, f"warmup:{instance.instance_id}", data)
+            pipe.pexpire(key, KEEP_MS)
+            await pipe.execute()
+    except Exception as exc:  # Redis away: the instance is warm all the same
+        log.warning(
+            "warmup statistics not recorded",
+            extra={"instance": instance.instance_id, "error": str(exc)},
+        )
     log.info(
         "instance warmed up",
         extra={"instance": instance.instance_id, "executions": stats.execution_count},

@@ -253,6 +253,8 @@ class TorchInstance:
             args[self._inputs[name]] = self._to_torch(name, arr)
         args = _trim_defaults(args)
         try:
+            # optimized_execution is a per-thread switch (checked: another thread
+            # keeps its own), so one model's setting never leaks into another's.
             with self._mode(), torch.jit.optimized_execution(self.options.optimized_execution):
                 result = self._module(*args)
         except Exception as exc:

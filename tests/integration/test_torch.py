@@ -23,6 +23,34 @@ CONCURRENCY = 8
 REQUESTS_PER_CLIENT = 12
 
 
+class _Accumulator(torch.nn.Module):
+    """Running sum per sequence in implicit state (the sequence batcher feeds
+    START and ACC_IN by forward()'s argument names)."""
+
+    def forward(
+        self,
+        INPUT: torch.Tensor,
+        START: torch.Tensor,
+        ACC_IN: torch.Tensor,  # noqa: N803
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        total = torch.where(START != 0, torch.zeros_like(ACC_IN), ACC_IN) + INPUT
+        return total, total
+
+
+ACCUMULATOR_CONFIG = """platform: "pytorch_libtorch"
+max_batch_size: 8
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+sequence_batching {
+  oldest { max_candidate_sequences: 8 }
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] }
+  ]
+  state [ { input_name: "ACC_IN" output_name: "ACC_OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+}
+"""
+
+
 @pytest.fixture(scope="module")
 def torch_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     root = tmp_path_factory.mktemp("torch_repository")
@@ -34,6 +62,12 @@ def torch_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSta
     config = (nvfuser / "config.pbtxt").read_text()
     config += 'parameters: { key: "ENABLE_NVFUSER" value: { string_value: "true" } }\n'
     (nvfuser / "config.pbtxt").write_text(config)
+    acc = root / "torch_accumulator"
+    (acc / "1").mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.save(torch.jit.script(_Accumulator()), str(acc / "1" / "model.pt"))
+    (acc / "config.pbtxt").write_text(ACCUMULATOR_CONFIG)
     bare = root / "torch_bare" / "1"
     bare.mkdir(parents=True)
     (bare / "model.pt").write_bytes((root / "torch_two_io" / "1" / "model.pt").read_bytes())
@@ -111,6 +145,24 @@ def test_two_inputs_by_argument_name_two_outputs_by_index(torch_stack: RunningSt
                 assert r.as_numpy("OUTPUT__0") is None
 
     _concurrently(client_loop)
+
+
+def test_sequences_keep_their_state_in_a_torchscript_model(torch_stack: RunningStack) -> None:
+    c = torch_stack.client()
+    sums = {101: 0, 202: 0}
+    for step, value in enumerate([3, 5, 7]):
+        for seq, scale in ((101, 1), (202, 10)):
+            x = np.array([[value * scale]], dtype=np.int32)
+            r = c.infer(
+                "torch_accumulator",
+                [tensor_input("INPUT", x, "INT32")],
+                sequence_id=seq,
+                sequence_start=step == 0,
+                sequence_end=step == 2,
+                client_timeout=RPC_TIMEOUT_S,
+            )
+            sums[seq] += value * scale
+            assert r.as_numpy("OUTPUT").tolist() == [[sums[seq]]]
 
 
 def _reason(c: grpcclient.InferenceServerClient, model: str) -> str:

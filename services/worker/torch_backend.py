@@ -101,19 +101,25 @@ PARAMETERS = {
     "ENABLE_CACHE_CLEANING": "torch.cuda.empty_cache() after each execution on a GPU",
     "INTRA_OP_THREAD_COUNT": "OpenMP threads of each instance",
     "INTER_OP_THREAD_COUNT": "torch's inter-op pool (process-wide, first load sets it)",
-    "ENABLE_NVFUSER": "false only: torch 2 has no NVFuser",
+    "ENABLE_NVFUSER": "false only: NVFuser is gone from TorchScript (torch 2.13 no-op)",
     "ENABLE_WEIGHT_SHARING": "false only: each instance loads its own weights",
-    "ENABLE_JIT_EXECUTOR": "true only: the profiling executor is torch 2's only one",
-    "ENABLE_JIT_PROFILING": "true only: the profiling executor is torch 2's only one",
+    "ENABLE_JIT_EXECUTOR": "true only (torch's default): the setting is process-wide",
+    "ENABLE_JIT_PROFILING": "true only (torch's default): the setting is process-wide",
 }
 
-# The flags below can only take the value torch 2.x gives them; a model that
-# asks otherwise would silently run differently, so it fails to load instead.
+# The flags below are accepted at one value only; a model that asks otherwise
+# would silently run differently (or change its neighbours), so it fails to
+# load instead, naming the parameter.
+_PROCESS_WIDE = (
+    "torch keeps it per process, so one model's value would change every other "
+    "TorchScript model in the worker"
+)
 _ONLY = {
-    "ENABLE_NVFUSER": (False, "NVFuser was removed from TorchScript in torch 2"),
+    # torch 2.13: torch._C._jit_set_nvfuser_enabled is "deprecated and a no-op"
+    "ENABLE_NVFUSER": (False, "NVFuser is no longer part of TorchScript"),
     "ENABLE_WEIGHT_SHARING": (False, "StageServe loads weights per instance"),
-    "ENABLE_JIT_EXECUTOR": (True, "torch 2's TorchScript has only the profiling executor"),
-    "ENABLE_JIT_PROFILING": (True, "torch 2's TorchScript has only the profiling executor"),
+    "ENABLE_JIT_EXECUTOR": (True, _PROCESS_WIDE),
+    "ENABLE_JIT_PROFILING": (True, _PROCESS_WIDE),
 }
 
 

@@ -69,8 +69,9 @@ def test_parameters_accepted_and_refused() -> None:
     assert torch_options({}).inference_mode  # Triton's default
     for params, match in (
         ({"ENABLE_NVFUSER": "true"}, "ENABLE_NVFUSER.*NVFuser"),
+        ({"ENABLE_JIT_EXECUTOR": "false"}, "ENABLE_JIT_EXECUTOR.*per process"),
         ({"ENABLE_WEIGHT_SHARING": "true"}, "ENABLE_WEIGHT_SHARING"),
-        ({"ENABLE_JIT_PROFILING": "false"}, "profiling executor"),
+        ({"ENABLE_JIT_PROFILING": "false"}, "every other TorchScript model"),
         ({"INFERENCE_MODE": "sometimes"}, "true or false"),
         ({"INTRA_OP_THREAD_COUNT": "many"}, "integer"),
     ):

@@ -105,6 +105,8 @@ PARAMETERS = {
     "ENABLE_WEIGHT_SHARING": "false only: each instance loads its own weights",
     "ENABLE_JIT_EXECUTOR": "true only (torch's default): the setting is process-wide",
     "ENABLE_JIT_PROFILING": "true only (torch's default): the setting is process-wide",
+    "ENABLE_TENSOR_FUSER": "true only (torch's default): the setting is process-wide",
+    "DISABLE_CUDNN": "false only (torch's default): the setting is process-wide",
 }
 
 # The flags below are accepted at one value only; a model that asks otherwise
@@ -120,6 +122,8 @@ _ONLY = {
     "ENABLE_WEIGHT_SHARING": (False, "StageServe loads weights per instance"),
     "ENABLE_JIT_EXECUTOR": (True, _PROCESS_WIDE),
     "ENABLE_JIT_PROFILING": (True, _PROCESS_WIDE),
+    "ENABLE_TENSOR_FUSER": (True, _PROCESS_WIDE),
+    "DISABLE_CUDNN": (False, _PROCESS_WIDE),
 }
 
 

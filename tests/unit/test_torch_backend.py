@@ -70,6 +70,7 @@ def test_parameters_accepted_and_refused() -> None:
     for params, match in (
         ({"ENABLE_NVFUSER": "true"}, "ENABLE_NVFUSER.*NVFuser"),
         ({"ENABLE_JIT_EXECUTOR": "false"}, "ENABLE_JIT_EXECUTOR.*per process"),
+        ({"DISABLE_CUDNN": "true"}, "DISABLE_CUDNN.*per process"),
         ({"ENABLE_WEIGHT_SHARING": "true"}, "ENABLE_WEIGHT_SHARING"),
         ({"ENABLE_JIT_PROFILING": "false"}, "every other TorchScript model"),
         ({"INFERENCE_MODE": "sometimes"}, "true or false"),

@@ -185,6 +185,7 @@ def start_services(
     metrics_port: int = 0,
     stage_metrics: bool = False,
     autocomplete: AutoComplete = TRITON_DEFAULT,
+    ratelimiter_args: list[str] | tuple[str, ...] = (),
 ) -> StackServices:
     """Start Redis (unless given) and every service, in path order, on `stack`.
 
@@ -197,7 +198,7 @@ def start_services(
     def metrics() -> list[str]:
         return ["--metrics-port", str(free_port())] if stage_metrics else []
 
-    rl = stack.start_service("ratelimiter", ["ratelimiter", *common, *metrics()])
+    rl = stack.start_service("ratelimiter", ["ratelimiter", *common, *ratelimiter_args, *metrics()])
     peers = ["--ratelimiter", rl.address]
     worker_children = [
         stack.start_service(

@@ -1,0 +1,97 @@
+"""CPU the rate limiter and Redis spend per request, driven by perf_analyzer.
+
+Starts a stack on the `simple` model (one instance), runs perf_analyzer at
+each concurrency and reads the rate limiter's and Redis's process CPU time
+(psutil) before and after; requests are counted from the model's statistics.
+With --resources the model's instance declares a rate_limiter resource and
+the rate limiter runs with --rate-limit=execution_count: every execution then
+takes a grant (no grant reuse), which is the cost of the feature.
+
+    python -m bench.ratelimit_cost -c 1 64 [--resources]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+import tritonclient.grpc as grpcclient
+
+from bench.perf_analyzer import run_perf
+from stageserve.examples import write_simple
+from stageserve.launcher import Stack, start_services
+
+RESOURCE_BLOCK = """
+instance_group [
+  {
+    count: 1
+    kind: KIND_CPU
+    rate_limiter { resources [ { name: "R1" count: 1 } ] priority: 1 }
+  }
+]
+"""
+
+
+def _cpu_s(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def _executions(url: str, model: str) -> tuple[int, int]:
+    client = grpcclient.InferenceServerClient(url)
+    stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
+    client.close()
+    return int(stats["inference_stats"]["success"].get("count", 0)), int(
+        stats.get("execution_count", 0)
+    )
+
+
+def write_model(root: Path, resources: bool) -> None:
+    path = write_simple(root)
+    if resources:
+        cfg = path / "config.pbtxt"
+        text = cfg.read_text()
+        start = text.index("instance_group")
+        end = text.index("]", start) + 1
+        cfg.write_text(text[:start] + RESOURCE_BLOCK.strip() + text[end:])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-c", "--concurrency", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--resources", action="store_true")
+    ap.add_argument("--measurement-ms", type=int, default=4000)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = Path(tmp)
+        write_model(repo, args.resources)
+        stack = Stack()
+        try:
+            rate_limit = ["--rate-limit", "execution_count"] if args.resources else []
+            s = start_services(stack, repo, device="cpu", ratelimiter_args=rate_limit)
+            redis_pid = stack.children[0].proc.pid
+            rl_pid = s.ratelimiter.proc.pid
+            print(f"resources={args.resources}")
+            print("conc  infer/s  p50_us  requests  executions  rl_us/req  redis_us/req")
+            for c in args.concurrency:
+                run_perf(s.gateway.address, "simple", c, measurement_ms=1000)  # warm up
+                req0, ex0 = _executions(s.gateway.address, "simple")
+                rl0, rd0 = _cpu_s(rl_pid), _cpu_s(redis_pid)
+                res = run_perf(s.gateway.address, "simple", c, measurement_ms=args.measurement_ms)
+                rl1, rd1 = _cpu_s(rl_pid), _cpu_s(redis_pid)
+                req1, ex1 = _executions(s.gateway.address, "simple")
+                n = max(1, req1 - req0)
+                print(
+                    f"{c:>4}  {res.throughput:>7.0f}  {res.p50_us:>6.0f}  {n:>8}  {ex1 - ex0:>10}"
+                    f"  {(rl1 - rl0) / n * 1e6:>9.1f}  {(rd1 - rd0) / n * 1e6:>12.1f}"
+                )
+        finally:
+            stack.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

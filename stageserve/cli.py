@@ -16,6 +16,11 @@ import os
 import sys
 from pathlib import Path
 
+from services.ratelimiter.options import (
+    add_rate_limit_flags,
+    rate_limit_argv,
+    resource_overrides,
+)
 from stageserve.autocomplete_options import DEFAULT_MAX_BATCH_SIZE, AutoComplete
 from stageserve.logs import setup_logging
 
@@ -79,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     _autocomplete(up)
     up.add_argument("--workers", type=int, default=1, help="worker processes to start")
     up.add_argument("--device", default="auto", help="auto | cpu | cuda:N for the workers")
+    add_rate_limit_flags(up)
     _redis(up, required=False)
     _common(up)
 
@@ -112,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     rl = sub.add_parser("ratelimiter", help="instance registry and execution grants")
     rl.add_argument("--listen", default="0.0.0.0:9002")
     rl.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
+    add_rate_limit_flags(rl)
     _redis(rl)
     _common(rl)
 
@@ -144,7 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     from stageserve.launcher import die_with_parent
 
     die_with_parent()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        resource_overrides(getattr(args, "rate_limit_resource", []))
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.command == "exec":  # PDEATHSIG survives exec: redis-server dies with us too
         os.execv(args.argv[0], args.argv)
     if args.command == "make-examples":
@@ -176,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             log_verbose=args.log_verbose,
             autocomplete=_autocomplete_of(args),
+            ratelimiter_args=rate_limit_argv(args.rate_limit, args.rate_limit_resource),
         )
     if args.command == "gateway":
         from services.gateway.server import serve
@@ -201,7 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "ratelimiter":
         from services.ratelimiter.service import serve
 
-        coro = serve(args.listen, args.redis_url)
+        coro = serve(
+            args.listen,
+            args.redis_url,
+            args.rate_limit,
+            resource_overrides(args.rate_limit_resource),
+        )
     else:
         from services.worker.service import serve
 

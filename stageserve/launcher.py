@@ -243,6 +243,7 @@ def up(
     device: str,
     log_verbose: int,
     autocomplete: AutoComplete = TRITON_DEFAULT,
+    ratelimiter_args: list[str] | tuple[str, ...] = (),
 ) -> int:
     stack = Stack(log_verbose)
     stopping = threading.Event()
@@ -265,6 +266,7 @@ def up(
             metrics_port,
             stage_metrics=True,
             autocomplete=autocomplete,
+            ratelimiter_args=ratelimiter_args,
         )
         print(
             json.dumps(

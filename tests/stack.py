@@ -63,6 +63,7 @@ def start_stack(
     load_models: tuple[str, ...] = (),
     workers: int = 1,
     autocomplete: AutoComplete = TRITON_DEFAULT,
+    ratelimiter_args: tuple[str, ...] = (),
 ) -> RunningStack:
     stack = Stack()
     try:
@@ -74,6 +75,7 @@ def start_stack(
             workers=workers,
             device="cpu",
             autocomplete=autocomplete,
+            ratelimiter_args=ratelimiter_args,
         )
     except BaseException:
         stack.stop()

@@ -19,12 +19,10 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
+from services.ratelimiter.options import OFF, RATE_LIMIT_MODES
 from stageserve import redis_keys as keys
 from stageserve import redis_scripts as scripts
 
-OFF = "off"
-EXECUTION_COUNT = "execution_count"
-RATE_LIMIT_MODES = (OFF, EXECUTION_COUNT)
 # How long an Acquire's demand counts when other pools weigh their scaled
 # priority against it: longer than the gap between a scheduler's release and
 # its next Acquire (a few ms), short enough that a pool whose traffic stopped
@@ -72,21 +70,6 @@ class NeverRunnable(NoInstances):
 def resource_scope(res: Resource, worker_id: str, device_id: int) -> str:
     """The Redis field counting one resource: global, or per worker device."""
     return f"{res.name}@global" if res.is_global else f"{res.name}@{worker_id}/{device_id}"
-
-
-def parse_resource_flag(text: str) -> tuple[str, int]:
-    """`--rate-limit-resource=<name>:<count>[:<device>]` -> (override field, count)."""
-    parts = text.split(":")
-    if len(parts) not in (2, 3) or not parts[0]:
-        raise ValueError(f"--rate-limit-resource '{text}': expected <name>:<count>[:<device>]")
-    try:
-        count = int(parts[1])
-        device = int(parts[2]) if len(parts) == 3 else None
-    except ValueError:
-        raise ValueError(f"--rate-limit-resource '{text}': count and device are integers") from None
-    if count < 0:
-        raise ValueError(f"--rate-limit-resource '{text}': count must be >= 0")
-    return (parts[0] if device is None else f"{parts[0]}@{device}"), count
 
 
 def now_ms() -> int:

@@ -322,7 +322,8 @@ class ModelQueue:
 
     def _give_back(self, grant: Granted, since: float, failed: bool | None) -> None:
         """A finished batch's grant: keep it for the next batch, or release it."""
-        if failed is not False or time.monotonic() - since > GRANT_REUSE_S:
+        expired = time.monotonic() - since > GRANT_REUSE_S
+        if failed is not False or grant.holds_resources or expired:
             self._spawn(self.ratelimiter.release(grant.grant_id, failed=bool(failed)))
         else:
             self._spare.append((grant, since))

@@ -12,15 +12,8 @@ from collections import Counter
 import pytest
 import redis.asyncio as aioredis
 
-from services.ratelimiter.registry import (
-    EXECUTION_COUNT,
-    OFF,
-    Instance,
-    NeverRunnable,
-    RedisRegistry,
-    Resource,
-    parse_resource_flag,
-)
+from services.ratelimiter.options import EXECUTION_COUNT, OFF, parse_resource_flag
+from services.ratelimiter.registry import Instance, NeverRunnable, RedisRegistry, Resource
 
 P = "test:rlres:"
 LONG = 60_000

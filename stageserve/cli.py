@@ -65,6 +65,15 @@ def _autocomplete_of(args: argparse.Namespace) -> AutoComplete:
     return AutoComplete(not args.disable_auto_complete_config, args.default_max_batch_size)
 
 
+def _poll_secs(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--repository-poll-secs",
+        type=float,
+        default=15.0,
+        help="with --model-control-mode poll: seconds between repository scans",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stageserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -79,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--grpc-port", type=int, default=8001)
     up.add_argument("--grpc-address", default="0.0.0.0")
     up.add_argument("--metrics-port", type=int, default=8002)
-    up.add_argument("--model-control-mode", choices=["none", "explicit"], default="none")
+    up.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     up.add_argument("--load-model", action="append", default=[], help="repeatable; * = all")
+    _poll_secs(up)
     _autocomplete(up)
     up.add_argument("--workers", type=int, default=1, help="worker processes to start")
     up.add_argument("--device", default="auto", help="auto | cpu | cuda:N for the workers")
@@ -92,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--listen", default=None, help="host:port (default 0.0.0.0:--grpc-port)")
     gw.add_argument("--grpc-port", type=int, default=8001)
     gw.add_argument("--model-repository", type=Path, required=True)
-    gw.add_argument("--model-control-mode", choices=["none", "explicit"], default="none")
+    gw.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     gw.add_argument("--load-model", action="append", default=[])
+    _poll_secs(gw)
     _autocomplete(gw)
     gw.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
     gw.add_argument("--ratelimiter", default=_env("STAGESERVE_RATELIMITER"), required=False)
@@ -189,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             log_verbose=args.log_verbose,
             autocomplete=_autocomplete_of(args),
             ratelimiter_args=rate_limit_argv(args.rate_limit, args.rate_limit_resource),
+            repository_poll_secs=args.repository_poll_secs,
         )
     if args.command == "gateway":
         from services.gateway.server import serve
@@ -205,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             args.load_model,
             args.metrics_port or None,
             _autocomplete_of(args),
+            args.repository_poll_secs,
         )
     elif args.command == "scheduler":
         from services.scheduler.service import serve

@@ -186,6 +186,7 @@ def start_services(
     stage_metrics: bool = False,
     autocomplete: AutoComplete = TRITON_DEFAULT,
     ratelimiter_args: list[str] | tuple[str, ...] = (),
+    repository_poll_secs: float = 15.0,
 ) -> StackServices:
     """Start Redis (unless given) and every service, in path order, on `stack`.
 
@@ -220,6 +221,8 @@ def start_services(
         str(repository),
         "--model-control-mode",
         control_mode,
+        "--repository-poll-secs",
+        str(repository_poll_secs),
         "--metrics-port",
         str(metrics_port),
     ]
@@ -244,6 +247,7 @@ def up(
     log_verbose: int,
     autocomplete: AutoComplete = TRITON_DEFAULT,
     ratelimiter_args: list[str] | tuple[str, ...] = (),
+    repository_poll_secs: float = 15.0,
 ) -> int:
     stack = Stack(log_verbose)
     stopping = threading.Event()
@@ -267,6 +271,7 @@ def up(
             stage_metrics=True,
             autocomplete=autocomplete,
             ratelimiter_args=ratelimiter_args,
+            repository_poll_secs=repository_poll_secs,
         )
         print(
             json.dumps(

@@ -64,6 +64,7 @@ def start_stack(
     workers: int = 1,
     autocomplete: AutoComplete = TRITON_DEFAULT,
     ratelimiter_args: tuple[str, ...] = (),
+    repository_poll_secs: float = 15.0,
 ) -> RunningStack:
     stack = Stack()
     try:
@@ -76,6 +77,7 @@ def start_stack(
             device="cpu",
             autocomplete=autocomplete,
             ratelimiter_args=ratelimiter_args,
+            repository_poll_secs=repository_poll_secs,
         )
     except BaseException:
         stack.stop()

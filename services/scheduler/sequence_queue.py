@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from services.scheduler.clients import Granted, WorkerCallError
+from services.scheduler.grant_pool import Held
 from services.scheduler.model_queue import (
     ModelQueue,
     Queued,
@@ -258,7 +259,8 @@ class SequenceQueue(ModelQueue):
 
     # -------------------------------------------------------------- execution
 
-    async def _execute(self, batch: list[Queued], grant: Granted, since: float) -> None:
+    async def _execute(self, batch: list[Queued], held: Held[Granted]) -> None:
+        grant = held.grant
         failed_instance: bool | None = False
         seqs: list[SeqQueued] = [q for q in batch if isinstance(q, SeqQueued)]
         cids = [sequence_key(q.msg.sequence_id, q.msg.sequence_id_str) for q in seqs]
@@ -309,7 +311,7 @@ class SequenceQueue(ModelQueue):
                 if cid in self.backlogs and not self.backlogs[cid]:
                     del self.backlogs[cid]
             self.executing -= 1
-            self._give_back(grant, since, failed_instance)
+            self._give_back(held, failed_instance)
             self._arrived.set()
 
     def _put_back(self, cid: str, q: SeqQueued, delay_s: float) -> None:

@@ -3,11 +3,12 @@
 Starts a stack on the `simple` model (one instance), runs perf_analyzer at
 each concurrency and reads the rate limiter's and Redis's process CPU time
 (psutil) before and after; requests are counted from the model's statistics.
-With --resources the model's instance declares a rate_limiter resource and
-the rate limiter runs with --rate-limit=execution_count: every execution then
-takes a grant (no grant reuse), which is the cost of the feature.
+With --rate-limit execution_count the rate limiter runs Triton's rate
+limiter; with --resources the model's instance also declares a rate_limiter
+resource, so every execution takes a grant (no grant reuse): the cost of the
+feature where it is asked for.
 
-    python -m bench.ratelimit_cost -c 1 64 [--resources]
+    python -m bench.ratelimit_cost -c 1 64 [--rate-limit execution_count] [--resources]
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-c", "--concurrency", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--resources", action="store_true")
+    ap.add_argument("--rate-limit", default="off", choices=["off", "execution_count"])
     ap.add_argument("--measurement-ms", type=int, default=4000)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,11 +81,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_model(repo, args.resources)
         stack = Stack()
         try:
-            rate_limit = ["--rate-limit", "execution_count"] if args.resources else []
-            s = start_services(stack, repo, device="cpu", ratelimiter_args=rate_limit)
+            # (no keyword when off: the bench also runs on trees older than the flag)
+            extra = (
+                {"ratelimiter_args": ["--rate-limit", args.rate_limit]}
+                if args.rate_limit != "off"
+                else {}
+            )
+            s = start_services(stack, repo, device="cpu", **extra)
             redis_pid = stack.children[0].proc.pid
             rl_pid = s.ratelimiter.proc.pid
-            print(f"resources={args.resources}")
+            print(f"rate_limit={args.rate_limit} resources={args.resources}")
             print("conc  infer/s  requests  executions  rl_us/req  redis_us/req")
             for c in args.concurrency:
                 _drive(s.gateway.address, c, 1000)  # warm up

@@ -50,6 +50,13 @@ local function recompute_caps(p)
     ov = ov or redis.call('HGET', p .. 'res:override', name)
     redis.call('HSET', p .. 'res:cap', key, tonumber(ov) or count)
   end
+  -- a resource no instance needs any more, and nobody holds, is forgotten
+  local held = redis.call('HGETALL', p .. 'res:held')
+  for i = 1, #held, 2 do
+    if not cap[held[i]] and tonumber(held[i + 1]) == 0 then
+      redis.call('HDEL', p .. 'res:held', held[i])
+    end
+  end
 end
 
 -- Unregister instances of worker wid. Grants on them end with them: a late

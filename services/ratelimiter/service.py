@@ -73,6 +73,7 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
         self.wakeups = Wakeups()
         # grant id -> (model, version, holds resources)
         self._grants: dict[str, tuple[str, int, bool]] = {}
+        self._exported_resources: set[tuple[str, str]] = set()
 
     async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
         instances = [
@@ -178,17 +179,28 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             instances=[instance_to_pb(i) for i in instances], busy_instance_ids=busy
         )
 
+    async def export_usage_once(self) -> None:
+        """Set the instance and resource gauges from Redis; a resource that is
+        gone (its last instance left) leaves /metrics."""
+        for (model, version), (free, busy) in (await self.registry.usage()).items():
+            RATELIMITER_INSTANCES.labels(model, str(version), "free").set(free)
+            RATELIMITER_INSTANCES.labels(model, str(version), "busy").set(busy)
+        exported: set[tuple[str, str]] = set()
+        for key, (held, available) in (await self.registry.resources()).items():
+            name, _, device = key.rpartition("@")
+            exported.add((name, device))
+            RATELIMITER_RESOURCES.labels(name, device, "held").set(held)
+            RATELIMITER_RESOURCES.labels(name, device, "available").set(available)
+        for name, device in self._exported_resources - exported:
+            for state in ("held", "available"):
+                RATELIMITER_RESOURCES.remove(name, device, state)
+        self._exported_resources = exported
+
     async def export_usage_forever(self, period_s: float = 1.0) -> None:
-        """Keep the free/busy instance gauges current for /metrics."""
+        """Keep the gauges current for /metrics."""
         while True:
             try:
-                for (model, version), (free, busy) in (await self.registry.usage()).items():
-                    RATELIMITER_INSTANCES.labels(model, str(version), "free").set(free)
-                    RATELIMITER_INSTANCES.labels(model, str(version), "busy").set(busy)
-                for key, (held, available) in (await self.registry.resources()).items():
-                    name, _, device = key.rpartition("@")
-                    RATELIMITER_RESOURCES.labels(name, device, "held").set(held)
-                    RATELIMITER_RESOURCES.labels(name, device, "available").set(available)
+                await self.export_usage_once()
             except Exception:
                 log.exception("usage export failed")
             await asyncio.sleep(period_s)

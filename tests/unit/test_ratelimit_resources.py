@@ -232,7 +232,7 @@ def test_expired_grant_and_dead_worker_give_resources_back(redis_url):
         assert await reg.sweep() == (1, 1)
         assert (await counts(reg))["R1@w1/-1"] == (0, 1)
         assert "G@global" not in await r.hgetall(P + "res:cap")
-        assert int(await r.hget(P + "res:held", "G@global")) == 0
+        assert await r.hget(P + "res:held", "G@global") is None  # forgotten with its worker
         assert await reg.try_acquire("B", 1, LONG) is not None
         await check_counts(reg, r)
 
@@ -244,7 +244,7 @@ def test_failed_release_removes_the_worker_and_its_holdings(redis_url):
         await register(reg, "w1", inst("a", "A", R1), inst("b", "B", R1))
         g = await reg.try_acquire("A", 1, LONG)
         await reg.release(g.grant_id, failed=True)
-        assert await counts(reg) == {"R1@w1/-1": (0, 0)}
+        assert await counts(reg) == {}  # the worker and its resources are gone
         await check_counts(reg, r)
 
     run(redis_url, body)
@@ -278,5 +278,40 @@ def test_random_operations_keep_counts_exact(redis_url):
         for g in held:
             await reg.release(g.grant_id)
         assert all(h == 0 for h, _ in (await counts(reg)).values())
+
+    run(redis_url, body)
+
+
+def test_service_exports_counts_and_grant_wait_by_priority(redis_url):
+    """The rate limiter's adapter: gauges per resource and device, the grant
+    wait histogram per model and priority, a vanished resource leaves."""
+    from prometheus_client import REGISTRY
+
+    from services.ratelimiter.service import RateLimiterService
+    from stageserve.generated import stageserve_pb2 as pb
+
+    def sample(name: str, **labels: str) -> float | None:
+        return REGISTRY.get_sample_value(name, labels)
+
+    async def body(reg, r):
+        service = RateLimiterService(reg)
+        await register(reg, "w1", inst("a", "metered", Resource("M", 2), priority=3))
+        waits = dict(model="metered", priority="3")
+        before = sample("stageserve_ratelimiter_grant_wait_seconds_count", **waits) or 0
+        resp = await service.Acquire(
+            pb.AcquireRequest(model="metered", version=1, wait_ms=0, lease_ms=LONG), None
+        )
+        assert resp.granted and resp.holds_resources and resp.instance.priority == 3
+        assert sample("stageserve_ratelimiter_grant_wait_seconds_count", **waits) == before + 1
+        await service.export_usage_once()
+        gauge = "stageserve_ratelimiter_resources"
+        assert sample(gauge, resource="M", device="w1/-1", state="held") == 2
+        assert sample(gauge, resource="M", device="w1/-1", state="available") == 2
+        await service.Release(pb.ReleaseRequest(grant_id=resp.grant_id), None)
+        await service.export_usage_once()
+        assert sample(gauge, resource="M", device="w1/-1", state="held") == 0
+        await reg.deregister("w1")
+        await service.export_usage_once()
+        assert sample(gauge, resource="M", device="w1/-1", state="available") is None
 
     run(redis_url, body)

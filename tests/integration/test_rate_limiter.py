@@ -26,6 +26,7 @@ from tests.integration.helpers import (
     model_stats,
     redis_client,
     stack_retrying,
+    start_worker_retrying,
     worker_id,
 )
 from tests.stack import RunningStack, wait_until
@@ -245,6 +246,24 @@ def test_two_rate_limiters_share_one_set_of_counts(limited, repo):
     for child in (gw2, sched2, rl2):
         child.proc.terminate()
         child.proc.wait(10)
+
+
+# ------------------------------------------------------------- joining worker
+
+
+def test_a_joining_worker_adds_its_devices_counts(limited):
+    def per_device() -> set[str]:
+        r = redis_client(limited.redis_url)
+        try:
+            return {k.decode() for k in r.hkeys("ss:rl:res:cap") if k.startswith(b"R@")}
+        finally:
+            r.close()
+
+    assert len(per_device()) == 2
+    start_worker_retrying(limited, "worker-joined")
+    assert wait_until(lambda: len(per_device()) == 3, 60)
+    wall, _ = run_together(limited.url, ["pd", "pd", "pd"])
+    assert wall < 1.7 * DELAY_S, wall  # three devices, three at once, no restart
 
 
 # ----------------------------------------------------------- killed holders

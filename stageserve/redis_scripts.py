@@ -114,6 +114,20 @@ for _, iid in ipairs(redis.call('SMEMBERS', p .. 'worker:' .. wid .. ':insts')) 
   if not wanted[iid] then table.insert(stale, iid) end
 end
 drop_instances(p, wid, stale)
+-- A new instance starts at the lowest scaled count (executions x priority)
+-- among the instances already registered, not at 0: otherwise a reloaded
+-- model or a joining worker would take every contended pick until its count
+-- caught up with instances that ran for hours (beyond Triton).
+local floor_scaled = nil
+for _, w in ipairs(redis.call('SMEMBERS', p .. 'workers')) do
+  for _, other in ipairs(redis.call('SMEMBERS', p .. 'worker:' .. w .. ':insts')) do
+    local f = redis.call('HMGET', p .. 'inst:' .. other, 'execs', 'prio', 'need')
+    if f[3] and f[3] ~= '' then
+      local scaled = (tonumber(f[1]) or 0) * math.max(tonumber(f[2]) or 0, 1)
+      if not floor_scaled or scaled < floor_scaled then floor_scaled = scaled end
+    end
+  end
+end
 local added = 0
 for iid, i in pairs(wanted) do
   if redis.call('EXISTS', p .. 'inst:' .. iid) == 0 then
@@ -132,7 +146,8 @@ for iid, i in pairs(wanted) do
     end
     redis.call('HSET', p .. 'inst:' .. iid, 'model', ARGV[i + 1], 'version', ARGV[i + 2],
       'kind', ARGV[i + 3], 'device_id', ARGV[i + 4], 'worker_id', wid, 'worker_address', addr,
-      'prio', ARGV[i + 5], 'need', #need > 0 and cjson.encode(need) or '', 'execs', 0)
+      'prio', ARGV[i + 5], 'need', #need > 0 and cjson.encode(need) or '',
+      'execs', math.floor((floor_scaled or 0) / math.max(tonumber(ARGV[i + 5]) or 0, 1)))
     redis.call('SADD', p .. 'worker:' .. wid .. ':insts', iid)
     redis.call('SADD', p .. 'pool:' .. pk, iid)
     redis.call('RPUSH', p .. 'free:' .. pk, iid)

@@ -315,3 +315,27 @@ def test_service_exports_counts_and_grant_wait_by_priority(redis_url):
         assert sample(gauge, resource="M", device="w1/-1", state="available") is None
 
     run(redis_url, body)
+
+
+def test_a_new_instance_starts_at_the_lowest_scaled_count_not_zero(redis_url):
+    """A model reloaded (or a worker joining) next to one that ran many times
+    shares the resource from the start instead of taking every pick."""
+
+    async def body(reg, r):
+        await register(reg, "w1", inst("a", "A", R1))
+        for _ in range(50):
+            g = await reg.try_acquire("A", 1, LONG)
+            await reg.release(g.grant_id)
+        await register(reg, "w1", inst("a", "A", R1), inst("b", "B", R1, priority=2))
+        assert int(await r.hget(P + "inst:b", "execs")) == 25  # 50 x 1 / priority 2
+        picks: Counter[str] = Counter()
+        for _ in range(30):
+            for model in ("B", "A", "B", "A"):
+                g = await reg.try_acquire(model, 1, LONG)
+                if g is not None:
+                    break
+            picks[g.instance.model] += 1
+            await reg.release(g.grant_id)
+        assert 15 <= picks["A"] <= 25, picks  # 2:1, from the first pick on
+
+    run(redis_url, body)

@@ -67,11 +67,6 @@ class NeverRunnable(NoInstances):
     """Every instance needs more of a resource than is available."""
 
 
-def resource_scope(res: Resource, worker_id: str, device_id: int) -> str:
-    """The Redis field counting one resource: global, or per worker device."""
-    return f"{res.name}@global" if res.is_global else f"{res.name}@{worker_id}/{device_id}"
-
-
 def now_ms() -> int:
     return int(time.time() * 1000)
 

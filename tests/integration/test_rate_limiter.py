@@ -65,8 +65,8 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_limited(root, "sb", res("S", is_global=True))
     write_limited(root, "p1", res("P", is_global=True) + " priority: 1", delay_ms=5)
     write_limited(root, "p4", res("P", is_global=True) + " priority: 4", delay_ms=5)
-    write_limited(root, "kw", res("K", is_global=True), delay_ms=4000)
-    write_limited(root, "ks", res("K2", is_global=True), delay_ms=4000)
+    write_limited(root, "kw", res("K", is_global=True), delay_ms=3000)
+    write_limited(root, "ks", res("K2", is_global=True), delay_ms=3000)
     return root
 
 
@@ -118,6 +118,12 @@ def gaps(finished: list[tuple[str, float]]) -> list[float]:
     return [b - a for a, b in zip(times, times[1:], strict=False)]
 
 
+#: Executions of DELAY_S that exclude each other finish at least DELAY_S
+#: apart; two that finish closer than this ran at the same time. (Wall times
+#: are only asserted as lower bounds: a loaded machine stretches them.)
+TOGETHER_S = 0.3 * DELAY_S
+
+
 def held(url: str, field: str) -> int:
     r = redis_client(url)
     try:
@@ -138,14 +144,14 @@ def test_two_models_sharing_a_count_1_resource_never_execute_at_once(limited):
 
 def test_a_larger_count_lets_them_overlap(limited):
     # S is raised to 2 by --rate-limit-resource S:2
-    wall, finished = run_together(limited.url, ["sa", "sb", "sa", "sb"])
-    assert wall < 3 * DELAY_S, (wall, finished)  # 2 at a time: ~2 delays, not 4
+    _, finished = run_together(limited.url, ["sa", "sb", "sa", "sb"])
+    assert min(gaps(finished)) < TOGETHER_S, finished  # 2 at a time
 
 
 def test_per_device_resource_runs_once_per_device_global_once_overall(limited):
-    wall_pd, _ = run_together(limited.url, ["pd", "pd"])
+    _, finished_pd = run_together(limited.url, ["pd", "pd"])
     wall_gl, finished = run_together(limited.url, ["gl", "gl"])
-    assert wall_pd < 1.7 * DELAY_S, wall_pd  # one per worker, at once
+    assert min(gaps(finished_pd)) < TOGETHER_S, finished_pd  # one per worker, at once
     assert wall_gl >= 2 * DELAY_S * 0.95, wall_gl
     assert min(gaps(finished)) >= 0.6 * DELAY_S
 
@@ -181,7 +187,7 @@ def test_priorities_1_and_4_share_picks_as_triton(limited):
     threads = [threading.Thread(target=load, args=(m,)) for m in ("p1", "p4") for _ in range(3)]
     for t in threads:
         t.start()
-    time.sleep(4.0)
+    time.sleep(3.0)
     stop.set()
     for t in threads:
         t.join()
@@ -262,8 +268,9 @@ def test_a_joining_worker_adds_its_devices_counts(limited):
     assert len(per_device()) == 2
     start_worker_retrying(limited, "worker-joined")
     assert wait_until(lambda: len(per_device()) == 3, 60)
-    wall, _ = run_together(limited.url, ["pd", "pd", "pd"])
-    assert wall < 1.7 * DELAY_S, wall  # three devices, three at once, no restart
+    _, finished = run_together(limited.url, ["pd", "pd", "pd"])
+    # three devices, three at once, no restart
+    assert finished[-1][1] - finished[0][1] < 2 * TOGETHER_S, finished
 
 
 # ----------------------------------------------------------- killed holders
@@ -319,8 +326,10 @@ def test_killed_scheduler_gives_its_resources_back(limited):
 # ------------------------------------------------------------------------- off
 
 
-def test_off_is_one_payload_per_instance_resources_ignored(repo):
-    with stack_retrying(repo) as running:
-        wall, finished = run_together(running.url, ["ga", "gb", "ga", "gb"])
+def test_off_is_one_payload_per_instance_resources_ignored(tmp_path):
+    write_limited(tmp_path, "ga", res("G", is_global=True))
+    write_limited(tmp_path, "gb", res("G", is_global=True))
+    with stack_retrying(tmp_path) as running:
+        _, finished = run_together(running.url, ["ga", "gb", "ga", "gb"])
         # one instance per model: ga and gb run side by side, two each
-        assert wall < 3 * DELAY_S, (wall, finished)
+        assert min(gaps(finished)) < TOGETHER_S, finished

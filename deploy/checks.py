@@ -118,6 +118,8 @@ METRICS: dict[str, Family] = {
         _fam("stageserve_ratelimiter_wait_seconds", "histogram", *_MV),
         _fam("stageserve_ratelimiter_instances", "gauge", *_MV, "state"),
         _fam("stageserve_ratelimiter_grants_total", "counter", *_MV),
+        _fam("stageserve_ratelimiter_grant_wait_seconds", "histogram", "model", "priority"),
+        _fam("stageserve_ratelimiter_resources", "gauge", "resource", "device", "state"),
         _fam("stageserve_worker_compute_seconds", "histogram", *_MV, "model_instance", "phase"),
         _fam("stageserve_stage_rpc_duration_seconds", "histogram", "service", "peer", "method"),
         _fam("stageserve_stage_rpc_errors_total", "counter", "service", "peer", "method", "code"),
@@ -149,6 +151,7 @@ LABEL_VALUES: dict[tuple[str, str], frozenset[str]] = {
     ),
     ("stageserve_worker_compute_seconds", "phase"): frozenset({"input", "infer", "output"}),
     ("stageserve_ratelimiter_instances", "state"): frozenset({"free", "busy"}),
+    ("stageserve_ratelimiter_resources", "state"): frozenset({"held", "available"}),
     ("nv_inference_request_failure", "reason"): frozenset(
         {"REJECTED", "CANCELED", "BACKEND", "OTHER"}
     ),

@@ -16,6 +16,11 @@ import os
 import sys
 from pathlib import Path
 
+from services.ratelimiter.options import (
+    add_rate_limit_flags,
+    rate_limit_argv,
+    resource_overrides,
+)
 from stageserve.autocomplete_options import DEFAULT_MAX_BATCH_SIZE, AutoComplete
 from stageserve.gpus import parse_workers
 from stageserve.logs import setup_logging
@@ -61,6 +66,15 @@ def _autocomplete_of(args: argparse.Namespace) -> AutoComplete:
     return AutoComplete(not args.disable_auto_complete_config, args.default_max_batch_size)
 
 
+def _poll_secs(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--repository-poll-secs",
+        type=float,
+        default=15.0,
+        help="with --model-control-mode poll: seconds between repository scans",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stageserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--grpc-port", type=int, default=8001)
     up.add_argument("--grpc-address", default="0.0.0.0")
     up.add_argument("--metrics-port", type=int, default=8002)
-    up.add_argument("--model-control-mode", choices=["none", "explicit"], default="none")
+    up.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     up.add_argument("--load-model", action="append", default=[], help="repeatable; * = all")
+    _poll_secs(up)
     _autocomplete(up)
     up.add_argument(
         "--workers",
@@ -85,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="worker processes to start, or auto: one per GPU (cuda:0..N-1; 1 without a GPU)",
     )
     up.add_argument("--device", default="auto", help="auto | cpu | cuda:N for the workers")
+    add_rate_limit_flags(up)
     _redis(up, required=False)
     _common(up)
 
@@ -92,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--listen", default=None, help="host:port (default 0.0.0.0:--grpc-port)")
     gw.add_argument("--grpc-port", type=int, default=8001)
     gw.add_argument("--model-repository", type=Path, required=True)
-    gw.add_argument("--model-control-mode", choices=["none", "explicit"], default="none")
+    gw.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     gw.add_argument("--load-model", action="append", default=[])
+    _poll_secs(gw)
     _autocomplete(gw)
     gw.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
     gw.add_argument("--ratelimiter", default=_env("STAGESERVE_RATELIMITER"), required=False)
@@ -118,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     rl = sub.add_parser("ratelimiter", help="instance registry and execution grants")
     rl.add_argument("--listen", default="0.0.0.0:9002")
     rl.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
+    add_rate_limit_flags(rl)
     _redis(rl)
     _common(rl)
 
@@ -150,7 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     from stageserve.launcher import die_with_parent
 
     die_with_parent()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        resource_overrides(getattr(args, "rate_limit_resource", []))
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.command == "exec":  # PDEATHSIG survives exec: redis-server dies with us too
         os.execv(args.argv[0], args.argv)
     if args.command == "make-examples":
@@ -182,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             log_verbose=args.log_verbose,
             autocomplete=_autocomplete_of(args),
+            ratelimiter_args=rate_limit_argv(args.rate_limit, args.rate_limit_resource),
+            repository_poll_secs=args.repository_poll_secs,
         )
     if args.command == "gateway":
         from services.gateway.server import serve
@@ -198,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             args.load_model,
             args.metrics_port or None,
             _autocomplete_of(args),
+            args.repository_poll_secs,
         )
     elif args.command == "scheduler":
         from services.scheduler.service import serve
@@ -207,7 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "ratelimiter":
         from services.ratelimiter.service import serve
 
-        coro = serve(args.listen, args.redis_url)
+        coro = serve(
+            args.listen,
+            args.redis_url,
+            args.rate_limit,
+            resource_overrides(args.rate_limit_resource),
+        )
     else:
         from services.worker.service import serve
 

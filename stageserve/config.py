@@ -78,6 +78,9 @@ class InstanceGroup:
     count: int
     kind: str  # KIND_CPU / KIND_GPU / KIND_AUTO
     gpus: tuple[int, ...] = ()
+    # rate_limiter: (name, count, global) per resource, and the priority
+    rate_limiter_resources: tuple[tuple[str, int, bool], ...] = ()
+    rate_limiter_priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -359,7 +362,12 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
             raise ConfigError(f"model '{name}': instance_group count must be >= 0")
         groups.append(
             InstanceGroup(
-                g.name or f"{name}_{i}", g.count or 1, kind, tuple(int(x) for x in g.gpus)
+                g.name or f"{name}_{i}",
+                g.count or 1,
+                kind,
+                tuple(int(x) for x in g.gpus),
+                _rate_limiter_resources(name, g.rate_limiter),
+                int(g.rate_limiter.priority),
             )
         )
     if not groups:
@@ -385,6 +393,21 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
         batch_outputs=batch_outputs,
         warmups=_warmup_specs(config, inputs, sequence),
     )
+
+
+def _rate_limiter_resources(
+    model: str, rl: mc.ModelRateLimiter
+) -> tuple[tuple[str, int, bool], ...]:
+    seen: set[str] = set()
+    for r in rl.resources:
+        if not r.name:
+            raise ConfigError(f"model '{model}': a rate_limiter resource needs a name")
+        if r.name in seen:
+            raise ConfigError(
+                f"model '{model}': rate_limiter resource '{r.name}' is listed more than once"
+            )
+        seen.add(r.name)
+    return tuple((r.name, int(r.count), bool(getattr(r, "global"))) for r in rl.resources)
 
 
 def _ragged_spec(

@@ -186,6 +186,8 @@ def start_services(
     metrics_port: int = 0,
     stage_metrics: bool = False,
     autocomplete: AutoComplete = TRITON_DEFAULT,
+    ratelimiter_args: list[str] | tuple[str, ...] = (),
+    repository_poll_secs: float = 15.0,
 ) -> StackServices:
     """Start Redis (unless given) and every service, in path order, on `stack`.
 
@@ -198,7 +200,7 @@ def start_services(
     def metrics() -> list[str]:
         return ["--metrics-port", str(free_port())] if stage_metrics else []
 
-    rl = stack.start_service("ratelimiter", ["ratelimiter", *common, *metrics()])
+    rl = stack.start_service("ratelimiter", ["ratelimiter", *common, *ratelimiter_args, *metrics()])
     peers = ["--ratelimiter", rl.address]
     gpus = gpu_count() if workers == AUTO else 0  # --workers auto: one per GPU
     worker_children = [
@@ -219,6 +221,8 @@ def start_services(
         str(repository),
         "--model-control-mode",
         control_mode,
+        "--repository-poll-secs",
+        str(repository_poll_secs),
         "--metrics-port",
         str(metrics_port),
     ]
@@ -242,6 +246,8 @@ def up(
     device: str,
     log_verbose: int,
     autocomplete: AutoComplete = TRITON_DEFAULT,
+    ratelimiter_args: list[str] | tuple[str, ...] = (),
+    repository_poll_secs: float = 15.0,
 ) -> int:
     stack = Stack(log_verbose)
     stopping = threading.Event()
@@ -264,6 +270,8 @@ def up(
             metrics_port,
             stage_metrics=True,
             autocomplete=autocomplete,
+            ratelimiter_args=ratelimiter_args,
+            repository_poll_secs=repository_poll_secs,
         )
         print(
             json.dumps(

@@ -18,8 +18,16 @@ Rate limiter registry and grants (ratelimiter only; see redis_scripts.py):
                                     worker_address
   ss:rl:pool:{model}:{ver}    set   registered instance ids
   ss:rl:free:{model}:{ver}    list  instance ids free to run a payload
-  ss:rl:grant:{gid}           hash  instance, model, version
+  ss:rl:inst:{iid}  (also)    prio, need (JSON [[field, count, name, device]]),
+                                    execs (grants so far, for scaled priority)
+  ss:rl:grant:{gid}           hash  instance, model, version, need (what it took)
   ss:rl:grants                zset  grant id -> lease deadline (ms)
+  ss:rl:res:cap               hash  resource field -> available count; a field
+                                    is "{name}@global" or "{name}@{wid}/{device}"
+  ss:rl:res:held              hash  resource field -> count held by grants
+  ss:rl:res:override          hash  "name" / "name@device" -> --rate-limit-resource
+  ss:rl:demand                zset  "{model}:{ver}" -> until when (ms) its last
+                                    Acquire counts as waiting (priority picks)
 
 Sequence batcher (scheduler; see services/scheduler/sequence_store.py):
   ss:seq:{model}:{ver}:{cid}       hash  slot, st:{state} -> raw, sh:{state} -> shape;

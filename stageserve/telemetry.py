@@ -226,6 +226,17 @@ RATELIMITER_INSTANCES = Gauge(
 RATELIMITER_GRANTS = Counter(
     "stageserve_ratelimiter_grants", "Execution grants handed out", ["model", "version"]
 )
+RATELIMITER_GRANT_WAIT = Histogram(
+    "stageserve_ratelimiter_grant_wait_seconds",
+    "Time a granted Acquire waited, by model and the granted instance's priority",
+    ["model", "priority"],
+    buckets=LATENCY_BUCKETS,
+)
+RATELIMITER_RESOURCES = Gauge(
+    "stageserve_ratelimiter_resources",
+    "Rate limiter resource counts per device (or global): held / available",
+    ["resource", "device", "state"],
+)
 WORKER_COMPUTE = Histogram(
     "stageserve_worker_compute_seconds",
     "Batch compute time per instance and phase (input / infer / output)",

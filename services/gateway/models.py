@@ -119,7 +119,7 @@ class ModelManager:
         the same config is adopted as it is (no reload), so gateways can be
         added or restarted while the others serve."""
         names = model_names(self.repository)
-        wanted = names if self.control_mode == "none" or "*" in load else load
+        wanted = names if self.control_mode in ("none", "poll") or "*" in load else load
         await asyncio.gather(
             *(self.load(name, adopt=True) for name in wanted), return_exceptions=True
         )

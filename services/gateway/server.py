@@ -10,6 +10,7 @@ import grpc
 import redis.asyncio as aioredis
 
 from services.gateway.models import ModelManager
+from services.gateway.poller import RepositoryPoller
 from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.service import InferenceService
 from services.gateway.shared_stats import SharedStats
@@ -34,6 +35,7 @@ async def serve(
     load_models: list[str],
     metrics_port: int | None = None,
     autocomplete: AutoComplete = TRITON_DEFAULT,
+    repository_poll_secs: float = 15.0,
 ) -> None:
     redis = aioredis.from_url(redis_url)
     await redis.ping()
@@ -54,10 +56,16 @@ async def serve(
     if metrics_port:
         serve_metrics(metrics_port)
 
+    poller = RepositoryPoller(models, repository, repository_poll_secs)
+    polling: list[asyncio.Task] = []
+
     async def load_then_ready() -> None:
+        poller.baseline()
         await models.startup(load_models)
         service.ready = True
         log.info("startup models loaded", extra={"models": sorted(models.entries)})
+        if control_mode == "poll":
+            polling.append(asyncio.create_task(poller.run_forever()))
 
     # Serve health RPCs while models load; announce once loading finished.
     loader = asyncio.create_task(load_then_ready())
@@ -65,6 +73,8 @@ async def serve(
         await run_server(server, listen, "gateway", before_ready=loader)
     finally:
         loader.cancel()
+        for task in polling:
+            task.cancel()
         await service.shared.close()
         await link.close()
         await rl_channel.close()

@@ -24,6 +24,9 @@ class Granted:
     grant_id: str
     instance_id: str
     worker_address: str
+    # It holds rate_limiter resources: released after one execution, never
+    # kept for reuse (other instances wait for those resources).
+    holds_resources: bool = False
 
 
 class RateLimiterClient:
@@ -88,7 +91,12 @@ class RateLimiterClient:
             self.held.add(resp.grant_id)
             if self._renewer is None:
                 self._renewer = asyncio.create_task(self._renew_forever())
-            return Granted(resp.grant_id, resp.instance.instance_id, resp.instance.worker_address)
+            return Granted(
+                resp.grant_id,
+                resp.instance.instance_id,
+                resp.instance.worker_address,
+                resp.holds_resources,
+            )
         if "no instance" in resp.reason:
             raise StageError(grpc.StatusCode.UNAVAILABLE, resp.reason)
         return None

@@ -50,6 +50,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.ratelimiter = ratelimiter
         self.gpu = gpu
         self.instances: dict[str, HostedInstance] = {}
+        # instance id -> its group's rate_limiter (priority, resources)
+        self.rate_limits: dict[str, tuple[int, tuple[tuple[str, int, bool], ...]]] = {}
         self._reconcile_lock = asyncio.Lock()
         self._executing = 0  # batches executing on this worker, all instances
 
@@ -168,6 +170,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             return False
         for inst in stale:
             del self.instances[inst.instance_id]
+            self.rate_limits.pop(inst.instance_id, None)
         await self.register()  # stop new grants before draining
         for inst in stale:
             while inst.in_flight:
@@ -201,6 +204,10 @@ class WorkerService(pb_grpc.WorkerServicer):
                         iid = (
                             f"{self.worker_id}/{model.name}/{version}/g{model.generation}/"
                             f"{g.name}/{index}"
+                        )
+                        self.rate_limits[iid] = (
+                            g.rate_limiter_priority,
+                            g.rate_limiter_resources,
                         )
                         loaded.append(
                             HostedInstance(
@@ -240,6 +247,11 @@ class WorkerService(pb_grpc.WorkerServicer):
                 version=i.version,
                 kind=i.placement.kind,
                 device_id=i.placement.device_id,
+                priority=self.rate_limits.get(i.instance_id, (0, ()))[0],
+                resources=[
+                    pb.ResourceNeed(name=n, count=c, **{"global": g})
+                    for n, c, g in self.rate_limits.get(i.instance_id, (0, ()))[1]
+                ],
             )
             for i in self.instances.values()
         ]

@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     _autocomplete(up)
     up.add_argument("--workers", type=int, default=1, help="worker processes to start")
     up.add_argument("--device", default="auto", help="auto | cpu | cuda:N for the workers")
+    up.add_argument(
+        "--supervisor-metrics-port",
+        type=int,
+        default=0,
+        help="/metrics with stageserve_stage_restarts_total (0: a free port, announced)",
+    )
     _redis(up, required=False)
     _common(up)
 
@@ -176,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             log_verbose=args.log_verbose,
             autocomplete=_autocomplete_of(args),
+            supervisor_metrics_port=args.supervisor_metrics_port,
         )
     if args.command == "gateway":
         from services.gateway.server import serve

@@ -127,6 +127,10 @@ class ModelManager:
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
 
+    def is_busy(self, name: str) -> bool:
+        """A load or unload of the model is under way."""
+        return name in self._locks and self._locks[name].locked()
+
     async def _ensure_ready(
         self, name: str, chain: tuple[str, ...], adopt: bool = False
     ) -> str | None:

@@ -10,6 +10,7 @@ import grpc
 import redis.asyncio as aioredis
 
 from services.gateway.models import ModelManager
+from services.gateway.republish import Republisher
 from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.service import InferenceService
 from services.gateway.shared_stats import SharedStats
@@ -49,6 +50,9 @@ async def serve(
     service = InferenceService(models, link)
     service.shared = SharedStats(redis, service.stats)
     service.shared.start()
+    republisher = Republisher(models, redis)
+    await republisher.check()  # marks the model set as known before loading
+    republisher.start()
     server = grpc.aio.server(options=SERVER_OPTIONS)
     gs_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
     if metrics_port:
@@ -65,6 +69,7 @@ async def serve(
         await run_server(server, listen, "gateway", before_ready=loader)
     finally:
         loader.cancel()
+        await republisher.close()
         await service.shared.close()
         await link.close()
         await rl_channel.close()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -69,6 +70,11 @@ class SequenceStore:
         self._counter = itertools.count()
         self._claim = redis.register_script(scripts.SEQUENCE_CLAIM)
         self._heartbeat: asyncio.Task | None = None
+        # Sequences this scheduler claimed and did not see end: cid -> when
+        # they idle out (monotonic s). Redis restarting empty loses their
+        # state; remembering them here lets the next request be told so
+        # instead of the generic "no START" error (see lost()).
+        self._open: dict[str, float] = {}
 
     def new_entry(self) -> str:
         return f"{self.owner}:{next(self._counter)}"
@@ -130,8 +136,13 @@ class SequenceStore:
         for cid, entry, start, slot in items:
             args += [cid, entry, "1" if start else "0", slot]
         out = []
-        for status, slot, fields in await self._claim(args=args):
+        now = time.monotonic()
+        for (cid, _, _, _), (status, slot, fields) in zip(
+            items, await self._claim(args=args), strict=True
+        ):
             claim = Claim(int(status), int(slot))
+            if claim.status == CLAIMED:
+                self._open[cid] = now + self.idle_ms / 1000
             for k, v in zip(fields[::2], fields[1::2], strict=True):
                 name = k.decode()
                 if name.startswith("st:"):
@@ -152,6 +163,7 @@ class SequenceStore:
             for cid, entry, end, states in results:
                 key = self.prefix + cid
                 if end:
+                    self._open.pop(cid, None)
                     pipe.delete(key)
                 elif states:
                     mapping: dict[str, bytes | str] = {}
@@ -162,3 +174,13 @@ class SequenceStore:
                     pipe.pexpire(key, self.idle_ms)
                 pipe.lrem(key + ":q", 1, entry)
             await pipe.execute()
+
+    def lost(self, cid: str) -> bool:
+        """Whether an UNKNOWN claim of `cid` means its state was lost: this
+        scheduler ran the sequence, it neither ended nor idled out, and Redis
+        no longer has it. (Forgets the sequence either way.)"""
+        deadline = self._open.pop(cid, None)
+        now = time.monotonic()
+        if len(self._open) > 10_000:  # ended elsewhere or abandoned: bounded memory
+            self._open = {c: d for c, d in self._open.items() if d > now}
+        return deadline is not None and deadline > now

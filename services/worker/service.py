@@ -128,6 +128,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def reconcile(self) -> None:
         """Make the hosted instances match the published model set."""
         async with self._reconcile_lock:
+            if not await self.state.model_set_known():
+                return  # Redis lost it: keep what we host until the gateway republishes
             wanted = await self.state.loaded()
             # New generations load (and register) before old ones unload, so a
             # reload under traffic never leaves a model without instances.

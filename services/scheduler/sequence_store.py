@@ -30,6 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from stageserve import redis_keys as keys
 from stageserve import redis_scripts as scripts
@@ -111,10 +112,12 @@ class SequenceStore:
         """Drop entries whose requests left without executing."""
         if not items:
             return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for cid, entry in items:
-                pipe.lrem(self.prefix + cid + ":q", 1, entry)
-            await pipe.execute()
+        # Redis down: nothing to do, the entries go with the backlog's idle expiry.
+        with contextlib.suppress(RedisError):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for cid, entry in items:
+                    pipe.lrem(self.prefix + cid + ":q", 1, entry)
+                await pipe.execute()
 
     async def backlog(self, cid: str) -> list[str]:
         return [e.decode() for e in await self.redis.lrange(self.prefix + cid + ":q", 0, -1)]

@@ -7,7 +7,6 @@ import logging
 from pathlib import Path
 
 import grpc
-import redis.asyncio as aioredis
 
 from services.gateway.models import ModelManager
 from services.gateway.republish import Republisher
@@ -19,6 +18,7 @@ from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
 from stageserve.net import SERVER_OPTIONS, insecure_channel
+from stageserve.redis_connect import connect
 from stageserve.service_runtime import run_server
 from stageserve.telemetry import serve_metrics
 
@@ -36,7 +36,7 @@ async def serve(
     metrics_port: int | None = None,
     autocomplete: AutoComplete = TRITON_DEFAULT,
 ) -> None:
-    redis = aioredis.from_url(redis_url)
+    redis = connect(redis_url)
     await redis.ping()
     rl_channel = insecure_channel(ratelimiter_address)
     models = ModelManager(

@@ -179,12 +179,11 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
 
 
 async def serve(listen: str, redis_url: str) -> None:
-    import redis.asyncio as aioredis
-
     from stageserve.net import SERVER_OPTIONS
+    from stageserve.redis_connect import connect
     from stageserve.service_runtime import run_server
 
-    redis = aioredis.from_url(redis_url)
+    redis = connect(redis_url)
     await redis.ping()
     service = RateLimiterService(RedisRegistry(redis))
     server = grpc.aio.server(options=SERVER_OPTIONS)

@@ -26,6 +26,7 @@ from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import LoadedModel, ModelStateStore
 from stageserve.net import insecure_channel
+from stageserve.redis_connect import connect
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +314,7 @@ async def serve(
     from stageserve.net import SERVER_OPTIONS
     from stageserve.service_runtime import run_server
 
-    redis = aioredis.from_url(redis_url)
+    redis = connect(redis_url)
     await redis.ping()
     worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
     channel = insecure_channel(ratelimiter_address)

@@ -1,0 +1,135 @@
+"""`stageserve up` supervises its children: kill -9 any stage and it serves again.
+
+One `stageserve up` on the example repository for the module; each stage is
+killed in turn (SIGKILL, no goodbye) and a `simple` request must succeed
+again within RECOVERY_S of the kill, with nobody acting. The supervisor logs
+each restart and counts it in stageserve_stage_restarts_total on its own
+/metrics port (announced in the `stageserve up` line).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from stageserve.net import free_port
+from tests.stack import wait_until
+
+RECOVERY_S = 5.0
+
+
+class Up:
+    def __init__(self, proc: subprocess.Popen, info: dict, log: Path) -> None:
+        self.proc, self.info, self.log = proc, info, log
+        self.url = info["grpc"]
+
+    def restarted_lines(self, stage: str) -> int:
+        """The supervisor's `stage restarted` log lines (logged once it is back)."""
+        return sum(
+            1
+            for line in self.log.read_text().splitlines()
+            if '"stage restarted"' in line and f'"stage": "{stage}"' in line
+        )
+
+    def restarts(self) -> dict[str, float]:
+        port = self.info["metrics_ports"]["supervisor"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("stageserve_stage_restarts_total{"):
+                stage = line.split('stage="', 1)[1].split('"', 1)[0]
+                out[stage] = float(line.rsplit(" ", 1)[1])
+        return out
+
+
+@pytest.fixture(scope="module")
+def up(example_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    log = tmp_path_factory.mktemp("supervision") / "up.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "stageserve.cli",
+                "up",
+                "--model-repository",
+                str(example_repository),
+                "--grpc-port",
+                str(free_port()),
+                "--metrics-port",
+                str(free_port()),
+                "--device",
+                "cpu",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 120
+        info = None
+        while info is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("{") and '"stageserve up"' in line:
+                info = json.loads(line)
+        assert info is not None, "stageserve up did not report its services"
+        yield Up(proc, info, log)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _simple_ok(url: str) -> bool:
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = [grpcclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+    for i in inputs:
+        i.set_data_from_numpy(a)
+    try:
+        with grpcclient.InferenceServerClient(url) as client:
+            result = client.infer("simple", inputs, client_timeout=2)
+    except InferenceServerException:
+        return False
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 2 * a)  # never a wrong answer
+    return True
+
+
+@pytest.mark.parametrize("stage", ["worker-0", "scheduler", "ratelimiter", "gateway", "redis"])
+def test_kill_9_of_a_stage_heals_within_5_s(up: Up, stage: str) -> None:
+    assert wait_until(lambda: _simple_ok(up.url), 30), "the stack did not serve before the kill"
+    before = up.restarts().get(stage, 0.0)
+    logged = up.restarted_lines(stage)
+    killed_at = time.monotonic()
+    os.kill(up.info["pids"][stage], signal.SIGKILL)
+    # Back (logged), then serving, both within RECOVERY_S of the kill.
+    assert wait_until(lambda: up.restarted_lines(stage) == logged + 1, RECOVERY_S), (
+        f"{stage} not back within {RECOVERY_S}s; log tail:\n"
+        + "\n".join(up.log.read_text().splitlines()[-15:])
+    )
+    left = RECOVERY_S - (time.monotonic() - killed_at)
+    assert wait_until(lambda: _simple_ok(up.url), left, interval_s=0.1), (
+        f"no success within {RECOVERY_S}s of killing {stage}"
+    )
+    healed_s = time.monotonic() - killed_at
+    assert up.restarts()[stage] == before + 1
+    assert up.proc.poll() is None
+    print(f"{stage}: serving again {healed_s:.2f}s after kill -9")

@@ -20,14 +20,15 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 
-RETRIES = 3
-BACKOFF_BASE_S = 0.02
-BACKOFF_CAP_S = 0.1
+from stageserve.settings import REDIS_CLIENT
 
 
 def connect(url: str) -> aioredis.Redis:
     return aioredis.from_url(
         url,
-        retry=Retry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), RETRIES),
+        retry=Retry(
+            ExponentialBackoff(cap=REDIS_CLIENT.backoff_cap_s, base=REDIS_CLIENT.backoff_base_s),
+            REDIS_CLIENT.retries,
+        ),
         retry_on_error=[ConnectionError, TimeoutError],
     )

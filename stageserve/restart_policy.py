@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stageserve.settings import SUPERVISOR
+
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    first_delay_s: float = 0.1
-    max_delay_s: float = 5.0
+    first_delay_s: float = SUPERVISOR.restart_first_delay_s
+    max_delay_s: float = SUPERVISOR.restart_max_delay_s
     # Uptime after which an exit counts as a fresh failure (delay back to the first).
-    healthy_after_s: float = 10.0
+    healthy_after_s: float = SUPERVISOR.restart_healthy_after_s
 
     def delay(self, consecutive_failures: int) -> float:
         """Delay before the restart that follows the n-th consecutive failure (n >= 1)."""

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
 from stageserve.restart_policy import RestartPolicy, RestartState
+from stageserve.settings import SUPERVISOR
 
 if TYPE_CHECKING:
     from stageserve.launcher import Child
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TICK_S = 0.05
-START_TIMEOUT_S = 120.0  # a restarted stage that never announces is killed and retried
+START_TIMEOUT_S = SUPERVISOR.start_timeout_s  # never announced: killed and retried
 
 RUNNING, WAITING, STARTING = "running", "waiting", "starting"
 

@@ -25,6 +25,7 @@ from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
 from stageserve.repository import model_names, read_model
+from stageserve.settings import GATEWAY
 from stageserve.telemetry import TRITON, model_labels
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class ModelManager:
         state: ModelStateStore,
         ratelimiter: pb_grpc.RateLimiterStub,
         control_mode: str = "none",
-        load_timeout_s: float = 120.0,
+        load_timeout_s: float = GATEWAY.load_timeout_s,
         autocomplete: AutoComplete = TRITON_DEFAULT,
     ) -> None:
         self.autocomplete = autocomplete

@@ -22,11 +22,12 @@ import redis.asyncio as aioredis
 
 from services.gateway.models import ModelManager
 from stageserve import redis_keys as keys
+from stageserve.settings import GATEWAY
 
 log = logging.getLogger(__name__)
 
 # How soon a lost model set is noticed: a check is one EXISTS.
-PERIOD_S = 0.25
+PERIOD_S = GATEWAY.republish_check_s
 
 _RAISE_COUNTER = """
 if tonumber(redis.call('GET', KEYS[1]) or '0') < tonumber(ARGV[1]) then

@@ -34,12 +34,13 @@ from redis.exceptions import RedisError
 
 from stageserve import redis_keys as keys
 from stageserve import redis_scripts as scripts
+from stageserve.settings import SCHEDULER
 
 CLAIMED, UNKNOWN, WAIT = 0, 1, 2
 
 # An owner key outlives a few missed heartbeats; a dead scheduler's entries
 # block their sequences at most this long.
-OWNER_TTL_MS = 3000
+OWNER_TTL_MS = SCHEDULER.sequence_owner_ttl_ms
 HEARTBEAT_S = OWNER_TTL_MS / 3000
 
 

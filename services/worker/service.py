@@ -27,12 +27,13 @@ from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import LoadedModel, ModelStateStore
 from stageserve.net import insecure_channel
 from stageserve.redis_connect import connect
+from stageserve.settings import WORKER
 
 log = logging.getLogger(__name__)
 
-LEASE_MS = 3000
-HEARTBEAT_S = 0.5
-RECONCILE_S = 2.0
+LEASE_MS = WORKER.lease_ms
+HEARTBEAT_S = WORKER.heartbeat_s
+RECONCILE_S = WORKER.reconcile_s
 
 
 class WorkerService(pb_grpc.WorkerServicer):

@@ -24,10 +24,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.net import free_port
 from stageserve.service_runtime import READY_MARKER
+
+if TYPE_CHECKING:
+    from stageserve.supervision import Supervisor
 
 _PR_SET_PDEATHSIG = 1
 PARENT_ENV = "STAGESERVE_PARENT_PID"
@@ -66,8 +70,8 @@ class Child:
     # Restart on the announced address (peers were given it). Not for workers:
     # they announce themselves in the registry, and a scheduler treats the
     # address of a worker that died as broken until it answers, so a new
-    # worker there was reported failed on every grant (measured: 11.6 s of
-    # failures after a worker kill, against ~3 s on a new port).
+    # worker there was reported failed on every grant (bench.chaos: first
+    # success 11.6 s after a worker kill, against 0.5-1.9 s on a new port).
     pin_address: bool = True
 
     def restart_cmd(self) -> list[str]:
@@ -130,7 +134,7 @@ class Stack:
         self.children: list[Child] = []
         self.log_verbose = log_verbose
         self._tmp: str | None = None
-        self._supervisor = None
+        self._supervisor: Supervisor | None = None
 
     def start_service(self, name: str, args: list[str], timeout_s: float = 120.0) -> Child:
         cmd = [sys.executable, "-m", "stageserve.cli", *args]
@@ -145,10 +149,9 @@ class Stack:
             raise RuntimeError(f"{name} did not become ready (exit code {child.proc.poll()})")
         return child
 
-    def supervise(self, metrics_port: int | None = None):
+    def supervise(self, metrics_port: int | None = None) -> Supervisor:
         """Restart any child that exits from now on (see stageserve/supervision.py).
-        With metrics_port, serve the restart counter there (0: a free port).
-        Returns the Supervisor."""
+        With metrics_port, serve the restart counter there (0: a free port)."""
         from stageserve.supervision import Supervisor
 
         if self._supervisor is None:

@@ -121,6 +121,13 @@ class ModelManager:
         added or restarted while the others serve."""
         names = model_names(self.repository)
         wanted = names if self.control_mode == "none" or "*" in load else load
+        # Models loaded through the API before this gateway (re)started are
+        # still published: take them over too, or a restarted gateway would
+        # forget them while the workers keep hosting them.
+        wanted = [
+            *wanted,
+            *(n for n in await self.state.loaded() if n in names and n not in wanted),
+        ]
         await asyncio.gather(
             *(self.load(name, adopt=True) for name in wanted), return_exceptions=True
         )

@@ -31,6 +31,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from stageserve.net import free_port
+from tests.integration.helpers import start_stack_retrying
 from tests.stack import wait_until
 
 HEAL_BOUND_S = 15.0
@@ -139,3 +140,29 @@ def test_kill_9_of_a_stage_heals_with_nobody_acting(up: Up, stage: str) -> None:
     assert up.restarts()[stage] == before + 1
     assert up.proc.poll() is None
     print(f"{stage}: serving again {healed_s:.2f}s after kill -9")
+
+
+def test_a_restarted_gateway_takes_over_models_loaded_through_the_api(
+    example_repository: Path,
+) -> None:
+    """Explicit control mode: a model loaded with RepositoryModelLoad lives in
+    the gateway's memory and in Redis; the gateway that replaces a killed one
+    must serve it again (it adopts what is published), not forget it."""
+    running = start_stack_retrying(example_repository, control_mode="explicit")
+    try:
+        running.stack.supervise()
+        client = running.client()
+        client.load_model("simple")
+        assert _simple_ok(running.url)
+        gateway = running.gateway
+        old_pid = gateway.proc.pid
+        os.kill(old_pid, signal.SIGKILL)
+        assert wait_until(
+            lambda: gateway.proc.pid != old_pid and gateway.ready.is_set(), HEAL_BOUND_S
+        )
+        assert wait_until(lambda: _simple_ok(running.url), HEAL_BOUND_S, interval_s=0.1)
+        with grpcclient.InferenceServerClient(running.url) as fresh:
+            assert fresh.is_model_ready("simple")
+            assert not fresh.is_model_ready("mlp")  # never loaded: still not
+    finally:
+        running.stack.stop()

@@ -11,7 +11,7 @@ stage's process (Redis included: it comes back empty), and reports
 - seconds from the kill to the first success of a request sent after it,
   and to full throughput (the first 1 s window with >= FULL_FRACTION of the
   pre-kill rate);
-- an audit of Redis afterwards (audit.py in this folder's terms: grants,
+- an audit of Redis at the end of the window (bench/chaos_audit.py: grants,
   resource counts, sequence slots that nobody holds).
 
   python -m bench.chaos                       # every stage, 8 clients, 8 s windows

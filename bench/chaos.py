@@ -45,6 +45,7 @@ STAGES = ("worker-0", "scheduler", "ratelimiter", "gateway", "redis")
 HUNG_S = 10.0  # a call with no answer by then is hung (the client's deadline)
 FULL_FRACTION = 0.8  # "full throughput": this share of the pre-kill rate, per second
 SEQUENCE_LENGTH = 5
+PYTHON_TEXT = ("Traceback", "<class '", "Exception:")
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,8 @@ class StageResult:
     baseline_rps: float = 0.0
     audit: Audit | None = None
     errors: dict[str, int] = field(default_factory=dict)
+    # Failures whose message carries Python exception text (house rule: never).
+    python_text: int = 0
 
     @property
     def leaked(self) -> int:
@@ -203,6 +206,8 @@ def judge(load: Load, result: StageResult, kill_at: float, window_s: float) -> S
         if c.outcome != "ok":
             key = c.detail.split(":", 1)[0] or c.outcome
             result.errors[key] = result.errors.get(key, 0) + 1
+            if any(mark in c.detail for mark in PYTHON_TEXT):
+                result.python_text += 1
     after = sorted(c.end for c in load.calls if c.outcome == "ok" and c.start >= kill_at)
     if after:
         result.first_ok_s = after[0] - kill_at

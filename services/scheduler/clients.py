@@ -83,8 +83,11 @@ class RateLimiterClient:
             )
         except grpc.aio.AioRpcError as exc:
             STAGE_RPC_ERRORS.labels("scheduler", "ratelimiter", "Acquire", exc.code().name).inc()
+            # UNKNOWN carries the rate limiter's Python exception (e.g. Redis
+            # restarting): logged there, not passed on to clients.
+            details = "" if exc.code() == grpc.StatusCode.UNKNOWN else f": {exc.details()}"
             raise unavailable(
-                f"rate limiter at {self.address} unavailable: {exc.code().name}: {exc.details()}"
+                f"rate limiter at {self.address} unavailable: {exc.code().name}{details}"
             ) from exc
         finally:
             STAGE_RPC_DURATION.labels("scheduler", "ratelimiter", "Acquire").observe(

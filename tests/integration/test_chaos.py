@@ -32,6 +32,7 @@ def test_every_stage_killed_heals_without_hangs_wrong_answers_or_leaks(
     for r in results:
         assert r.hung == 0, (r.stage, r.errors)
         assert r.wrong == 0, r.stage
+        assert r.python_text == 0, r.stage
         assert r.audit is not None and r.leaked == 0, (r.stage, r.audit.problems)
         assert r.ok > 0, r.stage
         assert r.full_s is not None and r.full_s <= HEAL_BOUND_S, (r.stage, r.full_s)

@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--device", default="auto", help="auto | cpu | cuda:N for the workers")
     add_rate_limit_flags(up)
+    up.add_argument(
+        "--supervisor-metrics-port",
+        type=int,
+        default=0,
+        help="/metrics with stageserve_stage_restarts_total (0: a free port, announced)",
+    )
     _redis(up, required=False)
     _common(up)
 
@@ -207,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             autocomplete=_autocomplete_of(args),
             ratelimiter_args=rate_limit_argv(args.rate_limit, args.rate_limit_resource),
             repository_poll_secs=args.repository_poll_secs,
+            supervisor_metrics_port=args.supervisor_metrics_port,
         )
     if args.command == "gateway":
         from services.gateway.server import serve

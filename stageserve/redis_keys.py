@@ -6,6 +6,9 @@ Model state (written by the gateway, read by scheduler and worker):
                                     ("1,2"), path, generation
   ss:model:{name}:errors      hash  "{version}@{worker}" -> load error text
   ss:models:events            pub/sub channel, message = model name
+  ss:models:published         str   "1" while Redis holds the gateway's model set
+                                    (gone after Redis lost its data: the gateway
+                                    republishes, workers keep their instances)
 
 Statistics shared by the gateways (services/gateway/shared_stats.py):
   ss:stats:{model}:g{gen}:v{ver}  hash  gateway id -> serialized ModelStatistics
@@ -44,6 +47,7 @@ PREFIX = "ss:"
 MODELS = PREFIX + "models"
 MODEL_EVENTS = PREFIX + "models:events"
 GENERATION_COUNTER = PREFIX + "models:generation"
+MODELS_PUBLISHED = PREFIX + "models:published"
 RL_PREFIX = PREFIX + "rl:"
 
 

@@ -7,10 +7,10 @@ import logging
 from pathlib import Path
 
 import grpc
-import redis.asyncio as aioredis
 
 from services.gateway.models import ModelManager
 from services.gateway.poller import RepositoryPoller
+from services.gateway.republish import Republisher
 from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.service import InferenceService
 from services.gateway.shared_stats import SharedStats
@@ -19,6 +19,7 @@ from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
 from stageserve.net import SERVER_OPTIONS, insecure_channel
+from stageserve.redis_connect import connect
 from stageserve.service_runtime import run_server
 from stageserve.telemetry import serve_metrics
 
@@ -37,7 +38,7 @@ async def serve(
     autocomplete: AutoComplete = TRITON_DEFAULT,
     repository_poll_secs: float = 15.0,
 ) -> None:
-    redis = aioredis.from_url(redis_url)
+    redis = connect(redis_url)
     await redis.ping()
     rl_channel = insecure_channel(ratelimiter_address)
     models = ModelManager(
@@ -51,6 +52,9 @@ async def serve(
     service = InferenceService(models, link)
     service.shared = SharedStats(redis, service.stats)
     service.shared.start()
+    republisher = Republisher(models, redis)
+    await republisher.check()  # marks the model set as known before loading
+    republisher.start()
     server = grpc.aio.server(options=SERVER_OPTIONS)
     gs_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
     if metrics_port:
@@ -75,6 +79,7 @@ async def serve(
         loader.cancel()
         for task in polling:
             task.cancel()
+        await republisher.close()
         await service.shared.close()
         await link.close()
         await rl_channel.close()

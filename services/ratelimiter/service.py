@@ -224,12 +224,11 @@ async def serve(
     rate_limit: str = OFF,
     resource_overrides: dict[str, int] | None = None,
 ) -> None:
-    import redis.asyncio as aioredis
-
     from stageserve.net import SERVER_OPTIONS
+    from stageserve.redis_connect import connect
     from stageserve.service_runtime import run_server
 
-    redis = aioredis.from_url(redis_url)
+    redis = connect(redis_url)
     await redis.ping()
     registry = RedisRegistry(redis, mode=rate_limit)
     await registry.set_overrides(resource_overrides or {})

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from redis.exceptions import RedisError
 
 from services.scheduler.batcher import (
     Batcher,
@@ -404,6 +405,11 @@ class ModelQueue:
         """Run a batch; a bug in one batch answers its requests, never hangs them."""
         try:
             await self._execute(batch, held)
+        except RedisError as exc:  # Redis down or restarting: the client may retry
+            log.warning("batch failed: Redis unavailable", extra={"error": repr(exc)})
+            err = unavailable(f"model '{self.model}': the state store is unavailable, retry")
+            for q in batch:
+                q.respond(error_response(q.msg.id, err))
         except Exception as exc:
             log.exception("batch failed", extra={"model": self.model})
             err = StageError(grpc.StatusCode.INTERNAL, f"scheduler error: {exc}")

@@ -265,7 +265,7 @@ class SequenceQueue(ModelQueue):
                 elif claim.status == UNKNOWN:
                     self.running.discard(cid)
                     self.slots.release(cid)
-                    q.respond(error_response(q.msg.id, self._unknown(q)))
+                    q.respond(error_response(q.msg.id, self._unknown(q, self.store.lost(cid))))
                 else:
                     unsettled[cid] = q.entry
                     claimed.append(((cid, q, *self._start_states(q, claim)), claim.slot))
@@ -353,8 +353,17 @@ class SequenceQueue(ModelQueue):
                 self._put_back(row[0], row[1], 0.0)
         return keep
 
-    def _unknown(self, q: Queued) -> StageError:
+    def _unknown(self, q: Queued, lost: bool = False) -> StageError:
         ident = q.msg.sequence_id_str or q.msg.sequence_id
+        if lost:
+            # Beyond Triton (whose sequence state dies with the server): the
+            # state store lost it (Redis restarted empty); starting over from
+            # zero would answer wrongly, so the client is told to resend.
+            return invalid(
+                f"inference request for sequence {ident} to model '{self.model}': the "
+                f"sequence's state was lost (the state store restarted); resend the sequence "
+                f"from its START request"
+            )
         return invalid(
             f"inference request for sequence {ident} to model '{self.model}' must specify the "
             f"START flag on the first request of the sequence (or the sequence idled out after "

@@ -28,12 +28,14 @@ from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.gpus import gpu_count
 from stageserve.model_state import LoadedModel, ModelStateStore
 from stageserve.net import insecure_channel
+from stageserve.redis_connect import connect
+from stageserve.settings import WORKER
 
 log = logging.getLogger(__name__)
 
-LEASE_MS = 3000
-HEARTBEAT_S = 0.5
-RECONCILE_S = 2.0
+LEASE_MS = WORKER.lease_ms
+HEARTBEAT_S = WORKER.heartbeat_s
+RECONCILE_S = WORKER.reconcile_s
 
 
 class WorkerService(pb_grpc.WorkerServicer):
@@ -138,6 +140,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def reconcile(self) -> None:
         """Make the hosted instances match the published model set."""
         async with self._reconcile_lock:
+            if not await self.state.model_set_known():
+                return  # Redis lost it: keep what we host until the gateway republishes
             wanted = await self.state.loaded()
             # New generations load (and register) before old ones unload, so a
             # reload under traffic never leaves a model without instances.
@@ -318,7 +322,7 @@ async def serve(
     from stageserve.net import SERVER_OPTIONS
     from stageserve.service_runtime import run_server
 
-    redis = aioredis.from_url(redis_url)
+    redis = connect(redis_url)
     await redis.ping()
     worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
     channel = insecure_channel(ratelimiter_address)

@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 import redis.asyncio as aioredis
 
+from services.gateway.dataplane import DataPlane
 from services.gateway.models import ModelManager
 from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.service import InferenceService
@@ -46,17 +47,17 @@ async def serve(
         autocomplete=autocomplete,
     )
     link = SchedulerLink(scheduler_address)
-    service = InferenceService(models, link)
-    service.shared = SharedStats(redis, service.stats)
-    service.shared.start()
+    dataplane = DataPlane(models, link)
+    dataplane.shared = SharedStats(redis, dataplane.stats)
+    dataplane.shared.start()
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    gs_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
+    gs_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(dataplane), server)
     if metrics_port:
         serve_metrics(metrics_port)
 
     async def load_then_ready() -> None:
         await models.startup(load_models)
-        service.ready = True
+        dataplane.ready = True
         log.info("startup models loaded", extra={"models": sorted(models.entries)})
 
     # Serve health RPCs while models load; announce once loading finished.
@@ -65,7 +66,7 @@ async def serve(
         await run_server(server, listen, "gateway", before_ready=loader)
     finally:
         loader.cancel()
-        await service.shared.close()
+        await dataplane.shared.close()
         await link.close()
         await rl_channel.close()
         await redis.aclose()

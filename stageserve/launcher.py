@@ -56,6 +56,7 @@ class Child:
     name: str
     proc: subprocess.Popen
     address: str = ""
+    http_address: str = ""  # the gateway's HTTP/REST front, when it serves one
     metrics_port: int = 0
     ready: threading.Event = field(default_factory=threading.Event)
 
@@ -65,7 +66,9 @@ def _pump(child: Child) -> None:
     assert child.proc.stdout is not None
     for line in child.proc.stdout:
         if line.startswith(READY_MARKER):
-            child.address = json.loads(line[len(READY_MARKER) :])["address"]
+            ready = json.loads(line[len(READY_MARKER) :])
+            child.address = ready["address"]
+            child.http_address = ready.get("http", "")
             child.ready.set()
         else:
             sys.stdout.write(line)
@@ -177,6 +180,7 @@ def start_services(
     stack: Stack,
     repository: Path,
     grpc_address: str = "127.0.0.1:0",
+    http_address: str | None = "127.0.0.1:0",
     control_mode: str = "none",
     load_models: list[str] | tuple[str, ...] = (),
     redis_url: str | None = None,
@@ -189,7 +193,7 @@ def start_services(
     """Start Redis (unless given) and every service, in path order, on `stack`.
 
     With stage_metrics, the internal services also serve /metrics, each on a
-    free port (recorded on its Child).
+    free port (recorded on its Child). `http_address` None: no HTTP front.
     """
     redis_url = redis_url or stack.start_redis()
     common = ["--listen", "127.0.0.1:0", "--redis-url", redis_url]
@@ -222,6 +226,11 @@ def start_services(
         "--metrics-port",
         str(metrics_port),
     ]
+    if http_address is None:
+        gw_args += ["--allow-http", "false"]
+    else:
+        host, port = http_address.rsplit(":", 1)
+        gw_args += ["--http-address", host, "--http-port", port]
     for m in load_models:
         gw_args += ["--load-model", m]
     gw_args += ["--default-max-batch-size", str(autocomplete.default_max_batch_size)]
@@ -234,6 +243,7 @@ def start_services(
 def up(
     repository: Path,
     grpc_address: str,
+    http_address: str | None,
     metrics_port: int,
     control_mode: str,
     load_models: list[str],
@@ -256,6 +266,7 @@ def up(
             stack,
             repository,
             grpc_address,
+            http_address,
             control_mode,
             load_models,
             redis_url,
@@ -270,6 +281,7 @@ def up(
                 {
                     "event": "stageserve up",
                     "grpc": services.gateway.address,
+                    "http": services.gateway.http_address or None,
                     "redis": services.redis_url,
                     "metrics_ports": {
                         c.name: c.metrics_port for c in stack.children if c.metrics_port

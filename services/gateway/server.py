@@ -10,6 +10,8 @@ import grpc
 import redis.asyncio as aioredis
 
 from services.gateway.dataplane import DataPlane
+from services.gateway.http.app import HttpFront
+from services.gateway.http.server import HttpServer
 from services.gateway.models import ModelManager
 from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.service import InferenceService
@@ -35,7 +37,10 @@ async def serve(
     load_models: list[str],
     metrics_port: int | None = None,
     autocomplete: AutoComplete = TRITON_DEFAULT,
+    http_listen: str | None = None,
 ) -> None:
+    """`http_listen` (host:port, port 0 picks one) also serves the HTTP/REST
+    front on the same dataplane; None: gRPC only."""
     redis = aioredis.from_url(redis_url)
     await redis.ping()
     rl_channel = insecure_channel(ratelimiter_address)
@@ -54,6 +59,13 @@ async def serve(
     gs_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(dataplane), server)
     if metrics_port:
         serve_metrics(metrics_port)
+    http: HttpServer | None = None
+    announce: dict[str, str] = {}
+    if http_listen is not None:
+        host, port = http_listen.rsplit(":", 1)
+        http = HttpServer(HttpFront(dataplane), host, int(port))
+        await http.start()
+        announce["http"] = http.address
 
     async def load_then_ready() -> None:
         await models.startup(load_models)
@@ -63,9 +75,11 @@ async def serve(
     # Serve health RPCs while models load; announce once loading finished.
     loader = asyncio.create_task(load_then_ready())
     try:
-        await run_server(server, listen, "gateway", before_ready=loader)
+        await run_server(server, listen, "gateway", before_ready=loader, announce=announce)
     finally:
         loader.cancel()
+        if http is not None:
+            await http.stop()
         await dataplane.shared.close()
         await link.close()
         await rl_channel.close()

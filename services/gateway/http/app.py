@@ -216,9 +216,9 @@ class HttpFront:
 
     async def infer(self, request: Request, model: str, version: str) -> Response:
         header_length = _header_length(request.headers)
-        infer, binary_default = codec.parse_infer(request.body, header_length, model, version)
-        result = await self.dp.infer(infer)
-        body, json_length = codec.encode_infer(result, infer, binary_default)
+        parsed = codec.parse_infer(request.body, header_length, model, version)
+        result = await self.dp.infer(parsed.request)
+        body, json_length = codec.encode_infer(result, parsed)
         if json_length is None:
             return Response(200, body, [(b"content-type", b"application/json")])
         return Response(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -87,10 +88,17 @@ def _json_object(header: bytes | memoryview) -> dict:
     return body
 
 
-def parse_infer(
-    body: bytes, header_length: int | None, model: str, version: str
-) -> tuple[gs.ModelInferRequest, bool]:
-    """(the request, whether outputs without their own binary_data go binary)."""
+@dataclass
+class ParsedInfer:
+    request: gs.ModelInferRequest
+    binary_default: bool  # binary_data_output: outputs without their own binary_data
+    binary: dict[str, bool] = field(default_factory=dict)  # output -> its binary_data
+
+    def wants_binary(self, output: str) -> bool:
+        return self.binary.get(output, self.binary_default)
+
+
+def parse_infer(body: bytes, header_length: int | None, model: str, version: str) -> ParsedInfer:
     view = memoryview(body)
     if header_length is None:
         header_length = len(body)
@@ -107,7 +115,7 @@ def parse_infer(
         request.id = doc["id"]
     params = doc.get("parameters") or {}
     _fill_parameters(request.parameters, params, f"the request to model '{model}'")
-    binary_default = bool(params.get("binary_data_output", False))
+    parsed = ParsedInfer(request, bool(params.get("binary_data_output", False)))
 
     inputs = doc.get("inputs")
     if not isinstance(inputs, list):
@@ -128,8 +136,11 @@ def parse_infer(
             if not isinstance(item, dict) or not isinstance(item.get("name"), str):
                 raise invalid(f"every output of the request to model '{model}' needs a 'name'")
             out = request.outputs.add(name=item["name"])
-            _fill_parameters(out.parameters, item.get("parameters"), f"output '{out.name}'")
-    return request, binary_default
+            out_params = item.get("parameters")
+            _fill_parameters(out.parameters, out_params, f"output '{out.name}'")
+            if isinstance(out_params, dict) and "binary_data" in out_params:
+                parsed.binary[out.name] = bool(out_params["binary_data"])
+    return parsed
 
 
 def _parse_input(
@@ -214,11 +225,9 @@ def _flatten(data: Any):
 # ---------------------------------------------------------------- infer response
 
 
-def encode_infer(
-    response: gs.ModelInferResponse, request: gs.ModelInferRequest, binary_default: bool
-) -> tuple[bytes, int | None]:
+def encode_infer(response: gs.ModelInferResponse, parsed: ParsedInfer) -> tuple[bytes, int | None]:
     """(body, JSON header length or None when the body is JSON only)."""
-    wanted = {o.name: o for o in request.outputs}
+    wanted = {o.name: o for o in parsed.request.outputs}
     doc: dict[str, Any] = {"model_name": response.model_name}
     doc["model_version"] = response.model_version
     if response.id:
@@ -235,7 +244,7 @@ def encode_infer(
         params = asked.parameters if asked is not None else {}
         if "shared_memory_region" in params:
             out["parameters"] = {k: from_parameter(v) for k, v in params.items()}
-        elif _binary(params, binary_default):
+        elif parsed.wants_binary(tensor.name):
             out["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
         else:
@@ -246,12 +255,6 @@ def encode_infer(
     if not blobs:
         return header, None
     return b"".join([header, *blobs]), len(header)
-
-
-def _binary(params, default: bool) -> bool:
-    if "binary_data" in params:
-        return bool(from_parameter(params["binary_data"]))
-    return default
 
 
 def raw_to_json(raw: bytes, datatype: str) -> list:
@@ -278,17 +281,17 @@ def proto_json(message: Message) -> Any:
 
 
 def _unquote_int64(descriptor: Descriptor, doc: dict) -> dict:
-    for field in descriptor.fields:
-        if field.name not in doc:
+    for fd in descriptor.fields:
+        if fd.name not in doc:
             continue
-        value = doc[field.name]
-        if field.message_type is not None and field.message_type.GetOptions().map_entry:
-            value_field = field.message_type.fields_by_name["value"]
-            doc[field.name] = {k: _convert(value_field, v) for k, v in value.items()}
-        elif field.is_repeated:
-            doc[field.name] = [_convert(field, v) for v in value]
+        value = doc[fd.name]
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            value_field = fd.message_type.fields_by_name["value"]
+            doc[fd.name] = {k: _convert(value_field, v) for k, v in value.items()}
+        elif fd.is_repeated:
+            doc[fd.name] = [_convert(fd, v) for v in value]
         else:
-            doc[field.name] = _convert(field, value)
+            doc[fd.name] = _convert(fd, value)
     return doc
 
 

@@ -36,6 +36,7 @@ class HttpServer:
             socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM
         )
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.bind((host, port))
         self.sock.listen(1024)
         self.sock.setblocking(False)

@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from services.gateway.dataplane import DataPlane
 from services.gateway.http.app import HttpFront
-from services.gateway.http.server import HttpServer
+from services.gateway.http.server import HttpServer, http_server
 from services.gateway.models import ModelManager
 from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.service import InferenceService
@@ -63,7 +63,7 @@ async def serve(
     announce: dict[str, str] = {}
     if http_listen is not None:
         host, port = http_listen.rsplit(":", 1)
-        http = HttpServer(HttpFront(dataplane), host, int(port))
+        http = http_server(HttpFront(dataplane), host, int(port))
         await http.start()
         announce["http"] = http.address
 

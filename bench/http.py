@@ -66,7 +66,7 @@ def measure(
             measurement_ms=measurement_ms,
             stability_pct=25,
             protocol=protocol,
-            extra_args=["--max-trials", "6"],
+            extra_args=["--max-trials", "4"],
         )
     except PerfAnalyzerError as exc:
         # Noisy shared machine: one more try over exactly 3 windows whatever

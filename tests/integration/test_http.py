@@ -319,7 +319,8 @@ def test_error_statuses(stack: RunningStack) -> None:
         # Model control mode none: load/unload are refused, as on gRPC.
         (("POST", "/v2/repository/models/simple/load", None, None), 503, "control mode is"),
         (("POST", "/v2/repository/models/simple/unload", None, None), 503, "control mode is"),
-        (("POST", "/v2/models/simple/generate", {}, None), 400, "generate extension"),
+        (("POST", "/v2/models/simple/generate", {}, None), 404, "generate extension"),
+        (("POST", "/v2/models/simple/generate_stream", {}, None), 404, "generate extension"),
         (("GET", "/v2/cudasharedmemory/status", None, None), 400, "not supported"),
     ]
     for args, status, piece in cases:

@@ -22,7 +22,7 @@ from prometheus_client import Histogram
 
 from services.gateway.dataplane import DataPlane
 from services.gateway.http import codec
-from stageserve.errors import StageError, invalid
+from stageserve.errors import StageError, invalid, not_found
 from stageserve.generated import grpc_service_pb2 as gs
 
 log = logging.getLogger(__name__)
@@ -231,13 +231,10 @@ class HttpFront:
         )
 
     async def generate(self, request: Request, model: str, version: str) -> Response:
-        # Decoupled models (and with them generate / generate_stream) come
-        # with another change; until then the endpoint says so.
-        self.dp.models.resolve(model, version)  # unknown model: Triton's 404 first
-        raise StageError(
-            grpc.StatusCode.UNIMPLEMENTED,
-            f"the generate extension is not supported yet (model '{model}')",
-        )
+        # generate / generate_stream need decoupled models, which come with
+        # another change; until then 404, as for an endpoint that is not there.
+        self.dp.models.resolve(model, version)  # an unknown model says so first
+        raise not_found(f"the generate extension is not supported yet (model '{model}')")
 
     # ------------------------------------------------------------- repository
 

@@ -66,19 +66,20 @@ def test_nested_json_data_is_row_major_and_typed() -> None:
 @pytest.mark.parametrize(
     ("data", "datatype", "shape", "message"),
     [
-        ([1, 2, 3], "INT32", [2], "needs 2, 'data' has 3"),
-        ([1.5, 2], "INT32", [2], "must be an integer"),
-        (["a", 1], "BYTES", [2], "must be a string"),
+        ([1, 2, 3], "INT32", [2], "needs 2 elements, 'data' has 3"),
+        ([1.5, 2], "INT32", [2], "must be integers"),
+        (["a", 1], "BYTES", [2], "must be JSON strings"),
         ([1, 0], "BOOL", [2], "true or false"),
         ([1.0, 2.0], "FP16", [2], "not supported in JSON"),
         ([300], "UINT8", [1], "m"),
-        ([1, "x"], "FP32", [2], "must be a number"),
+        ([1, "x"], "FP32", [2], "must be JSON numbers"),
     ],
 )
-def test_bad_json_data_is_invalid_argument(data, datatype, shape, message) -> None:
+def test_bad_json_data_is_tritons_500(data, datatype, shape, message) -> None:
     with pytest.raises(StageError) as err:
         codec.json_to_raw(data, "X", datatype, shape, "m")
-    assert err.value.code.name == "INVALID_ARGUMENT" and message in err.value.message
+    assert err.value.code.name == "INTERNAL" and message in err.value.message
+    assert err.value.message.startswith("Unable to parse 'data' of input 'X'")
 
 
 @pytest.mark.parametrize(
@@ -175,6 +176,30 @@ def test_load_request_decodes_files_and_keeps_config() -> None:
     with pytest.raises(StageError, match="not valid base64"):
         codec.load_request("m", b'{"parameters": {"file:x": "!!"}}')
     assert not codec.load_request("m", b"").parameters
+
+
+def test_generate_fills_dims_with_batch_one() -> None:
+    from stageserve.config import parse_config_text, to_spec
+
+    spec = to_spec(
+        parse_config_text(
+            'name: "g" platform: "onnxruntime_onnx" max_batch_size: 4 '
+            'input [ { name: "A" data_type: TYPE_FP32 dims: [ 2, -1 ] },'
+            ' { name: "S" data_type: TYPE_STRING dims: [ 1 ] } ]'
+            ' output [ { name: "O" data_type: TYPE_FP32 dims: [ 1 ] } ]'
+        )
+    )
+    r = codec.parse_generate(b'{"A": [1, 2, 3, 4], "S": "hi", "x": [1]}', spec, "")
+    assert [list(t.shape) for t in r.inputs] == [[1, 2, 2], [1, 1]]
+    assert split_bytes_elements(r.raw_input_contents[1]) == [b"hi"]
+    with pytest.raises(StageError, match="can not convert input 'A'"):
+        codec.parse_generate(b'{"A": [1, 2, 3]}', spec, "")
+    with pytest.raises(StageError, match="can not convert input 'A'"):
+        codec.parse_generate(b'{"A": [[1, 2], [3, 4]]}', spec, "")
+    response = gs.ModelInferResponse(model_name="g", model_version="1")
+    response.outputs.add(name="O", datatype="FP32", shape=[1, 1])
+    response.raw_output_contents.append(np.float32(2.5).tobytes())
+    assert codec.encode_generate(response) == {"O": 2.5, "model_name": "g", "model_version": "1"}
 
 
 def test_status_codes_follow_tritons_http_mapping() -> None:

@@ -22,7 +22,7 @@ from prometheus_client import Histogram
 
 from services.gateway.dataplane import DataPlane
 from services.gateway.http import codec
-from stageserve.errors import StageError, invalid, not_found
+from stageserve.errors import StageError, invalid
 from stageserve.generated import grpc_service_pb2 as gs
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class HttpFront:
         "stats": ("model_stats", "GET"),
         "infer": ("infer", "POST"),
         "generate": ("generate", "POST"),
-        "generate_stream": ("generate", "POST"),
+        "generate_stream": ("generate_stream", "POST"),
     }
 
     # --------------------------------------------------------- health / meta
@@ -195,7 +195,9 @@ class HttpFront:
         return Response(200 if self.dp.server_ready() else 400)
 
     async def model_ready(self, request: Request, model: str, version: str) -> Response:
-        return Response(200 if self.dp.model_ready(model, version) else 400)
+        if self.dp.model_ready(model, version):
+            return Response(200)
+        return error_response(400, "Model version not ready")  # Triton's words
 
     async def server_metadata(self, request: Request) -> Response:
         return json_response(codec.proto_json(self.dp.server_metadata()))
@@ -231,10 +233,21 @@ class HttpFront:
         )
 
     async def generate(self, request: Request, model: str, version: str) -> Response:
-        # generate / generate_stream need decoupled models, which come with
-        # another change; until then 404, as for an endpoint that is not there.
-        self.dp.models.resolve(model, version)  # an unknown model says so first
-        raise not_found(f"the generate extension is not supported yet (model '{model}')")
+        """Triton's generate extension for a non-decoupled model: one response."""
+        entry, _ = self.dp.models.resolve(model, version)
+        assert entry.spec is not None
+        infer = codec.parse_generate(request.body, entry.spec, version)
+        return json_response(codec.encode_generate(await self.dp.infer(infer)))
+
+    async def generate_stream(self, request: Request, model: str, version: str) -> Response:
+        """The same as one Server-Sent Event: a non-decoupled model answers once.
+        (Decoupled models, with several events, come with another change.)"""
+        entry, _ = self.dp.models.resolve(model, version)
+        assert entry.spec is not None
+        infer = codec.parse_generate(request.body, entry.spec, version)
+        doc = codec.encode_generate(await self.dp.infer(infer))
+        body = b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+        return Response(200, body, [(b"content-type", b"text/event-stream; charset=utf-8")])
 
     # ------------------------------------------------------------- repository
 

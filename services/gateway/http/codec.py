@@ -7,7 +7,9 @@ tensor data (Triton's binary tensor extension: the header's length comes in
 raw little-endian bytes here, once, so the dataplane sees exactly what the
 gRPC front sends it (raw_input_contents), and binary input bytes are sliced
 out of the body without any JSON round trip. Errors are StageErrors with
-INVALID_ARGUMENT, which the front answers as 400.
+INVALID_ARGUMENT (400), except where Triton's HTTP front answers 500:
+a body that is not a JSON object and `data` that does not parse as the
+tensor's shape and datatype (INTERNAL, measured against Triton 2.51).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
+from stageserve.config import ModelSpec
 from stageserve.datatypes import BY_TRITON
-from stageserve.errors import invalid
+from stageserve.errors import internal, invalid
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.tensors import element_count, serialize_bytes_elements, split_bytes_elements
 
@@ -82,9 +85,9 @@ def _json_object(header: bytes | memoryview) -> dict:
     try:
         body = json.loads(bytes(header))
     except (UnicodeDecodeError, ValueError) as exc:
-        raise invalid(f"failed to parse the request JSON buffer: {exc}") from None
+        raise internal(f"failed to parse the request JSON buffer: {exc}") from None
     if not isinstance(body, dict):
-        raise invalid("the request JSON must be an object")
+        raise internal("the request JSON must be an object")
     return body
 
 
@@ -184,33 +187,30 @@ def _parse_input(
 
 def json_to_raw(data: Any, name: str, datatype: str, shape: list[int], model: str) -> bytes:
     """JSON tensor data (flat or nested, row-major) -> raw little-endian bytes."""
-    what = f"input '{name}' of model '{model}'"
+    what = f"Unable to parse 'data' of input '{name}' of model '{model}'"
     flat = list(_flatten(data))
     count = element_count(shape) if all(d >= 0 for d in shape) else -1
     if count != len(flat):
-        raise invalid(
-            f"unexpected number of elements for {what}: shape {shape} needs {count}, "
-            f"'data' has {len(flat)}"
-        )
+        raise internal(f"{what}: shape {shape} needs {count} elements, 'data' has {len(flat)}")
     if datatype == "BYTES":
         if not all(isinstance(v, str) for v in flat):
-            raise invalid(f"{what} is BYTES: every JSON element must be a string")
+            raise internal(f"{what}: BYTES elements must be JSON strings")
         return serialize_bytes_elements([v.encode() for v in flat])
     dtype = BY_TRITON.get(datatype)
     if dtype is None or datatype in ("FP16", "BF16"):
-        # As Triton: half-precision tensors only travel as binary data.
-        raise invalid(f"{what}: datatype {datatype} is not supported in JSON, use binary data")
+        # Half-precision tensors only travel as binary data.
+        raise internal(f"{what}: {datatype} is not supported in JSON, send it as binary data")
     if datatype == "BOOL":
         if not all(isinstance(v, bool) for v in flat):
-            raise invalid(f"{what} is BOOL: every JSON element must be true or false")
+            raise internal(f"{what}: BOOL elements must be true or false")
     elif not all(isinstance(v, int | float) and not isinstance(v, bool) for v in flat):
-        raise invalid(f"{what} is {datatype}: every JSON element must be a number")
+        raise internal(f"{what}: {datatype} elements must be JSON numbers")
     elif datatype not in ("FP32", "FP64") and not all(isinstance(v, int) for v in flat):
-        raise invalid(f"{what} is {datatype}: every JSON element must be an integer")
+        raise internal(f"{what}: {datatype} elements must be integers")
     try:
         array = np.array(flat, dtype=dtype.numpy)
     except (OverflowError, ValueError) as exc:
-        raise invalid(f"{what}: {exc}") from None
+        raise internal(f"{what}: {exc}") from None
     return array.tobytes()
 
 
@@ -264,6 +264,56 @@ def raw_to_json(raw: bytes, datatype: str) -> list:
         words = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
         return words.view(np.float32).tolist()
     return np.frombuffer(raw, dtype=BY_TRITON[datatype].numpy).tolist()
+
+
+# --------------------------------------------------------------------- generate
+
+
+def parse_generate(body: bytes, spec: ModelSpec, version: str) -> gs.ModelInferRequest:
+    """Triton's generate extension for a non-decoupled model: top-level keys
+    named like inputs are their values (a scalar or a flat list filling the
+    input's dims, batch 1), `parameters` the request's; other keys are ignored
+    (as Triton 2.51 does)."""
+    doc = _json_object(body)
+    request = gs.ModelInferRequest(model_name=spec.name, model_version=version)
+    _fill_parameters(request.parameters, doc.get("parameters"), f"the request to '{spec.name}'")
+    for t in spec.inputs:
+        if t.name not in doc:
+            continue  # validation names the missing required inputs
+        value = doc[t.name]
+        flat = value if isinstance(value, list) else [value]
+        dims = _generate_dims(list(t.dims), flat)
+        if dims is None or any(isinstance(v, list | dict) for v in flat):
+            raise invalid(
+                f"The schema can not convert input '{t.name}' to tensor with proper shape"
+            )
+        shape = ([1] if spec.batching else []) + dims
+        tensor = request.inputs.add(name=t.name, datatype=t.datatype.triton, shape=shape)
+        request.raw_input_contents.append(
+            json_to_raw(flat, tensor.name, tensor.datatype, shape, spec.name)
+        )
+    return request
+
+
+def _generate_dims(dims: list[int], flat: list) -> list[int] | None:
+    """The input's dims with a variable one (at most one) taken from the count."""
+    known = element_count([d for d in dims if d != -1])
+    if -1 not in dims:
+        return dims if known == len(flat) else None
+    if dims.count(-1) > 1 or len(flat) % max(known, 1):
+        return None
+    return [len(flat) // max(known, 1) if d == -1 else d for d in dims]
+
+
+def encode_generate(response: gs.ModelInferResponse) -> dict[str, Any]:
+    """Every output by name; a one-element output as a scalar."""
+    doc: dict[str, Any] = {}
+    for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
+        values = raw_to_json(raw, tensor.datatype)
+        doc[tensor.name] = values[0] if len(values) == 1 else values
+    doc["model_name"] = response.model_name
+    doc["model_version"] = response.model_version
+    return doc
 
 
 # ----------------------------------------------------------------- other bodies

@@ -6,9 +6,11 @@ fronts on free ports)."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import http.client
 import json
 import uuid
+import zlib
 
 import numpy as np
 import pytest
@@ -74,6 +76,37 @@ def test_tritonclient_http_infer_binary_and_json(stack: RunningStack) -> None:
     assert response["id"] == "r-7"
     assert [o["name"] for o in response["outputs"]] == ["OUTPUT1"]
     assert response["outputs"][0]["data"] == (A - B).ravel().tolist()
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_requests_and_responses(stack: RunningStack, algorithm: str) -> None:
+    result = http_client(stack).infer(
+        "simple",
+        simple_inputs(httpclient),
+        request_compression_algorithm=algorithm,
+        response_compression_algorithm=algorithm,
+    )
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), A + B)
+    body = {
+        "inputs": [
+            {"name": n, "shape": [1, 16], "datatype": "INT32", "data": A.ravel().tolist()}
+            for n in ("INPUT0", "INPUT1")
+        ]
+    }
+    status, headers, raw = request(
+        stack, "POST", "/v2/models/simple/infer", body, {"Accept-Encoding": algorithm}
+    )
+    assert status == 200 and headers["content-encoding"] == algorithm
+    doc = json.loads(gzip.decompress(raw) if algorithm == "gzip" else zlib.decompress(raw))
+    assert doc["outputs"][0]["data"] == (2 * A).ravel().tolist()
+    status, _, raw = request(
+        stack,
+        "POST",
+        "/v2/models/simple/infer",
+        b"not gzip",
+        {"Content-Encoding": "gzip"},
+    )
+    assert status == 400 and "failed to decompress" in json.loads(raw)["error"]
 
 
 def test_tritonclient_http_server_and_model_endpoints(stack: RunningStack) -> None:

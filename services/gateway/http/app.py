@@ -11,9 +11,11 @@ unexpected a 500 with a short message and a log line.
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -218,19 +220,26 @@ class HttpFront:
 
     async def infer(self, request: Request, model: str, version: str) -> Response:
         header_length = _header_length(request.headers)
-        parsed = codec.parse_infer(request.body, header_length, model, version)
+        body = _decompressed(request)
+        parsed = codec.parse_infer(body, header_length, model, version)
         result = await self.dp.infer(parsed.request)
         body, json_length = codec.encode_infer(result, parsed)
         if json_length is None:
-            return Response(200, body, [(b"content-type", b"application/json")])
-        return Response(
-            200,
-            body,
-            [
+            headers = [(b"content-type", b"application/json")]
+        else:
+            headers = [
                 (b"content-type", b"application/octet-stream"),
                 (HEADER_LENGTH.encode(), str(json_length).encode()),
-            ],
-        )
+            ]
+        # As Triton: Accept-Encoding gzip / deflate compresses the whole body;
+        # Inference-Header-Content-Length counts the uncompressed bytes.
+        accept = request.headers.get(b"accept-encoding", b"").decode("latin-1")
+        for name, compress in _COMPRESSORS.items():
+            if name in accept:
+                body = compress(body)
+                headers.append((b"content-encoding", name.encode()))
+                break
+        return Response(200, body, headers)
 
     async def generate(self, request: Request, model: str, version: str) -> Response:
         """Triton's generate extension for a non-decoupled model: one response."""
@@ -299,6 +308,27 @@ class HttpFront:
 def unsupported_error(what: str) -> StageError:
     # The gRPC front answers UNIMPLEMENTED for these; Triton's HTTP code for it is 400.
     return StageError(grpc.StatusCode.UNIMPLEMENTED, f"{what} is not supported by StageServe")
+
+
+_COMPRESSORS = {"gzip": gzip.compress, "deflate": zlib.compress}  # deflate = zlib format
+_DECOMPRESSORS = {b"gzip": gzip.decompress, b"deflate": zlib.decompress}
+
+
+def _decompressed(request: Request) -> bytes:
+    """The body after Content-Encoding gzip / deflate (tritonclient's
+    request_compression_algorithm)."""
+    encoding = request.headers.get(b"content-encoding")
+    if encoding is None or encoding == b"identity":
+        return request.body
+    decompress = _DECOMPRESSORS.get(encoding)
+    if decompress is None:
+        raise invalid(f"unsupported Content-Encoding {encoding.decode('latin-1')!r}")
+    try:
+        return decompress(request.body)
+    except (OSError, zlib.error, EOFError) as exc:
+        raise invalid(
+            f"failed to decompress the request body ({encoding.decode()}): {exc}"
+        ) from None
 
 
 def _header_length(headers: dict[bytes, bytes]) -> int | None:

@@ -180,7 +180,6 @@ def start_services(
     stack: Stack,
     repository: Path,
     grpc_address: str = "127.0.0.1:0",
-    http_address: str | None = "127.0.0.1:0",
     control_mode: str = "none",
     load_models: list[str] | tuple[str, ...] = (),
     redis_url: str | None = None,
@@ -189,6 +188,7 @@ def start_services(
     metrics_port: int = 0,
     stage_metrics: bool = False,
     autocomplete: AutoComplete = TRITON_DEFAULT,
+    http_address: str | None = "127.0.0.1:0",
 ) -> StackServices:
     """Start Redis (unless given) and every service, in path order, on `stack`.
 
@@ -243,7 +243,6 @@ def start_services(
 def up(
     repository: Path,
     grpc_address: str,
-    http_address: str | None,
     metrics_port: int,
     control_mode: str,
     load_models: list[str],
@@ -252,6 +251,7 @@ def up(
     device: str,
     log_verbose: int,
     autocomplete: AutoComplete = TRITON_DEFAULT,
+    http_address: str | None = None,
 ) -> int:
     stack = Stack(log_verbose)
     stopping = threading.Event()
@@ -266,7 +266,6 @@ def up(
             stack,
             repository,
             grpc_address,
-            http_address,
             control_mode,
             load_models,
             redis_url,
@@ -275,6 +274,7 @@ def up(
             metrics_port,
             stage_metrics=True,
             autocomplete=autocomplete,
+            http_address=http_address,
         )
         print(
             json.dumps(

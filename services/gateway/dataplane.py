@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import grpc
 
@@ -94,7 +95,10 @@ class DataPlane:
 
     # ------------------------------------------------------------------ infer
 
-    async def infer(self, request: gs.ModelInferRequest) -> gs.ModelInferResponse:
+    async def infer(
+        self, request: gs.ModelInferRequest, raw_contents: Sequence[bytes] | None = None
+    ) -> gs.ModelInferResponse:
+        """`raw_contents` stands for request.raw_input_contents (validation.py)."""
         start = time.monotonic_ns()
         entry, version = self.models.resolve(request.model_name, request.model_version)
         spec = entry.spec
@@ -104,7 +108,7 @@ class DataPlane:
         self.models.begin(entry)
         held: dict[str, Region] = {}  # output -> its region, released when the request ends
         try:
-            validated = validate_infer(request, spec, self._read_shared)
+            validated = validate_infer(request, spec, self._read_shared, raw_contents)
             for name, ref in validated.shared_outputs.items():
                 held[name] = self.shm.acquire(ref.region)
                 held[name].check(ref.offset, ref.byte_size)  # Triton checks before running

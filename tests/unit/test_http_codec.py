@@ -49,8 +49,9 @@ def test_json_and_binary_inputs_become_raw_contents_in_order() -> None:
     assert "binary_data_output" not in r.parameters  # HTTP-only, never reaches the dataplane
     assert [t.name for t in r.inputs] == ["A", "B", "S"]
     assert list(r.inputs[1].shape) == [2, 2] and "binary_data_size" not in r.inputs[1].parameters
-    assert r.raw_input_contents[0] == a.tobytes() == r.raw_input_contents[1]
-    assert split_bytes_elements(r.raw_input_contents[2]) == [b"hi", b""]
+    assert not r.raw_input_contents  # the bytes travel beside the message
+    assert parsed.raw[0] == a.tobytes() == parsed.raw[1]
+    assert split_bytes_elements(parsed.raw[2]) == [b"hi", b""]
     assert parsed.binary_default and not parsed.wants_binary("O") and parsed.wants_binary("P")
     assert "binary_data" not in r.outputs[0].parameters
     assert r.outputs[0].parameters["classification"].int64_param == 0

@@ -222,7 +222,7 @@ class HttpFront:
         header_length = _header_length(request.headers)
         body = _decompressed(request)
         parsed = codec.parse_infer(body, header_length, model, version)
-        result = await self.dp.infer(parsed.request)
+        result = await self.dp.infer(parsed.request, parsed.raw)
         body, json_length = codec.encode_infer(result, parsed)
         if json_length is None:
             headers = [(b"content-type", b"application/json")]

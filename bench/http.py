@@ -71,7 +71,8 @@ def measure(
     except PerfAnalyzerError as exc:
         # Noisy shared machine: one more try over exactly 3 windows whatever
         # their spread (-s 1000), marked.
-        note = "unstable" if "stable" in str(exc) else f"error: {str(exc)[:80]}"
+        first = str(exc).splitlines()[0]
+        note = "unstable" if "stable" in first else f"retried after: {first[:60]}"
         try:
             r = run_perf(
                 url,

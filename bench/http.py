@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.perf_analyzer import PerfAnalyzerError, run_perf
+from bench.perf_analyzer import PerfAnalyzerError, PerfAnalyzerUnstable, run_perf
 from bench.references import (
     StageServeServer,
     TritonServer,
@@ -72,7 +72,7 @@ def measure(
         # Noisy shared machine: one more try over exactly 3 windows whatever
         # their spread (-s 1000), marked.
         first = str(exc).splitlines()[0]
-        note = "unstable" if "stable" in first else f"retried after: {first[:60]}"
+        note = "unstable" if isinstance(exc, PerfAnalyzerUnstable) else f"retried: {first[:60]}"
         try:
             r = run_perf(
                 url,

@@ -6,13 +6,13 @@ embedded on the same asyncio loop rather than as separate server workers:
 one gateway process serves both protocols, and more gateways scale both.
 
 Two embeddable servers were measured with perf_analyzer -i http
-(docs/benchmarks.md, `python -m bench.http --servers`): uvicorn with its
+(docs/benchmarks.md, `python -m bench.http --http-servers`): uvicorn with its
 httptools protocol, and granian's experimental embedded mode (Rust HTTP on its
-own threads, handing each request to our loop). They serve the same
-throughput here within noise, since the dataplane and the stages behind it
-dominate; uvicorn is the default because it takes an already bound socket
-(port 0 works without a race) and is not experimental. STAGESERVE_HTTP_SERVER
-=granian selects the other one, for that comparison.
+own threads, handing each request to our loop). uvicorn served as much or
+more at every concurrency in two runs, with a lower p99 at concurrency 1; it
+is the default, also because it takes an already bound socket (port 0 works
+without a race) and is not experimental. STAGESERVE_HTTP_SERVER=granian
+selects the other one, for that comparison.
 """
 
 from __future__ import annotations

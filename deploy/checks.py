@@ -22,7 +22,8 @@ Sections:
   GPU worker is a ``gpu`` profile with an NVIDIA device reservation.
 - ``prometheus``: deploy/prometheus/*.yml scrape every stage on its metrics
   port (DNS discovery for scaled workers).
-- ``k8s``: deploy/k8s manifests: commands parse, gRPC probes on the gRPC port,
+- ``k8s``: deploy/k8s manifests: commands parse, gRPC probes on the gRPC port
+  (the gateway: HTTP probes of /v2/health/ready and /live on its HTTP port),
   scrape annotations on the metrics port, Services match pods, HPAs target
   real Deployments with a queue/pending metric served by the adapter rules
   and a CPU fallback, GPU DaemonSet requests one GPU.
@@ -1353,6 +1354,8 @@ def _check_k8s_services(
         errors.append(f"k8s ConfigMap REDIS_URL={cm.get('REDIS_URL')!r} names no Service port")
     if resolve("gateway", GRPC_PORTS["gateway"]) != GRPC_PORTS["gateway"]:
         errors.append("k8s: Service gateway must expose the gRPC port 8001")
+    if resolve("gateway", GATEWAY_HTTP_PORT) != GATEWAY_HTTP_PORT:
+        errors.append(f"k8s: Service gateway must expose the HTTP port {GATEWAY_HTTP_PORT}")
     return errors
 
 

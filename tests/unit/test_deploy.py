@@ -290,6 +290,11 @@ def _container(docs, kind="Deployment"):
             "readinessProbe must be an HTTP probe of /v2/health/ready",
         ),
         (
+            "gateway.yaml",
+            lambda d: next(o for o in d if o["kind"] == "Service")["spec"]["ports"].pop(0),
+            "must expose the HTTP port 8000",
+        ),
+        (
             "worker-gpu.yaml",
             lambda d: _container(d, "DaemonSet")[0]["resources"]["limits"].pop("nvidia.com/gpu"),
             "nvidia.com/gpu must be 1",

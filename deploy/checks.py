@@ -120,6 +120,7 @@ METRICS: dict[str, Family] = {
         _fam("nv_gpu_power_usage", "gauge", "gpu_uuid"),
         _fam("stageserve_request_duration_seconds", "histogram", *_MV, "phase"),
         _fam("stageserve_gateway_rpc_duration_seconds", "histogram", "method", "code"),
+        _fam("stageserve_http_request_duration_seconds", "histogram", "endpoint", "status"),
         _fam("stageserve_gateway_inflight_requests", "gauge", "model"),
         _fam("stageserve_scheduler_queue_depth", "gauge", *_MV),
         _fam("stageserve_scheduler_batch_size", "histogram", *_MV),

@@ -1,7 +1,7 @@
 """The `stageserve` command: `up` runs the whole stack; one subcommand per service.
 
 Flags follow tritonserver's names where they exist (--model-repository,
---grpc-port, --metrics-port, --model-control-mode, --load-model,
+--grpc-port, --http-port, --allow-http, --metrics-port, --model-control-mode, --load-model,
 --log-verbose), so a Triton command line carries over. Peer addresses and the
 Redis URL also come from the environment (REDIS_URL, STAGESERVE_RATELIMITER,
 STAGESERVE_SCHEDULER), which is how compose and Kubernetes configure them.
@@ -62,6 +62,33 @@ def _autocomplete(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _bool(text: str) -> bool:
+    """tritonserver's boolean flag values."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _http(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allow-http",
+        type=_bool,
+        nargs="?",
+        const=True,
+        default=True,
+        help="serve the HTTP/REST (KServe v2) front too (as tritonserver: true|false)",
+    )
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--http-address", default="0.0.0.0")
+
+
+def _http_listen(args: argparse.Namespace) -> str | None:
+    return f"{args.http_address}:{args.http_port}" if args.allow_http else None
+
+
 def _autocomplete_of(args: argparse.Namespace) -> AutoComplete:
     return AutoComplete(not args.disable_auto_complete_config, args.default_max_batch_size)
 
@@ -88,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--grpc-port", type=int, default=8001)
     up.add_argument("--grpc-address", default="0.0.0.0")
+    _http(up)
     up.add_argument("--metrics-port", type=int, default=8002)
     up.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     up.add_argument("--load-model", action="append", default=[], help="repeatable; * = all")
@@ -110,9 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     _redis(up, required=False)
     _common(up)
 
-    gw = sub.add_parser("gateway", help="public GRPCInferenceService endpoint")
+    gw = sub.add_parser("gateway", help="public GRPCInferenceService and HTTP/REST endpoints")
     gw.add_argument("--listen", default=None, help="host:port (default 0.0.0.0:--grpc-port)")
     gw.add_argument("--grpc-port", type=int, default=8001)
+    _http(gw)
     gw.add_argument("--model-repository", type=Path, required=True)
     gw.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     gw.add_argument("--load-model", action="append", default=[])
@@ -203,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         return up(
             repository=repository.resolve(),
             grpc_address=f"{args.grpc_address}:{args.grpc_port}",
+            http_address=_http_listen(args),
             metrics_port=args.metrics_port,
             control_mode=args.model_control_mode,
             load_models=args.load_model,
@@ -231,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             args.metrics_port or None,
             _autocomplete_of(args),
             args.repository_poll_secs,
+            _http_listen(args),
         )
     elif args.command == "scheduler":
         from services.scheduler.service import serve

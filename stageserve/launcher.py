@@ -64,6 +64,7 @@ class Child:
     name: str
     proc: subprocess.Popen
     address: str = ""
+    http_address: str = ""  # the gateway's HTTP/REST front, when it serves one
     metrics_port: int = 0
     ready: threading.Event = field(default_factory=threading.Event)
     cmd: list[str] = field(default_factory=list)  # how it was started, to start it again
@@ -81,6 +82,8 @@ class Child:
         cmd = list(self.cmd)
         if self.pin_address and self.address and "--listen" in cmd:
             cmd[cmd.index("--listen") + 1] = self.address
+        if self.pin_address and self.http_address and "--http-port" in cmd:
+            cmd[cmd.index("--http-port") + 1] = self.http_address.rsplit(":", 1)[1]
         return cmd
 
 
@@ -89,7 +92,9 @@ def _pump(child: Child, proc: subprocess.Popen, ready: threading.Event) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith(READY_MARKER):
-            child.address = json.loads(line[len(READY_MARKER) :])["address"]
+            announced = json.loads(line[len(READY_MARKER) :])
+            child.address = announced["address"]
+            child.http_address = announced.get("http", "")
             ready.set()
         else:
             sys.stdout.write(line)
@@ -238,11 +243,12 @@ def start_services(
     autocomplete: AutoComplete = TRITON_DEFAULT,
     ratelimiter_args: list[str] | tuple[str, ...] = (),
     repository_poll_secs: float = 15.0,
+    http_address: str | None = "127.0.0.1:0",
 ) -> StackServices:
     """Start Redis (unless given) and every service, in path order, on `stack`.
 
     With stage_metrics, the internal services also serve /metrics, each on a
-    free port (recorded on its Child).
+    free port (recorded on its Child). `http_address` None: no HTTP front.
     """
     redis_url = redis_url or stack.start_redis()
     common = ["--listen", "127.0.0.1:0", "--redis-url", redis_url]
@@ -276,6 +282,11 @@ def start_services(
         "--metrics-port",
         str(metrics_port),
     ]
+    if http_address is None:
+        gw_args += ["--allow-http", "false"]
+    else:
+        host, port = http_address.rsplit(":", 1)
+        gw_args += ["--http-address", host, "--http-port", port]
     for m in load_models:
         gw_args += ["--load-model", m]
     gw_args += ["--default-max-batch-size", str(autocomplete.default_max_batch_size)]
@@ -299,6 +310,7 @@ def up(
     ratelimiter_args: list[str] | tuple[str, ...] = (),
     repository_poll_secs: float = 15.0,
     supervisor_metrics_port: int = 0,
+    http_address: str | None = None,
 ) -> int:
     stack = Stack(log_verbose)
     stopping = threading.Event()
@@ -323,6 +335,7 @@ def up(
             autocomplete=autocomplete,
             ratelimiter_args=ratelimiter_args,
             repository_poll_secs=repository_poll_secs,
+            http_address=http_address,
         )
         # From here on a stage that exits is started again, Redis included
         # (an external Redis, --redis-url, is not ours to restart).
@@ -334,6 +347,7 @@ def up(
                 {
                     "event": "stageserve up",
                     "grpc": services.gateway.address,
+                    "http": services.gateway.http_address or None,
                     "redis": services.redis_url,
                     "metrics_ports": ports,
                     "repository": str(repository),

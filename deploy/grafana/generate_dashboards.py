@@ -637,6 +637,29 @@ def stages_dashboard() -> dict:
         ),
         w=8,
     )
+    http = "stageserve_http_request_duration_seconds"
+    L.add(
+        timeseries(
+            "HTTP requests/s by endpoint and status",
+            "Public HTTP/REST (KServe v2) requests per second by endpoint and HTTP status "
+            "(from stageserve_http_request_duration_seconds_count).",
+            [
+                (
+                    f"sum by (endpoint, status) (rate({http}_count[{RATE}]))",
+                    "{{endpoint}} {{status}}",
+                )
+            ],
+            "reqps",
+        ),
+    )
+    L.add(
+        timeseries(
+            "HTTP p99 by endpoint",
+            "99th percentile of public HTTP/REST request duration by endpoint.",
+            [(_quantile(0.99, http, "endpoint", ""), "{{endpoint}}")],
+            "s",
+        ),
+    )
 
     L.row("Scheduler")
     L.add(

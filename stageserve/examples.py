@@ -2,7 +2,9 @@
 
 Every model is an ONNX graph made with ``onnx.helper`` plus a Triton
 ``config.pbtxt``, written as ``<root>/<model>/config.pbtxt`` and
-``<root>/<model>/<version>/model.onnx``. Nothing is downloaded.
+``<root>/<model>/<version>/model.onnx``; where torch is installed, the
+TorchScript models of ``stageserve.torch_examples`` join them. Nothing is
+downloaded.
 
     python -m stageserve.examples OUTDIR
 
@@ -16,6 +18,7 @@ When ``max_batch_size > 0`` the leading ONNX dimension is the symbolic
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -719,6 +722,11 @@ def build_example_repository(root: Path) -> list[str]:
     write_preprocess(root, "preprocess")
     write_ensemble_mlp(root, "ensemble_mlp")
     names += ["preprocess", "ensemble_mlp"]
+
+    if importlib.util.find_spec("torch") is not None:  # the torch extra is installed
+        from stageserve.torch_examples import build_torch_examples
+
+        names += build_torch_examples(root)
     return names
 
 

@@ -26,9 +26,13 @@ from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
 from stageserve.names import check_model_name, model_name_problem, parse_version, printable
 from stageserve.repository import model_names, read_model
+from stageserve.settings import GATEWAY
 from stageserve.telemetry import TRITON, model_labels
 
 log = logging.getLogger(__name__)
+
+# A load override's temporary folder, as messages show it (no server path leaks).
+OVERRIDE_ROOT = "<load override>"
 
 READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"
 
@@ -44,6 +48,7 @@ class ModelEntry:
     generation: int = 0
     unloaded: bool = False  # by request: not counted by server readiness
     fingerprint: tuple = ()  # of the model folder when loaded (repository.fingerprint)
+    path: Path | None = None  # the folder published to workers (an override's, or the repository's)
 
     def ready_versions(self) -> list[int]:
         return sorted(v for v, s in self.versions.items() if s == READY)
@@ -56,7 +61,7 @@ class ModelManager:
         state: ModelStateStore,
         ratelimiter: pb_grpc.RateLimiterStub,
         control_mode: str = "none",
-        load_timeout_s: float = 120.0,
+        load_timeout_s: float = GATEWAY.load_timeout_s,
         autocomplete: AutoComplete = TRITON_DEFAULT,
     ) -> None:
         self.autocomplete = autocomplete
@@ -125,13 +130,24 @@ class ModelManager:
         the same config is adopted as it is (no reload), so gateways can be
         added or restarted while the others serve."""
         names = model_names(self.repository)
-        wanted = names if self.control_mode == "none" or "*" in load else load
+        wanted = names if self.control_mode in ("none", "poll") or "*" in load else load
+        # Models loaded through the API before this gateway (re)started are
+        # still published: take them over too, or a restarted gateway would
+        # forget them while the workers keep hosting them.
+        wanted = [
+            *wanted,
+            *(n for n in await self.state.loaded() if n in names and n not in wanted),
+        ]
         await asyncio.gather(
             *(self.load(name, adopt=True) for name in wanted), return_exceptions=True
         )
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
+
+    def is_busy(self, name: str) -> bool:
+        """A load or unload of the model is under way."""
+        return name in self._locks and self._locks[name].locked()
 
     async def _ensure_ready(
         self, name: str, chain: tuple[str, ...], adopt: bool = False
@@ -159,8 +175,22 @@ class ModelManager:
         """(Re)load a model; raises StageError when it cannot become ready. Returns
         False when the model was ready and nothing in its folder changed: as in
         Triton, that load is a no-op (statistics go on). `root`: a repository
-        holding this load's overridden copy of the model (services/gateway/overrides.py)."""
-        root = root or self.repository
+        holding this load's overridden copy of the model (services/gateway/overrides.py);
+        its temporary path is shown as OVERRIDE_ROOT in messages and reasons."""
+        if root is None or root == self.repository:
+            return await self._load(name, chain, adopt, self.repository)
+        try:
+            return await self._load(name, chain, adopt, root)
+        except StageError as err:
+            raise StageError(err.code, err.message.replace(str(root), OVERRIDE_ROOT)) from None
+        finally:
+            if (entry := self.entries.get(name)) is not None:
+                entry.reason = entry.reason.replace(str(root), OVERRIDE_ROOT)
+                entry.reasons = {
+                    v: r.replace(str(root), OVERRIDE_ROOT) for v, r in entry.reasons.items()
+                }
+
+    async def _load(self, name: str, chain: tuple[str, ...], adopt: bool, root: Path) -> bool:
         check_model_name(name)
         if model_spec := self._ensemble_spec(root, name):
             # Composing models first (outside this model's lock): Triton loads
@@ -219,6 +249,7 @@ class ModelManager:
                 spec=model.spec,
                 generation=generation,
                 fingerprint=model.fingerprint,
+                path=model.path,
             )
             if not entry.ready_versions() and old is not None and old.ready_versions():
                 # A failed reload keeps the loaded versions serving, as in Triton,

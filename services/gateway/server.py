@@ -8,9 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
-import redis.asyncio as aioredis
 
+from services.gateway.dataplane import DataPlane
+from services.gateway.http.app import HttpFront
+from services.gateway.http.server import HttpServer, http_server
 from services.gateway.models import ModelManager
+from services.gateway.poller import RepositoryPoller
+from services.gateway.republish import Republisher
 from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.security import RestrictedProtocols, server_credentials
 from services.gateway.service import InferenceService
@@ -20,7 +24,7 @@ from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
 from stageserve.net import SERVER_OPTIONS, insecure_channel
-from stageserve.rpc_guard import ErrorBoundary
+from stageserve.redis_connect import connect
 from stageserve.security_options import Restriction, TlsOptions
 from stageserve.service_runtime import run_server
 from stageserve.telemetry import serve_metrics
@@ -38,10 +42,14 @@ async def serve(
     load_models: list[str],
     metrics_port: int | None = None,
     autocomplete: AutoComplete = TRITON_DEFAULT,
+    repository_poll_secs: float = 15.0,
+    http_listen: str | None = None,
     tls: TlsOptions | None = None,
     restrictions: Sequence[Restriction] = (),
 ) -> None:
-    redis = aioredis.from_url(redis_url)
+    """`http_listen` (host:port, port 0 picks one) also serves the HTTP/REST
+    front on the same dataplane; None: gRPC only."""
+    redis = connect(redis_url)
     await redis.ping()
     rl_channel = insecure_channel(ratelimiter_address)
     models = ModelManager(
@@ -52,35 +60,58 @@ async def serve(
         autocomplete=autocomplete,
     )
     link = SchedulerLink(scheduler_address)
-    service = InferenceService(models, link)
-    service.shared = SharedStats(redis, service.stats)
-    service.shared.start()
-    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorBoundary()]
-    if restrictions:
-        interceptors.insert(0, RestrictedProtocols(restrictions))
+    dataplane = DataPlane(models, link)
+    dataplane.shared = SharedStats(redis, dataplane.stats)
+    dataplane.shared.start()
+    republisher = Republisher(models, redis)
+    await republisher.check()  # marks the model set as known before loading
+    republisher.start()
+    # Restricted protocols are a gRPC-front concern (Triton's --grpc-restricted-protocol);
+    # unexpected errors become INTERNAL in service.py's grpc_errors.
+    interceptors = [RestrictedProtocols(restrictions)] if restrictions else []
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-    gs_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
+    gs_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(dataplane), server)
     if metrics_port:
         serve_metrics(metrics_port)
+    http: HttpServer | None = None
+    announce: dict[str, str] = {}
+    if http_listen is not None:
+        host, port = http_listen.rsplit(":", 1)
+        http = http_server(HttpFront(dataplane), host, int(port))
+        await http.start()
+        announce["http"] = http.address
+
+    poller = RepositoryPoller(models, repository, repository_poll_secs)
+    polling: list[asyncio.Task] = []
 
     async def load_then_ready() -> None:
+        poller.baseline()
         await models.startup(load_models)
-        service.ready = True
+        dataplane.ready = True
         log.info("startup models loaded", extra={"models": sorted(models.entries)})
+        if control_mode == "poll":
+            polling.append(asyncio.create_task(poller.run_forever()))
 
     # Serve health RPCs while models load; announce once loading finished.
     loader = asyncio.create_task(load_then_ready())
     try:
         if tls is None:
-            await run_server(server, listen, "gateway", before_ready=loader)
+            await run_server(server, listen, "gateway", before_ready=loader, announce=announce)
         else:  # Triton's --grpc-use-ssl: the public endpoint speaks TLS only
             port = server.add_secure_port(listen, server_credentials(tls))
             address = f"{listen.rsplit(':', 1)[0]}:{port}"
-            await run_server(server, address, "gateway", bound=True, before_ready=loader)
+            await run_server(
+                server, address, "gateway", bound=True, before_ready=loader, announce=announce
+            )
     finally:
         loader.cancel()
-        await service.shared.close()
-        service.overrides.close()
+        for task in polling:
+            task.cancel()
+        await republisher.close()
+        if http is not None:
+            await http.stop()
+        await dataplane.shared.close()
+        dataplane.overrides.close()
         await link.close()
         await rl_channel.close()
         await redis.aclose()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from services.worker.backends import TensorBackend
 from services.worker.batch_io import (
     BatchIOError,
     batch_input_array,
@@ -22,7 +23,7 @@ from services.worker.batch_io import (
     scatter_shapes,
 )
 from services.worker.inline_policy import InlinePolicy
-from services.worker.onnx_backend import BackendError, OnnxInstance
+from services.worker.onnx_backend import BackendError
 from stageserve.config import InstanceGroup, ModelSpec
 from stageserve.datatypes import from_triton
 from stageserve.generated import stageserve_pb2 as pb
@@ -71,7 +72,7 @@ class HostedInstance:
     generation: int
     placement: Placement
     spec: ModelSpec
-    backend: OnnxInstance
+    backend: TensorBackend
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="instance")
     )

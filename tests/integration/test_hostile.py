@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from stageserve.examples import write_simple
@@ -66,6 +67,21 @@ def _answer(fn, *args, **kwargs) -> tuple[str, str, float]:
     return code, message, time.monotonic() - start
 
 
+def _http_answer(fn, *args, **kwargs) -> tuple[str, str, float]:
+    """_answer for tritonclient.http (its timeout is the client's network_timeout)."""
+    start = time.monotonic()
+    try:
+        value = fn(*args, **kwargs)
+        code, message = "OK", repr(value)
+    except InferenceServerException as err:
+        code, message = str(err.status()), err.message() or ""
+    return code, message, time.monotonic() - start
+
+
+def _http_client(s: RunningStack) -> httpclient.InferenceServerClient:
+    return httpclient.InferenceServerClient(s.gateway.http_address, network_timeout=PROMPT_S * 2)
+
+
 def _check(answer: tuple[str, str, float], code: str, leaks: tuple[str, ...] = LEAKS) -> None:
     got, message, seconds = answer
     assert got == code, (got, message)
@@ -90,6 +106,55 @@ def test_hostile_names_get_triton_codes_at_once(hostile: RunningStack, name: str
         ),
         "StatusCode.NOT_FOUND",
     )
+
+
+# Names the HTTP front can carry in its URL path (one segment: no '/', no NUL;
+# '.' and '..' would be resolved away by any HTTP client).
+HTTP_HOSTILE = {
+    k: v for k, v in HOSTILE.items() if "/" not in v and "\x00" not in v and v[0] != "."
+}
+
+
+@pytest.mark.parametrize("name", list(HTTP_HOSTILE.values()), ids=list(HTTP_HOSTILE))
+def test_hostile_names_over_http_get_tritons_http_statuses(
+    hostile: RunningStack, name: str
+) -> None:
+    """The same dataplane checks behind the HTTP front, with Triton's HTTP mapping
+    (INVALID_ARGUMENT 400, NOT_FOUND 404), just as promptly and without leaks."""
+    c = _http_client(hostile)
+    if len(name) > 60_000:  # the HTTP server itself refuses a request line this long
+        for fn in (c.load_model, c.unload_model, c.get_model_metadata):
+            assert _http_answer(fn, name)[0] == "400"
+        assert c.is_server_live()
+        return
+    _check(_http_answer(c.load_model, name), "400")
+    _check(_http_answer(c.unload_model, name), "OK")
+    _check(_http_answer(c.get_model_metadata, name), "404")
+    _check(_http_answer(c.get_model_config, name), "404")
+    _check(_http_answer(c.get_inference_statistics, name), "400")
+    assert c.is_model_ready(name) is False
+    inputs = [httpclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+    for i in inputs:
+        i.set_data_from_numpy(np.ones((1, 16), np.int32))
+    _check(_http_answer(c.infer, name, inputs), "404")
+
+
+def test_overrides_and_cascade_over_http(hostile: RunningStack, repo: Path) -> None:
+    """Load overrides and unload go through the dataplane for the HTTP front too."""
+    c = _http_client(hostile)
+    g = hostile.client()
+    before = _listing(repo)
+    config = _simple_config(g, name="fresh_http")
+    onnx = (repo / "simple" / "1" / "model.onnx").read_bytes()
+    c.load_model("fresh_http", config=config, files={"file:1/model.onnx": onnx})
+    assert g.is_model_ready("fresh_http")
+    infer_simple(g, model="fresh_http")
+    assert _listing(repo) == before
+    answer = _http_answer(c.load_model, "simple", config="{not json")
+    _check(answer, "400")
+    assert "Invalid config override" in answer[1]
+    c.unload_model("fresh_http")
+    assert not g.is_model_ready("fresh_http")
 
 
 def test_hostile_versions_get_invalid_argument(hostile: RunningStack) -> None:

@@ -28,9 +28,11 @@ EXPECTED_MODELS = {
     "preprocess",
     "ensemble_mlp",
     *(f"identity_{d.lower()}" for d in examples.ALL_DATATYPES),
+    "torch_mlp",  # TorchScript (stageserve.torch_examples; torch is a test dependency)
+    "torch_two_io",
 }
 # Ensembles have a config and an empty version folder, no model file.
-ONNX_MODELS = EXPECTED_MODELS - {"ensemble_mlp"}
+ONNX_MODELS = EXPECTED_MODELS - {"ensemble_mlp", "torch_mlp", "torch_two_io"}
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The error boundary on a real grpc.aio server, called through tritonclient."""
+"""The gateway's `grpc_errors` boundary on a real grpc.aio server, called through tritonclient."""
 
 from __future__ import annotations
 
@@ -13,24 +13,28 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from services.gateway.service import client_message, grpc_errors, internal_message
 from stageserve.errors import not_found
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
-from stageserve.rpc_guard import ErrorBoundary, internal_message, stream_error_message
 
 
 class Faulty(gs_grpc.GRPCInferenceServiceServicer):
     """Handlers that fail the ways a real one can: a bug, and a StageError left uncaught."""
 
+    @grpc_errors
     async def ServerLive(self, request, context):
         raise OSError(36, "File name too long", "/secret/path/" + "x" * 300)
 
+    @grpc_errors
     async def ServerReady(self, request, context):
         raise not_found("no such thing")
 
+    @grpc_errors
     async def ServerMetadata(self, request, context):
         return gs.ServerMetadataResponse(name="faulty")
 
+    @grpc_errors
     async def ModelStreamInfer(self, request_iterator, context):
         async for _ in request_iterator:
             raise KeyError("internal detail")
@@ -44,7 +48,7 @@ def url() -> Iterator[str]:
     holder: dict = {}
 
     async def main() -> None:
-        server = grpc.aio.server(interceptors=[ErrorBoundary()])
+        server = grpc.aio.server()
         gs_grpc.add_GRPCInferenceServiceServicer_to_server(Faulty(), server)
         holder["port"] = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -63,7 +67,7 @@ def url() -> Iterator[str]:
 def test_an_unexpected_exception_is_internal_with_a_short_message(url, caplog) -> None:
     c = grpcclient.InferenceServerClient(url)
     with (
-        caplog.at_level(logging.ERROR, logger="stageserve.rpc_guard"),
+        caplog.at_level(logging.ERROR, logger="services.gateway.service"),
         pytest.raises(InferenceServerException) as info,
     ):
         c.is_server_live(client_timeout=10)
@@ -102,8 +106,8 @@ def test_a_stream_handler_failure_is_internal(url) -> None:
 
 
 def test_a_streamed_response_gets_the_same_short_text(caplog) -> None:
-    with caplog.at_level(logging.ERROR, logger="stageserve.rpc_guard"):
-        text = stream_error_message(KeyError("secret detail"), "ModelStreamInfer")
+    with caplog.at_level(logging.ERROR, logger="services.gateway.service"):
+        text = client_message(KeyError("secret detail"), "ModelStreamInfer")
     assert text == internal_message("ModelStreamInfer") and "secret" not in text
     assert any("secret detail" in str(getattr(r, "error", "")) for r in caplog.records)
-    assert stream_error_message(not_found("gone"), "ModelStreamInfer") == "gone"
+    assert client_message(not_found("gone"), "ModelStreamInfer") == "gone"

@@ -25,7 +25,12 @@ from stageserve.autocomplete_options import DEFAULT_MAX_BATCH_SIZE, AutoComplete
 from stageserve.gpus import parse_workers
 from stageserve.logs import setup_logging
 from stageserve.security_options import add_flags as add_security_flags
-from stageserve.security_options import gateway_flags, restrictions_from, tls_from
+from stageserve.security_options import (
+    gateway_flags,
+    http_restrictions_from,
+    restrictions_from,
+    tls_from,
+)
 
 log = logging.getLogger("stageserve")
 
@@ -277,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             _http_listen(args),
             _security(args, tls_from),
             _security(args, restrictions_from),
+            _security(args, http_restrictions_from),
         )
     elif args.command == "scheduler":
         from services.scheduler.service import serve

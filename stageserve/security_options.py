@@ -1,7 +1,8 @@
-"""Triton's security options for the public gRPC endpoint (stdlib only: the CLI parses them).
+"""Triton's security options for the public endpoints (stdlib only: the CLI parses them).
 
-services/gateway/security.py applies them: TLS credentials and the
-restricted-protocol interceptor.
+services/gateway/security.py applies the gRPC ones (TLS credentials, the
+restricted-protocol interceptor); the HTTP front (services/gateway/http/app.py)
+applies --http-restricted-api.
 
 Flags, as tritonserver spells them:
 
@@ -13,6 +14,11 @@ Flags, as tritonserver spells them:
   carries the header ``triton-grpc-protocol-<key>: <value>``; any other gets
   UNAVAILABLE "This protocol is restricted, expecting header
   'triton-grpc-protocol-<key>'" (Triton 2.51's code and message, measured).
+* ``--http-restricted-api=<api>[,<api>...]:<key>=<value>`` (repeatable): the
+  same groups on the HTTP front; a request must carry the header
+  ``<key>: <value>`` (no prefix), any other gets 403 Forbidden
+  {"error": "This API is restricted, expecting header '<key>'"} (Triton's
+  http_server.cc RespondIfRestricted).
 
 Groups and their RPCs are Triton's: health (ServerLive, ServerReady,
 ModelReady), metadata (ServerMetadata, ModelMetadata), inference (ModelInfer,
@@ -62,20 +68,25 @@ class Restriction:
     value: str
 
 
-def parse_restriction(text: str) -> Restriction:
-    """One --grpc-restricted-protocol value; ValueError with Triton's message."""
+def parse_restriction(
+    text: str, flag: str = "--grpc-restricted-protocol", prefix: str = HEADER_PREFIX
+) -> Restriction:
+    """One --grpc-restricted-protocol value (or, with its flag and no prefix,
+    --http-restricted-api); ValueError with Triton's message."""
     spec, sep, setting = text.partition(":")
     key, eq, value = setting.partition("=")
     if not sep or not eq or not spec or not key:
-        raise ValueError(
-            "--grpc-restricted-protocol option format is "
-            f"'<config name>:<setting>=<value>'. Got {text}"
-        )
+        raise ValueError(f"{flag} option format is '<config name>:<setting>=<value>'. Got {text}")
     groups = frozenset(g.strip() for g in spec.split(","))
     for g in sorted(groups):
         if g not in GROUPS:
             raise ValueError(f"unknown restricted protocol '{g}'")
-    return Restriction(groups, f"{HEADER_PREFIX}{key.strip().lower()}", value)
+    return Restriction(groups, f"{prefix}{key.strip().lower()}", value)
+
+
+def parse_http_restriction(text: str) -> Restriction:
+    """One --http-restricted-api value: the header is the key itself."""
+    return parse_restriction(text, "--http-restricted-api", prefix="")
 
 
 def restrictions_by_group(restrictions: Sequence[Restriction]) -> dict[str, Restriction]:
@@ -122,6 +133,12 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="<protocol>[,<protocol>...]:<key>=<value>",
     )
+    g.add_argument(
+        "--http-restricted-api",
+        action="append",
+        default=[],
+        metavar="<api>[,<api>...]:<key>=<value>",
+    )
 
 
 def tls_from(args: argparse.Namespace) -> TlsOptions | None:
@@ -145,6 +162,12 @@ def restrictions_from(args: argparse.Namespace) -> list[Restriction]:
     return restrictions
 
 
+def http_restrictions_from(args: argparse.Namespace) -> list[Restriction]:
+    restrictions = [parse_http_restriction(text) for text in args.http_restricted_api]
+    restrictions_by_group(restrictions)
+    return restrictions
+
+
 def gateway_flags(args: argparse.Namespace) -> list[str]:
     """The same flags again, for the gateway child `stageserve up` starts."""
     out: list[str] = []
@@ -158,4 +181,6 @@ def gateway_flags(args: argparse.Namespace) -> list[str]:
             out.append("--grpc-use-ssl-mutual=true")
     for text in args.grpc_restricted_protocol:
         out.append(f"--grpc-restricted-protocol={text}")
+    for text in args.http_restricted_api:
+        out.append(f"--http-restricted-api={text}")
     return out

@@ -46,6 +46,7 @@ async def serve(
     http_listen: str | None = None,
     tls: TlsOptions | None = None,
     restrictions: Sequence[Restriction] = (),
+    http_restrictions: Sequence[Restriction] = (),
 ) -> None:
     """`http_listen` (host:port, port 0 picks one) also serves the HTTP/REST
     front on the same dataplane; None: gRPC only."""
@@ -77,7 +78,7 @@ async def serve(
     announce: dict[str, str] = {}
     if http_listen is not None:
         host, port = http_listen.rsplit(":", 1)
-        http = http_server(HttpFront(dataplane), host, int(port))
+        http = http_server(HttpFront(dataplane, http_restrictions), host, int(port))
         await http.start()
         announce["http"] = http.address
 

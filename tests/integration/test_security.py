@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from stageserve.examples import write_simple
@@ -56,7 +57,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _stack(repo: Path, flags: list[str]) -> Iterator[str]:
+def _stack(repo: Path, flags: list[str], front: str = "address") -> Iterator[str]:
     stack = Stack()
     try:
         services = start_services(
@@ -67,7 +68,7 @@ def _stack(repo: Path, flags: list[str]) -> Iterator[str]:
             device="cpu",
             gateway_extra=flags,
         )
-        yield services.gateway.address
+        yield getattr(services.gateway, front)
     finally:
         stack.stop()
 
@@ -159,3 +160,35 @@ def test_restricted_protocols_need_the_header(mtls: str, certs: Path) -> None:
     assert c.get_model_config("simple", client_timeout=TIMEOUT_S).config.name == "simple"
     assert c.get_system_shared_memory_status(client_timeout=TIMEOUT_S) is not None
     infer_simple(c)
+
+
+@pytest.fixture(scope="module")
+def http_restricted(repo: Path) -> Iterator[str]:
+    """The HTTP front with Triton's --http-restricted-api (plaintext gRPC unrestricted)."""
+    yield from _stack(
+        repo,
+        ["--http-restricted-api=model-repository,statistics:admin-key=s3cret"],
+        front="http_address",
+    )
+
+
+def test_http_restricted_apis_need_the_header(http_restricted: str) -> None:
+    c = httpclient.InferenceServerClient(http_restricted, network_timeout=TIMEOUT_S)
+    expected = "This API is restricted, expecting header 'admin-key'"
+    for headers in (None, {"admin-key": "wrong"}, {"triton-grpc-protocol-admin-key": "s3cret"}):
+        for call in (
+            lambda h: c.get_model_repository_index(headers=h),
+            lambda h: c.get_inference_statistics("simple", headers=h),
+            lambda h: c.load_model("simple", headers=h),
+            lambda h: c.unload_model("simple", headers=h),
+        ):
+            with pytest.raises(InferenceServerException) as info:
+                call(headers)
+            assert info.value.status() == "403"
+            assert info.value.message() == expected
+    good = {"Admin-Key": "s3cret"}  # header names are case-insensitive
+    assert [m["name"] for m in c.get_model_repository_index(headers=good)] == ["simple"]
+    assert c.get_inference_statistics("simple", headers=good)["model_stats"]
+    # what is not restricted needs no header
+    assert c.is_server_ready()
+    assert c.get_model_metadata("simple")["name"] == "simple"

@@ -7,6 +7,8 @@ import pytest
 from stageserve.cli import build_parser
 from stageserve.security_options import (
     gateway_flags,
+    http_restrictions_from,
+    parse_http_restriction,
     parse_restriction,
     restrictions_from,
     tls_from,
@@ -75,3 +77,21 @@ def test_inconsistent_flags_are_refused(tmp_path) -> None:
                    "--grpc-restricted-protocol=statistics:b=2"])
         )  # fmt: skip
     assert tls_from(parse(["up", "--grpc-use-ssl=false"])) is None
+
+
+def test_an_http_restriction_uses_the_key_itself_as_header() -> None:
+    r = parse_http_restriction("inference,health:Admin-Key=s3cret")
+    assert r.groups == {"inference", "health"}
+    assert (r.header, r.value) == ("admin-key", "s3cret")
+    with pytest.raises(ValueError, match="--http-restricted-api option format is"):
+        parse_http_restriction("inference")
+
+
+def test_http_restrictions_travel_to_the_gateway_child(tmp_path) -> None:
+    args = build_parser().parse_args(["up", "--http-restricted-api=statistics:k=v"])
+    again = build_parser().parse_args(
+        ["gateway", "--model-repository", str(tmp_path), "--redis-url", "redis://x",
+         *gateway_flags(args)]
+    )  # fmt: skip
+    assert http_restrictions_from(again) == http_restrictions_from(args)
+    assert [r.header for r in http_restrictions_from(args)] == ["k"]

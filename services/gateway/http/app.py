@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -26,6 +26,7 @@ from services.gateway.dataplane import DataPlane
 from services.gateway.http import codec
 from stageserve.errors import StageError, invalid
 from stageserve.generated import grpc_service_pb2 as gs
+from stageserve.security_options import Restriction, restrictions_by_group
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,29 @@ _HTTP_STATUS = {
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.INTERNAL: 500,
+}
+
+# Endpoint (as _route labels it) -> Triton's API group for --http-restricted-api.
+API_GROUP = {
+    "health_live": "health",
+    "health_ready": "health",
+    "model_ready": "health",
+    "server_metadata": "metadata",
+    "model_metadata": "metadata",
+    "infer": "inference",
+    "generate": "inference",
+    "generate_stream": "inference",
+    "model_config": "model-config",
+    "model_stats": "statistics",
+    "repository_index": "model-repository",
+    "repository_load": "model-repository",
+    "repository_unload": "model-repository",
+    "shm_status": "shared-memory",
+    "shm_register": "shared-memory",
+    "shm_unregister": "shared-memory",
+    "cudasharedmemory": "shared-memory",
+    "trace": "trace",
+    "logging": "logging",
 }
 
 HTTP_DURATION = Histogram(
@@ -86,9 +110,14 @@ class Request:
 class HttpFront:
     """ASGI application: `await front(scope, receive, send)`."""
 
-    def __init__(self, dataplane: DataPlane) -> None:
+    def __init__(self, dataplane: DataPlane, restrictions: Sequence[Restriction] = ()) -> None:
+        """`restrictions`: Triton's --http-restricted-api (stageserve/security_options.py)."""
         self.dp = dataplane
         self._timers: dict[tuple[str, int], Any] = {}
+        self._restricted = {
+            group: (r.header, r.header.encode("latin-1"), r.value.encode("utf-8"))
+            for group, r in restrictions_by_group(restrictions).items()
+        }
 
     # ------------------------------------------------------------------- ASGI
 
@@ -118,6 +147,12 @@ class HttpFront:
         endpoint, handler, method, args = self._route(request.parts)
         if handler is None:
             return endpoint, error_response(404, "Not Found")
+        restriction = self._restricted.get(API_GROUP.get(endpoint, ""))
+        if restriction is not None:
+            header, key, value = restriction
+            if request.headers.get(key) != value:  # as Triton: 403 with its words
+                message = f"This API is restricted, expecting header '{header}'"
+                return endpoint, error_response(403, message)
         if request.method != method:
             return endpoint, error_response(405, "Method Not Allowed")
         try:

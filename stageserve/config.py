@@ -22,6 +22,8 @@ ONNX_PLATFORM = "onnxruntime_onnx"
 ONNX_BACKEND = "onnxruntime"
 DEFAULT_ONNX_FILENAME = "model.onnx"
 ENSEMBLE_PLATFORM = "ensemble"
+PYTHON_BACKEND = "python"
+DEFAULT_PYTHON_FILENAME = "model.py"
 
 
 class ConfigError(ValueError):
@@ -161,6 +163,8 @@ class ModelSpec:
     steps: tuple = ()  # ensemble steps (platform "ensemble")
     batch_inputs: tuple[BatchInputSpec, ...] = ()
     batch_outputs: tuple[BatchOutputSpec, ...] = ()
+    backend: str = ""  # "python" for Triton Python-backend models (model.py)
+    decoupled: bool = False  # model_transaction_policy { decoupled: true }
 
     @property
     def batching(self) -> bool:
@@ -264,10 +268,19 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
     """Validate a ModelConfig and derive the ModelSpec with Triton's defaults."""
     name = config.name
     platform = config.platform or (ONNX_PLATFORM if config.backend == ONNX_BACKEND else "")
-    if platform not in (ONNX_PLATFORM, ENSEMBLE_PLATFORM):
+    python = config.backend == PYTHON_BACKEND and not config.platform
+    if python:
+        platform = PYTHON_BACKEND  # what ModelMetadata reports for a backend-only config
+    if platform not in (ONNX_PLATFORM, ENSEMBLE_PLATFORM) and not python:
         raise ConfigError(
             f"model '{name}': platform '{config.platform}' / backend '{config.backend}' is not "
-            f"supported (StageServe serves '{ONNX_PLATFORM}' and '{ENSEMBLE_PLATFORM}' models)"
+            f"supported (StageServe serves '{ONNX_PLATFORM}', '{ENSEMBLE_PLATFORM}' and "
+            f"'{PYTHON_BACKEND}' backend models)"
+        )
+    decoupled = bool(config.model_transaction_policy.decoupled)
+    if decoupled and not python:
+        raise ConfigError(
+            f"model '{name}': decoupled models are supported for the '{PYTHON_BACKEND}' backend"
         )
     if config.max_batch_size < 0:
         raise ConfigError(f"model '{name}': max_batch_size must be >= 0")
@@ -344,12 +357,15 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
         outputs=outputs,
         dynamic_batching=dynamic,
         instance_groups=tuple(groups),
-        model_filename=config.default_model_filename or DEFAULT_ONNX_FILENAME,
+        model_filename=config.default_model_filename
+        or (DEFAULT_PYTHON_FILENAME if python else DEFAULT_ONNX_FILENAME),
         parameters={k: v.string_value for k, v in config.parameters.items()},
         sequence=sequence,
         steps=steps,
         batch_inputs=batch_inputs,
         batch_outputs=batch_outputs,
+        backend=PYTHON_BACKEND if python else (config.backend or ""),
+        decoupled=decoupled,
     )
 
 

@@ -14,6 +14,7 @@ import time
 import grpc
 
 from services.gateway.models import ModelManager
+from services.gateway.python_models import check_unary_allowed, python_request_fields
 from services.gateway.recorder import RequestRecorder
 from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.shared_memory import Region, SystemSharedMemory
@@ -110,6 +111,7 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
         start = time.perf_counter()
         code = "OK"
         try:
+            check_unary_allowed(self.models, request)
             return await self._infer(request)
         except StageError as err:
             code = err.code.name
@@ -151,6 +153,7 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
                     sequence_id_str=validated.sequence_id_str,
                     sequence_start=validated.sequence_start,
                     sequence_end=validated.sequence_end,
+                    **python_request_fields(spec, request),
                 )
             )
             self._record_steps(resp)

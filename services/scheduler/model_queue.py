@@ -131,6 +131,13 @@ def build_execute_request(
     req.request_batch_sizes.extend(q.msg.batch_size if batching else 1 for q in batch)
     for q in batch:
         req.requested.add(names=q.msg.outputs)
+        req.request_info.add(
+            request_id=q.msg.request_id,
+            correlation_id=q.msg.sequence_id,
+            correlation_id_str=q.msg.sequence_id_str,
+            flags=int(q.msg.sequence_start) | (int(q.msg.sequence_end) << 1),
+            parameters_json=q.msg.parameters_json,
+        )
     return req
 
 
@@ -458,11 +465,17 @@ class ModelQueue:
                     batch_size=total,
                     batch_leader=i == 0,
                 )
+                result = resp.results[i]
+                if result.code:  # a per-request error (a Python model's response)
+                    self._deliver(
+                        q,
+                        pb.ScheduleResponse(
+                            id=q.msg.id, code=result.code, message=result.message, timing=timing
+                        ),
+                    )
+                    continue
                 self._deliver(
-                    q,
-                    pb.ScheduleResponse(
-                        id=q.msg.id, outputs=resp.results[i].outputs, timing=timing
-                    ),
+                    q, pb.ScheduleResponse(id=q.msg.id, outputs=result.outputs, timing=timing)
                 )
         finally:
             self.executing -= 1

@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 
 from services.worker.instances import HostedInstance, default_intra_op_threads, placements
 from services.worker.onnx_backend import BackendError, OnnxInstance
+from services.worker.python_backend.worker_glue import load_python_model
 from stageserve import redis_keys as keys
 from stageserve.config import ModelSpec
 from stageserve.errors import code_from_int
@@ -53,7 +54,7 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     # ---------------------------------------------------------------- execute
 
-    async def _run(self, request: pb.ExecuteRequest) -> pb.ExecuteResponse:
+    async def _run(self, request: pb.ExecuteRequest, emit=None) -> pb.ExecuteResponse:
         """Execute one batch (inline when short, see inline_policy); errors
         become the answer's code."""
         inst = self.instances.get(request.instance_id)
@@ -71,7 +72,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 resp = inst.execute(request)
             else:
                 loop = asyncio.get_running_loop()
-                resp = await loop.run_in_executor(inst.executor, inst.execute, request)
+                resp = await loop.run_in_executor(inst.executor, inst.execute, request, emit)
         except Exception as exc:  # BackendError or a bug: answer, never hang the batch
             if not isinstance(exc, BackendError):
                 log.exception("execution failed", extra={"instance": inst.instance_id})
@@ -102,8 +103,15 @@ class WorkerService(pb_grpc.WorkerServicer):
         answers: asyncio.Queue[pb.ExecuteResponse | None] = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
 
+        loop = asyncio.get_running_loop()
+
+        def emit(part: pb.ExecuteResponse, request_id: int) -> None:
+            """A decoupled model's response, sent from the instance's thread."""
+            part.id = request_id
+            loop.call_soon_threadsafe(answers.put_nowait, part)
+
         async def run(request: pb.ExecuteRequest) -> None:
-            answers.put_nowait(await self._run(request))
+            answers.put_nowait(await self._run(request, lambda part: emit(part, request.id)))
 
         async def read() -> None:
             try:
@@ -171,6 +179,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def _load(self, model: LoadedModel) -> bool:
         if model.spec.steps:  # an ensemble runs in the scheduler, not on instances
             return False
+        if model.spec.backend == "python":
+            return await load_python_model(self, model)
         hosted = {(i.model, i.version, i.generation) for i in self.instances.values()}
         groups = [(g, placements(g, self.gpu)) for g in model.spec.instance_groups]
         total = sum(len(p) for _, p in groups)

@@ -199,13 +199,15 @@ def start_services(
 
     rl = stack.start_service("ratelimiter", ["ratelimiter", *common, *metrics()])
     peers = ["--ratelimiter", rl.address]
+    # The scheduler first: workers send Python models' BLS requests to it.
+    sched = stack.start_service("scheduler", ["scheduler", *common, *peers, *metrics()])
+    worker_peers = [*peers, "--scheduler", sched.address]
     worker_children = [
         stack.start_service(
-            f"worker-{i}", ["worker", *common, *peers, "--device", device, *metrics()]
+            f"worker-{i}", ["worker", *common, *worker_peers, "--device", device, *metrics()]
         )
         for i in range(workers)
     ]
-    sched = stack.start_service("scheduler", ["scheduler", *common, *peers, *metrics()])
     gw_args = [
         "gateway",
         "--listen",

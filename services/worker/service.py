@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 
 from services.worker.instances import HostedInstance, default_intra_op_threads, placements
 from services.worker.onnx_backend import BackendError, OnnxInstance
+from services.worker.python_backend.bls import install as bls_install
 from services.worker.python_backend.worker_glue import load_python_model
 from stageserve import redis_keys as keys
 from stageserve.config import ModelSpec
@@ -317,6 +318,7 @@ async def serve(
     device: str,
     worker_id: str | None,
     advertise: str | None = None,
+    scheduler_address: str | None = None,
 ) -> None:
     from stageserve.net import SERVER_OPTIONS
     from stageserve.service_runtime import run_server
@@ -330,6 +332,8 @@ async def serve(
     )
     server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_WorkerServicer_to_server(service, server)
+    # Python models' BLS requests go to the scheduler (python_backend/bls.py).
+    bls = bls_install(scheduler_address, service.state) if scheduler_address else None
 
     # The address peers dial must be known before registering: bind first.
     host = listen.rsplit(":", 1)[0]
@@ -353,5 +357,7 @@ async def serve(
             )
         for inst in service.instances.values():
             inst.close()
+        if bls is not None:
+            await bls.close()
         await channel.close()
         await redis.aclose()

@@ -1,0 +1,152 @@
+"""BLS: `pb_utils.InferenceRequest(...).exec()` from inside a model's execute.
+
+A BLS request goes through the stack's scheduler like any client request
+(dynamic batching, rate limiting, queue policies and ensembles apply), over
+the gateway's own SchedulerLink client: one multiplexed stream per worker.
+It is validated by the gateway's pure validation (the same errors a client
+would get), and a failure comes back as `response.has_error()` /
+`response.error()`, never raised, as in Triton.
+
+`exec()` runs on the calling instance's thread and waits there; the stream
+lives on the worker's event loop, which is why Python instances never run
+inline on that loop. `async_exec()` awaits from the instance's own loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from services.gateway.scheduler_link import SchedulerLink
+from services.gateway.validation import validate_infer
+from stageserve import pb_utils
+from stageserve.datatypes import from_numpy
+from stageserve.errors import StageError, code_from_int
+from stageserve.generated import grpc_service_pb2 as gs
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.model_state import LoadedModel, ModelStateStore
+from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
+
+# grpc.StatusCode value -> pb_utils.TritonError code (the inverse of Triton's mapping).
+_TRITON_CODES = {
+    2: pb_utils.TritonError.UNKNOWN,
+    13: pb_utils.TritonError.INTERNAL,
+    5: pb_utils.TritonError.NOT_FOUND,
+    3: pb_utils.TritonError.INVALID_ARG,
+    14: pb_utils.TritonError.UNAVAILABLE,
+    12: pb_utils.TritonError.UNSUPPORTED,
+    6: pb_utils.TritonError.ALREADY_EXISTS,
+    1: pb_utils.TritonError.CANCELLED,
+}
+MODEL_CACHE_S = 1.0  # a reload is picked up within this (the scheduler checks generations too)
+
+
+def _error(code: int, message: str) -> pb_utils.InferenceResponse:
+    return pb_utils.InferenceResponse(
+        error=pb_utils.TritonError(message, _TRITON_CODES.get(code, pb_utils.TritonError.INTERNAL))
+    )
+
+
+class BlsClient:
+    def __init__(
+        self, scheduler_address: str, state: ModelStateStore, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.link = SchedulerLink(scheduler_address)
+        self.state = state
+        self.loop = loop
+        self._models: dict[str, tuple[float, LoadedModel | None]] = {}
+
+    # Called by pb_utils.InferenceRequest ------------------------------------
+
+    def execute(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
+        future = asyncio.run_coroutine_threadsafe(self.infer(request), self.loop)
+        return self._shape(future.result(), decoupled)
+
+    async def execute_async(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
+        future = asyncio.run_coroutine_threadsafe(self.infer(request), self.loop)
+        return self._shape(await asyncio.wrap_future(future), decoupled)
+
+    @staticmethod
+    def _shape(response: pb_utils.InferenceResponse, decoupled: bool) -> Any:
+        # exec(decoupled=True) yields responses; a non-decoupled target gives one.
+        return iter([response]) if decoupled else response
+
+    # On the worker's loop ----------------------------------------------------
+
+    async def infer(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
+        try:
+            loaded = await self._model(request.model_name())
+            if loaded is None:
+                return _error(
+                    5, f"Request for unknown model: '{request.model_name()}' is not found"
+                )
+            resp = await self.link.schedule(self._schedule_request(request, loaded))
+        except StageError as err:
+            return _error(err.code.value[0], err.message)
+        if resp.code:
+            return _error(resp.code, resp.message)
+        try:
+            outputs = [
+                pb_utils.Tensor(t.name, raw_to_numpy(t.raw, t.datatype, t.shape))
+                for t in resp.outputs
+            ]
+        except TensorError as exc:
+            return _error(13, f"BLS response from '{request.model_name()}': {exc}")
+        return pb_utils.InferenceResponse(outputs)
+
+    def _schedule_request(
+        self, request: pb_utils.InferenceRequest, loaded: LoadedModel
+    ) -> pb.ScheduleRequest:
+        name = request.model_name()
+        version = request.model_version()
+        if version <= 0:
+            version = max(loaded.versions)
+        elif version not in loaded.versions:
+            raise StageError(
+                code_from_int(5),
+                f"Request for unknown model: '{name}' version {version} is not found",
+            )
+        infer = gs.ModelInferRequest(model_name=name, id=request.request_id())
+        for tensor in request.inputs():
+            arr = tensor.as_numpy()
+            try:
+                dt = from_numpy(arr.dtype)
+            except KeyError as exc:
+                raise StageError(code_from_int(3), str(exc)) from None
+            infer.inputs.add(name=tensor.name(), datatype=dt.triton, shape=list(arr.shape))
+            infer.raw_input_contents.append(numpy_to_raw(arr, dt))
+        for output in request.requested_output_names():
+            infer.outputs.add(name=output)
+        validated = validate_infer(infer, loaded.spec)
+        return pb.ScheduleRequest(
+            model=name,
+            version=version,
+            inputs=validated.inputs,
+            outputs=validated.outputs,
+            batch_size=validated.batch_size,
+            priority=validated.priority,
+            timeout_us=request.timeout() or validated.timeout_us,
+            config_generation=loaded.generation,
+            request_id=request.request_id(),
+            parameters_json=request.parameters() if request.parameters() != "{}" else "",
+        )
+
+    async def _model(self, name: str) -> LoadedModel | None:
+        cached = self._models.get(name)
+        now = time.monotonic()
+        if cached is not None and now - cached[0] < MODEL_CACHE_S:
+            return cached[1]
+        loaded = await self.state.get(name)
+        self._models[name] = (now, loaded)
+        return loaded
+
+    async def close(self) -> None:
+        await self.link.close()
+
+
+def install(scheduler_address: str, state: ModelStateStore) -> BlsClient:
+    """Make pb_utils.InferenceRequest.exec() reach this stack's scheduler (on the running loop)."""
+    client = BlsClient(scheduler_address, state, asyncio.get_running_loop())
+    pb_utils.InferenceRequest._bls = client
+    return client

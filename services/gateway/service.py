@@ -14,7 +14,14 @@ import time
 import grpc
 
 from services.gateway.models import ModelManager
-from services.gateway.python_models import check_unary_allowed, python_request_fields
+from services.gateway.python_models import (
+    DecoupledStream,
+    check_unary_allowed,
+    decoupled_stream,
+    mark_final,
+    python_request_fields,
+    stream_partials,
+)
 from services.gateway.recorder import RequestRecorder
 from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.shared_memory import Region, SystemSharedMemory
@@ -125,7 +132,9 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
             timer = self._rpc_timers[code] = GATEWAY_RPC_DURATION.labels("ModelInfer", code)
         return timer
 
-    async def _infer(self, request: gs.ModelInferRequest) -> gs.ModelInferResponse:
+    async def _infer(
+        self, request: gs.ModelInferRequest, stream: DecoupledStream | None = None
+    ) -> gs.ModelInferResponse:
         start = time.monotonic_ns()
         entry, version = self.models.resolve(request.model_name, request.model_version)
         spec = entry.spec
@@ -154,8 +163,11 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
                     sequence_start=validated.sequence_start,
                     sequence_end=validated.sequence_end,
                     **python_request_fields(spec, request),
-                )
+                ),
+                on_more=stream_partials(stream, entry.name, version, request.id),
             )
+            if stream is not None:
+                stream.final(resp)
             self._record_steps(resp)
             if resp.code:
                 raise StageError(code_from_int(resp.code), resp.message)
@@ -250,8 +262,14 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
         tasks: set[asyncio.Task] = set()
 
         async def answer(request: gs.ModelInferRequest) -> None:
+            stream = decoupled_stream(self.models, request, responses.put_nowait)
             try:
-                response = gs.ModelStreamInferResponse(infer_response=await self._infer(request))
+                response = gs.ModelStreamInferResponse(
+                    infer_response=await self._infer(request, stream)
+                )
+                mark_final(response)
+                if stream is not None and (response := stream.last(response)) is None:
+                    return
             except StageError as err:
                 response = gs.ModelStreamInferResponse(
                     error_message=err.message,

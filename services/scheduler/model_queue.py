@@ -34,6 +34,7 @@ from services.scheduler.batcher import (
 )
 from services.scheduler.batcher import shape_key as batch_shape_key
 from services.scheduler.clients import Granted, RateLimiterClient, WorkerCallError, WorkerClients
+from services.scheduler.decoupled import DecoupledBatch
 from stageserve.config import ModelSpec, QueuePolicySpec
 from stageserve.errors import StageError, unavailable
 from stageserve.generated import stageserve_pb2 as pb
@@ -445,14 +446,28 @@ class ModelQueue:
             request = build_execute_request(
                 grant.instance_id, batch, self.spec.batching, self.spec.ragged_inputs
             )
+            decoupled = (
+                DecoupledBatch(batch, compute_start, sum(request.request_batch_sizes))
+                if self.spec.decoupled
+                else None
+            )
             try:
-                resp = await self.workers.execute(grant.worker_address, request)
+                resp = await self.workers.execute(
+                    grant.worker_address, request, decoupled.on_part if decoupled else None
+                )
             except WorkerCallError as exc:
                 err, failed_instance = self._execution_error(exc, grant)
-                if failed_instance is None and self._requeue(batch):
+                resent = decoupled is not None and decoupled.sent_any
+                if failed_instance is None and not resent and self._requeue(batch):
                     return  # the instance was unloaded (a reload): run elsewhere
+                if decoupled is not None:
+                    decoupled.finish(err)
+                    return
                 for q in batch:
                     self._deliver(q, error_response(q.msg.id, err))
+                return
+            if decoupled is not None:
+                decoupled.finish(None)
                 return
             total = sum(request.request_batch_sizes)
             self._batch_hist.observe(total)

@@ -153,7 +153,8 @@ class PythonInstance:
         if responses is not None:  # Triton 2.51 answers this the same way
             senders.fail_unfinished(
                 f"Failed to process the request(s) for model '{self.instance_name}', message: "
-                f"A decoupled model must return None from execute; use the response sender"
+                f"Python model '{self.instance_name}' is using the decoupled mode and the "
+                f"execute function must return None."
             )
         senders.wait_all_final()  # responses may come from the model's own threads
         out = pb.ExecuteResponse()

@@ -13,7 +13,12 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from stageserve.examples import python_config_text, write_py_stream, write_python_model
+from stageserve.examples import (
+    ensemble_config,
+    python_config_text,
+    write_py_stream,
+    write_python_model,
+)
 from tests.stack import RunningStack, running_stack
 
 # IN = [n, mode]: mode 0 sends n responses then the final flag alone; mode 1
@@ -65,6 +70,17 @@ def dec_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack
             max_batch_size=0,
             decoupled=True,
         ),
+    )
+    steps = '  step [ { model_name: "py_dec" model_version: -1 input_map { key: "IN" value: "X" } output_map { key: "OUT" value: "Y" } } ]'  # noqa: E501
+    (root / "ens_dec" / "1").mkdir(parents=True)
+    (root / "ens_dec" / "config.pbtxt").write_text(
+        ensemble_config(
+            "ens_dec",
+            steps,
+            '{ name: "X" data_type: TYPE_INT32 dims: [ 2 ] }',
+            '{ name: "Y" data_type: TYPE_INT32 dims: [ 1 ] }',
+            mbs=0,
+        )
     )
     with running_stack(root) as s:
         yield s
@@ -158,3 +174,12 @@ def test_model_infer_on_decoupled_model_is_unimplemented(dec_stack: RunningStack
     assert info.value.message() == (
         "ModelInfer RPC doesn't support models with decoupled transaction policy"
     )
+
+
+def test_decoupled_ensemble_step_is_refused(dec_stack: RunningStack) -> None:
+    inp = grpcclient.InferInput("X", [2], "INT32")
+    inp.set_data_from_numpy(np.array([1, 1], dtype=np.int32))
+    with dec_stack.client() as c, pytest.raises(InferenceServerException) as info:
+        c.infer("ens_dec", [inp])
+    assert info.value.status() == "StatusCode.UNIMPLEMENTED"
+    assert "decoupled" in info.value.message()

@@ -10,8 +10,8 @@ as they are fed:
   ExecuteResponse back (the IPC a stub process costs).
 
 Models: `numpy` (execute does ~1 ms of numpy per request: three
-128x256 @ 256x256 layers with tanh, softmax) and `trivial` (returns its input). Prints batches/s and CPU
-ms per batch (whole process tree) for each.
+128x256 @ 256x256 layers with tanh, softmax) and `trivial` (returns its
+input). Prints batches/s and CPU ms per batch (whole process tree) for each.
 
     OPENBLAS_NUM_THREADS=1 python -m bench.python_backend --instances 1 2 --seconds 3
 

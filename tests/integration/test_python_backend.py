@@ -24,7 +24,7 @@ from stageserve.examples import (
     write_py_preprocess,
     write_python_model,
 )
-from tests.stack import RunningStack, running_stack
+from tests.stack import RunningStack, running_stack, wait_until
 
 # OUT = IN + 1 per request; N = how many requests execute() received together;
 # MOST = the most instances that ever executed at once.
@@ -333,3 +333,59 @@ def test_python_preprocess_feeds_onnx_classifier(py_stack: RunningStack) -> None
     with py_stack.client() as c:
         stats = c.get_inference_statistics("py_preprocess", as_json=True)
     assert int(stats["model_stats"][0]["inference_stats"]["success"]["count"]) >= 8
+
+
+FINALIZING = """\
+import os
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.marker = os.path.join(args["model_repository"], "finalized")
+
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(r, "IN")])
+            for r in requests
+        ]
+
+    def finalize(self):
+        with open(self.marker, "w") as f:
+            f.write("done")
+"""
+
+BROKEN = """\
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("no weights here")
+
+    def execute(self, requests):
+        return []
+"""
+
+
+def test_load_failure_and_finalize_on_unload(tmp_path) -> None:
+    """initialize raising makes the load fail with its reason; unloading a model
+    runs finalize() (explicit model control)."""
+    io = {"inputs": [("IN", "FP32", (2,))], "outputs": [("IN", "FP32", (2,))]}
+    write_python_model(
+        tmp_path, "py_final", FINALIZING, python_config_text("py_final", **io, max_batch_size=4)
+    )
+    write_python_model(
+        tmp_path, "py_broken", BROKEN, python_config_text("py_broken", **io, max_batch_size=4)
+    )
+    with running_stack(tmp_path, control_mode="explicit") as s, s.client() as c:
+        with pytest.raises(InferenceServerException) as info:
+            c.load_model("py_broken")
+        assert "Failed to initialize model 'py_broken_0_0': RuntimeError: no weights here" in (
+            info.value.message()
+        )
+        c.load_model("py_final")
+        r = _infer(c, "py_final", np.ones((1, 2), np.float32))
+        np.testing.assert_array_equal(r.as_numpy("IN"), np.ones((1, 2), np.float32))
+        marker = tmp_path / "py_final" / "finalized"
+        assert not marker.exists()
+        c.unload_model("py_final")
+        assert wait_until(marker.exists, timeout_s=20)

@@ -20,7 +20,7 @@ from stageserve.examples import (
     write_py_bls,
     write_python_model,
 )
-from tests.stack import RunningStack, running_stack
+from tests.stack import RunningStack, running_stack, wait_until
 
 # The batched target: OUT = IN * 3, N = how many requests its execute() got.
 COUNT = """\
@@ -119,6 +119,20 @@ def test_bls_to_batched_model_under_concurrency(bls_stack: RunningStack, use_asy
         np.testing.assert_array_equal(out, np.full((1, 4), i * 3, dtype=np.float32))
     # 8 caller instances wait on the target at once: the target's batcher joins them.
     assert max(n for *_, n in results) > 1
+
+
+def test_bls_requests_count_in_target_statistics(bls_stack: RunningStack) -> None:
+    with bls_stack.client() as c:
+
+        def target_count() -> int:
+            stats = c.get_inference_statistics("py_count", as_json=True)["model_stats"][0]
+            return int(stats.get("inference_count", 0))
+
+        before = target_count()
+        for i in range(3):
+            _call(bls_stack, float(i))
+        # The worker publishes its share about once a second.
+        assert wait_until(lambda: target_count() >= before + 3, timeout_s=10)
 
 
 def test_bls_errors_are_responses(bls_stack: RunningStack) -> None:

@@ -5,7 +5,9 @@ A BLS request goes through the stack's scheduler like any client request
 the gateway's own SchedulerLink client: one multiplexed stream per worker.
 It is validated by the gateway's pure validation (the same errors a client
 would get), and a failure comes back as `response.has_error()` /
-`response.error()`, never raised, as in Triton.
+`response.error()`, never raised, as in Triton. BLS requests count in the
+target's ModelStatistics (and Triton's metrics), as in Triton: the worker
+publishes its share to Redis like one more gateway.
 
 `exec()` runs on the calling instance's thread and waits there; the stream
 lives on the worker's event loop, which is why Python instances never run
@@ -18,7 +20,10 @@ import asyncio
 import time
 from typing import Any
 
+from services.gateway.recorder import RequestRecorder
 from services.gateway.scheduler_link import SchedulerLink
+from services.gateway.shared_stats import SharedStats
+from services.gateway.statistics import StatsBook
 from services.gateway.validation import validate_infer
 from stageserve import pb_utils
 from stageserve.datatypes import from_numpy
@@ -56,6 +61,16 @@ class BlsClient:
         self.state = state
         self.loop = loop
         self._models: dict[str, tuple[float, LoadedModel | None]] = {}
+        # BLS requests count in their target's ModelStatistics, as in Triton:
+        # this worker publishes its share like one more gateway (shared_stats.py).
+        self.stats = StatsBook(self._generation_of)
+        self.recorder = RequestRecorder(self.stats)
+        self.shared = SharedStats(state.redis, self.stats)
+        self.shared.start()
+
+    def _generation_of(self, model: str) -> int:
+        cached = self._models.get(model)
+        return cached[1].generation if cached is not None and cached[1] is not None else 0
 
     # Called by pb_utils.InferenceRequest ------------------------------------
 
@@ -81,9 +96,15 @@ class BlsClient:
                 return _error(
                     5, f"Request for unknown model: '{request.model_name()}' is not found"
                 )
-            resp = await self.link.schedule(self._schedule_request(request, loaded))
+            schedule = self._schedule_request(request, loaded)
         except StageError as err:
             return _error(err.code.value[0], err.message)
+        start = time.monotonic_ns()
+        try:
+            resp = await self.link.schedule(schedule)
+        except StageError as err:
+            resp = pb.ScheduleResponse(code=err.code.value[0], message=err.message)
+        self._record(schedule, resp, time.monotonic_ns() - start)
         if resp.code:
             return _error(resp.code, resp.message)
         try:
@@ -94,6 +115,25 @@ class BlsClient:
         except TensorError as exc:
             return _error(13, f"BLS response from '{request.model_name()}': {exc}")
         return pb_utils.InferenceResponse(outputs)
+
+    def _record(self, request: pb.ScheduleRequest, resp: pb.ScheduleResponse, ns: int) -> None:
+        for st in resp.steps:  # an ensemble's composing executions
+            if st.failed:
+                self.recorder.failure(
+                    st.model, st.version, st.duration_ns, code_from_int(st.code), st.message
+                )
+            else:
+                self.recorder.success(
+                    st.model, st.version, st.duration_ns, st.batch_size, st.timing
+                )
+        if resp.code:
+            self.recorder.failure(
+                request.model, request.version, ns, code_from_int(resp.code), resp.message
+            )
+        else:
+            self.recorder.success(
+                request.model, request.version, ns, request.batch_size, resp.timing
+            )
 
     def _schedule_request(
         self, request: pb_utils.InferenceRequest, loaded: LoadedModel
@@ -142,6 +182,7 @@ class BlsClient:
         return loaded
 
     async def close(self) -> None:
+        await self.shared.close()
         await self.link.close()
 
 

@@ -80,7 +80,17 @@ class PythonInstance:
             module = import_model_file(model_file)
         except ModelImportError as exc:
             raise PythonModelError(str(exc)) from exc
-        self.model = module.TritonPythonModel()
+        try:
+            self.model = module.TritonPythonModel()
+        except Exception as exc:
+            raise PythonModelError(
+                f"Failed to create TritonPythonModel of '{instance_name}': "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if not callable(getattr(self.model, "execute", None)):
+            raise PythonModelError(
+                f"TritonPythonModel of model '{spec.name}' ({model_file}) has no execute method"
+            )
         self.is_async = inspect.iscoroutinefunction(self.model.execute)
         # An `async def execute` runs on this instance's own loop, on the
         # instance's thread: awaiting BLS (async_exec) never blocks other instances.

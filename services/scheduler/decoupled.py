@@ -48,6 +48,7 @@ class DecoupledBatch:
             if part.final:
                 self.finished.add(index)
                 out.timing.CopyFrom(self._timing(index))
+                out.timing.compute_infer_ns = part.compute_infer_ns
             self.sent_any = True
             q.respond(out)
 

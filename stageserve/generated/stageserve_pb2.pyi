@@ -299,16 +299,18 @@ class RequestInfo(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., correlation_id: _Optional[int] = ..., correlation_id_str: _Optional[str] = ..., flags: _Optional[int] = ..., parameters_json: _Optional[str] = ...) -> None: ...
 
 class DecoupledPart(_message.Message):
-    __slots__ = ("request_index", "has_response", "response", "final")
+    __slots__ = ("request_index", "has_response", "response", "final", "compute_infer_ns")
     REQUEST_INDEX_FIELD_NUMBER: _ClassVar[int]
     HAS_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INFER_NS_FIELD_NUMBER: _ClassVar[int]
     request_index: int
     has_response: bool
     response: RequestOutputs
     final: bool
-    def __init__(self, request_index: _Optional[int] = ..., has_response: _Optional[bool] = ..., response: _Optional[_Union[RequestOutputs, _Mapping]] = ..., final: _Optional[bool] = ...) -> None: ...
+    compute_infer_ns: int
+    def __init__(self, request_index: _Optional[int] = ..., has_response: _Optional[bool] = ..., response: _Optional[_Union[RequestOutputs, _Mapping]] = ..., final: _Optional[bool] = ..., compute_infer_ns: _Optional[int] = ...) -> None: ...
 
 class RaggedShapes(_message.Message):
     __slots__ = ("input", "rank", "dims")

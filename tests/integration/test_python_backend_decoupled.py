@@ -123,6 +123,10 @@ def test_responses_arrive_as_sent(dec_stack: RunningStack) -> None:
     answers = _stream(dec_stack, "py_stream", [("a", [3, 300])], 3)
     assert _summary(answers) == [("a", 0, False), ("a", 1, False), ("a", 2, False)]
     assert answers[-1][0] - answers[0][0] > 0.45
+    with dec_stack.client() as c:  # the request's compute time spans its responses
+        stats = c.get_inference_statistics("py_stream", as_json=True)["model_stats"][0]
+    assert int(stats["inference_stats"]["success"]["count"]) == 1
+    assert int(stats["inference_stats"]["compute_infer"]["ns"]) > 500_000_000
 
 
 def test_final_flag_and_empty_final_response(dec_stack: RunningStack) -> None:

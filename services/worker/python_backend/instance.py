@@ -294,6 +294,7 @@ class _Senders:
         self._instance = instance
         self._unfinished = set(range(count))
         self._done = threading.Condition()
+        self._start_ns = time.monotonic_ns()  # a request's compute time ends at its final
 
     def emitter(
         self, index: int, req: pb_utils.InferenceRequest
@@ -313,6 +314,7 @@ class _Senders:
                 return
             if part.final:
                 self._unfinished.discard(part.request_index)
+                part.compute_infer_ns = time.monotonic_ns() - self._start_ns
                 self._done.notify_all()
         if self._emit is not None:
             self._emit(pb.ExecuteResponse(parts=[part], more=True))

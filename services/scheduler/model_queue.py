@@ -105,6 +105,7 @@ def build_execute_request(
     batch: list[Queued],
     batching: bool,
     ragged: frozenset[str] = frozenset(),
+    request_info: bool = False,
 ) -> pb.ExecuteRequest:
     """Concatenate each input's raw bytes across the batch (batch dim is outermost).
 
@@ -132,6 +133,8 @@ def build_execute_request(
     req.request_batch_sizes.extend(q.msg.batch_size if batching else 1 for q in batch)
     for q in batch:
         req.requested.add(names=q.msg.outputs)
+        if not request_info:  # only Python models read them (InferenceRequest)
+            continue
         req.request_info.add(
             request_id=q.msg.request_id,
             correlation_id=q.msg.sequence_id,
@@ -444,7 +447,11 @@ class ModelQueue:
         try:
             compute_start = time.monotonic_ns()
             request = build_execute_request(
-                grant.instance_id, batch, self.spec.batching, self.spec.ragged_inputs
+                grant.instance_id,
+                batch,
+                self.spec.batching,
+                self.spec.ragged_inputs,
+                request_info=self.spec.backend == "python",
             )
             decoupled = (
                 DecoupledBatch(batch, compute_start, sum(request.request_batch_sizes))

@@ -389,3 +389,25 @@ def test_load_failure_and_finalize_on_unload(tmp_path) -> None:
         assert not marker.exists()
         c.unload_model("py_final")
         assert wait_until(marker.exists, timeout_s=20)
+
+
+def test_asyncio_client_concurrent_requests(py_stack: RunningStack) -> None:
+    """tritonclient.grpc.aio: concurrent BYTES requests, each answered with its own bytes."""
+    import asyncio
+
+    import tritonclient.grpc.aio as aioclient
+
+    async def main() -> list[list[bytes]]:
+        async with aioclient.InferenceServerClient(py_stack.url) as c:
+
+            async def one(i: int) -> list[bytes]:
+                values = np.array([[bytes([i, 0, 255]), b"\x80" * i]], dtype=np.object_)
+                inp = aioclient.InferInput("IN", [1, 2], "BYTES")
+                inp.set_data_from_numpy(values)
+                r = await c.infer("py_bytes", [inp])
+                return r.as_numpy("OUT")[0].tolist()
+
+            return await asyncio.gather(*(one(i) for i in range(16)))
+
+    for i, got in enumerate(asyncio.run(main())):
+        assert got == [bytes([i, 0, 255]), b"\x80" * i]

@@ -70,6 +70,52 @@ class TritonPythonModel:
 """
 
 
+# A decoupled target: OUT = IN * k for k = 1, 2, 3, then the final flag alone.
+GENERATOR = """\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "IN").as_numpy()
+            sender = r.get_response_sender()
+            for k in (1, 2, 3):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x * k)]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+# Collects the generator's responses with exec(decoupled=True): OUT = their
+# outputs stacked, N = how many responses (the empty final one included).
+# Without the "decoupled" parameter it calls exec() and returns the error.
+GEN_CALLER = """\
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            bls = pb_utils.InferenceRequest(
+                model_name="py_gen", requested_output_names=["OUT"],
+                inputs=[pb_utils.get_input_tensor_by_name(r, "IN")])
+            if not json.loads(r.parameters()).get("decoupled"):
+                out.append(pb_utils.InferenceResponse(error=bls.exec().error()))
+                continue
+            responses = list(bls.exec(decoupled=True))
+            parts = [pb_utils.get_output_tensor_by_name(x, "OUT").as_numpy()
+                     for x in responses if x.output_tensors()]
+            out.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("OUT", np.stack(parts)),
+                pb_utils.Tensor("N", np.array([len(responses)], np.int32))]))
+        return out
+"""
+
+
 @pytest.fixture(scope="module")
 def bls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     root = tmp_path_factory.mktemp("bls_repository")
@@ -94,6 +140,29 @@ def bls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack
     )
     write_mlp(root, "mlp", instance_count=1)
     write_py_bls(root)
+    write_python_model(
+        root,
+        "py_gen",
+        GENERATOR,
+        python_config_text(
+            "py_gen",
+            [("IN", "FP32", (4,))],
+            [("OUT", "FP32", (4,))],
+            max_batch_size=0,
+            decoupled=True,
+        ),
+    )
+    write_python_model(
+        root,
+        "py_gen_caller",
+        GEN_CALLER,
+        python_config_text(
+            "py_gen_caller",
+            [("IN", "FP32", (4,))],
+            [("OUT", "FP32", (3, 4)), ("N", "INT32", (1,))],
+            max_batch_size=0,
+        ),
+    )
     with running_stack(root) as s:
         yield s
 
@@ -157,3 +226,17 @@ def test_example_bls_model_calls_onnx_classifier(bls_stack: RunningStack) -> Non
         r = c.infer("py_bls", [inp])
     np.testing.assert_allclose(r.as_numpy("PROBS"), expected, rtol=1e-4, atol=1e-6)
     np.testing.assert_array_equal(r.as_numpy("LABEL")[:, 0], expected.argmax(axis=1))
+
+
+def test_bls_to_decoupled_model(bls_stack: RunningStack) -> None:
+    x = np.arange(4, dtype=np.float32)
+    inp = grpcclient.InferInput("IN", [4], "FP32")
+    inp.set_data_from_numpy(x)
+    with bls_stack.client() as c:
+        r = c.infer("py_gen_caller", [inp], parameters={"decoupled": True})
+        np.testing.assert_array_equal(r.as_numpy("OUT"), np.stack([x, x * 2, x * 3]))
+        assert r.as_numpy("N").tolist() == [4]
+        with pytest.raises(InferenceServerException) as info:
+            c.infer("py_gen_caller", [inp])
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "exec(decoupled=True)" in info.value.message()

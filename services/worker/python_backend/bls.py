@@ -75,36 +75,56 @@ class BlsClient:
     # Called by pb_utils.InferenceRequest ------------------------------------
 
     def execute(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
-        future = asyncio.run_coroutine_threadsafe(self.infer(request), self.loop)
+        future = asyncio.run_coroutine_threadsafe(self.infer(request, decoupled), self.loop)
         return self._shape(future.result(), decoupled)
 
     async def execute_async(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
-        future = asyncio.run_coroutine_threadsafe(self.infer(request), self.loop)
+        future = asyncio.run_coroutine_threadsafe(self.infer(request, decoupled), self.loop)
         return self._shape(await asyncio.wrap_future(future), decoupled)
 
     @staticmethod
-    def _shape(response: pb_utils.InferenceResponse, decoupled: bool) -> Any:
-        # exec(decoupled=True) yields responses; a non-decoupled target gives one.
-        return iter([response]) if decoupled else response
+    def _shape(responses: list[pb_utils.InferenceResponse], decoupled: bool) -> Any:
+        # exec(decoupled=True) gives an iterator of every response (collected
+        # before it returns: not streamed into the caller yet), else the one.
+        return iter(responses) if decoupled else responses[0]
 
     # On the worker's loop ----------------------------------------------------
 
-    async def infer(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
+    async def infer(
+        self, request: pb_utils.InferenceRequest, decoupled: bool = False
+    ) -> list[pb_utils.InferenceResponse]:
+        """The target's responses: one, or (a decoupled target) each it sent,
+        the final flag alone becoming an empty response, as in Triton."""
         try:
             loaded = await self._model(request.model_name())
             if loaded is None:
-                return _error(
-                    5, f"Request for unknown model: '{request.model_name()}' is not found"
-                )
+                return [
+                    _error(5, f"Request for unknown model: '{request.model_name()}' is not found")
+                ]
+            if loaded.spec.decoupled and not decoupled:
+                return [
+                    _error(
+                        3,
+                        f"model '{request.model_name()}' is decoupled: "
+                        f"use exec(decoupled=True) / async_exec(decoupled=True)",
+                    )
+                ]
             schedule = self._schedule_request(request, loaded)
         except StageError as err:
-            return _error(err.code.value[0], err.message)
+            return [_error(err.code.value[0], err.message)]
         start = time.monotonic_ns()
+        earlier: list[pb.ScheduleResponse] = []
         try:
-            resp = await self.link.schedule(schedule)
+            resp = await self.link.schedule(schedule, on_more=earlier.append)
         except StageError as err:
             resp = pb.ScheduleResponse(code=err.code.value[0], message=err.message)
         self._record(schedule, resp, time.monotonic_ns() - start)
+        return [self._response(request, r) for r in (*earlier, resp)]
+
+    @staticmethod
+    def _response(
+        request: pb_utils.InferenceRequest, resp: pb.ScheduleResponse
+    ) -> pb_utils.InferenceResponse:
         if resp.code:
             return _error(resp.code, resp.message)
         try:

@@ -411,3 +411,11 @@ def test_asyncio_client_concurrent_requests(py_stack: RunningStack) -> None:
 
     for i, got in enumerate(asyncio.run(main())):
         assert got == [bytes([i, 0, 255]), b"\x80" * i]
+
+
+def test_metadata_platform_is_python(py_stack: RunningStack) -> None:
+    """As Triton 2.51 answers for a backend: "python" config."""
+    with py_stack.client() as c:
+        meta = c.get_model_metadata("py_bytes", as_json=True)
+    assert meta["platform"] == "python"
+    assert meta["inputs"] == [{"name": "IN", "datatype": "BYTES", "shape": ["-1", "-1"]}]

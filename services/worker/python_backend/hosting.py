@@ -35,15 +35,23 @@ def python_instances(
             )
             # initialize runs on the thread that will execute: a model that
             # keeps thread-bound state (an event loop, a CUDA context) finds it there.
-            hosted.backend = hosted.executor.submit(
-                PythonInstance,
-                path,
-                model.spec,
-                text,
-                instance_name=f"{group.name}_{index}",
-                kind=place.kind,
-                device_id=place.device_id,
-                version=version,
-            ).result()
+            try:
+                hosted.backend = hosted.executor.submit(
+                    PythonInstance,
+                    path,
+                    model.spec,
+                    text,
+                    instance_name=f"{group.name}_{index}",
+                    kind=place.kind,
+                    device_id=place.device_id,
+                    version=version,
+                ).result()
+            except BaseException:
+                # A failed load leaves no thread behind; the instances already
+                # initialized are finalized, as Triton unloads a failed model.
+                hosted.executor.shutdown(wait=False)
+                for done in loaded:
+                    done.close()
+                raise
             loaded.append(hosted)
     return loaded

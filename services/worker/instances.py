@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,7 +96,9 @@ class HostedInstance:
             WORKER_COMPUTE.labels(*labels, phase) for phase in ("input", "infer", "output")
         )
 
-    def execute(self, request: pb.ExecuteRequest, emit=None) -> pb.ExecuteResponse:
+    def execute(
+        self, request: pb.ExecuteRequest, emit: Callable[[pb.ExecuteResponse], None] | None = None
+    ) -> pb.ExecuteResponse:
         """Decode, run and split one batch: on the instance's own thread, or
         inline on the event loop when its policy says the model is fast.
         Backends that take the batch's requests themselves (Python models)

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 import grpc
 import redis.asyncio as aioredis
@@ -55,7 +56,11 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     # ---------------------------------------------------------------- execute
 
-    async def _run(self, request: pb.ExecuteRequest, emit=None) -> pb.ExecuteResponse:
+    async def _run(
+        self,
+        request: pb.ExecuteRequest,
+        emit: Callable[[pb.ExecuteResponse], None] | None = None,
+    ) -> pb.ExecuteResponse:
         """Execute one batch (inline when short, see inline_policy); errors
         become the answer's code."""
         inst = self.instances.get(request.instance_id)

@@ -65,9 +65,9 @@ RUN groupadd --system --gid 10001 stageserve \
  && install -d -o stageserve -g stageserve -m 0755 /models \
  && chmod 0755 /usr/local/bin/stageserve-healthcheck
 WORKDIR /home/stageserve
-# gateway gRPC 8001 / metrics 8002; scheduler 9001 / 9101;
+# gateway HTTP 8000 / gRPC 8001 / metrics 8002; scheduler 9001 / 9101;
 # ratelimiter 9002 / 9102; worker 9003 / 9103
-EXPOSE 8001 8002 9001 9002 9003 9101 9102 9103
+EXPOSE 8000 8001 8002 9001 9002 9003 9101 9102 9103
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
     CMD ["stageserve-healthcheck"]
 ENTRYPOINT ["stageserve"]

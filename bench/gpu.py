@@ -18,8 +18,13 @@ On a machine without a GPU it runs on the CPU provider (the device reported
 in the output says which); there the server's stages and perf_analyzer share
 the cores the model computes on, so the ratio is a lower bound.
 
+With ``--backend torch`` the same CNN (same weights, bench/torch_cnn.py)
+runs as TorchScript: alone through the worker's ``TorchInstance``, and
+through StageServe as a ``pytorch_libtorch`` model.
+
   python -m bench.gpu                          # auto device, batch 32, 64x64 images
   python -m bench.gpu --device cuda:0 --batch 64 --image-size 128
+  python -m bench.gpu --backend torch          # the TorchScript CNN
 """
 
 from __future__ import annotations
@@ -51,15 +56,21 @@ class AloneResult:
     images_per_s: float
 
 
-def ort_alone(model_file: Path, device: str, batch: int, image_size: int, seconds: float):
-    """Images/s of back-to-back runs at one batch size, warmed up first."""
-    backend = OnnxInstance(
-        model_file,
-        device=device,
-        intra_op_threads=default_intra_op_threads(1),
-        input_types={"INPUT": "FP32"},
-        output_types={"OUTPUT": "FP32"},
-    )
+def backend_alone(
+    model_file: Path, device: str, batch: int, image_size: int, seconds: float
+) -> AloneResult:
+    """Images/s of back-to-back runs at one batch size, warmed up first, through
+    the worker's own backend for the file (ONNX Runtime or TorchScript)."""
+    io = {"input_types": {"INPUT": "FP32"}, "output_types": {"OUTPUT": "FP32"}}
+    threads = default_intra_op_threads(1)
+    if model_file.suffix == ".pt":
+        from services.worker.torch_backend import TorchInstance
+
+        backend = TorchInstance(model_file, device=device, intra_op_threads=threads, **io)
+        providers = [f"torch {backend.device}"]
+    else:
+        backend = OnnxInstance(model_file, device=device, intra_op_threads=threads, **io)
+        providers = backend.providers
     rng = np.random.default_rng(0)
     feeds = {"INPUT": rng.random((batch, 3, image_size, image_size), dtype=np.float32)}
     for _ in range(3):
@@ -69,12 +80,13 @@ def ort_alone(model_file: Path, device: str, batch: int, image_size: int, second
     while (elapsed := time.perf_counter() - start) < seconds:
         backend.run(feeds, ["OUTPUT"])
         runs += 1
-    return AloneResult(backend.device, backend.providers, runs * batch / elapsed)
+    return AloneResult(backend.device, providers, runs * batch / elapsed)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__)
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
+    ap.add_argument("--backend", choices=["onnx", "torch"], default="onnx")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--image-size", type=int, default=64)
     ap.add_argument("--width", type=int, default=32, help="channels of the first stage")
@@ -93,16 +105,20 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="stageserve-gpu-") as tmp:
         repository = Path(tmp) / "models"
-        model_dir = write_cnn(
-            repository, image_size=args.image_size, width=args.width, max_batch_size=args.batch
-        )
+        size = {"image_size": args.image_size, "width": args.width, "max_batch_size": args.batch}
+        if args.backend == "torch":
+            import services.worker.torch_backend  # noqa: F401 (its OpenMP settings, before torch)
+            from bench.torch_cnn import write_torch_cnn
+
+            model_file = write_torch_cnn(repository, **size) / "1" / "model.pt"
+        else:
+            model_file = write_cnn(repository, **size) / "1" / "model.onnx"
         gpu = detect_gpu(args.device)  # what the worker will pick
         device = "cpu" if gpu is None else f"cuda:{gpu}"
-        alone = ort_alone(
-            model_dir / "1" / "model.onnx", device, args.batch, args.image_size, args.seconds
-        )
+        alone = backend_alone(model_file, device, args.batch, args.image_size, args.seconds)
+        label = "TorchScript" if args.backend == "torch" else "ONNX Runtime"
         print(
-            f"ONNX Runtime alone on {alone.device} ({', '.join(alone.providers)}): "
+            f"{label} alone on {alone.device} ({', '.join(alone.providers)}): "
             f"{alone.images_per_s:,.0f} images/s at batch {args.batch}",
             flush=True,
         )
@@ -121,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             ["server", "device", "batch", "conc", "infer/s", "p50 ms", "p99 ms", "ratio"],
             [
                 [
-                    "ORT alone",
+                    f"{label} alone",
                     alone.device,
                     str(args.batch),
                     "-",
@@ -145,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     verdict = "meets" if ratio >= TARGET_RATIO else "misses"
     print(
-        f"\nStageServe reaches {ratio:.0%} of ONNX Runtime alone ({verdict} the "
+        f"\nStageServe reaches {ratio:.0%} of {label} alone ({verdict} the "
         f"{TARGET_RATIO:.0%} target); CPU us per request by stage: "
         + ", ".join(f"{k} {v:.0f}" for k, v in point.cpu_us_per_request.items())
     )

@@ -419,6 +419,7 @@ class RunningServer:
 
     def __init__(self) -> None:
         self.url = ""
+        self.http_url = ""  # HTTP/REST endpoint, where the server was started with one
         self.procs: list[subprocess.Popen] = []
         self.extra_pids: list[int] = []
         self.log: Path | None = None
@@ -476,6 +477,7 @@ class TritonServer(RunningServer):
         instances: int = 1,
         install: TritonInstall | None = None,
         timeout_s: float = 180.0,
+        http: bool = False,
     ) -> None:
         super().__init__()
         install = install or find_triton()
@@ -490,12 +492,17 @@ class TritonServer(RunningServer):
             "--backend-directory", str(backends),
             "--grpc-port", str(port),
             "--grpc-address", "127.0.0.1",
-            "--allow-http", "false",
             "--allow-metrics", "false",
             "--allow-gpu-metrics", "false",
             "--disable-auto-complete-config",
             "--exit-timeout-secs", "5",
         ]  # fmt: skip
+        if http:
+            http_port = free_port()
+            cmd += ["--http-port", str(http_port), "--http-address", "127.0.0.1"]
+            self.http_url = f"127.0.0.1:{http_port}"
+        else:
+            cmd += ["--allow-http", "false"]
         self.url = f"127.0.0.1:{port}"
         self.procs.append(_popen(cmd, self.log, env=install.env(), cwd=workdir))
         self.notes = {"backend": "python (model.py -> onnxruntime)", "instances": str(instances)}
@@ -660,6 +667,7 @@ class StageServeServer(RunningServer):
                 if self._logs:
                     self._logs.restore_stderr()
             self.url = services.gateway.address
+            self.http_url = services.gateway.http_address
             wait_ready(self.url, [m.name for m in models], 120, log=self.log)
         except BaseException as exc:
             self.stop()

@@ -22,7 +22,8 @@ Sections:
   GPU worker is a ``gpu`` profile with an NVIDIA device reservation.
 - ``prometheus``: deploy/prometheus/*.yml scrape every stage on its metrics
   port (DNS discovery for scaled workers).
-- ``k8s``: deploy/k8s manifests: commands parse, gRPC probes on the gRPC port,
+- ``k8s``: deploy/k8s manifests: commands parse, gRPC probes on the gRPC port
+  (the gateway: HTTP probes of /v2/health/ready and /live on its HTTP port),
   scrape annotations on the metrics port, Services match pods, HPAs target
   real Deployments with a queue/pending metric served by the adapter rules
   and a CPU fallback, GPU DaemonSet requests one GPU.
@@ -59,6 +60,13 @@ ADAPTER_VALUES = K8S_DIR / "prometheus-adapter" / "values.yaml"
 # The ports every stage uses, in compose and Kubernetes alike.
 GRPC_PORTS = {"gateway": 8001, "scheduler": 9001, "ratelimiter": 9002, "worker": 9003}
 METRICS_PORTS = {"gateway": 8002, "scheduler": 9101, "ratelimiter": 9102, "worker": 9103}
+#: The gateway's HTTP/REST (KServe v2) front; Kubernetes probes it over HTTP.
+GATEWAY_HTTP_PORT = 8000
+GATEWAY_HTTP_PROBES = {
+    "startupProbe": "/v2/health/ready",
+    "readinessProbe": "/v2/health/ready",
+    "livenessProbe": "/v2/health/live",
+}
 STAGES = tuple(GRPC_PORTS)
 ENV_KEYS = ("REDIS_URL", "STAGESERVE_RATELIMITER", "STAGESERVE_SCHEDULER")
 
@@ -112,12 +120,15 @@ METRICS: dict[str, Family] = {
         _fam("nv_gpu_power_usage", "gauge", "gpu_uuid"),
         _fam("stageserve_request_duration_seconds", "histogram", *_MV, "phase"),
         _fam("stageserve_gateway_rpc_duration_seconds", "histogram", "method", "code"),
+        _fam("stageserve_http_request_duration_seconds", "histogram", "endpoint", "status"),
         _fam("stageserve_gateway_inflight_requests", "gauge", "model"),
         _fam("stageserve_scheduler_queue_depth", "gauge", *_MV),
         _fam("stageserve_scheduler_batch_size", "histogram", *_MV),
         _fam("stageserve_ratelimiter_wait_seconds", "histogram", *_MV),
         _fam("stageserve_ratelimiter_instances", "gauge", *_MV, "state"),
         _fam("stageserve_ratelimiter_grants_total", "counter", *_MV),
+        _fam("stageserve_ratelimiter_grant_wait_seconds", "histogram", "model", "priority"),
+        _fam("stageserve_ratelimiter_resources", "gauge", "resource", "device", "state"),
         _fam("stageserve_worker_compute_seconds", "histogram", *_MV, "model_instance", "phase"),
         _fam("stageserve_stage_rpc_duration_seconds", "histogram", "service", "peer", "method"),
         _fam("stageserve_stage_rpc_errors_total", "counter", "service", "peer", "method", "code"),
@@ -149,6 +160,7 @@ LABEL_VALUES: dict[tuple[str, str], frozenset[str]] = {
     ),
     ("stageserve_worker_compute_seconds", "phase"): frozenset({"input", "infer", "output"}),
     ("stageserve_ratelimiter_instances", "state"): frozenset({"free", "busy"}),
+    ("stageserve_ratelimiter_resources", "state"): frozenset({"held", "available"}),
     ("nv_inference_request_failure", "reason"): frozenset(
         {"REJECTED", "CANCELED", "BACKEND", "OTHER"}
     ),
@@ -827,7 +839,7 @@ def check_compose(normalized: Path | None = None) -> list[str]:
                         "(workers open models at the gateway's path)"
                     )
         published = {target: pub for pub, target in _ports(services["gateway"])}
-        for port in (GRPC_PORTS["gateway"], METRICS_PORTS["gateway"]):
+        for port in (GRPC_PORTS["gateway"], METRICS_PORTS["gateway"], GATEWAY_HTTP_PORT):
             if port not in published:
                 errors.append(f"compose gateway: port {port} is not published")
         deps = _depends_on(services["gateway"])
@@ -1238,12 +1250,16 @@ def _check_stage_container(
         errors.append(f"{where}: gRPC port {gport}, expected {GRPC_PORTS[stage]}")
     if gport not in ports.values():
         errors.append(f"{where}: gRPC port {gport} is not a containerPort")
+    if stage == "gateway":
+        errors += _check_gateway_http(where, args, c, ports)
     for probe in ("readinessProbe", "livenessProbe"):
+        if stage == "gateway":
+            continue  # HTTP probes, checked above
         p = c.get(probe) or {}
         if (p.get("grpc") or {}).get("port") != gport:
             errors.append(f"{where}: {probe} must be a gRPC probe on port {gport}")
     startup = c.get("startupProbe")
-    if startup and (startup.get("grpc") or {}).get("port") != gport:
+    if stage != "gateway" and startup and (startup.get("grpc") or {}).get("port") != gport:
         errors.append(f"{where}: startupProbe must be a gRPC probe on port {gport}")
     mport = metrics_port(args)
     if mport != METRICS_PORTS[stage]:
@@ -1264,6 +1280,26 @@ def _check_stage_container(
         )
     if not (c.get("resources") or {}).get("requests", {}).get("cpu"):
         errors.append(f"{where}: no CPU request (needed by the HPA's CPU metric)")
+    return errors
+
+
+def _check_gateway_http(
+    where: str, args: argparse.Namespace, c: dict, ports: dict[str, int]
+) -> list[str]:
+    """The gateway serves HTTP on GATEWAY_HTTP_PORT and is probed there."""
+    errors: list[str] = []
+    if not args.allow_http or args.http_port != GATEWAY_HTTP_PORT:
+        errors.append(f"{where}: the gateway must serve HTTP on --http-port {GATEWAY_HTTP_PORT}")
+    if GATEWAY_HTTP_PORT not in ports.values():
+        errors.append(f"{where}: HTTP port {GATEWAY_HTTP_PORT} is not a containerPort")
+    for probe, path in GATEWAY_HTTP_PROBES.items():
+        get = (c.get(probe) or {}).get("httpGet") or {}
+        port = get.get("port")
+        port = ports.get(port, port) if isinstance(port, str) else port
+        if port != GATEWAY_HTTP_PORT or get.get("path") != path:
+            errors.append(
+                f"{where}: {probe} must be an HTTP probe of {path} on port {GATEWAY_HTTP_PORT}"
+            )
     return errors
 
 
@@ -1322,6 +1358,8 @@ def _check_k8s_services(
         errors.append(f"k8s ConfigMap REDIS_URL={cm.get('REDIS_URL')!r} names no Service port")
     if resolve("gateway", GRPC_PORTS["gateway"]) != GRPC_PORTS["gateway"]:
         errors.append("k8s: Service gateway must expose the gRPC port 8001")
+    if resolve("gateway", GATEWAY_HTTP_PORT) != GATEWAY_HTTP_PORT:
+        errors.append(f"k8s: Service gateway must expose the HTTP port {GATEWAY_HTTP_PORT}")
     return errors
 
 

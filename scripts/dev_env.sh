@@ -13,7 +13,8 @@ fi
 STAMP="$VENV/.stageserve-installed"
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
-  "$VENV/bin/python" -m pip install --quiet -e "$ROOT[test]"
+  # torch: the optional extra for PyTorch models; both README commands serve them
+  "$VENV/bin/python" -m pip install --quiet -e "$ROOT[test,torch]"
   touch "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -1,5 +1,10 @@
 """Triton's auto-generated model configuration, for ONNX models.
 
+PyTorch models get only their platform/backend from a ``model.pt`` file:
+Triton's PyTorch backend does not complete inputs or outputs (TorchScript
+carries no tensor types), so such a model needs a config.pbtxt that
+declares them; without one it is UNAVAILABLE with that reason.
+
 Triton fills in what a config.pbtxt leaves out (unless started with
 `--disable-auto-complete-config`), so repositories that rely on it work
 unchanged here:
@@ -28,9 +33,12 @@ from pathlib import Path
 
 from stageserve.config import (
     DEFAULT_ONNX_FILENAME,
+    DEFAULT_PYTORCH_FILENAME,
     ENSEMBLE_PLATFORM,
     ONNX_BACKEND,
     ONNX_PLATFORM,
+    PYTORCH_BACKEND,
+    PYTORCH_PLATFORM,
     ConfigError,
 )
 from stageserve.datatypes import BY_ONNX
@@ -45,19 +53,30 @@ class _Tensor:
 
 
 def complete_platform(config: mc.ModelConfig, model_file: Path | None) -> None:
-    """Neither platform nor backend: an ONNX file makes it an ONNX Runtime model."""
+    """Neither platform nor backend: the model file's name says which backend
+    (model.onnx: ONNX Runtime, model.pt: PyTorch), as Triton's core decides.
+    A PyTorch model gets the platform from its backend and the other way round."""
+    if config.backend == PYTORCH_BACKEND or config.platform == PYTORCH_PLATFORM:
+        config.platform, config.backend = PYTORCH_PLATFORM, PYTORCH_BACKEND
     if config.platform or config.backend or model_file is None or not model_file.is_file():
         return
-    config.platform = ONNX_PLATFORM
-    config.backend = ONNX_BACKEND
+    if model_file.name == DEFAULT_PYTORCH_FILENAME:
+        config.platform, config.backend = PYTORCH_PLATFORM, PYTORCH_BACKEND
+    else:
+        config.platform, config.backend = ONNX_PLATFORM, ONNX_BACKEND
 
 
 def needs_io(config: mc.ModelConfig) -> bool:
     if config.platform == ENSEMBLE_PLATFORM:
         return False
+    has_io = len(config.input) + len(config.batch_input) > 0 and len(config.output) > 0
+    if (config.platform == PYTORCH_PLATFORM or config.backend == PYTORCH_BACKEND) and not has_io:
+        raise ConfigError(
+            f"model '{config.name}': Triton's PyTorch backend does not auto-complete inputs and "
+            f"outputs (a TorchScript file carries no tensor types): declare them in config.pbtxt"
+        )
     onnx_model = config.platform == ONNX_PLATFORM or config.backend == ONNX_BACKEND
-    has_inputs = len(config.input) + len(config.batch_input) > 0
-    return onnx_model and not (has_inputs and len(config.output) > 0)
+    return onnx_model and not has_io
 
 
 def complete_io(config: mc.ModelConfig, model_file: Path, default_max_batch_size: int) -> None:
@@ -127,10 +146,19 @@ def _tensor(value, model_file: Path) -> _Tensor:  # value: onnx.ValueInfoProto
 
 
 def model_file_for(config: mc.ModelConfig, model_dir: Path, versions: list[int]) -> Path | None:
-    """The newest version's model file (what Triton's backend reads to complete)."""
-    filename = config.default_model_filename or DEFAULT_ONNX_FILENAME
+    """The newest version's model file (what Triton's backend reads to complete);
+    with no platform, backend or file name set, model.onnx or else model.pt."""
+    if config.default_model_filename:
+        names = [config.default_model_filename]
+    elif config.platform == PYTORCH_PLATFORM or config.backend == PYTORCH_BACKEND:
+        names = [DEFAULT_PYTORCH_FILENAME]
+    elif config.platform or config.backend:
+        names = [DEFAULT_ONNX_FILENAME]
+    else:
+        names = [DEFAULT_ONNX_FILENAME, DEFAULT_PYTORCH_FILENAME]
     for version in sorted(versions, reverse=True):
-        candidate = model_dir / str(version) / filename
-        if candidate.is_file():
-            return candidate
+        for filename in names:
+            candidate = model_dir / str(version) / filename
+            if candidate.is_file():
+                return candidate
     return None

@@ -1,7 +1,7 @@
 """The `stageserve` command: `up` runs the whole stack; one subcommand per service.
 
 Flags follow tritonserver's names where they exist (--model-repository,
---grpc-port, --metrics-port, --model-control-mode, --load-model,
+--grpc-port, --http-port, --allow-http, --metrics-port, --model-control-mode, --load-model,
 --log-verbose), so a Triton command line carries over. Peer addresses and the
 Redis URL also come from the environment (REDIS_URL, STAGESERVE_RATELIMITER,
 STAGESERVE_SCHEDULER), which is how compose and Kubernetes configure them.
@@ -16,7 +16,13 @@ import os
 import sys
 from pathlib import Path
 
+from services.ratelimiter.options import (
+    add_rate_limit_flags,
+    rate_limit_argv,
+    resource_overrides,
+)
 from stageserve.autocomplete_options import DEFAULT_MAX_BATCH_SIZE, AutoComplete
+from stageserve.gpus import parse_workers
 from stageserve.logs import setup_logging
 
 log = logging.getLogger("stageserve")
@@ -56,8 +62,44 @@ def _autocomplete(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _bool(text: str) -> bool:
+    """tritonserver's boolean flag values."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _http(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allow-http",
+        type=_bool,
+        nargs="?",
+        const=True,
+        default=True,
+        help="serve the HTTP/REST (KServe v2) front too (as tritonserver: true|false)",
+    )
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--http-address", default="0.0.0.0")
+
+
+def _http_listen(args: argparse.Namespace) -> str | None:
+    return f"{args.http_address}:{args.http_port}" if args.allow_http else None
+
+
 def _autocomplete_of(args: argparse.Namespace) -> AutoComplete:
     return AutoComplete(not args.disable_auto_complete_config, args.default_max_batch_size)
+
+
+def _poll_secs(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--repository-poll-secs",
+        type=float,
+        default=15.0,
+        help="with --model-control-mode poll: seconds between repository scans",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,21 +115,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--grpc-port", type=int, default=8001)
     up.add_argument("--grpc-address", default="0.0.0.0")
+    _http(up)
     up.add_argument("--metrics-port", type=int, default=8002)
-    up.add_argument("--model-control-mode", choices=["none", "explicit"], default="none")
+    up.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     up.add_argument("--load-model", action="append", default=[], help="repeatable; * = all")
+    _poll_secs(up)
     _autocomplete(up)
-    up.add_argument("--workers", type=int, default=1, help="worker processes to start")
+    up.add_argument(
+        "--workers",
+        type=parse_workers,
+        default=1,
+        help="worker processes to start, or auto: one per GPU (cuda:0..N-1; 1 without a GPU)",
+    )
     up.add_argument("--device", default="auto", help="auto | cpu | cuda:N for the workers")
+    add_rate_limit_flags(up)
+    up.add_argument(
+        "--supervisor-metrics-port",
+        type=int,
+        default=0,
+        help="/metrics with stageserve_stage_restarts_total (0: a free port, announced)",
+    )
     _redis(up, required=False)
     _common(up)
 
-    gw = sub.add_parser("gateway", help="public GRPCInferenceService endpoint")
+    gw = sub.add_parser("gateway", help="public GRPCInferenceService and HTTP/REST endpoints")
     gw.add_argument("--listen", default=None, help="host:port (default 0.0.0.0:--grpc-port)")
     gw.add_argument("--grpc-port", type=int, default=8001)
+    _http(gw)
     gw.add_argument("--model-repository", type=Path, required=True)
-    gw.add_argument("--model-control-mode", choices=["none", "explicit"], default="none")
+    gw.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     gw.add_argument("--load-model", action="append", default=[])
+    _poll_secs(gw)
     _autocomplete(gw)
     gw.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
     gw.add_argument("--ratelimiter", default=_env("STAGESERVE_RATELIMITER"), required=False)
@@ -112,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     rl = sub.add_parser("ratelimiter", help="instance registry and execution grants")
     rl.add_argument("--listen", default="0.0.0.0:9002")
     rl.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
+    add_rate_limit_flags(rl)
     _redis(rl)
     _common(rl)
 
@@ -149,7 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     from stageserve.launcher import die_with_parent
 
     die_with_parent()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        resource_overrides(getattr(args, "rate_limit_resource", []))
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.command == "exec":  # PDEATHSIG survives exec: redis-server dies with us too
         os.execv(args.argv[0], args.argv)
     if args.command == "make-examples":
@@ -173,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         return up(
             repository=repository.resolve(),
             grpc_address=f"{args.grpc_address}:{args.grpc_port}",
+            http_address=_http_listen(args),
             metrics_port=args.metrics_port,
             control_mode=args.model_control_mode,
             load_models=args.load_model,
@@ -181,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             log_verbose=args.log_verbose,
             autocomplete=_autocomplete_of(args),
+            ratelimiter_args=rate_limit_argv(args.rate_limit, args.rate_limit_resource),
+            repository_poll_secs=args.repository_poll_secs,
+            supervisor_metrics_port=args.supervisor_metrics_port,
         )
     if args.command == "gateway":
         from services.gateway.server import serve
@@ -197,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             args.load_model,
             args.metrics_port or None,
             _autocomplete_of(args),
+            args.repository_poll_secs,
+            _http_listen(args),
         )
     elif args.command == "scheduler":
         from services.scheduler.service import serve
@@ -206,7 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "ratelimiter":
         from services.ratelimiter.service import serve
 
-        coro = serve(args.listen, args.redis_url)
+        coro = serve(
+            args.listen,
+            args.redis_url,
+            args.rate_limit,
+            resource_overrides(args.rate_limit_resource),
+        )
     else:
         from services.worker.service import serve
 

@@ -21,6 +21,14 @@ from stageserve.generated import model_config_pb2 as mc
 ONNX_PLATFORM = "onnxruntime_onnx"
 ONNX_BACKEND = "onnxruntime"
 DEFAULT_ONNX_FILENAME = "model.onnx"
+PYTORCH_PLATFORM = "pytorch_libtorch"
+PYTORCH_BACKEND = "pytorch"
+DEFAULT_PYTORCH_FILENAME = "model.pt"
+#: platform -> (backend, default model file name), for the platforms workers run
+TENSOR_PLATFORMS = {
+    ONNX_PLATFORM: (ONNX_BACKEND, DEFAULT_ONNX_FILENAME),
+    PYTORCH_PLATFORM: (PYTORCH_BACKEND, DEFAULT_PYTORCH_FILENAME),
+}
 ENSEMBLE_PLATFORM = "ensemble"
 PYTHON_BACKEND = "python"
 DEFAULT_PYTHON_FILENAME = "model.py"
@@ -72,6 +80,9 @@ class InstanceGroup:
     count: int
     kind: str  # KIND_CPU / KIND_GPU / KIND_AUTO
     gpus: tuple[int, ...] = ()
+    # rate_limiter: (name, count, global) per resource, and the priority
+    rate_limiter_resources: tuple[tuple[str, int, bool], ...] = ()
+    rate_limiter_priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -149,6 +160,27 @@ class BatchOutputSpec:
 
 
 @dataclass(frozen=True)
+class WarmupInput:
+    """One input of a warmup sample (model_config ModelWarmup.Input)."""
+
+    name: str
+    datatype: DataType
+    dims: tuple[int, ...]  # without the batch dimension, all fixed
+    source: str  # "zero_data", "random_data" or "input_data_file"
+    data_file: str = ""  # under <model>/warmup/, for input_data_file
+
+
+@dataclass(frozen=True)
+class WarmupSpec:
+    """A synthetic request run on every instance before the model is READY."""
+
+    name: str
+    batch_size: int  # 1 or more; the tensors' batch dimension when the model batches
+    inputs: tuple[WarmupInput, ...]
+    count: int  # executions of this sample (Triton: 0 means once)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     platform: str
@@ -165,6 +197,7 @@ class ModelSpec:
     batch_outputs: tuple[BatchOutputSpec, ...] = ()
     backend: str = ""  # "python" for Triton Python-backend models (model.py)
     decoupled: bool = False  # model_transaction_policy { decoupled: true }
+    warmups: tuple[WarmupSpec, ...] = ()
 
     @property
     def batching(self) -> bool:
@@ -267,15 +300,16 @@ def _tensor_spec(t: mc.ModelInput | mc.ModelOutput, where: str, model: str) -> T
 def to_spec(config: mc.ModelConfig) -> ModelSpec:
     """Validate a ModelConfig and derive the ModelSpec with Triton's defaults."""
     name = config.name
-    platform = config.platform or (ONNX_PLATFORM if config.backend == ONNX_BACKEND else "")
+    by_backend = {backend: p for p, (backend, _) in TENSOR_PLATFORMS.items()}
+    platform = config.platform or by_backend.get(config.backend, "")
     python = config.backend == PYTHON_BACKEND and not config.platform
     if python:
         platform = PYTHON_BACKEND  # what ModelMetadata reports for a backend-only config
-    if platform not in (ONNX_PLATFORM, ENSEMBLE_PLATFORM) and not python:
+    if platform not in (*TENSOR_PLATFORMS, ENSEMBLE_PLATFORM) and not python:
         raise ConfigError(
             f"model '{name}': platform '{config.platform}' / backend '{config.backend}' is not "
-            f"supported (StageServe serves '{ONNX_PLATFORM}', '{ENSEMBLE_PLATFORM}' and "
-            f"'{PYTHON_BACKEND}' backend models)"
+            f"supported (StageServe serves {', '.join(repr(p) for p in TENSOR_PLATFORMS)}, "
+            f"'{ENSEMBLE_PLATFORM}' and '{PYTHON_BACKEND}' backend models)"
         )
     decoupled = bool(config.model_transaction_policy.decoupled)
     if decoupled and not python:
@@ -340,7 +374,12 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
             raise ConfigError(f"model '{name}': instance_group count must be >= 0")
         groups.append(
             InstanceGroup(
-                g.name or f"{name}_{i}", g.count or 1, kind, tuple(int(x) for x in g.gpus)
+                g.name or f"{name}_{i}",
+                g.count or 1,
+                kind,
+                tuple(int(x) for x in g.gpus),
+                _rate_limiter_resources(name, g.rate_limiter),
+                int(g.rate_limiter.priority),
             )
         )
     if not groups:
@@ -358,7 +397,11 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
         dynamic_batching=dynamic,
         instance_groups=tuple(groups),
         model_filename=config.default_model_filename
-        or (DEFAULT_PYTHON_FILENAME if python else DEFAULT_ONNX_FILENAME),
+        or (
+            DEFAULT_PYTHON_FILENAME
+            if python
+            else TENSOR_PLATFORMS.get(platform, ("", DEFAULT_ONNX_FILENAME))[1]
+        ),
         parameters={k: v.string_value for k, v in config.parameters.items()},
         sequence=sequence,
         steps=steps,
@@ -366,7 +409,23 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
         batch_outputs=batch_outputs,
         backend=PYTHON_BACKEND if python else (config.backend or ""),
         decoupled=decoupled,
+        warmups=_warmup_specs(config, inputs, sequence),
     )
+
+
+def _rate_limiter_resources(
+    model: str, rl: mc.ModelRateLimiter
+) -> tuple[tuple[str, int, bool], ...]:
+    seen: set[str] = set()
+    for r in rl.resources:
+        if not r.name:
+            raise ConfigError(f"model '{model}': a rate_limiter resource needs a name")
+        if r.name in seen:
+            raise ConfigError(
+                f"model '{model}': rate_limiter resource '{r.name}' is listed more than once"
+            )
+        seen.add(r.name)
+    return tuple((r.name, int(r.count), bool(getattr(r, "global"))) for r in rl.resources)
 
 
 def _ragged_spec(
@@ -627,6 +686,72 @@ def _sequence_spec(config: mc.ModelConfig) -> SequenceBatching:
         states=tuple(states),
         max_queue_delay_us=int(delay),
     )
+
+
+def _warmup_specs(
+    config: mc.ModelConfig, inputs: tuple[TensorSpec, ...], sequence: SequenceBatching | None
+) -> tuple[WarmupSpec, ...]:
+    """model_warmup, checked as Triton checks it at load: a name, batch_size
+    1..max_batch_size (1 for a model that does not batch), and for every
+    model input (control and state tensors included, as Triton's warmup
+    feeds the model directly) one entry with the input's data type, fixed
+    dims and exactly one data source."""
+    name = config.name
+    model_inputs = {t.name: (t.datatype, t.dims) for t in inputs}
+    if sequence is not None:
+        model_inputs.update({c.name: (c.datatype, (1,)) for c in sequence.controls})
+        model_inputs.update({s.input_name: (s.datatype, s.dims) for s in sequence.states})
+    out = []
+    for w in config.model_warmup:
+        where = f"model '{name}': model_warmup '{w.name}'"
+        if not w.name:
+            raise ConfigError(f"model '{name}': a model_warmup has no name")
+        batch = int(w.batch_size)
+        top = max(int(config.max_batch_size), 1)
+        if not 1 <= batch <= top:
+            raise ConfigError(f"{where}: batch_size {batch} must be in 1..{top}")
+        unknown = sorted(set(w.inputs) - set(model_inputs))
+        if unknown:
+            raise ConfigError(
+                f"{where}: input(s) {unknown} are not model inputs ({sorted(model_inputs)})"
+            )
+        missing = sorted(set(model_inputs) - set(w.inputs))
+        if missing:
+            raise ConfigError(f"{where}: no warmup data for input(s) {missing}")
+        warm_inputs = []
+        for input_name, wi in sorted(w.inputs.items()):
+            datatype, dims = model_inputs[input_name]
+            given = _enum_name(mc.DataType, wi.data_type)
+            if given != datatype.config_enum:
+                raise ConfigError(
+                    f"{where}: input '{input_name}' has data_type {given}, the model input is "
+                    f"{datatype.config_enum}"
+                )
+            warm_dims = tuple(int(d) for d in wi.dims)
+            fits = len(warm_dims) == len(dims) and all(
+                d > 0 and want in (-1, d) for d, want in zip(warm_dims, dims, strict=True)
+            )
+            if not fits:
+                raise ConfigError(
+                    f"{where}: input '{input_name}' dims {list(warm_dims)} must be fixed and fit "
+                    f"the input's dims {list(dims)}"
+                )
+            source = wi.WhichOneof("input_data_type")
+            if source is None:
+                raise ConfigError(
+                    f"{where}: input '{input_name}' needs zero_data, random_data or input_data_file"
+                )
+            data_file = wi.input_data_file if source == "input_data_file" else ""
+            if source == "input_data_file" and (
+                not data_file or Path(data_file).is_absolute() or ".." in Path(data_file).parts
+            ):
+                raise ConfigError(
+                    f"{where}: input '{input_name}' input_data_file must be a file name under "
+                    f"the model's warmup/ folder, got {data_file!r}"
+                )
+            warm_inputs.append(WarmupInput(input_name, datatype, warm_dims, source, data_file))
+        out.append(WarmupSpec(w.name, batch, tuple(warm_inputs), int(w.count) or 1))
+    return tuple(out)
 
 
 def _queue_policy(p: mc.ModelQueuePolicy) -> QueuePolicySpec:

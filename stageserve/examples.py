@@ -3,7 +3,8 @@
 Every model is an ONNX graph made with ``onnx.helper`` plus a Triton
 ``config.pbtxt``, written as ``<root>/<model>/config.pbtxt`` and
 ``<root>/<model>/<version>/model.onnx``, or a Triton Python-backend
-``<version>/model.py``. Nothing is downloaded.
+``<version>/model.py``; where torch is installed, the TorchScript models of
+``stageserve.torch_examples`` join them. Nothing is downloaded.
 
     python -m stageserve.examples OUTDIR
 
@@ -17,6 +18,7 @@ When ``max_batch_size > 0`` the leading ONNX dimension is the symbolic
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -886,6 +888,11 @@ def build_example_repository(root: Path) -> list[str]:
     write_py_bls(root)
     write_py_stream(root)
     names += ["py_preprocess", "ensemble_py_mlp", "py_bls", "py_stream"]
+
+    if importlib.util.find_spec("torch") is not None:  # the torch extra is installed
+        from stageserve.torch_examples import build_torch_examples
+
+        names += build_torch_examples(root)
     return names
 
 

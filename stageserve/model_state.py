@@ -104,6 +104,12 @@ class ModelStateStore:
             pipe.publish(keys.MODEL_EVENTS, name)
             await pipe.execute()
 
+    async def model_set_known(self) -> bool:
+        """False after Redis lost its data, until the gateway republished the
+        model set (services/gateway/republish.py): "no model" then means
+        "not known", not "unload everything"."""
+        return bool(await self.redis.exists(keys.MODELS_PUBLISHED))
+
     async def loaded(self) -> dict[str, LoadedModel]:
         out: dict[str, LoadedModel] = {}
         for raw in await self.redis.hkeys(keys.MODELS):

@@ -6,6 +6,9 @@ Model state (written by the gateway, read by scheduler and worker):
                                     ("1,2"), path, generation
   ss:model:{name}:errors      hash  "{version}@{worker}" -> load error text
   ss:models:events            pub/sub channel, message = model name
+  ss:models:published         str   "1" while Redis holds the gateway's model set
+                                    (gone after Redis lost its data: the gateway
+                                    republishes, workers keep their instances)
 
 Statistics shared by the gateways (services/gateway/shared_stats.py):
   ss:stats:{model}:g{gen}:v{ver}  hash  gateway id -> serialized ModelStatistics
@@ -18,8 +21,16 @@ Rate limiter registry and grants (ratelimiter only; see redis_scripts.py):
                                     worker_address
   ss:rl:pool:{model}:{ver}    set   registered instance ids
   ss:rl:free:{model}:{ver}    list  instance ids free to run a payload
-  ss:rl:grant:{gid}           hash  instance, model, version
+  ss:rl:inst:{iid}  (also)    prio, need (JSON [[field, count, name, device]]),
+                                    execs (grants so far, for scaled priority)
+  ss:rl:grant:{gid}           hash  instance, model, version, need (what it took)
   ss:rl:grants                zset  grant id -> lease deadline (ms)
+  ss:rl:res:cap               hash  resource field -> available count; a field
+                                    is "{name}@global" or "{name}@{wid}/{device}"
+  ss:rl:res:held              hash  resource field -> count held by grants
+  ss:rl:res:override          hash  "name" / "name@device" -> --rate-limit-resource
+  ss:rl:demand                zset  "{model}:{ver}" -> until when (ms) its last
+                                    Acquire counts as waiting (priority picks)
 
 Sequence batcher (scheduler; see services/scheduler/sequence_store.py):
   ss:seq:{model}:{ver}:{cid}       hash  slot, st:{state} -> raw, sh:{state} -> shape;
@@ -36,6 +47,7 @@ PREFIX = "ss:"
 MODELS = PREFIX + "models"
 MODEL_EVENTS = PREFIX + "models:events"
 GENERATION_COUNTER = PREFIX + "models:generation"
+MODELS_PUBLISHED = PREFIX + "models:published"
 RL_PREFIX = PREFIX + "rl:"
 
 

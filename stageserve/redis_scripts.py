@@ -9,6 +9,56 @@ Redis; the layout is documented in redis_keys.py).
 from __future__ import annotations
 
 _REMOVE_WORKER = """
+-- A grant ends: its hash and lease go, and the resources it took (the need
+-- recorded on the grant, so a config change meanwhile cannot skew the
+-- counts) go back. Returns the instance id and whether resources were held.
+local function end_grant(p, gid)
+  local g = redis.call('HMGET', p .. 'grant:' .. gid, 'instance', 'need')
+  redis.call('ZREM', p .. 'grants', gid)
+  redis.call('DEL', p .. 'grant:' .. gid)
+  local took = false
+  if g[2] and g[2] ~= '' then
+    for _, n in ipairs(cjson.decode(g[2])) do
+      redis.call('HINCRBY', p .. 'res:held', n[1], -n[2])
+      took = true
+    end
+  end
+  return g[1], took
+end
+
+-- Each resource's available count: the largest count any registered instance
+-- asks for (per device scope, or across all for a global one), unless an
+-- override (--rate-limit-resource) names it: "name@device" before "name".
+local function recompute_caps(p)
+  local cap, names = {}, {}
+  for _, wid in ipairs(redis.call('SMEMBERS', p .. 'workers')) do
+    for _, iid in ipairs(redis.call('SMEMBERS', p .. 'worker:' .. wid .. ':insts')) do
+      local need = redis.call('HGET', p .. 'inst:' .. iid, 'need')
+      if need and need ~= '' then
+        for _, n in ipairs(cjson.decode(need)) do
+          if not cap[n[1]] or cap[n[1]] < n[2] then cap[n[1]] = n[2] end
+          names[n[1]] = {n[3], n[4]}
+        end
+      end
+    end
+  end
+  redis.call('DEL', p .. 'res:cap')
+  for key, count in pairs(cap) do
+    local name, dev = names[key][1], names[key][2]
+    local ov = nil
+    if dev ~= '' then ov = redis.call('HGET', p .. 'res:override', name .. '@' .. dev) end
+    ov = ov or redis.call('HGET', p .. 'res:override', name)
+    redis.call('HSET', p .. 'res:cap', key, tonumber(ov) or count)
+  end
+  -- a resource no instance needs any more, and nobody holds, is forgotten
+  local held = redis.call('HGETALL', p .. 'res:held')
+  for i = 1, #held, 2 do
+    if not cap[held[i]] and tonumber(held[i + 1]) == 0 then
+      redis.call('HDEL', p .. 'res:held', held[i])
+    end
+  end
+end
+
 -- Unregister instances of worker wid. Grants on them end with them: a late
 -- release must not free an instance that was registered again under the same
 -- id in the meantime (a model reload, a worker back after its lease lapsed).
@@ -28,11 +78,9 @@ local function drop_instances(p, wid, iids)
   end
   for _, gid in ipairs(redis.call('ZRANGE', p .. 'grants', 0, -1)) do
     local iid = redis.call('HGET', p .. 'grant:' .. gid, 'instance')
-    if not iid or gone[iid] then
-      redis.call('DEL', p .. 'grant:' .. gid)
-      redis.call('ZREM', p .. 'grants', gid)
-    end
+    if not iid or gone[iid] then end_grant(p, gid) end
   end
+  recompute_caps(p)
 end
 
 local function remove_worker(p, wid)
@@ -44,11 +92,14 @@ local function remove_worker(p, wid)
 end
 """
 
-# ARGV: prefix, worker_id, address, lease_ms, then 6-tuples per instance:
-#   iid, model, version, kind, device_id, (unused)
+# ARGV: prefix, worker_id, address, lease_ms, then 7-tuples per instance:
+#   iid, model, version, kind, device_id, priority, resources (JSON list of
+#   [name, global 0/1, count])
 # A worker that registers without a live liveness key (new, or back after its
 # lease lapsed) starts afresh: whatever is left of an earlier registration is
 # stale (an acquire may already have dropped its instances from the free list).
+# A resource's scope is "global", or the instance's device: "{worker}/{device}"
+# (each worker owns its devices, so a joining worker adds capacity).
 REGISTER = (
     _REMOVE_WORKER
     + """
@@ -57,24 +108,53 @@ if redis.call('EXISTS', p .. 'worker:' .. wid) == 0 then remove_worker(p, wid) e
 redis.call('SET', p .. 'worker:' .. wid, addr, 'PX', lease)
 redis.call('SADD', p .. 'workers', wid)
 local wanted = {}
-for i = 5, #ARGV, 6 do wanted[ARGV[i]] = i end
+for i = 5, #ARGV, 7 do wanted[ARGV[i]] = i end
 local stale = {}
 for _, iid in ipairs(redis.call('SMEMBERS', p .. 'worker:' .. wid .. ':insts')) do
   if not wanted[iid] then table.insert(stale, iid) end
 end
 drop_instances(p, wid, stale)
+-- A new instance starts at the lowest scaled count (executions x priority)
+-- among the instances already registered, not at 0: otherwise a reloaded
+-- model or a joining worker would take every contended pick until its count
+-- caught up with instances that ran for hours (beyond Triton).
+local floor_scaled = nil
+for _, w in ipairs(redis.call('SMEMBERS', p .. 'workers')) do
+  for _, other in ipairs(redis.call('SMEMBERS', p .. 'worker:' .. w .. ':insts')) do
+    local f = redis.call('HMGET', p .. 'inst:' .. other, 'execs', 'prio', 'need')
+    if f[3] and f[3] ~= '' then
+      local scaled = (tonumber(f[1]) or 0) * math.max(tonumber(f[2]) or 0, 1)
+      if not floor_scaled or scaled < floor_scaled then floor_scaled = scaled end
+    end
+  end
+end
 local added = 0
 for iid, i in pairs(wanted) do
   if redis.call('EXISTS', p .. 'inst:' .. iid) == 0 then
     local pk = ARGV[i + 1] .. ':' .. ARGV[i + 2]
+    local need = {}
+    for _, r in ipairs(cjson.decode(ARGV[i + 6] ~= '' and ARGV[i + 6] or '[]')) do
+      local name, global, count = r[1], r[2], tonumber(r[3])
+      if count > 0 then
+        if global == 1 then
+          table.insert(need, {name .. '@global', count, name, ''})
+        else
+          local dev = ARGV[i + 4]
+          table.insert(need, {name .. '@' .. wid .. '/' .. dev, count, name, dev})
+        end
+      end
+    end
     redis.call('HSET', p .. 'inst:' .. iid, 'model', ARGV[i + 1], 'version', ARGV[i + 2],
-      'kind', ARGV[i + 3], 'device_id', ARGV[i + 4], 'worker_id', wid, 'worker_address', addr)
+      'kind', ARGV[i + 3], 'device_id', ARGV[i + 4], 'worker_id', wid, 'worker_address', addr,
+      'prio', ARGV[i + 5], 'need', #need > 0 and cjson.encode(need) or '',
+      'execs', math.floor((floor_scaled or 0) / math.max(tonumber(ARGV[i + 5]) or 0, 1)))
     redis.call('SADD', p .. 'worker:' .. wid .. ':insts', iid)
     redis.call('SADD', p .. 'pool:' .. pk, iid)
     redis.call('RPUSH', p .. 'free:' .. pk, iid)
     added = added + 1
   end
 end
+recompute_caps(p)
 return added
 """
 )
@@ -90,48 +170,162 @@ return 1
 # ARGV: prefix, worker_id
 DEREGISTER = _REMOVE_WORKER + "return remove_worker(ARGV[1], ARGV[2])\n"
 
-# ARGV: prefix, model, version, grant_id, now_ms, lease_ms
-# -> nil if nothing free, -1 if no instance is registered, else
-#    {iid, kind, device_id, worker_id, worker_address}
+# ARGV: prefix, then (name or name@device, count) pairs: the --rate-limit-resource
+# overrides; replaces the previous set and recomputes every available count.
+SET_OVERRIDES = (
+    _REMOVE_WORKER
+    + """
+local p = ARGV[1]
+redis.call('DEL', p .. 'res:override')
+for i = 2, #ARGV, 2 do redis.call('HSET', p .. 'res:override', ARGV[i], ARGV[i + 1]) end
+recompute_caps(p)
+return 1
+"""
+)
+
+# ARGV: prefix, model, version, grant_id, now_ms, lease_ms, mode, demand_ttl_ms
+# -> nil if nothing can run now, -1 if no instance is registered, {-2, reason}
+#    if no instance can ever run (a resource need above its available count),
+#    else {iid, kind, device_id, worker_id, worker_address, holds resources
+#    0/1, priority}
+#
+# mode "off": one payload per free instance, resources ignored (the fast path;
+# grants may be reused by the scheduler).
+# mode "execution_count" (Triton's rate limiter): an instance runs a payload
+# only while it holds all its resources. Among the model's free instances
+# whose resources are free, the one with the lowest scaled priority
+# (executions x max(priority, 1), Triton's rule) is picked. Other pools that
+# asked recently (the demand set, refreshed by every Acquire) are weighed
+# too: if one of them could run now, would be stopped by this grant, and has
+# a lower scaled priority, this one waits. A pool whose resources are busy
+# never makes another wait (no head-of-line blocking across models).
 ACQUIRE = """
-local p, pk, gid = ARGV[1], ARGV[2] .. ':' .. ARGV[3], ARGV[4]
-local deadline = tonumber(ARGV[5]) + tonumber(ARGV[6])
-while true do
-  local iid = redis.call('LPOP', p .. 'free:' .. pk)
-  if not iid then
-    if redis.call('SCARD', p .. 'pool:' .. pk) == 0 then return -1 end
-    return nil
-  end
-  local f = redis.call('HMGET', p .. 'inst:' .. iid, 'kind', 'device_id', 'worker_id',
-    'worker_address')
-  if f[3] and redis.call('EXISTS', p .. 'worker:' .. f[3]) == 1 then
-    redis.call('HSET', p .. 'grant:' .. gid, 'instance', iid, 'model', ARGV[2],
-      'version', ARGV[3])
-    redis.call('ZADD', p .. 'grants', deadline, gid)
-    return {iid, f[1], f[2], f[3], f[4]}
-  end
-  -- a stale entry (its worker is gone): drop it and look further
+local p, model, ver, gid = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local now, lease, mode, ttl = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])
+local pk = model .. ':' .. ver
+local free = p .. 'free:' .. pk
+
+local function grant(iid, f, need)
+  redis.call('HSET', p .. 'grant:' .. gid, 'instance', iid, 'model', model, 'version', ver,
+    'need', need or '')
+  redis.call('ZADD', p .. 'grants', now + lease, gid)
+  return {iid, f[1], f[2], f[3], f[4], need and need ~= '' and '1' or '0', f[5] or '0'}
 end
+
+if mode ~= 'execution_count' then
+  while true do
+    local iid = redis.call('LPOP', free)
+    if not iid then
+      if redis.call('SCARD', p .. 'pool:' .. pk) == 0 then return -1 end
+      return nil
+    end
+    local f = redis.call('HMGET', p .. 'inst:' .. iid, 'kind', 'device_id', 'worker_id',
+      'worker_address', 'prio')
+    if f[3] and redis.call('EXISTS', p .. 'worker:' .. f[3]) == 1 then
+      return grant(iid, f, nil)
+    end
+    -- a stale entry (its worker is gone): drop it and look further
+  end
+end
+
+local held = {}
+local function held_of(key)
+  if held[key] == nil then held[key] = tonumber(redis.call('HGET', p .. 'res:held', key)) or 0 end
+  return held[key]
+end
+local caps = {}
+local function cap_of(key)
+  if caps[key] == nil then caps[key] = tonumber(redis.call('HGET', p .. 'res:cap', key)) or 0 end
+  return caps[key]
+end
+local function runnable(need, taken)
+  for _, n in ipairs(need) do
+    if held_of(n[1]) + (taken[n[1]] or 0) + n[2] > cap_of(n[1]) then return false end
+  end
+  return true
+end
+local function decode(s) if s and s ~= '' then return cjson.decode(s) end return {} end
+
+-- The best instance of a pool that can run now (given resources `taken`
+-- beyond those held): {iid, scaled priority, need table, need text}.
+local function best(pool_key, taken, drop_stale)
+  local out = nil
+  for _, iid in ipairs(redis.call('LRANGE', p .. 'free:' .. pool_key, 0, -1)) do
+    local f = redis.call('HMGET', p .. 'inst:' .. iid, 'worker_id', 'need', 'prio', 'execs')
+    if f[1] and redis.call('EXISTS', p .. 'worker:' .. f[1]) == 1 then
+      local need = decode(f[2])
+      if runnable(need, taken) then
+        local prio = math.max(tonumber(f[3]) or 0, 1)
+        local scaled = (tonumber(f[4]) or 0) * prio
+        if not out or scaled < out[2] then out = {iid, scaled, need, f[2]} end
+      end
+    elseif drop_stale then
+      redis.call('LREM', p .. 'free:' .. pool_key, 0, iid)
+    end
+  end
+  return out
+end
+
+redis.call('ZREMRANGEBYSCORE', p .. 'demand', '-inf', now)
+redis.call('ZADD', p .. 'demand', now + ttl, pk)
+local mine = best(pk, {}, true)
+if not mine then
+  if redis.call('SCARD', p .. 'pool:' .. pk) == 0 then return -1 end
+  -- busy, or can never run: say which when no instance could ever run
+  local reason = nil
+  for _, iid in ipairs(redis.call('SMEMBERS', p .. 'pool:' .. pk)) do
+    local over = nil
+    for _, n in ipairs(decode(redis.call('HGET', p .. 'inst:' .. iid, 'need'))) do
+      if n[2] > cap_of(n[1]) then
+        over = 'resource ' .. n[3] .. ' needs ' .. n[2] .. ' but only ' .. cap_of(n[1])
+          .. ' are available'
+      end
+    end
+    if not over then return nil end
+    reason = reason or over
+  end
+  return {-2, reason}
+end
+if #mine[3] > 0 then
+  local taken = {}
+  for _, n in ipairs(mine[3]) do taken[n[1]] = n[2] end
+  for _, other in ipairs(redis.call('ZRANGEBYSCORE', p .. 'demand', now, '+inf')) do
+    if other ~= pk then
+      local theirs = best(other, {}, false)
+      if theirs and theirs[2] < mine[2] and not best(other, taken, false) then
+        return nil  -- a pool with a lower scaled priority goes first
+      end
+    end
+  end
+  for _, n in ipairs(mine[3]) do redis.call('HINCRBY', p .. 'res:held', n[1], n[2]) end
+end
+redis.call('LREM', free, 1, mine[1])
+redis.call('HINCRBY', p .. 'inst:' .. mine[1], 'execs', 1)
+local f = redis.call('HMGET', p .. 'inst:' .. mine[1], 'kind', 'device_id', 'worker_id',
+  'worker_address', 'prio')
+return grant(mine[1], f, mine[4])
 """
 
 _RELEASE = """
+-- 0: not held; 1: released; 2: released and it held resources
 local function release(p, gid, failed)
-  local g = redis.call('HMGET', p .. 'grant:' .. gid, 'instance', 'model', 'version')
-  redis.call('ZREM', p .. 'grants', gid)
-  if not g[1] then return 0 end
-  redis.call('DEL', p .. 'grant:' .. gid)
-  local wid = redis.call('HGET', p .. 'inst:' .. g[1], 'worker_id')
-  if not wid then return 1 end
+  local g = redis.call('HMGET', p .. 'grant:' .. gid, 'model', 'version')
+  local iid, took = end_grant(p, gid)
+  if not iid then return 0 end
+  local result = took and 2 or 1
+  local wid = redis.call('HGET', p .. 'inst:' .. iid, 'worker_id')
+  if not wid then return result end
   if failed then
     remove_worker(p, wid)
   elseif redis.call('EXISTS', p .. 'worker:' .. wid) == 1 then
-    redis.call('RPUSH', p .. 'free:' .. g[2] .. ':' .. g[3], g[1])
+    redis.call('RPUSH', p .. 'free:' .. g[1] .. ':' .. g[2], iid)
   end
-  return 1
+  return result
 end
 """
 
-# ARGV: prefix, grant_id, failed ("1"/"0") -> 1 if the grant was held
+# ARGV: prefix, grant_id, failed ("1"/"0") -> 0 not held, 1 released,
+# 2 released and resources went back
 RELEASE = _REMOVE_WORKER + _RELEASE + "return release(ARGV[1], ARGV[2], ARGV[3] == '1')\n"
 
 # ARGV: prefix, now_ms -> {expired grants released, dead workers removed}

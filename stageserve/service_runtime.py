@@ -16,9 +16,10 @@ log = logging.getLogger(__name__)
 READY_MARKER = "STAGESERVE_READY"
 
 
-def announce_ready(service: str, address: str) -> None:
+def announce_ready(service: str, address: str, extra: dict | None = None) -> None:
     """One machine-readable line on stdout; `stageserve up` waits for it."""
-    print(f"{READY_MARKER} {json.dumps({'service': service, 'address': address})}", flush=True)
+    fields = {"service": service, "address": address, **(extra or {})}
+    print(f"{READY_MARKER} {json.dumps(fields)}", flush=True)
 
 
 async def run_server(
@@ -28,8 +29,10 @@ async def run_server(
     grace_s: float = 5.0,
     bound: bool = False,
     before_ready: asyncio.Future | None = None,
+    announce: dict | None = None,
 ) -> None:
-    """Bind (unless `bound`), serve gRPC health, announce, stop cleanly on SIGTERM/SIGINT."""
+    """Bind (unless `bound`), serve gRPC health, announce (with `announce`'s extra
+    fields), stop cleanly on SIGTERM/SIGINT."""
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else None
     if health_servicer is None:  # pragma: no cover - older grpcio-health-checking
         health_servicer = health.HealthServicer()
@@ -51,7 +54,7 @@ async def run_server(
         await before_ready
     await _set_status(health_servicer, "", serving)
     log.info("serving", extra={"address": address})
-    announce_ready(service, address)
+    announce_ready(service, address, announce)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

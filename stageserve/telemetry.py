@@ -14,7 +14,7 @@ prometheus_client, whose counters always append `_total`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import psutil
@@ -47,6 +47,8 @@ TRITON_FAMILIES: dict[str, tuple[str, str]] = {
     "nv_gpu_memory_total_bytes": ("gauge", "Total GPU memory, bytes"),
     "nv_gpu_memory_used_bytes": ("gauge", "Used GPU memory, bytes"),
     "nv_gpu_power_usage": ("gauge", "GPU power draw, watts"),
+    "nv_gpu_power_limit": ("gauge", "GPU power management limit, watts"),
+    "nv_energy_consumption": ("gauge", "GPU energy consumed since the driver loaded, joules"),
 }
 
 Labels = tuple[tuple[str, str], ...]
@@ -111,15 +113,29 @@ def update_system_metrics(metrics: TritonMetrics = TRITON) -> None:
     mem = psutil.virtual_memory()
     metrics.set("nv_cpu_memory_total_bytes", (), float(mem.total))
     metrics.set("nv_cpu_memory_used_bytes", (), float(mem.total - mem.available))
-    for uuid, util, total, used, power in _gpu_readings():
-        labels = (("gpu_uuid", uuid),)
-        metrics.set("nv_gpu_utilization", labels, util)
-        metrics.set("nv_gpu_memory_total_bytes", labels, total)
-        metrics.set("nv_gpu_memory_used_bytes", labels, used)
-        metrics.set("nv_gpu_power_usage", labels, power)
+    for reading in gpu_readings():
+        labels = (("gpu_uuid", reading.uuid),)
+        metrics.set("nv_gpu_utilization", labels, reading.utilization)
+        metrics.set("nv_gpu_memory_total_bytes", labels, reading.memory_total)
+        metrics.set("nv_gpu_memory_used_bytes", labels, reading.memory_used)
+        metrics.set("nv_gpu_power_usage", labels, reading.power)
+        metrics.set("nv_gpu_power_limit", labels, reading.power_limit)
+        metrics.set("nv_energy_consumption", labels, reading.energy)
 
 
-def _gpu_readings() -> Iterable[tuple[str, float, float, float, float]]:
+@dataclass(frozen=True)
+class GpuReading:
+    uuid: str
+    utilization: float  # 0..1
+    memory_total: float  # bytes
+    memory_used: float
+    power: float  # watts
+    power_limit: float  # watts
+    energy: float  # joules since the driver loaded
+
+
+def gpu_readings() -> list[GpuReading]:
+    """One reading per GPU from nvidia-ml-py; [] without it, a driver or a GPU."""
     try:
         import pynvml
     except ImportError:
@@ -135,12 +151,19 @@ def _gpu_readings() -> Iterable[tuple[str, float, float, float, float]]:
         uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
         util = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0
         mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        try:
-            power = pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0
-        except Exception:
-            power = 0.0
-        out.append((uuid, util, float(mem.total), float(mem.used), power))
+        power = _optional(pynvml.nvmlDeviceGetPowerUsage, handle) / 1000.0  # mW
+        limit = _optional(pynvml.nvmlDeviceGetPowerManagementLimit, handle) / 1000.0  # mW
+        energy = _optional(pynvml.nvmlDeviceGetTotalEnergyConsumption, handle) / 1000.0  # mJ
+        out.append(GpuReading(uuid, util, float(mem.total), float(mem.used), power, limit, energy))
     return out
+
+
+def _optional(read, handle) -> float:
+    """A reading some GPUs do not support (NVMLError_NotSupported): 0."""
+    try:
+        return float(read(handle))
+    except Exception:
+        return 0.0
 
 
 # ------------------------------------------------------------ StageServe's
@@ -202,6 +225,17 @@ RATELIMITER_INSTANCES = Gauge(
 )
 RATELIMITER_GRANTS = Counter(
     "stageserve_ratelimiter_grants", "Execution grants handed out", ["model", "version"]
+)
+RATELIMITER_GRANT_WAIT = Histogram(
+    "stageserve_ratelimiter_grant_wait_seconds",
+    "Time a granted Acquire waited, by model and the granted instance's priority",
+    ["model", "priority"],
+    buckets=LATENCY_BUCKETS,
+)
+RATELIMITER_RESOURCES = Gauge(
+    "stageserve_ratelimiter_resources",
+    "Rate limiter resource counts per device (or global): held / available",
+    ["resource", "device", "state"],
 )
 WORKER_COMPUTE = Histogram(
     "stageserve_worker_compute_seconds",

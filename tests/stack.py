@@ -65,6 +65,8 @@ def start_stack(
     load_models: tuple[str, ...] = (),
     workers: int = 1,
     autocomplete: AutoComplete = TRITON_DEFAULT,
+    ratelimiter_args: tuple[str, ...] = (),
+    repository_poll_secs: float = 15.0,
 ) -> RunningStack:
     stack = Stack()
     try:
@@ -76,6 +78,8 @@ def start_stack(
             workers=workers,
             device="cpu",
             autocomplete=autocomplete,
+            ratelimiter_args=ratelimiter_args,
+            repository_poll_secs=repository_poll_secs,
         )
     except BaseException:
         stack.stop()

@@ -637,6 +637,29 @@ def stages_dashboard() -> dict:
         ),
         w=8,
     )
+    http = "stageserve_http_request_duration_seconds"
+    L.add(
+        timeseries(
+            "HTTP requests/s by endpoint and status",
+            "Public HTTP/REST (KServe v2) requests per second by endpoint and HTTP status "
+            "(from stageserve_http_request_duration_seconds_count).",
+            [
+                (
+                    f"sum by (endpoint, status) (rate({http}_count[{RATE}]))",
+                    "{{endpoint}} {{status}}",
+                )
+            ],
+            "reqps",
+        ),
+    )
+    L.add(
+        timeseries(
+            "HTTP p99 by endpoint",
+            "99th percentile of public HTTP/REST request duration by endpoint.",
+            [(_quantile(0.99, http, "endpoint", ""), "{{endpoint}}")],
+            "s",
+        ),
+    )
 
     L.row("Scheduler")
     L.add(
@@ -700,7 +723,8 @@ def stages_dashboard() -> dict:
             "Grants/s",
             "Execution grants handed out per second (stageserve_ratelimiter_grants_total). "
             "A scheduler reuses a grant for the next batches on that instance for a short "
-            "while, so this counts instance hand-overs: far fewer than executions.",
+            "while, so this counts instance hand-overs: far fewer than executions (except "
+            "grants that hold rate_limiter resources: one per execution).",
             [
                 (
                     f"sum by (model) (rate(stageserve_ratelimiter_grants_total{{{M}}}[{RATE}]))",
@@ -743,6 +767,37 @@ def stages_dashboard() -> dict:
             "percentunit",
         ),
         w=6,
+    )
+    gw = "stageserve_ratelimiter_grant_wait_seconds"
+    L.add(
+        timeseries(
+            "Grant wait by priority p99",
+            "Time a granted Acquire waited, by model and the rate_limiter priority of the "
+            "instance it got (stageserve_ratelimiter_grant_wait_seconds). With "
+            "--rate-limit=execution_count, a larger priority value waits longer at a "
+            "contended resource (Triton's scaled priority).",
+            [(_quantile(0.99, gw, "model, priority"), "{{model}} priority {{priority}}")],
+            "s",
+        ),
+        w=12,
+    )
+    res = "stageserve_ratelimiter_resources"
+    L.add(
+        timeseries(
+            "Resources held / available",
+            "stageserve_ratelimiter_resources per resource and device (a worker's device, or "
+            "global): held counts and available counts (the largest count any instance asks "
+            "for, or --rate-limit-resource). Counts live in Redis, so every rate limiter "
+            "replica reports the same numbers: max, not sum, over them.",
+            [
+                (
+                    f"max by (resource, device, state) ({res})",
+                    "{{resource}}@{{device}} {{state}}",
+                )
+            ],
+            "short",
+        ),
+        w=12,
     )
 
     L.row("Workers")

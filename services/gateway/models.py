@@ -25,6 +25,7 @@ from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
 from stageserve.repository import model_names, read_model
+from stageserve.settings import GATEWAY
 from stageserve.telemetry import TRITON, model_labels
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class ModelManager:
         state: ModelStateStore,
         ratelimiter: pb_grpc.RateLimiterStub,
         control_mode: str = "none",
-        load_timeout_s: float = 120.0,
+        load_timeout_s: float = GATEWAY.load_timeout_s,
         autocomplete: AutoComplete = TRITON_DEFAULT,
     ) -> None:
         self.autocomplete = autocomplete
@@ -119,13 +120,24 @@ class ModelManager:
         the same config is adopted as it is (no reload), so gateways can be
         added or restarted while the others serve."""
         names = model_names(self.repository)
-        wanted = names if self.control_mode == "none" or "*" in load else load
+        wanted = names if self.control_mode in ("none", "poll") or "*" in load else load
+        # Models loaded through the API before this gateway (re)started are
+        # still published: take them over too, or a restarted gateway would
+        # forget them while the workers keep hosting them.
+        wanted = [
+            *wanted,
+            *(n for n in await self.state.loaded() if n in names and n not in wanted),
+        ]
         await asyncio.gather(
             *(self.load(name, adopt=True) for name in wanted), return_exceptions=True
         )
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
+
+    def is_busy(self, name: str) -> bool:
+        """A load or unload of the model is under way."""
+        return name in self._locks and self._locks[name].locked()
 
     async def _ensure_ready(
         self, name: str, chain: tuple[str, ...], adopt: bool = False

@@ -1,7 +1,7 @@
-"""What the gateway does differently for Python-backend models (kept out of
-service.py so the fronts stay thin): request metadata for model.py, Triton's
-refusal of ModelInfer on decoupled models, and decoupled responses streamed
-over ModelStreamInfer as they arrive."""
+"""What the gateway does differently for Python-backend models (used by the
+DataPlane, dataplane.py, so both fronts share it): request metadata for
+model.py, Triton's refusal of ModelInfer on decoupled models, and decoupled
+responses streamed (gRPC ModelStreamInfer, HTTP generate_stream) as they arrive."""
 
 from __future__ import annotations
 
@@ -82,14 +82,6 @@ EMPTY_FINAL = "triton_enable_empty_final_response"
 def mark_final(out: gs.ModelStreamInferResponse, final: bool = True) -> None:
     """Triton marks every streamed response with triton_final_response."""
     out.infer_response.parameters["triton_final_response"].bool_param = final
-
-
-def decoupled_stream(
-    models: ModelManager, request: gs.ModelInferRequest, put: Callable[[object], None]
-) -> DecoupledStream | None:
-    entry = models.entries.get(request.model_name)
-    spec = entry.spec if entry is not None else None
-    return DecoupledStream(request, put) if spec is not None and spec.decoupled else None
 
 
 def stream_partials(

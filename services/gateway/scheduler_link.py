@@ -20,6 +20,7 @@ from stageserve.errors import StageError, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.net import insecure_channel
+from stageserve.settings import GATEWAY
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,9 @@ _CLOSE = object()
 
 
 class SchedulerLink:
-    def __init__(self, address: str, connect_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, address: str, connect_timeout_s: float = GATEWAY.scheduler_connect_timeout_s
+    ) -> None:
         self.address = address
         self.connect_timeout_s = connect_timeout_s
         self.channel = insecure_channel(address)

@@ -7,9 +7,13 @@ import logging
 from pathlib import Path
 
 import grpc
-import redis.asyncio as aioredis
 
+from services.gateway.dataplane import DataPlane
+from services.gateway.http.app import HttpFront
+from services.gateway.http.server import HttpServer, http_server
 from services.gateway.models import ModelManager
+from services.gateway.poller import RepositoryPoller
+from services.gateway.republish import Republisher
 from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.service import InferenceService
 from services.gateway.shared_stats import SharedStats
@@ -18,6 +22,7 @@ from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
 from stageserve.net import SERVER_OPTIONS, insecure_channel
+from stageserve.redis_connect import connect
 from stageserve.service_runtime import run_server
 from stageserve.telemetry import serve_metrics
 
@@ -34,8 +39,12 @@ async def serve(
     load_models: list[str],
     metrics_port: int | None = None,
     autocomplete: AutoComplete = TRITON_DEFAULT,
+    repository_poll_secs: float = 15.0,
+    http_listen: str | None = None,
 ) -> None:
-    redis = aioredis.from_url(redis_url)
+    """`http_listen` (host:port, port 0 picks one) also serves the HTTP/REST
+    front on the same dataplane; None: gRPC only."""
+    redis = connect(redis_url)
     await redis.ping()
     rl_channel = insecure_channel(ratelimiter_address)
     models = ModelManager(
@@ -46,26 +55,47 @@ async def serve(
         autocomplete=autocomplete,
     )
     link = SchedulerLink(scheduler_address)
-    service = InferenceService(models, link)
-    service.shared = SharedStats(redis, service.stats)
-    service.shared.start()
+    dataplane = DataPlane(models, link)
+    dataplane.shared = SharedStats(redis, dataplane.stats)
+    dataplane.shared.start()
+    republisher = Republisher(models, redis)
+    await republisher.check()  # marks the model set as known before loading
+    republisher.start()
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    gs_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
+    gs_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(dataplane), server)
     if metrics_port:
         serve_metrics(metrics_port)
+    http: HttpServer | None = None
+    announce: dict[str, str] = {}
+    if http_listen is not None:
+        host, port = http_listen.rsplit(":", 1)
+        http = http_server(HttpFront(dataplane), host, int(port))
+        await http.start()
+        announce["http"] = http.address
+
+    poller = RepositoryPoller(models, repository, repository_poll_secs)
+    polling: list[asyncio.Task] = []
 
     async def load_then_ready() -> None:
+        poller.baseline()
         await models.startup(load_models)
-        service.ready = True
+        dataplane.ready = True
         log.info("startup models loaded", extra={"models": sorted(models.entries)})
+        if control_mode == "poll":
+            polling.append(asyncio.create_task(poller.run_forever()))
 
     # Serve health RPCs while models load; announce once loading finished.
     loader = asyncio.create_task(load_then_ready())
     try:
-        await run_server(server, listen, "gateway", before_ready=loader)
+        await run_server(server, listen, "gateway", before_ready=loader, announce=announce)
     finally:
         loader.cancel()
-        await service.shared.close()
+        for task in polling:
+            task.cancel()
+        await republisher.close()
+        if http is not None:
+            await http.stop()
+        await dataplane.shared.close()
         await link.close()
         await rl_channel.close()
         await redis.aclose()

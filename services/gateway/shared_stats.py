@@ -22,10 +22,11 @@ import redis.asyncio as aioredis
 from services.gateway.statistics import StatsBook, merge
 from stageserve import redis_keys as keys
 from stageserve.generated import grpc_service_pb2 as gs
+from stageserve.settings import GATEWAY
 
 log = logging.getLogger(__name__)
 
-PUBLISH_S = 1.0
+PUBLISH_S = GATEWAY.stats_publish_s
 # A model load's figures outlive it by this much (a later load uses new keys).
 KEEP_MS = 7 * 24 * 3600 * 1000
 

@@ -14,7 +14,7 @@ request.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -242,20 +242,26 @@ def _reshaped(spec: ModelSpec, t: TensorSpec, shape: list[int]) -> list[int]:
 
 
 def validate_infer(
-    request: gs.ModelInferRequest, spec: ModelSpec, read_shared: ReadShared = _no_shared_memory
+    request: gs.ModelInferRequest,
+    spec: ModelSpec,
+    read_shared: ReadShared = _no_shared_memory,
+    raw_contents: Sequence[bytes] | None = None,
 ) -> ValidatedRequest:
+    """`raw_contents`, when given, stands for request.raw_input_contents (the
+    HTTP front's binary tensors, sliced from the body, skip a protobuf copy)."""
     model = spec.name
-    use_raw = len(request.raw_input_contents) > 0
+    raw_input = request.raw_input_contents if raw_contents is None else raw_contents
+    use_raw = len(raw_input) > 0
     shared = {
         t.name: ref
         for t in request.inputs
         if (ref := shared_ref(t.parameters, f"input '{t.name}' of model '{model}'")) is not None
     }
     wanted_raw = len(request.inputs) - len(shared)
-    if use_raw and len(request.raw_input_contents) != wanted_raw:
+    if use_raw and len(raw_input) != wanted_raw:
         raise invalid(
             f"expected {wanted_raw} raw input contents (one per input not in shared memory) "
-            f"for model '{model}', got {len(request.raw_input_contents)}"
+            f"for model '{model}', got {len(raw_input)}"
         )
     raw_index = 0
     seen: set[str] = set()
@@ -317,7 +323,7 @@ def validate_infer(
                     f"input '{name}' of model '{model}': contents must not be set when "
                     f"raw_input_contents is used"
                 )
-            raw = request.raw_input_contents[raw_index]
+            raw = raw_input[raw_index]
             raw_index += 1
             _check_raw(raw, t, name, model, count)
         else:

@@ -1,21 +1,42 @@
-"""Instance registry and execution grants, kept in Redis by atomic scripts.
+"""Instance registry, execution grants and resource counts, kept in Redis by
+atomic scripts.
 
 One payload per instance at a time: an instance id sits in its model's free
-list until a grant takes it, and goes back on release. Grants carry a lease
-and workers a liveness key, so a crashed scheduler or worker leaks nothing:
-the sweep releases expired grants and removes workers whose key expired.
+list until a grant takes it, and goes back on release. With
+`--rate-limit=execution_count` a grant also takes the instance's
+rate_limiter resources (Triton's rate limiter; see redis_scripts.ACQUIRE).
+Grants carry a lease and workers a liveness key, so a crashed scheduler or
+worker leaks nothing: the sweep releases expired grants (and their
+resources) and removes workers whose key expired.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
+from services.ratelimiter.options import OFF, RATE_LIMIT_MODES
 from stageserve import redis_keys as keys
 from stageserve import redis_scripts as scripts
+
+# How long an Acquire's demand counts when other pools weigh their scaled
+# priority against it: longer than the gap between a scheduler's release and
+# its next Acquire (a few ms), short enough that a pool whose traffic stopped
+# delays the others by at most this once.
+DEMAND_TTL_MS = 100
+
+
+@dataclass(frozen=True)
+class Resource:
+    """One rate_limiter resource an instance needs to run a payload."""
+
+    name: str
+    count: int
+    is_global: bool = False
 
 
 @dataclass(frozen=True)
@@ -27,16 +48,23 @@ class Instance:
     device_id: int
     worker_id: str
     worker_address: str
+    priority: int = 0
+    resources: tuple[Resource, ...] = field(default=())
 
 
 @dataclass(frozen=True)
 class Grant:
     grant_id: str
     instance: Instance
+    holds_resources: bool = False
 
 
 class NoInstances(Exception):
     """No instance of the model is registered at all (as opposed to all busy)."""
+
+
+class NeverRunnable(NoInstances):
+    """Every instance needs more of a resource than is available."""
 
 
 def now_ms() -> int:
@@ -44,9 +72,15 @@ def now_ms() -> int:
 
 
 class RedisRegistry:
-    def __init__(self, redis: aioredis.Redis, prefix: str = keys.RL_PREFIX) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, prefix: str = keys.RL_PREFIX, mode: str = OFF
+    ) -> None:
+        if mode not in RATE_LIMIT_MODES:
+            raise ValueError(f"rate limit mode '{mode}' is not one of {RATE_LIMIT_MODES}")
         self.redis = redis
         self.prefix = prefix
+        self.mode = mode
+        self._set_overrides = redis.register_script(scripts.SET_OVERRIDES)
         self._register = redis.register_script(scripts.REGISTER)
         self._heartbeat = redis.register_script(scripts.HEARTBEAT)
         self._deregister = redis.register_script(scripts.DEREGISTER)
@@ -60,8 +94,25 @@ class RedisRegistry:
     ) -> int:
         args: list[str | int] = [self.prefix, worker_id, address, lease_ms]
         for inst in instances:
-            args += [inst.instance_id, inst.model, inst.version, inst.kind, inst.device_id, ""]
+            res = json.dumps([[r.name, int(r.is_global), r.count] for r in inst.resources])
+            args += [
+                inst.instance_id,
+                inst.model,
+                inst.version,
+                inst.kind,
+                inst.device_id,
+                inst.priority,
+                res,
+            ]
         return int(await self._register(args=args))
+
+    async def set_overrides(self, overrides: dict[str, int]) -> None:
+        """The --rate-limit-resource counts ("name" or "name@device" -> count).
+        Every rate limiter sharing the Redis must be given the same ones."""
+        args: list[str | int] = [self.prefix]
+        for name, count in sorted(overrides.items()):
+            args += [name, count]
+        await self._set_overrides(args=args)
 
     async def heartbeat(self, worker_id: str, lease_ms: int) -> bool:
         return bool(await self._heartbeat(args=[self.prefix, worker_id, lease_ms]))
@@ -72,17 +123,24 @@ class RedisRegistry:
     async def try_acquire(self, model: str, version: int, lease_ms: int) -> Grant | None:
         """A grant on a free instance, None if all are busy; NoInstances if none exist."""
         grant_id = uuid.uuid4().hex
-        res = await self._acquire(args=[self.prefix, model, version, grant_id, now_ms(), lease_ms])
+        args = [self.prefix, model, version, grant_id, now_ms(), lease_ms, self.mode]
+        res = await self._acquire(args=[*args, DEMAND_TTL_MS])
         if res is None:
             return None
         if res == -1:
             raise NoInstances(f"no instance of model '{model}' version {version} is registered")
-        iid, kind, device_id, worker_id, address = (x.decode() for x in res)
-        return Grant(
-            grant_id, Instance(iid, model, version, kind, int(device_id), worker_id, address)
+        if res[0] == -2:
+            raise NeverRunnable(
+                f"no instance of model '{model}' version {version} can ever run: {res[1].decode()}"
+            )
+        iid, kind, device_id, worker_id, address, holds, prio = (x.decode() for x in res)
+        inst = Instance(
+            iid, model, version, kind, int(device_id), worker_id, address, int(prio or 0)
         )
+        return Grant(grant_id, inst, holds == "1")
 
     async def release(self, grant_id: str, failed: bool = False) -> bool:
+        """Whether the grant was held (its resources, if any, went back)."""
         return bool(await self._release(args=[self.prefix, grant_id, "1" if failed else "0"]))
 
     async def renew(self, grant_ids: list[str], lease_ms: int) -> list[str]:
@@ -113,6 +171,7 @@ class RedisRegistry:
                     int(f[b"device_id"]),
                     f[b"worker_id"].decode(),
                     f[b"worker_address"].decode(),
+                    int(f.get(b"prio", b"0") or 0),
                 )
                 if (not model or inst.model == model) and (not version or inst.version == version):
                     out.append(inst)
@@ -128,6 +187,16 @@ class RedisRegistry:
             registered = await self.redis.scard(key)
             free = await self.redis.llen(self.prefix + "free:" + pool)
             out[(model, int(version))] = (free, max(0, registered - free))
+        return out
+
+    async def resources(self) -> dict[str, tuple[int, int]]:
+        """Resource field ("name@global" or "name@{worker}/{device}") -> (held,
+        available count)."""
+        caps = await self.redis.hgetall(self.prefix + "res:cap")
+        held = await self.redis.hgetall(self.prefix + "res:held")
+        out = {}
+        for key in set(caps) | set(held):
+            out[key.decode()] = (int(held.get(key, 0)), int(caps.get(key, 0)))
         return out
 
     async def busy_instance_ids(self) -> list[str]:

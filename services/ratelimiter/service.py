@@ -9,10 +9,23 @@ import time
 
 import grpc
 
-from services.ratelimiter.registry import Grant, Instance, NoInstances, RedisRegistry
+from services.ratelimiter.options import OFF
+from services.ratelimiter.registry import (
+    Grant,
+    Instance,
+    NoInstances,
+    RedisRegistry,
+    Resource,
+)
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
-from stageserve.telemetry import RATELIMITER_GRANTS, RATELIMITER_INSTANCES, RATELIMITER_WAIT
+from stageserve.telemetry import (
+    RATELIMITER_GRANT_WAIT,
+    RATELIMITER_GRANTS,
+    RATELIMITER_INSTANCES,
+    RATELIMITER_RESOURCES,
+    RATELIMITER_WAIT,
+)
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +43,7 @@ def instance_to_pb(inst: Instance) -> pb.InstanceInfo:
         device_id=inst.device_id,
         worker_id=inst.worker_id,
         worker_address=inst.worker_address,
+        priority=inst.priority,
     )
 
 
@@ -57,7 +71,9 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
     def __init__(self, registry: RedisRegistry) -> None:
         self.registry = registry
         self.wakeups = Wakeups()
-        self._grants: dict[str, tuple[str, int]] = {}  # grant id -> (model, version)
+        # grant id -> (model, version, holds resources)
+        self._grants: dict[str, tuple[str, int, bool]] = {}
+        self._exported_resources: set[tuple[str, str]] = set()
 
     async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
         instances = [
@@ -69,6 +85,8 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
                 i.device_id,
                 request.worker_id,
                 request.worker_address,
+                i.priority,
+                tuple(Resource(r.name, r.count, getattr(r, "global")) for r in i.resources),
             )
             for i in request.instances
         ]
@@ -97,10 +115,12 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
         lease_ms = request.lease_ms or 60_000
         started = time.monotonic()
         deadline = started + request.wait_ms / 1000.0
-        try:
-            return await self._acquire(model, version, lease_ms, deadline)
-        finally:
-            RATELIMITER_WAIT.labels(model, str(version)).observe(time.monotonic() - started)
+        resp = await self._acquire(model, version, lease_ms, deadline)
+        waited = time.monotonic() - started
+        RATELIMITER_WAIT.labels(model, str(version)).observe(waited)
+        if resp.granted:
+            RATELIMITER_GRANT_WAIT.labels(model, str(resp.instance.priority)).observe(waited)
+        return resp
 
     async def _acquire(
         self, model: str, version: int, lease_ms: int, deadline: float
@@ -115,16 +135,21 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
                 return self._granted(grant)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return pb.AcquireResponse(granted=False, reason="every instance is busy")
+                return pb.AcquireResponse(
+                    granted=False, reason="every instance (or a resource it needs) is busy"
+                )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), min(remaining, POLL_S))
 
     def _granted(self, grant: Grant) -> pb.AcquireResponse:
         inst = grant.instance
         RATELIMITER_GRANTS.labels(inst.model, str(inst.version)).inc()
-        self._grants[grant.grant_id] = (inst.model, inst.version)
+        self._grants[grant.grant_id] = (inst.model, inst.version, grant.holds_resources)
         return pb.AcquireResponse(
-            granted=True, grant_id=grant.grant_id, instance=instance_to_pb(inst)
+            granted=True,
+            grant_id=grant.grant_id,
+            instance=instance_to_pb(inst),
+            holds_resources=grant.holds_resources,
         )
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
@@ -134,10 +159,10 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
                 "instance reported failed; its worker is removed",
                 extra={"grant_id": request.grant_id, "reason": request.reason},
             )
-        key = self._grants.pop(request.grant_id, None)
-        if key is not None:
-            self.wakeups.wake(*key)
-        else:
+        known = self._grants.pop(request.grant_id, None)
+        if known is not None and not known[2]:
+            self.wakeups.wake(known[0], known[1])
+        else:  # freed resources may let any model run
             self.wakeups.wake_all()
         return pb.ReleaseResponse()
 
@@ -154,13 +179,28 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             instances=[instance_to_pb(i) for i in instances], busy_instance_ids=busy
         )
 
+    async def export_usage_once(self) -> None:
+        """Set the instance and resource gauges from Redis; a resource that is
+        gone (its last instance left) leaves /metrics."""
+        for (model, version), (free, busy) in (await self.registry.usage()).items():
+            RATELIMITER_INSTANCES.labels(model, str(version), "free").set(free)
+            RATELIMITER_INSTANCES.labels(model, str(version), "busy").set(busy)
+        exported: set[tuple[str, str]] = set()
+        for key, (held, available) in (await self.registry.resources()).items():
+            name, _, device = key.rpartition("@")
+            exported.add((name, device))
+            RATELIMITER_RESOURCES.labels(name, device, "held").set(held)
+            RATELIMITER_RESOURCES.labels(name, device, "available").set(available)
+        for name, device in self._exported_resources - exported:
+            for state in ("held", "available"):
+                RATELIMITER_RESOURCES.remove(name, device, state)
+        self._exported_resources = exported
+
     async def export_usage_forever(self, period_s: float = 1.0) -> None:
-        """Keep the free/busy instance gauges current for /metrics."""
+        """Keep the gauges current for /metrics."""
         while True:
             try:
-                for (model, version), (free, busy) in (await self.registry.usage()).items():
-                    RATELIMITER_INSTANCES.labels(model, str(version), "free").set(free)
-                    RATELIMITER_INSTANCES.labels(model, str(version), "busy").set(busy)
+                await self.export_usage_once()
             except Exception:
                 log.exception("usage export failed")
             await asyncio.sleep(period_s)
@@ -178,15 +218,25 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             await asyncio.sleep(period_s)
 
 
-async def serve(listen: str, redis_url: str) -> None:
-    import redis.asyncio as aioredis
-
+async def serve(
+    listen: str,
+    redis_url: str,
+    rate_limit: str = OFF,
+    resource_overrides: dict[str, int] | None = None,
+) -> None:
     from stageserve.net import SERVER_OPTIONS
+    from stageserve.redis_connect import connect
     from stageserve.service_runtime import run_server
 
-    redis = aioredis.from_url(redis_url)
+    redis = connect(redis_url)
     await redis.ping()
-    service = RateLimiterService(RedisRegistry(redis))
+    registry = RedisRegistry(redis, mode=rate_limit)
+    await registry.set_overrides(resource_overrides or {})
+    log.info(
+        "rate limiting",
+        extra={"mode": rate_limit, "resource_overrides": resource_overrides or {}},
+    )
+    service = RateLimiterService(registry)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_RateLimiterServicer_to_server(service, server)
     background = [

@@ -15,6 +15,7 @@ from stageserve.errors import StageError, code_from_int, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.net import insecure_channel
+from stageserve.settings import SCHEDULER
 from stageserve.telemetry import STAGE_RPC_DURATION, STAGE_RPC_ERRORS
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,9 @@ class Granted:
     grant_id: str
     instance_id: str
     worker_address: str
+    # It holds rate_limiter resources: released after one execution, never
+    # kept for reuse (other instances wait for those resources).
+    holds_resources: bool = False
 
 
 class RateLimiterClient:
@@ -36,10 +40,15 @@ class RateLimiterClient:
     worker died), which the holder must stop using.
     """
 
-    LEASE_MS = 2_000
-    RENEW_S = 0.5
+    LEASE_MS = SCHEDULER.grant_lease_ms
+    RENEW_S = SCHEDULER.grant_renew_s
 
-    def __init__(self, address: str, wait_ms: int = 500, lease_ms: int = LEASE_MS) -> None:
+    def __init__(
+        self,
+        address: str,
+        wait_ms: int = SCHEDULER.acquire_wait_ms,
+        lease_ms: int = LEASE_MS,
+    ) -> None:
         self.address = address
         self.channel = insecure_channel(address)
         self.stub = pb_grpc.RateLimiterStub(self.channel)
@@ -78,8 +87,11 @@ class RateLimiterClient:
             )
         except grpc.aio.AioRpcError as exc:
             STAGE_RPC_ERRORS.labels("scheduler", "ratelimiter", "Acquire", exc.code().name).inc()
+            # UNKNOWN carries the rate limiter's Python exception (e.g. Redis
+            # restarting): logged there, not passed on to clients.
+            details = "" if exc.code() == grpc.StatusCode.UNKNOWN else f": {exc.details()}"
             raise unavailable(
-                f"rate limiter at {self.address} unavailable: {exc.code().name}: {exc.details()}"
+                f"rate limiter at {self.address} unavailable: {exc.code().name}{details}"
             ) from exc
         finally:
             STAGE_RPC_DURATION.labels("scheduler", "ratelimiter", "Acquire").observe(
@@ -89,7 +101,12 @@ class RateLimiterClient:
             self.held.add(resp.grant_id)
             if self._renewer is None:
                 self._renewer = asyncio.create_task(self._renew_forever())
-            return Granted(resp.grant_id, resp.instance.instance_id, resp.instance.worker_address)
+            return Granted(
+                resp.grant_id,
+                resp.instance.instance_id,
+                resp.instance.worker_address,
+                resp.holds_resources,
+            )
         if "no instance" in resp.reason:
             raise StageError(grpc.StatusCode.UNAVAILABLE, resp.reason)
         return None

@@ -10,7 +10,7 @@ final answer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from stageserve.errors import StageError
@@ -24,9 +24,23 @@ class _Queued(Protocol):
     def respond(self, response: pb.ScheduleResponse) -> None: ...
 
 
+def _respond(q: _Queued, response: pb.ScheduleResponse) -> None:
+    q.respond(response)
+
+
 class DecoupledBatch:
-    def __init__(self, batch: Sequence[_Queued], compute_start_ns: int, total: int) -> None:
+    """`deliver` sends each request's final answer (the queue's, which keeps
+    preserve_ordering); earlier responses go straight to the request."""
+
+    def __init__(
+        self,
+        batch: Sequence[_Queued],
+        compute_start_ns: int,
+        total: int,
+        deliver: Callable[[_Queued, pb.ScheduleResponse], None] = _respond,
+    ) -> None:
         self.batch = batch
+        self.deliver = deliver
         self.compute_start_ns = compute_start_ns
         self.total = total
         self.finished: set[int] = set()
@@ -50,7 +64,10 @@ class DecoupledBatch:
                 out.timing.CopyFrom(self._timing(index))
                 out.timing.compute_infer_ns = part.compute_infer_ns
             self.sent_any = True
-            q.respond(out)
+            if part.final:
+                self.deliver(q, out)
+            else:
+                q.respond(out)
 
     def finish(self, err: StageError | None) -> None:
         """The batch ended: requests still open get the error (or an empty final)."""
@@ -63,7 +80,7 @@ class DecoupledBatch:
                 out.code, out.message = err.code.value[0], err.message
             else:
                 out.no_response = True
-            q.respond(out)
+            self.deliver(q, out)
 
     def _timing(self, index: int) -> pb.Timing:
         q = self.batch[index]

@@ -5,11 +5,11 @@ batches form when an instance can run them and grow while every instance is
 busy. Each batch runs as its own task; the loop goes straight back to
 waiting for the next free instance.
 
-Grants are reused: a batch that finishes hands its grant back to this queue,
-which keeps it while it has work (up to GRANT_REUSE_S, then it goes back to
-the rate limiter so other schedulers get their turn) and for STANDBY_HOLD_S
-once idle. At steady load no rate-limiter round trip is on a request's path;
-the rate limiter is asked only for instances beyond those already held.
+The loop composes pure parts and does their I/O: the batcher (batch
+formation, queue order, timeouts: batcher.py), the grant pool (which grants
+are kept for reuse and when they go back: grant_pool.py) and the response
+order (preserve_ordering: response_order.py). The rate limiter is asked
+only for instances beyond those the pool holds.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from redis.exceptions import RedisError
 
 from services.scheduler.batcher import (
     Batcher,
@@ -35,6 +36,8 @@ from services.scheduler.batcher import (
 from services.scheduler.batcher import shape_key as batch_shape_key
 from services.scheduler.clients import Granted, RateLimiterClient, WorkerCallError, WorkerClients
 from services.scheduler.decoupled import DecoupledBatch
+from services.scheduler.grant_pool import GrantPool, Held, Usable
+from services.scheduler.response_order import ResponseOrder
 from stageserve.config import ModelSpec, QueuePolicySpec
 from stageserve.errors import StageError, unavailable
 from stageserve.generated import stageserve_pb2 as pb
@@ -49,13 +52,8 @@ log = logging.getLogger(__name__)
 
 Respond = Callable[[pb.ScheduleResponse], None]
 
-# How long an idle queue keeps its grants before handing them back.
-STANDBY_HOLD_S = 0.5
 # How often a batch is retried when its instance disappeared under it (a reload).
 MAX_ATTEMPTS = 3
-# How long one grant may be reused before it goes back to the rate limiter
-# (well inside the grant lease, so a held grant never expires under us).
-GRANT_REUSE_S = 2.0
 
 
 @dataclass
@@ -178,13 +176,11 @@ class ModelQueue:
         self.executing = 0
         self._arrived = asyncio.Event()
         self._grant_event = asyncio.Event()
-        self._spare: list[tuple[Granted, float]] = []  # (grant, first acquired at)
+        self.grants: GrantPool[Granted] = GrantPool()
         self._acquiring: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._deadline_changed = asyncio.Event()
-        self._seq = 0
-        self._next_release = 0
-        self._held: dict[int, tuple[Respond, pb.ScheduleResponse]] = {}
+        self._order: ResponseOrder[tuple[Respond, pb.ScheduleResponse]] = ResponseOrder()
         self._expiry_task = asyncio.create_task(self._expiry_loop())
         v = str(version)
         self._depth_gauge = SCHEDULER_QUEUE_DEPTH.labels(model, v)
@@ -207,10 +203,8 @@ class ModelQueue:
             p.shape_key = shape_key(p.payload.msg, spec.batching, spec.ragged_inputs)
         self.batcher.requeue_front(pending)
         # Ordering restarts with the new settings: release what was held.
-        for seq in sorted(self._held):
-            respond, held = self._held.pop(seq)
+        for respond, held in self._order.reset():
             respond(held)
-        self._next_release = self._seq
         self._release_spare()
         self._arrived.set()
 
@@ -286,11 +280,8 @@ class ModelQueue:
         if not self._ordered:
             q.respond(response)
             return
-        self._held[q.seq] = (q.respond, response)
-        while self._next_release in self._held:
-            respond, held = self._held.pop(self._next_release)
-            respond(held)
-            self._next_release += 1
+        for respond, ready in self._order.answered(q.seq, (q.respond, response)):
+            respond(ready)
 
     @property
     def pending(self) -> int:
@@ -327,24 +318,30 @@ class ModelQueue:
     # ---------------------------------------------------------------- grants
 
     def _release_spare(self) -> None:
-        spare, self._spare = self._spare, []
-        for grant, _ in spare:
+        for grant in self.grants.drain():
             self._spawn(self.ratelimiter.release(grant.grant_id))
 
-    def _give_back(self, grant: Granted, since: float, failed: bool | None) -> None:
-        """A finished batch's grant: keep it for the next batch, or release it."""
-        if failed is not False or time.monotonic() - since > GRANT_REUSE_S:
+    def _give_back(self, held: Held[Granted], failed: bool | None) -> None:
+        """A finished batch's grant: the pool keeps it for the next batch, or it
+        goes back to the rate limiter."""
+        grant = held.grant
+        if not self.grants.finished(held, failed, grant.holds_resources, time.monotonic()):
             self._spawn(self.ratelimiter.release(grant.grant_id, failed=bool(failed)))
-        else:
-            self._spare.append((grant, since))
         self._grant_event.set()
         self._arrived.set()  # an idle loop starts its standby hold now
+
+    def _usable(self, grant: Granted) -> Usable:
+        if self.workers.is_broken(grant.worker_address):
+            return Usable.BROKEN
+        if grant.grant_id in self.ratelimiter.lost:
+            return Usable.LOST
+        return Usable.OK
 
     async def _acquire_into_spare(self) -> None:
         try:
             grant = await self.ratelimiter.acquire(self.model, self.version)
             if grant is not None:
-                self._spare.append((grant, time.monotonic()))
+                self.grants.acquired(grant, time.monotonic())
         except StageError as err:
             # No instance at all, or the rate limiter is down: answer now
             # rather than keep clients waiting.
@@ -353,18 +350,15 @@ class ModelQueue:
             self._acquiring = None
             self._grant_event.set()
 
-    async def _next_grant(self) -> tuple[Granted, float] | None:
+    async def _next_grant(self) -> Held[Granted] | None:
         """A held grant if there is one, else wait for a batch to finish or the
         rate limiter to grant another instance. None once the queue emptied."""
         while True:
-            while self._spare:
-                grant, since = self._spare.pop()
-                if self.workers.is_broken(grant.worker_address):
-                    self._spawn(self.ratelimiter.release(grant.grant_id, failed=True))
-                elif grant.grant_id in self.ratelimiter.lost:
-                    self._spawn(self.ratelimiter.release(grant.grant_id))
-                else:
-                    return grant, since
+            held, releases = self.grants.take(self._usable)
+            for grant, failed in releases:
+                self._spawn(self.ratelimiter.release(grant.grant_id, failed=failed))
+            if held is not None:
+                return held
             if not self._has_work():
                 return None
             if self._acquiring is None:
@@ -375,36 +369,28 @@ class ModelQueue:
     # ---------------------------------------------------------------- dispatch
 
     async def _dispatch_loop(self) -> None:
-        idle_since: float | None = None
         while True:
             try:
                 if not self._has_work():
-                    # Idle: keep held grants STANDBY_HOLD_S for the next request,
-                    # then hand them back. A batch finishing wakes us (its grant
-                    # joins the spares), so the hold starts when the last ends.
-                    if not self._spare:
-                        idle_since = None
-                        await self._wait_arrival(None)
-                        continue
-                    now = time.monotonic()
-                    idle_since = idle_since or now
-                    remaining = STANDBY_HOLD_S - (now - idle_since)
-                    if remaining <= 0:
+                    # Idle: the pool keeps held grants for a standby hold, then
+                    # they go back. A batch finishing wakes us (its grant joins
+                    # the pool), so the hold starts when the last one ends.
+                    remaining = self.grants.idle(time.monotonic())
+                    if remaining == 0.0:
                         self._release_spare()
-                        idle_since = None
                     else:
                         await self._wait_arrival(remaining)
                     continue
-                idle_since = None
+                self.grants.busy()
                 held = await self._next_grant()
                 if held is None:
                     continue
                 batch = await self._form_batch()
                 if not batch:
-                    self._spare.append(held)
+                    self.grants.put_back(held)
                     continue
                 self.executing += 1
-                self._spawn(self._guarded(batch, *held))
+                self._spawn(self._guarded(batch, held))
             except asyncio.CancelledError:
                 raise
             except Exception:  # keep the loop alive whatever one batch did
@@ -420,17 +406,21 @@ class ModelQueue:
                 batch = [p.payload for p in decision.batch]
                 if self._ordered:
                     for q in batch:
-                        q.seq = self._seq
-                        self._seq += 1
+                        q.seq = self._order.number()
                 return batch
             if decision.wake_at_ns is None:
                 return []
             await self._wait_arrival(max(0.0, (decision.wake_at_ns - time.monotonic_ns()) / 1e9))
 
-    async def _guarded(self, batch: list[Queued], grant: Granted, since: float) -> None:
+    async def _guarded(self, batch: list[Queued], held: Held[Granted]) -> None:
         """Run a batch; a bug in one batch answers its requests, never hangs them."""
         try:
-            await self._execute(batch, grant, since)
+            await self._execute(batch, held)
+        except RedisError as exc:  # Redis down or restarting: the client may retry
+            log.warning("batch failed: Redis unavailable", extra={"error": repr(exc)})
+            err = unavailable(f"model '{self.model}': the state store is unavailable, retry")
+            for q in batch:
+                q.respond(error_response(q.msg.id, err))
         except Exception as exc:
             log.exception("batch failed", extra={"model": self.model})
             err = StageError(grpc.StatusCode.INTERNAL, f"scheduler error: {exc}")
@@ -442,7 +432,8 @@ class ModelQueue:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _execute(self, batch: list[Queued], grant: Granted, since: float) -> None:
+    async def _execute(self, batch: list[Queued], held: Held[Granted]) -> None:
+        grant = held.grant
         failed_instance: bool | None = False
         try:
             compute_start = time.monotonic_ns()
@@ -454,7 +445,9 @@ class ModelQueue:
                 request_info=self.spec.backend == "python",
             )
             decoupled = (
-                DecoupledBatch(batch, compute_start, sum(request.request_batch_sizes))
+                DecoupledBatch(
+                    batch, compute_start, sum(request.request_batch_sizes), self._deliver
+                )
                 if self.spec.decoupled
                 else None
             )
@@ -501,7 +494,7 @@ class ModelQueue:
                 )
         finally:
             self.executing -= 1
-            self._give_back(grant, since, failed_instance)
+            self._give_back(held, failed_instance)
 
     def _requeue(self, batch: list[Queued]) -> bool:
         """Put a batch whose instance went away back at the head of the queue."""

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from services.scheduler.clients import Granted, WorkerCallError
+from services.scheduler.grant_pool import Held
 from services.scheduler.model_queue import (
     ModelQueue,
     Queued,
@@ -43,6 +44,7 @@ from services.scheduler.model_queue import (
     error_response,
     shape_key,
 )
+from services.scheduler.sequence_slots import DirectSlots, ready_in_age_order
 from services.scheduler.sequence_store import (
     UNKNOWN,
     WAIT,
@@ -81,7 +83,7 @@ class SequenceQueue(ModelQueue):
         self._listing: asyncio.Task | None = None
         self._slot_timer: asyncio.TimerHandle | None = None
         self.running: set[str] = set()  # sequences with a request executing
-        self.slots: dict[str, tuple[int, float]] = {}  # direct: cid -> (slot, last use)
+        self.slots: DirectSlots[Row] = DirectSlots()  # the direct strategy's slots
         self.retry_at: dict[str, float] = {}  # busy elsewhere: not before this time
         super().__init__(*args, **kwargs)
 
@@ -174,37 +176,26 @@ class SequenceQueue(ModelQueue):
     def _capacity(self) -> int:
         return max(1, self.spec.max_batch_size)
 
-    def _free_idle_slots(self) -> None:
-        idle_s = self._seqspec.max_idle_us / 1e6
-        now = time.monotonic()
-        for cid, (_, last) in list(self.slots.items()):
-            if now - last > idle_s and cid not in self.running and not self.backlogs.get(cid):
-                del self.slots[cid]
-
     def _eligible(self) -> list[str]:
         """Sequences whose next request may run now, oldest first."""
         now = time.monotonic()
-        ready = [
-            cid
-            for cid, backlog in self.backlogs.items()
-            if backlog
-            and backlog[0].listed
-            and cid not in self.running
-            and self.retry_at.get(cid, 0.0) <= now
-        ]
-        ready.sort(key=lambda cid: self.backlogs[cid][0].enqueue_ns)
+        ready = ready_in_age_order(
+            ((cid, b[0].listed, b[0].enqueue_ns) for cid, b in self.backlogs.items() if b),
+            self.running,
+            self.retry_at,
+            now,
+        )
         if not self._direct():
             return ready
-        self._free_idle_slots()
+        idle_s = self._seqspec.max_idle_us / 1e6
+        self.slots.free_idle(
+            now, idle_s, lambda cid: cid in self.running or bool(self.backlogs.get(cid))
+        )
         out = []
         for cid in ready:
-            head = self.backlogs[cid][0]
-            if head.msg.sequence_start:
-                self.slots.pop(cid, None)  # START on an active id: a new sequence
-            if cid in self.slots or self._free_slot() is not None:
+            start = self.backlogs[cid][0].msg.sequence_start
+            if self.slots.admit(cid, start, self._capacity(), time.monotonic()):
                 out.append(cid)
-                if cid not in self.slots:
-                    self.slots[cid] = (self._free_slot(), time.monotonic())
             else:
                 self._wake_when_a_slot_idles_out()
         return out
@@ -214,20 +205,16 @@ class SequenceQueue(ModelQueue):
         idle slot times out, not only when the next request arrives."""
         if self._slot_timer is not None:
             return
-        idle = [last for cid, (_, last) in self.slots.items() if cid not in self.running]
-        if not idle:
+        expiry = self.slots.next_idle_expiry(self.running, self._seqspec.max_idle_us / 1e6)
+        if expiry is None:
             return  # a running sequence's finish wakes the loop
-        delay = max(0.0, min(idle) + self._seqspec.max_idle_us / 1e6 - time.monotonic())
+        delay = max(0.0, expiry - time.monotonic())
 
         def wake() -> None:
             self._slot_timer = None
             self._arrived.set()
 
         self._slot_timer = asyncio.get_running_loop().call_later(delay + 0.001, wake)
-
-    def _free_slot(self) -> int | None:
-        used = {slot for slot, _ in self.slots.values()}
-        return next((s for s in range(self._capacity()) if s not in used), None)
 
     def _has_work(self) -> bool:
         return bool(self._eligible())
@@ -258,7 +245,8 @@ class SequenceQueue(ModelQueue):
 
     # -------------------------------------------------------------- execution
 
-    async def _execute(self, batch: list[Queued], grant: Granted, since: float) -> None:
+    async def _execute(self, batch: list[Queued], held: Held[Granted]) -> None:
+        grant = held.grant
         failed_instance: bool | None = False
         seqs: list[SeqQueued] = [q for q in batch if isinstance(q, SeqQueued)]
         cids = [sequence_key(q.msg.sequence_id, q.msg.sequence_id_str) for q in seqs]
@@ -266,7 +254,7 @@ class SequenceQueue(ModelQueue):
         try:
             claims = await self.store.claim(
                 [
-                    (cid, q.entry, q.msg.sequence_start, self.slots.get(cid, (-1, 0.0))[0])
+                    (cid, q.entry, q.msg.sequence_start, self.slots.slot(cid))
                     for cid, q in zip(cids, seqs, strict=True)
                 ]
             )
@@ -276,8 +264,8 @@ class SequenceQueue(ModelQueue):
                     self._put_back(cid, q, BUSY_RETRY_S)
                 elif claim.status == UNKNOWN:
                     self.running.discard(cid)
-                    self.slots.pop(cid, None)
-                    q.respond(error_response(q.msg.id, self._unknown(q)))
+                    self.slots.release(cid)
+                    q.respond(error_response(q.msg.id, self._unknown(q, self.store.lost(cid))))
                 else:
                     unsettled[cid] = q.entry
                     claimed.append(((cid, q, *self._start_states(q, claim)), claim.slot))
@@ -304,12 +292,11 @@ class SequenceQueue(ModelQueue):
                 self._spawn(self.store.forget(list(unsettled.items())))
             for cid in cids:
                 self.running.discard(cid)
-                if cid in self.slots:
-                    self.slots[cid] = (self.slots[cid][0], time.monotonic())
+                self.slots.touch(cid, time.monotonic())
                 if cid in self.backlogs and not self.backlogs[cid]:
                     del self.backlogs[cid]
             self.executing -= 1
-            self._give_back(grant, since, failed_instance)
+            self._give_back(held, failed_instance)
             self._arrived.set()
 
     def _put_back(self, cid: str, q: SeqQueued, delay_s: float) -> None:
@@ -366,8 +353,17 @@ class SequenceQueue(ModelQueue):
                 self._put_back(row[0], row[1], 0.0)
         return keep
 
-    def _unknown(self, q: Queued) -> StageError:
+    def _unknown(self, q: Queued, lost: bool = False) -> StageError:
         ident = q.msg.sequence_id_str or q.msg.sequence_id
+        if lost:
+            # Beyond Triton (whose sequence state dies with the server): the
+            # state store lost it (Redis restarted empty); starting over from
+            # zero would answer wrongly, so the client is told to resend.
+            return invalid(
+                f"inference request for sequence {ident} to model '{self.model}': the "
+                f"sequence's state was lost (the state store restarted); resend the sequence "
+                f"from its START request"
+            )
         return invalid(
             f"inference request for sequence {ident} to model '{self.model}' must specify the "
             f"START flag on the first request of the sequence (or the sequence idled out after "
@@ -378,22 +374,7 @@ class SequenceQueue(ModelQueue):
         """Batch rows; for direct, row i is slot i and gaps are padding (None)."""
         if not self._direct():
             return [row for row, _ in claimed]
-        by_slot: dict[int, Row] = {}
-        spill = []
-        for row, slot in claimed:
-            slot = self.slots.get(row[0], (slot, 0.0))[0]
-            if 0 <= slot < self._capacity() and slot not in by_slot:
-                by_slot[slot] = row
-            else:
-                spill.append(row)
-        rows: list[Row | None] = [by_slot.get(i) for i in range(max(by_slot, default=-1) + 1)]
-        for item in spill:  # a slot clash (e.g. after a restart): use a gap
-            gap = rows.index(None) if None in rows else len(rows)
-            if gap == len(rows):
-                rows.append(item)
-            else:
-                rows[gap] = item
-        return rows
+        return self.slots.layout([(row[0], row, slot) for row, slot in claimed], self._capacity())
 
     def _execute_request(self, instance_id: str, rows: list[Row | None]) -> pb.ExecuteRequest:
         spec = self.spec
@@ -481,7 +462,7 @@ class SequenceQueue(ModelQueue):
             }
             commits.append((cid, q.entry, q.msg.sequence_end, new_states))
             if q.msg.sequence_end:
-                self.slots.pop(cid, None)
+                self.slots.release(cid)
             outputs = [t for t in result.outputs if t.name not in state_names or t.name in declared]
             timing = pb.Timing(
                 queue_ns=compute_start - q.enqueue_ns,

@@ -25,19 +25,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 import uuid
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from stageserve import redis_keys as keys
 from stageserve import redis_scripts as scripts
+from stageserve.settings import SCHEDULER
 
 CLAIMED, UNKNOWN, WAIT = 0, 1, 2
 
 # An owner key outlives a few missed heartbeats; a dead scheduler's entries
 # block their sequences at most this long.
-OWNER_TTL_MS = 3000
+OWNER_TTL_MS = SCHEDULER.sequence_owner_ttl_ms
 HEARTBEAT_S = OWNER_TTL_MS / 3000
 
 
@@ -69,6 +72,11 @@ class SequenceStore:
         self._counter = itertools.count()
         self._claim = redis.register_script(scripts.SEQUENCE_CLAIM)
         self._heartbeat: asyncio.Task | None = None
+        # Sequences this scheduler claimed and did not see end: cid -> when
+        # they idle out (monotonic s). Redis restarting empty loses their
+        # state; remembering them here lets the next request be told so
+        # instead of the generic "no START" error (see lost()).
+        self._open: dict[str, float] = {}
 
     def new_entry(self) -> str:
         return f"{self.owner}:{next(self._counter)}"
@@ -105,10 +113,12 @@ class SequenceStore:
         """Drop entries whose requests left without executing."""
         if not items:
             return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for cid, entry in items:
-                pipe.lrem(self.prefix + cid + ":q", 1, entry)
-            await pipe.execute()
+        # Redis down: nothing to do, the entries go with the backlog's idle expiry.
+        with contextlib.suppress(RedisError):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for cid, entry in items:
+                    pipe.lrem(self.prefix + cid + ":q", 1, entry)
+                await pipe.execute()
 
     async def backlog(self, cid: str) -> list[str]:
         return [e.decode() for e in await self.redis.lrange(self.prefix + cid + ":q", 0, -1)]
@@ -130,8 +140,13 @@ class SequenceStore:
         for cid, entry, start, slot in items:
             args += [cid, entry, "1" if start else "0", slot]
         out = []
-        for status, slot, fields in await self._claim(args=args):
+        now = time.monotonic()
+        for (cid, _, _, _), (status, slot, fields) in zip(
+            items, await self._claim(args=args), strict=True
+        ):
             claim = Claim(int(status), int(slot))
+            if claim.status == CLAIMED:
+                self._open[cid] = now + self.idle_ms / 1000
             for k, v in zip(fields[::2], fields[1::2], strict=True):
                 name = k.decode()
                 if name.startswith("st:"):
@@ -152,6 +167,7 @@ class SequenceStore:
             for cid, entry, end, states in results:
                 key = self.prefix + cid
                 if end:
+                    self._open.pop(cid, None)
                     pipe.delete(key)
                 elif states:
                     mapping: dict[str, bytes | str] = {}
@@ -162,3 +178,13 @@ class SequenceStore:
                     pipe.pexpire(key, self.idle_ms)
                 pipe.lrem(key + ":q", 1, entry)
             await pipe.execute()
+
+    def lost(self, cid: str) -> bool:
+        """Whether an UNKNOWN claim of `cid` means its state was lost: this
+        scheduler ran the sequence, it neither ended nor idled out, and Redis
+        no longer has it. (Forgets the sequence either way.)"""
+        deadline = self._open.pop(cid, None)
+        now = time.monotonic()
+        if len(self._open) > 10_000:  # ended elsewhere or abandoned: bounded memory
+            self._open = {c: d for c, d in self._open.items() if d > now}
+        return deadline is not None and deadline > now

@@ -6,7 +6,6 @@ import asyncio
 import logging
 
 import grpc
-import redis.asyncio as aioredis
 
 from services.scheduler.clients import RateLimiterClient, WorkerClients
 from services.scheduler.ensemble import check_step_input, run_ensemble
@@ -16,6 +15,7 @@ from stageserve.errors import StageError, internal, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import LoadedModel, ModelStateStore
+from stageserve.redis_connect import connect
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ async def serve(
     from stageserve.net import SERVER_OPTIONS
     from stageserve.service_runtime import run_server
 
-    redis = aioredis.from_url(redis_url)
+    redis = connect(redis_url)
     await redis.ping()
     ratelimiter = RateLimiterClient(ratelimiter_address)
     workers = WorkerClients()

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from services.worker.backends import TensorBackend
 from services.worker.batch_io import (
     BatchIOError,
     batch_input_array,
@@ -24,7 +25,7 @@ from services.worker.batch_io import (
     scatter_shapes,
 )
 from services.worker.inline_policy import InlinePolicy
-from services.worker.onnx_backend import BackendError, OnnxInstance
+from services.worker.onnx_backend import BackendError
 from stageserve.config import InstanceGroup, ModelSpec
 from stageserve.datatypes import from_triton
 from stageserve.generated import stageserve_pb2 as pb
@@ -73,7 +74,7 @@ class HostedInstance:
     generation: int
     placement: Placement
     spec: ModelSpec
-    backend: OnnxInstance | Any  # Any: a Python-backend instance (python_backend/)
+    backend: TensorBackend | Any  # Any: a Python-backend instance (python_backend/)
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="instance")
     )

@@ -10,11 +10,13 @@ needs:
   bfloat16. BF16 outputs cannot become numpy arrays inside ORT, so when one
   is requested the run goes through IO binding and the output's raw words
   are copied out as uint16.
-* BYTES inputs are decoded as UTF-8 into object arrays of ``str`` and string
-  outputs are encoded back to UTF-8 ``bytes``: ORT's Python binding carries
-  string tensors as Python ``str`` only. Empty strings, non-ASCII text and
-  embedded NULs pass through; bytes that are not valid UTF-8 cannot be
-  represented and raise ``BackendError``.
+* BYTES travel as object arrays of ``str``, the only form ORT's Python
+  binding carries exactly (measurements in onnx_strings.py). When the graph
+  only moves strings (``bytes_transparent``), each byte becomes one Latin-1
+  code point and back: any bytes (NUL, invalid UTF-8) pass unchanged, as in
+  Triton. Otherwise the model reads the text, so it gets UTF-8 text, and
+  bytes that are not valid UTF-8 raise ``InvalidInputError`` before the run
+  (the client gets INVALID_ARGUMENT naming the limitation).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
+from services.worker.onnx_strings import bytes_transparent
 from stageserve.datatypes import DataType, from_triton
 
 log = logging.getLogger(__name__)
@@ -57,7 +61,11 @@ _CUDA_RE = re.compile(r"^(?:cuda|gpu)(?::(\d+))?$")
 
 
 class BackendError(RuntimeError):
-    """The model could not be loaded, or a run failed."""
+    """The model could not be loaded, or a run failed (INTERNAL to the client)."""
+
+
+class InvalidInputError(BackendError):
+    """A request this backend refuses before running it (INVALID_ARGUMENT)."""
 
 
 @dataclass(frozen=True)
@@ -228,6 +236,15 @@ class OnnxInstance:
                 f"{self.model_path}: model input(s) {missing} are not in the configuration "
                 f"(configuration has {sorted(self.input_types)})"
             )
+        # How BYTES cross the Python API: Latin-1 (exact for any bytes) when the
+        # graph only moves strings, else UTF-8 text (see onnx_strings.py).
+        self.string_encoding, self.string_note = "utf-8", ""
+        if any(
+            d.triton == "BYTES" for d in (*self.input_types.values(), *self.output_types.values())
+        ):
+            exact, why = bytes_transparent(onnx.load(self.model_path, load_external_data=False))
+            self.string_encoding = "latin-1" if exact else "utf-8"
+            self.string_note = why
 
     # ------------------------------------------------------------------
 
@@ -330,7 +347,7 @@ class OnnxInstance:
         dt = self.input_types[name]
         arr = np.asarray(arr)
         if dt.triton == "BYTES":
-            return _bytes_to_str_array(name, arr)
+            return _bytes_to_str_array(name, arr, self.string_encoding, self.string_note)
         if dt.triton == "BF16":
             if arr.dtype.name == "bfloat16":  # ml_dtypes.bfloat16
                 arr = arr.view(np.uint16)
@@ -350,7 +367,7 @@ class OnnxInstance:
     def _from_numpy(self, name: str, arr: np.ndarray) -> np.ndarray:
         dt = self.output_types[name]
         if dt.triton == "BYTES":
-            return _str_to_bytes_array(arr)
+            return _str_to_bytes_array(arr, self.string_encoding)
         assert dt.numpy is not None
         if arr.dtype != dt.numpy:
             arr = arr.astype(dt.numpy)
@@ -361,29 +378,33 @@ class OnnxInstance:
 # conversions
 
 
-def _bytes_to_str_array(name: str, arr: np.ndarray) -> np.ndarray:
+def _bytes_to_str_array(name: str, arr: np.ndarray, encoding: str, note: str) -> np.ndarray:
     out = np.empty(arr.shape, dtype=object)
     flat_in = arr.reshape(-1)
     flat_out = out.reshape(-1)
     for i, x in enumerate(flat_in):
-        if isinstance(x, str):
-            flat_out[i] = x
-            continue
         try:
-            flat_out[i] = bytes(x).decode("utf-8")
+            # a str element (direct callers) is its UTF-8 bytes
+            flat_out[i] = (x.encode("utf-8") if isinstance(x, str) else bytes(x)).decode(encoding)
         except (UnicodeDecodeError, TypeError) as exc:
-            raise BackendError(
-                f"BYTES input '{name}' element {i} is not valid UTF-8 text ({exc}); "
-                "onnxruntime's Python API carries string tensors as UTF-8 text only"
+            raise InvalidInputError(
+                f"BYTES input '{name}' element {i} is not valid UTF-8 ({exc.reason}); this "
+                f"model reads string content ({note}) and ONNX Runtime's Python API passes "
+                "strings to it as UTF-8 text, so StageServe cannot give it arbitrary bytes"
             ) from None
     return out
 
 
-def _str_to_bytes_array(arr: np.ndarray) -> np.ndarray:
+def _str_to_bytes_array(arr: np.ndarray, encoding: str) -> np.ndarray:
     out = np.empty(arr.shape, dtype=object)
     flat_out = out.reshape(-1)
     for i, x in enumerate(arr.reshape(-1)):
-        flat_out[i] = x.encode("utf-8") if isinstance(x, str) else bytes(x)
+        try:
+            flat_out[i] = x.encode(encoding) if isinstance(x, str) else bytes(x)
+        except UnicodeEncodeError as exc:  # bytes_transparent graphs only move input bytes
+            raise BackendError(
+                f"string output element {i} is not bytes-transparent: {exc}"
+            ) from None
     return out
 
 

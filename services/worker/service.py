@@ -18,23 +18,27 @@ from collections.abc import Callable
 import grpc
 import redis.asyncio as aioredis
 
+from services.worker.backends import create_backend
 from services.worker.instances import HostedInstance, default_intra_op_threads, placements
-from services.worker.onnx_backend import BackendError, OnnxInstance
+from services.worker.onnx_backend import BackendError, InvalidInputError
 from services.worker.python_backend.bls import install as bls_install
 from services.worker.python_backend.worker_glue import load_python_model
+from services.worker.warmup import WarmupError, warm_up, warmup_requests
 from stageserve import redis_keys as keys
-from stageserve.config import ModelSpec
 from stageserve.errors import code_from_int
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
+from stageserve.gpus import gpu_count
 from stageserve.model_state import LoadedModel, ModelStateStore
 from stageserve.net import insecure_channel
+from stageserve.redis_connect import connect
+from stageserve.settings import WORKER
 
 log = logging.getLogger(__name__)
 
-LEASE_MS = 3000
-HEARTBEAT_S = 0.5
-RECONCILE_S = 2.0
+LEASE_MS = WORKER.lease_ms
+HEARTBEAT_S = WORKER.heartbeat_s
+RECONCILE_S = WORKER.reconcile_s
 
 
 class WorkerService(pb_grpc.WorkerServicer):
@@ -51,6 +55,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.ratelimiter = ratelimiter
         self.gpu = gpu
         self.instances: dict[str, HostedInstance] = {}
+        # instance id -> its group's rate_limiter (priority, resources)
+        self.rate_limits: dict[str, tuple[int, tuple[tuple[str, int, bool], ...]]] = {}
         self._reconcile_lock = asyncio.Lock()
         self._executing = 0  # batches executing on this worker, all instances
 
@@ -79,6 +85,12 @@ class WorkerService(pb_grpc.WorkerServicer):
             else:
                 loop = asyncio.get_running_loop()
                 resp = await loop.run_in_executor(inst.executor, inst.execute, request, emit)
+        except InvalidInputError as exc:  # refused before running
+            return pb.ExecuteResponse(
+                id=request.id,
+                code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                message=f"model '{inst.model}': {exc}",
+            )
         except Exception as exc:  # BackendError or a bug: answer, never hang the batch
             if not isinstance(exc, BackendError):
                 log.exception("execution failed", extra={"instance": inst.instance_id})
@@ -142,6 +154,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def reconcile(self) -> None:
         """Make the hosted instances match the published model set."""
         async with self._reconcile_lock:
+            if not await self.state.model_set_known():
+                return  # Redis lost it: keep what we host until the gateway republishes
             wanted = await self.state.loaded()
             # New generations load (and register) before old ones unload, so a
             # reload under traffic never leaves a model without instances.
@@ -174,6 +188,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             return False
         for inst in stale:
             del self.instances[inst.instance_id]
+            self.rate_limits.pop(inst.instance_id, None)
         await self.register()  # stop new grants before draining
         for inst in stale:
             while inst.in_flight:
@@ -200,22 +215,19 @@ class WorkerService(pb_grpc.WorkerServicer):
             path = model.path / str(version) / model.spec.model_filename
             loaded: list[HostedInstance] = []
             try:
+                warmups = warmup_requests(model.spec, model.path)
                 for g, places in groups:
                     for index, place in enumerate(places):
                         backend = await asyncio.to_thread(
-                            OnnxInstance,
-                            str(path),
-                            device=place.device,
-                            intra_op_threads=threads,
-                            input_types={
-                                **{t.name: t.datatype.triton for t in model.spec.inputs},
-                                **model.spec.extra_inputs(),
-                            },
-                            output_types=_output_types(model.spec),
+                            create_backend, model.spec, path, place.device, threads
                         )
                         iid = (
                             f"{self.worker_id}/{model.name}/{version}/g{model.generation}/"
                             f"{g.name}/{index}"
+                        )
+                        self.rate_limits[iid] = (
+                            g.rate_limiter_priority,
+                            g.rate_limiter_resources,
                         )
                         loaded.append(
                             HostedInstance(
@@ -228,11 +240,14 @@ class WorkerService(pb_grpc.WorkerServicer):
                                 backend,
                             )
                         )
-            except BackendError as exc:
+                        await warm_up(loaded[-1], warmups, self.state.redis)  # before READY
+            except (BackendError, WarmupError) as exc:
                 log.error(
                     "model load failed",
                     extra={"model": model.name, "version": version, "error": str(exc)},
                 )
+                for inst in loaded:
+                    await asyncio.to_thread(inst.close)
                 await self.state.report_load_error(model.name, version, self.worker_id, str(exc))
                 continue
             for inst in loaded:
@@ -252,6 +267,11 @@ class WorkerService(pb_grpc.WorkerServicer):
                 version=i.version,
                 kind=i.placement.kind,
                 device_id=i.placement.device_id,
+                priority=self.rate_limits.get(i.instance_id, (0, ()))[0],
+                resources=[
+                    pb.ResourceNeed(name=n, count=c, **{"global": g})
+                    for n, c, g in self.rate_limits.get(i.instance_id, (0, ()))[1]
+                ],
             )
             for i in self.instances.values()
         ]
@@ -295,25 +315,16 @@ class WorkerService(pb_grpc.WorkerServicer):
                 await asyncio.sleep(RECONCILE_S)
 
 
-def _output_types(spec: ModelSpec) -> dict[str, str]:
-    """Declared outputs plus implicit-state outputs (the scheduler reads those)."""
-    out = {t.name: t.datatype.triton for t in spec.outputs}
-    if spec.sequence is not None:
-        out.update({s.output_name: s.datatype.triton for s in spec.sequence.states})
-    return out
-
-
 def detect_gpu(device: str) -> int | None:
-    """'cpu' -> None, 'cuda:N' -> N, 'auto' -> 0 when ONNX Runtime can use CUDA."""
+    """'cpu' -> None, 'cuda:N' -> N, 'auto' -> 0 when the machine has a GPU.
+
+    Not from ONNX Runtime's provider list: onnxruntime-gpu lists
+    CUDAExecutionProvider on a host without any GPU (measured, 1.24.4)."""
     if device == "cpu":
         return None
     if device.startswith("cuda"):
         return int(device.split(":", 1)[1]) if ":" in device else 0
-    import onnxruntime
-
-    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
-        return 0
-    return None
+    return 0 if gpu_count() > 0 else None
 
 
 async def serve(
@@ -328,7 +339,7 @@ async def serve(
     from stageserve.net import SERVER_OPTIONS
     from stageserve.service_runtime import run_server
 
-    redis = aioredis.from_url(redis_url)
+    redis = connect(redis_url)
     await redis.ping()
     worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
     channel = insecure_channel(ratelimiter_address)

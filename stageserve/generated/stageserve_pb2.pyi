@@ -142,8 +142,17 @@ class QueueStatsResponse(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[ModelQueueStats]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelQueueStats, _Mapping]]] = ...) -> None: ...
 
+class ResourceNeed(_message.Message):
+    __slots__ = ("name", "count")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    count: int
+    def __init__(self, name: _Optional[str] = ..., count: _Optional[int] = ..., **kwargs) -> None: ...
+
 class InstanceInfo(_message.Message):
-    __slots__ = ("instance_id", "model", "version", "kind", "device_id", "worker_id", "worker_address")
+    __slots__ = ("instance_id", "model", "version", "kind", "device_id", "worker_id", "worker_address", "priority", "resources")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +160,8 @@ class InstanceInfo(_message.Message):
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    RESOURCES_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model: str
     version: int
@@ -158,7 +169,9 @@ class InstanceInfo(_message.Message):
     device_id: int
     worker_id: str
     worker_address: str
-    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., kind: _Optional[str] = ..., device_id: _Optional[int] = ..., worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ...) -> None: ...
+    priority: int
+    resources: _containers.RepeatedCompositeFieldContainer[ResourceNeed]
+    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., kind: _Optional[str] = ..., device_id: _Optional[int] = ..., worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., priority: _Optional[int] = ..., resources: _Optional[_Iterable[_Union[ResourceNeed, _Mapping]]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker_id", "worker_address", "instances", "lease_ms")
@@ -213,16 +226,18 @@ class AcquireRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("granted", "grant_id", "instance", "reason")
+    __slots__ = ("granted", "grant_id", "instance", "reason", "holds_resources")
     GRANTED_FIELD_NUMBER: _ClassVar[int]
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_RESOURCES_FIELD_NUMBER: _ClassVar[int]
     granted: bool
     grant_id: str
     instance: InstanceInfo
     reason: str
-    def __init__(self, granted: _Optional[bool] = ..., grant_id: _Optional[str] = ..., instance: _Optional[_Union[InstanceInfo, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+    holds_resources: bool
+    def __init__(self, granted: _Optional[bool] = ..., grant_id: _Optional[str] = ..., instance: _Optional[_Union[InstanceInfo, _Mapping]] = ..., reason: _Optional[str] = ..., holds_resources: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("grant_id", "instance_failed", "reason")

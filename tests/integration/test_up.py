@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,7 @@ def _alive(pid: int) -> bool:
 
 
 def _start_up(repository: Path) -> tuple[subprocess.Popen, dict]:
-    grpc_port, metrics_port = free_port(), free_port()
+    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -42,6 +43,8 @@ def _start_up(repository: Path) -> tuple[subprocess.Popen, dict]:
             str(repository),
             "--grpc-port",
             str(grpc_port),
+            "--http-port",
+            str(http_port),
             "--metrics-port",
             str(metrics_port),
             "--device",
@@ -80,6 +83,9 @@ def test_up_serves_and_ctrl_c_stops_every_process(example_repository: Path) -> N
         assert len(set(pids.values())) == len(pids)  # each stage its own process
         port = info["grpc"].rsplit(":", 1)[1]
         _infer_simple(f"127.0.0.1:{port}")
+        http_port = info["http"].rsplit(":", 1)[1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready") as ready:
+            assert ready.status == 200
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
         deadline = time.monotonic() + 20

@@ -169,7 +169,7 @@ def test_tensor_spec_matches(dims, shape, ok):
 
 @pytest.mark.parametrize(
     "platform,backend",
-    [("tensorrt_plan", ""), ("pytorch_libtorch", ""), ("", "tensorflow"), ("", "")],
+    [("tensorrt_plan", ""), ("", "tensorflow"), ("", "")],
 )
 def test_unsupported_platform(platform, backend):
     body = f'backend: "{backend}"\n' if backend else ""

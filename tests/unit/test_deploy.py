@@ -153,7 +153,7 @@ def test_metrics_ports_agree_everywhere():
     assert seen == checks.METRICS_PORTS
 
 
-def test_k8s_probes_are_native_grpc_on_the_grpc_port():
+def test_k8s_probes_grpc_on_internal_stages_http_on_the_gateway():
     docs, _ = checks.load_k8s()
     n = 0
     for objs in docs.values():
@@ -164,8 +164,14 @@ def test_k8s_probes_are_native_grpc_on_the_grpc_port():
                 if not c["image"].startswith("stageserve"):
                     continue
                 stage = c["args"][0]
-                for probe in ("readinessProbe", "livenessProbe"):
-                    assert c[probe]["grpc"]["port"] == checks.GRPC_PORTS[stage]
+                if stage == "gateway":
+                    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+                    for probe, path in checks.GATEWAY_HTTP_PROBES.items():
+                        assert c[probe]["httpGet"]["path"] == path
+                        assert ports[c[probe]["httpGet"]["port"]] == checks.GATEWAY_HTTP_PORT
+                else:
+                    for probe in ("readinessProbe", "livenessProbe"):
+                        assert c[probe]["grpc"]["port"] == checks.GRPC_PORTS[stage]
                 n += 1
     assert n == 5  # gateway, scheduler, ratelimiter, CPU and GPU workers
 
@@ -275,6 +281,18 @@ def _container(docs, kind="Deployment"):
                 "prometheus.io/port", "9090"
             ),
             "prometheus.io/port",
+        ),
+        (
+            "gateway.yaml",
+            lambda d: _container(d)[0]["readinessProbe"]["httpGet"].__setitem__(
+                "path", "/v2/health/live"
+            ),
+            "readinessProbe must be an HTTP probe of /v2/health/ready",
+        ),
+        (
+            "gateway.yaml",
+            lambda d: next(o for o in d if o["kind"] == "Service")["spec"]["ports"].pop(0),
+            "must expose the HTTP port 8000",
         ),
         (
             "worker-gpu.yaml",

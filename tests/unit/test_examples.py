@@ -31,9 +31,17 @@ EXPECTED_MODELS = {
     *(f"identity_{d.lower()}" for d in examples.ALL_DATATYPES),
     *PYTHON_MODELS,
     "ensemble_py_mlp",
+    "torch_mlp",  # TorchScript (stageserve.torch_examples; torch is a test dependency)
+    "torch_two_io",
 }
 # Ensembles have a config and an empty version folder, no model file.
-ONNX_MODELS = EXPECTED_MODELS - {"ensemble_mlp", "ensemble_py_mlp", *PYTHON_MODELS}
+ONNX_MODELS = EXPECTED_MODELS - {
+    "ensemble_mlp",
+    "ensemble_py_mlp",
+    *PYTHON_MODELS,
+    "torch_mlp",
+    "torch_two_io",
+}
 
 
 @pytest.fixture(scope="module")

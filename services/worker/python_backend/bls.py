@@ -31,6 +31,7 @@ from stageserve.errors import StageError, code_from_int
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.model_state import LoadedModel, ModelStateStore
+from stageserve.settings import WORKER
 from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
 
 # grpc.StatusCode value -> pb_utils.TritonError code (the inverse of Triton's mapping).
@@ -44,7 +45,6 @@ _TRITON_CODES = {
     6: pb_utils.TritonError.ALREADY_EXISTS,
     1: pb_utils.TritonError.CANCELLED,
 }
-MODEL_CACHE_S = 1.0  # a reload is picked up within this (the scheduler checks generations too)
 
 
 def _error(code: int, message: str) -> pb_utils.InferenceResponse:
@@ -195,7 +195,7 @@ class BlsClient:
     async def _model(self, name: str) -> LoadedModel | None:
         cached = self._models.get(name)
         now = time.monotonic()
-        if cached is not None and now - cached[0] < MODEL_CACHE_S:
+        if cached is not None and now - cached[0] < WORKER.bls_model_cache_s:
             return cached[1]
         loaded = await self.state.get(name)
         self._models[name] = (now, loaded)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from services.worker.instances import placements
 from services.worker.python_backend.hosting import python_instances
 from services.worker.python_backend.instance import PythonModelError
+from services.worker.warmup import WarmupError, warm_up, warmup_requests
 from stageserve.model_state import LoadedModel
 
 if TYPE_CHECKING:
@@ -28,11 +29,21 @@ async def load_python_model(worker: WorkerService, model: LoadedModel) -> bool:
     for version in model.versions:
         if (model.name, version, model.generation) in hosted:
             continue
+        loaded = []
         try:
+            if model.spec.decoupled and model.spec.warmups:
+                raise WarmupError(
+                    "model_warmup is not supported for decoupled Python models by StageServe"
+                )
+            warmups = warmup_requests(model.spec, model.path)
             loaded = await asyncio.to_thread(
                 python_instances, model, version, groups, worker.worker_id
             )
-        except PythonModelError as exc:
+            for inst in loaded:  # Triton warms up Python models too, before READY
+                await warm_up(inst, warmups, worker.state.redis)
+        except (PythonModelError, WarmupError) as exc:
+            for inst in loaded:
+                await asyncio.to_thread(inst.close)
             log.error(
                 "python model load failed",
                 extra={"model": model.name, "version": version, "error": str(exc)},

@@ -1,0 +1,318 @@
+"""The one dataplane behind both public fronts (gRPC and HTTP/REST).
+
+Every operation takes the request as the `inference.*` protobuf message the
+gRPC front receives and answers the protobuf response, or raises a StageError
+with Triton's status code and message. The gRPC front (service.py) is then a
+thin adapter, and the HTTP front (http/) converts JSON / binary bodies to and
+from the same messages, so validation, conversion to the internal request,
+statistics and metrics exist once (MLServer's handlers/dataplane.py with thin
+grpc/ and rest/ adapters is the model).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from services.gateway.models import ModelManager
+from services.gateway.python_models import (
+    DecoupledStream,
+    check_unary_allowed,
+    python_request_fields,
+    stream_partials,
+)
+from services.gateway.recorder import RequestRecorder
+from services.gateway.scheduler_link import SchedulerLink
+from services.gateway.shared_memory import Region, SystemSharedMemory
+from services.gateway.shared_stats import SharedStats
+from services.gateway.statistics import StatsBook
+from services.gateway.validation import SharedRef, validate_infer
+from stageserve import __version__
+from stageserve.errors import StageError, code_from_int, invalid, unavailable
+from stageserve.generated import grpc_service_pb2 as gs
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.telemetry import GATEWAY_INFLIGHT
+
+log = logging.getLogger(__name__)
+
+SERVER_NAME = "stageserve"
+EXTENSIONS = [
+    "classification",
+    "model_repository",
+    "model_repository(unload_dependents)",
+    "schedule_policy",
+    "model_configuration",
+    "statistics",
+    "system_shared_memory",
+    "binary_tensor_data",
+]
+
+
+class DataPlane:
+    def __init__(self, models: ModelManager, scheduler: SchedulerLink) -> None:
+        self.models = models
+        self.scheduler = scheduler
+        self.stats = StatsBook(self._generation_of)
+        self.recorder = RequestRecorder(self.stats)
+        self.shared: SharedStats | None = None  # set by the server: fleet-wide totals
+        self._inflight_gauges: dict[str, object] = {}
+        self.ready = False
+        self.shm = SystemSharedMemory()
+
+    # ------------------------------------------------------------ health/meta
+
+    def server_ready(self) -> bool:
+        return self.ready and self.models.all_ready()
+
+    def model_ready(self, name: str, version: str) -> bool:
+        return self.models.is_ready(name, version)
+
+    def server_metadata(self) -> gs.ServerMetadataResponse:
+        return gs.ServerMetadataResponse(
+            name=SERVER_NAME, version=__version__, extensions=EXTENSIONS
+        )
+
+    def model_metadata(self, request: gs.ModelMetadataRequest) -> gs.ModelMetadataResponse:
+        entry, _ = self.models.resolve(request.name, request.version)
+        spec = entry.spec
+        assert spec is not None
+        batch = [-1] if spec.batching else []
+        meta = gs.ModelMetadataResponse.TensorMetadata
+        return gs.ModelMetadataResponse(
+            name=entry.name,
+            versions=[str(v) for v in entry.ready_versions()],
+            platform=spec.platform,
+            inputs=[
+                meta(name=t.name, datatype=t.datatype.triton, shape=batch + list(t.dims))
+                for t in spec.inputs
+            ],
+            outputs=[
+                meta(name=t.name, datatype=t.datatype.triton, shape=batch + list(t.dims))
+                for t in spec.outputs
+            ],
+        )
+
+    def model_config(self, request: gs.ModelConfigRequest) -> gs.ModelConfigResponse:
+        entry, _ = self.models.resolve(request.name, request.version)
+        return gs.ModelConfigResponse(config=entry.config)
+
+    # ------------------------------------------------------------------ infer
+
+    def decoupled_stream(
+        self,
+        request: gs.ModelInferRequest,
+        put: Callable[[gs.ModelStreamInferResponse], None],
+    ) -> DecoupledStream | None:
+        """For a request to a decoupled model, the DecoupledStream that `put`s its
+        responses before the final one as they arrive; None for other models."""
+        entry = self.models.entries.get(request.model_name)
+        spec = entry.spec if entry is not None else None
+        return DecoupledStream(request, put) if spec is not None and spec.decoupled else None
+
+    def is_decoupled(self, model: str) -> bool:
+        entry = self.models.entries.get(model)
+        return bool(entry is not None and entry.spec is not None and entry.spec.decoupled)
+
+    async def infer(
+        self,
+        request: gs.ModelInferRequest,
+        raw_contents: Sequence[bytes] | None = None,
+        *,
+        stream: DecoupledStream | None = None,
+    ) -> gs.ModelInferResponse:
+        """`raw_contents` stands for request.raw_input_contents (validation.py).
+
+        A decoupled model needs `stream` (decoupled_stream()): its earlier
+        responses go there and this returns the final one (see stream.last());
+        without one, a decoupled model is refused as Triton's ModelInfer does."""
+        if stream is None:
+            check_unary_allowed(self.models, request)
+        start = time.monotonic_ns()
+        entry, version = self.models.resolve(request.model_name, request.model_version)
+        spec = entry.spec
+        assert spec is not None
+        inflight = self._inflight(entry.name)
+        inflight.inc()
+        self.models.begin(entry)
+        held: dict[str, Region] = {}  # output -> its region, released when the request ends
+        try:
+            validated = validate_infer(request, spec, self._read_shared, raw_contents)
+            for name, ref in validated.shared_outputs.items():
+                held[name] = self.shm.acquire(ref.region)
+                held[name].check(ref.offset, ref.byte_size)  # Triton checks before running
+            resp = await self.scheduler.schedule(
+                pb.ScheduleRequest(
+                    model=entry.name,
+                    version=version,
+                    inputs=validated.inputs,
+                    outputs=validated.outputs,
+                    batch_size=validated.batch_size,
+                    priority=validated.priority,
+                    timeout_us=validated.timeout_us,
+                    config_generation=entry.generation,
+                    sequence_id=validated.sequence_id,
+                    sequence_id_str=validated.sequence_id_str,
+                    sequence_start=validated.sequence_start,
+                    sequence_end=validated.sequence_end,
+                    **python_request_fields(spec, request),
+                ),
+                on_more=stream_partials(stream, entry.name, version, request.id),
+            )
+            if stream is not None:
+                stream.final(resp)
+            self._record_steps(resp)
+            if resp.code:
+                raise StageError(code_from_int(resp.code), resp.message)
+            out = gs.ModelInferResponse(
+                model_name=entry.name, model_version=str(version), id=request.id
+            )
+            for t in resp.outputs:
+                out.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+                if t.name in held:  # as Triton: the bytes go to the region, the entry stays empty
+                    _write_shared(held[t.name], validated.shared_outputs[t.name], t)
+                    out.raw_output_contents.append(b"")
+                else:
+                    out.raw_output_contents.append(t.raw)
+        except StageError as err:
+            # Invalid requests count as failures too (Triton's reason OTHER);
+            # they never reach the scheduler, so inference counts do not move.
+            self.recorder.failure(
+                entry.name, version, time.monotonic_ns() - start, err.code, err.message
+            )
+            raise
+        finally:
+            for region in held.values():
+                self.shm.release(region)
+            self.models.end(entry)
+            inflight.dec()
+        self.recorder.success(
+            entry.name, version, time.monotonic_ns() - start, validated.batch_size, resp.timing
+        )
+        return out
+
+    def _read_shared(self, ref: SharedRef) -> bytes:
+        region = self.shm.acquire(ref.region)
+        try:
+            return region.read(ref.offset, ref.byte_size)
+        finally:
+            self.shm.release(region)
+
+    def _record_steps(self, resp: pb.ScheduleResponse) -> None:
+        """An ensemble's composing executions count for their own models."""
+        for st in resp.steps:
+            if st.failed:
+                code = code_from_int(st.code)
+                self.recorder.failure(st.model, st.version, st.duration_ns, code, st.message)
+            else:
+                self.recorder.success(
+                    st.model, st.version, st.duration_ns, st.batch_size, st.timing
+                )
+
+    def _inflight(self, model: str):
+        gauge = self._inflight_gauges.get(model)
+        if gauge is None:
+            gauge = self._inflight_gauges[model] = GATEWAY_INFLIGHT.labels(model)
+        return gauge
+
+    # ----------------------------------------------------- system shared memory
+
+    def shm_register(
+        self, request: gs.SystemSharedMemoryRegisterRequest
+    ) -> gs.SystemSharedMemoryRegisterResponse:
+        self.shm.register(request.name, request.key, request.offset, request.byte_size)
+        return gs.SystemSharedMemoryRegisterResponse()
+
+    def shm_status(
+        self, request: gs.SystemSharedMemoryStatusRequest
+    ) -> gs.SystemSharedMemoryStatusResponse:
+        status = gs.SystemSharedMemoryStatusResponse.RegionStatus
+        return gs.SystemSharedMemoryStatusResponse(
+            regions={
+                r.name: status(name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size)
+                for r in self.shm.status(request.name)
+            }
+        )
+
+    def shm_unregister(
+        self, request: gs.SystemSharedMemoryUnregisterRequest
+    ) -> gs.SystemSharedMemoryUnregisterResponse:
+        self.shm.unregister(request.name)
+        return gs.SystemSharedMemoryUnregisterResponse()
+
+    # ------------------------------------------------------------- statistics
+
+    def _generation_of(self, model: str) -> int:
+        entry = self.models.entries.get(model)
+        return entry.generation if entry is not None else 0
+
+    async def statistics(self, request: gs.ModelStatisticsRequest) -> gs.ModelStatisticsResponse:
+        wanted: list[tuple[str, int, int]] = []
+        if request.name:
+            entry, _ = self.models.resolve(request.name, request.version)
+            versions = [int(request.version)] if request.version else entry.ready_versions()
+            wanted = [(entry.name, v, entry.generation) for v in versions]
+        else:
+            for name, entry in sorted(self.models.entries.items()):
+                wanted += [(name, v, entry.generation) for v in entry.ready_versions()]
+        out = gs.ModelStatisticsResponse()
+        out.model_stats.extend(await self._statistics(wanted))
+        return out
+
+    async def _statistics(self, wanted: list[tuple[str, int, int]]) -> list[gs.ModelStatistics]:
+        """Totals over every gateway; this gateway's own if Redis is away."""
+        if self.shared is not None and wanted:
+            try:
+                return await self.shared.totals(wanted)
+            except Exception as exc:
+                log.warning("shared statistics unavailable", extra={"error": str(exc)})
+        return [self.stats.of(m, v).to_pb(m, v) for m, v, _ in wanted]
+
+    # ------------------------------------------------------------- repository
+
+    def repository_index(self, request: gs.RepositoryIndexRequest) -> gs.RepositoryIndexResponse:
+        out = gs.RepositoryIndexResponse()
+        for name, version, state, reason in self.models.index():
+            if request.ready and state != "READY":
+                continue
+            out.models.add(name=name, version=version, state=state, reason=reason)
+        return out
+
+    async def load(self, request: gs.RepositoryModelLoadRequest) -> gs.RepositoryModelLoadResponse:
+        self._check_explicit("load")
+        if request.repository_name:
+            raise invalid("StageServe serves one model repository; repository_name must be empty")
+        if request.parameters:
+            unsupported = sorted(request.parameters)
+            raise invalid(
+                f"load parameters {unsupported} are not supported (config/file overrides)"
+            )
+        await self.models.load(request.model_name)
+        self.stats.reset(request.model_name)
+        return gs.RepositoryModelLoadResponse()
+
+    async def unload(
+        self, request: gs.RepositoryModelUnloadRequest
+    ) -> gs.RepositoryModelUnloadResponse:
+        self._check_explicit("unload")
+        await self.models.unload(request.model_name)
+        return gs.RepositoryModelUnloadResponse()
+
+    def _check_explicit(self, what: str) -> None:
+        if self.models.control_mode != "explicit":
+            raise unavailable(
+                f"explicit model {what} is not allowed: model control mode is "
+                f"'{self.models.control_mode}' (start with --model-control-mode explicit)"
+            )
+
+
+def _write_shared(region: Region, ref: SharedRef, t: pb.Tensor) -> None:
+    if len(t.raw) > ref.byte_size:
+        raise StageError(
+            grpc.StatusCode.INTERNAL,
+            f"shared memory size specified with the request for output '{t.name}' "
+            f"({ref.byte_size} bytes) should be at least {len(t.raw)} bytes to hold the results",
+        )
+    region.write(ref.offset, t.raw)

@@ -1,0 +1,79 @@
+"""Which GPUs this machine has, and one worker per GPU (`--workers auto`).
+
+Counting asks nvidia-ml-py first (it needs only the driver, and creates no
+CUDA context in the launcher), then torch where installed; without either,
+or without a driver, there is no GPU. CUDA_VISIBLE_DEVICES limits the
+count as it limits what the workers can see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+AUTO = "auto"
+
+
+def gpu_count() -> int:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    limit = None
+    if visible is not None:
+        ids = [v for v in visible.split(",") if v.strip()]
+        limit = 0 if not ids or ids[0].strip() == "-1" else len(ids)
+    found = _nvml_count()
+    if found is None:
+        found = _torch_count()
+    return found if limit is None else min(found, limit)
+
+
+def _nvml_count() -> int | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # no driver: no GPU (NVMLError_LibraryNotFound, ...)
+        return 0
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _torch_count() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def worker_devices(workers: int | str, device: str, gpus: int) -> list[str]:
+    """The --device of each worker to start.
+
+    `workers` N: N workers on `device`. `auto`: one worker per GPU, each on
+    its own cuda:i, when `device` leaves the choice open (auto) and there
+    are GPUs; else one worker on `device`.
+    """
+    if workers != AUTO:
+        count = int(workers)
+        if count < 1:
+            raise ValueError(f"--workers must be >= 1 or '{AUTO}', got {workers}")
+        return [device] * count
+    if device == AUTO and gpus > 0:
+        return [f"cuda:{i}" for i in range(gpus)]
+    return [device]
+
+
+def parse_workers(text: str) -> int | str:
+    """argparse type of --workers: a positive count or 'auto'."""
+    if text == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or '{AUTO}', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1 worker, got {value}")
+    return value

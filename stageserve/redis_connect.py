@@ -1,0 +1,34 @@
+"""The Redis client every stage uses: one that survives Redis restarting.
+
+After Redis restarts, every pooled connection is stale and the first command
+on each fails with "Connection closed by server"; without a retry, a
+scheduler's sequence requests failed UNAVAILABLE for a while after Redis was
+back (tests/integration/test_redis_restart.py saw it on the first request).
+A few quick retries reconnect the connection transparently. They are short
+(~0.15 s in all) so that while Redis is really down, callers still fail fast
+with UNAVAILABLE rather than hang.
+
+A retried command may, in the rare case that the connection broke after
+Redis executed it and before the reply, run twice: the scripts that matter
+are written so that this costs at most a grant held until its lease ends.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError, TimeoutError
+
+from stageserve.settings import REDIS_CLIENT
+
+
+def connect(url: str) -> aioredis.Redis:
+    return aioredis.from_url(
+        url,
+        retry=Retry(
+            ExponentialBackoff(cap=REDIS_CLIENT.backoff_cap_s, base=REDIS_CLIENT.backoff_base_s),
+            REDIS_CLIENT.retries,
+        ),
+        retry_on_error=[ConnectionError, TimeoutError],
+    )

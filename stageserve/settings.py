@@ -1,0 +1,114 @@
+"""The figures that bound failure and healing, one typed settings object per service.
+
+Leases, heartbeats, timeouts, retry and backoff figures used to be constants
+scattered over the modules that use them; they are defined here, once, with
+why each has its value, and each can be set from the environment as
+STAGESERVE_<SERVICE>_<FIELD> (e.g. STAGESERVE_WORKER_LEASE_MS=5000), which is
+how compose and Kubernetes configure the stages. The objects are built once
+per process, at import. docs/deployment.md lists them.
+
+Not here yet: the rate limiter's own figures (sweep period, Acquire's poll,
+the lease defaults it applies when a caller sends none), which are being
+reworked with its grants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    # Liveness lease in the registry: a killed worker's instances stop being
+    # granted at most this long after its last heartbeat (sooner when a
+    # scheduler sees its stream break).
+    lease_ms: int = 3000
+    # Heartbeat period; also how soon a worker the rate limiter forgot (Redis
+    # restarted empty) registers its instances again.
+    heartbeat_s: float = 0.5
+    # Re-check of the published model set when no model event arrives.
+    reconcile_s: float = 2.0
+    # How long a Python model's BLS keeps a called model's config: a reload is
+    # picked up within this (the scheduler checks generations too).
+    bls_model_cache_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    # Lease of a grant; a crashed scheduler's grants come free this long
+    # after their last renewal.
+    grant_lease_ms: int = 2000
+    # Renewal period of held grants; also how soon grants lost with Redis
+    # are noticed.
+    grant_renew_s: float = 0.5
+    # How long one Acquire waits for a busy instance before asking again.
+    acquire_wait_ms: int = 500
+    # Liveness of a scheduler's sequence backlog entries: a dead scheduler's
+    # entries stop blocking their sequences after this.
+    sequence_owner_ttl_ms: int = 3000
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    # A request waits at most this long for the scheduler connection before
+    # it fails UNAVAILABLE (a restarted scheduler is usually back in ~1-2 s).
+    scheduler_connect_timeout_s: float = 5.0
+    # A model load fails when no worker loaded an instance within this.
+    load_timeout_s: float = 120.0
+    # Period of publishing this gateway's statistics for the others.
+    stats_publish_s: float = 1.0
+    # Period of checking that Redis still holds the model set.
+    republish_check_s: float = 0.25
+
+
+@dataclass(frozen=True)
+class RedisClientSettings:
+    # Retries of a command whose connection broke (a stale pooled connection
+    # after Redis restarted), with exponential backoff from base to cap: short,
+    # so callers still fail fast while Redis is really down.
+    retries: int = 3
+    backoff_base_s: float = 0.02
+    backoff_cap_s: float = 0.1
+
+
+@dataclass(frozen=True)
+class SupervisorSettings:
+    # `stageserve up`'s restarts: first delay, doubling up to the cap while
+    # a stage keeps failing; a stage up this long counts as healthy again.
+    restart_first_delay_s: float = 0.1
+    restart_max_delay_s: float = 5.0
+    restart_healthy_after_s: float = 10.0
+    # A restarted stage that does not announce itself by then is killed and retried.
+    start_timeout_s: float = 120.0
+
+
+def from_env(cls: type[T], service: str, environ: Mapping[str, str] = os.environ) -> T:
+    """cls's defaults, each overridden by STAGESERVE_<SERVICE>_<FIELD> when set."""
+    values = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        name = f"STAGESERVE_{service.upper()}_{f.name.upper()}"
+        raw = environ.get(name)
+        if raw is None:
+            continue
+        kind = int if f.type in (int, "int") else float
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r}: expected {kind.__name__}") from None
+        if value < 0:
+            raise ValueError(f"{name}={raw!r}: must not be negative")
+        values[f.name] = value
+    return cls(**values)
+
+
+WORKER = from_env(WorkerSettings, "worker")
+SCHEDULER = from_env(SchedulerSettings, "scheduler")
+GATEWAY = from_env(GatewaySettings, "gateway")
+REDIS_CLIENT = from_env(RedisClientSettings, "redis_client")
+SUPERVISOR = from_env(SupervisorSettings, "supervisor")

@@ -1,0 +1,52 @@
+"""The GPU path end to end: `--workers auto` starts one worker per GPU, each
+on its own cuda:i, and KIND_GPU models (ONNX on the CUDA execution provider,
+TorchScript on cuda) answer as on the CPU. Marked gpu: skips without one."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from stageserve.examples import mlp_reference, mlp_weights, write_mlp
+from stageserve.gpus import gpu_count
+from stageserve.launcher import Stack, start_services
+from stageserve.torch_examples import write_torch_mlp
+from tests.integration.helpers import RPC_TIMEOUT_S, tensor_input
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpu_repository(root: Path) -> None:
+    write_mlp(root, "mlp_gpu", kind="KIND_GPU")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        model_dir = write_torch_mlp(root, "torch_mlp_gpu", instance_count=1)
+    config = (model_dir / "config.pbtxt").read_text().replace("KIND_CPU", "KIND_GPU")
+    (model_dir / "config.pbtxt").write_text(config)
+
+
+def test_one_worker_per_gpu_serves_kind_gpu_models(tmp_path: Path) -> None:
+    gpus = gpu_count()
+    if gpus == 0:
+        pytest.skip("no GPU")
+    _gpu_repository(tmp_path)
+    stack = Stack()
+    try:
+        services = start_services(stack, tmp_path, workers="auto", device="auto")
+        assert len(services.workers) == gpus
+        c = grpcclient.InferenceServerClient(services.gateway.address)
+        x = np.random.default_rng(0).standard_normal((8, 256), dtype=np.float32)
+        want = mlp_reference(x, mlp_weights())
+        for model, name_in, name_out in (
+            ("mlp_gpu", "INPUT0", "OUTPUT0"),
+            ("torch_mlp_gpu", "INPUT__0", "OUTPUT__0"),
+        ):
+            assert c.is_model_ready(model)
+            r = c.infer(model, [tensor_input(name_in, x, "FP32")], client_timeout=RPC_TIMEOUT_S)
+            np.testing.assert_allclose(r.as_numpy(name_out), want, rtol=0, atol=1e-4)
+    finally:
+        stack.stop()

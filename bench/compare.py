@@ -18,7 +18,9 @@ Servers: ``triton`` (tritonserver 2.51, Python backend running ONNX Runtime),
 ``mlserver`` (MLServer 1.7, custom ONNX Runtime runtime, adaptive batching,
 ModelConfig added in-process), ``mlserver-proxy`` (the same MLServer behind a
 byte-forwarding gRPC proxy that answers ModelConfig; not in the default set)
-and ``stageserve``. See docs/benchmarks.md.
+``stageserve`` and ``stageserve-python`` (StageServe serving the very
+repository Triton gets: Triton's ``model.py`` running ONNX Runtime, in the
+worker's Python backend; not in the default set). See docs/benchmarks.md.
 
 ``cores`` is the average number of CPU cores the server's processes (all of
 them: Triton's stubs, MLServer's workers, every StageServe service and
@@ -65,7 +67,7 @@ from bench.references import (
 )
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-ALL_SERVERS = ("triton", "mlserver", "mlserver-proxy", "stageserve")
+ALL_SERVERS = ("triton", "mlserver", "mlserver-proxy", "stageserve", "stageserve-python")
 DEFAULT_SERVERS = ("triton", "mlserver", "stageserve")
 REFERENCES = ("triton", "mlserver")  # the ratios' denominators
 OURS = "stageserve"
@@ -74,6 +76,7 @@ LABELS = {
     "mlserver": "MLServer",
     "mlserver-proxy": "MLServer+proxy",
     "stageserve": "StageServe",
+    "stageserve-python": "StageServe+model.py",
 }
 
 
@@ -220,6 +223,11 @@ def ratios(
 def proxy_overhead(points: Sequence[Point]) -> list[Ratio]:
     """MLServer behind the ModelConfig proxy over MLServer alone (when both were run)."""
     return ratios(points, ours="mlserver-proxy", references=("mlserver",))
+
+
+def python_ratios(points: Sequence[Point]) -> list[Ratio]:
+    """StageServe serving Triton's own model.py files over Triton serving them."""
+    return ratios(points, ours="stageserve-python", references=("triton",))
 
 
 def _num(value: float | None, digits: int = 0) -> str:
@@ -378,6 +386,7 @@ def write_results(
     points = summarize(measurements)
     rs = ratios(points)
     proxy = proxy_overhead(points)
+    python = python_ratios(points)
     files = {
         "points": out / "compare.csv",
         "ratios": out / "ratios.csv",
@@ -393,6 +402,7 @@ def write_results(
             [format_points(points, markdown=True)]
             + ([format_ratios(rs, markdown=True)] if rs else [])
             + ([format_ratios(proxy, markdown=True, ours_label="proxy")] if proxy else [])
+            + ([format_ratios(python, markdown=True, ours_label="SS-py")] if python else [])
         )
         + "\n"
     )
@@ -463,8 +473,11 @@ def _server_options(server: str, args: argparse.Namespace) -> tuple[str, dict]:
             "max_batch_time_s": args.mlserver_batch_time_ms / 1000,
             "config_rpc": "proxy" if server == "mlserver-proxy" else "inject",
         }
-    if server == "stageserve":
-        return "stageserve", {"instances": args.instances, "workers": args.stageserve_workers}
+    if server in ("stageserve", "stageserve-python"):
+        options = {"instances": args.instances, "workers": args.stageserve_workers}
+        if server == "stageserve-python":
+            options["python"] = True  # the model.py files Triton serves, unchanged
+        return "stageserve", options
     raise ValueError(server)
 
 
@@ -735,6 +748,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if proxy:
         print("ModelConfig proxy overhead (MLServer behind the proxy / MLServer alone):")
         print(format_ratios(proxy, ours_label="proxy"))
+        print()
+    python = python_ratios(points)
+    if python:
+        print("The same model.py files (StageServe+model.py / Triton):")
+        print(format_ratios(python, ours_label="SS-py"))
         print()
     files = write_results(args.out, measurements, meta, plot=not args.no_plot)
     print(f"total {meta['wall_s']:.0f}s; wrote " + ", ".join(str(p) for p in files.values()))

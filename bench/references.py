@@ -643,12 +643,18 @@ class StageServeServer(RunningServer):
         workers: int = 1,
         device: str = "cpu",
         quiet: bool = True,
+        python: bool = False,
     ) -> None:
         super().__init__()
         from stageserve.launcher import Stack, start_services
 
         workdir = Path(workdir)
-        repo = write_stageserve_repository(workdir / "stageserve_models", models, instances)
+        # python: the very repository Triton gets (model.py running ONNX Runtime).
+        repo = (
+            write_triton_repository(workdir / "stageserve_python_models", models, instances)
+            if python
+            else write_stageserve_repository(workdir / "stageserve_models", models, instances)
+        )
         self.log = workdir / "stageserve.log"
         self._logs = _StageServeLogs(self.log) if quiet else None
         self.stack = Stack()
@@ -669,6 +675,8 @@ class StageServeServer(RunningServer):
                 raise ServerStartError(f"{exc}\n{_tail(self.log)}") from exc
             raise
         self.notes = {"instances": str(instances), "workers": str(workers)}
+        if python:
+            self.notes["backend"] = "python (Triton's model.py -> onnxruntime, in the worker)"
 
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.stack.children]

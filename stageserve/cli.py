@@ -189,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--ratelimiter", default=_env("STAGESERVE_RATELIMITER"))
     wk.add_argument("--device", default="auto", help="auto | cpu | cuda:N")
     wk.add_argument("--worker-id", default=None)
+    wk.add_argument(
+        "--scheduler",
+        default=_env("STAGESERVE_SCHEDULER"),
+        help="scheduler address for Python models' BLS requests",
+    )
     wk.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
     _redis(wk)
     _common(wk)
@@ -309,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             args.device,
             args.worker_id,
             args.advertise,
+            args.scheduler,
         )
     if args.command != "gateway" and args.metrics_port:
         from stageserve.telemetry import serve_metrics

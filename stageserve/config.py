@@ -30,6 +30,8 @@ TENSOR_PLATFORMS = {
     PYTORCH_PLATFORM: (PYTORCH_BACKEND, DEFAULT_PYTORCH_FILENAME),
 }
 ENSEMBLE_PLATFORM = "ensemble"
+PYTHON_BACKEND = "python"
+DEFAULT_PYTHON_FILENAME = "model.py"
 
 
 class ConfigError(ValueError):
@@ -193,6 +195,8 @@ class ModelSpec:
     steps: tuple = ()  # ensemble steps (platform "ensemble")
     batch_inputs: tuple[BatchInputSpec, ...] = ()
     batch_outputs: tuple[BatchOutputSpec, ...] = ()
+    backend: str = ""  # "python" for Triton Python-backend models (model.py)
+    decoupled: bool = False  # model_transaction_policy { decoupled: true }
     warmups: tuple[WarmupSpec, ...] = ()
 
     @property
@@ -298,11 +302,19 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
     name = config.name
     by_backend = {backend: p for p, (backend, _) in TENSOR_PLATFORMS.items()}
     platform = config.platform or by_backend.get(config.backend, "")
-    if platform not in (*TENSOR_PLATFORMS, ENSEMBLE_PLATFORM):
+    python = config.backend == PYTHON_BACKEND and not config.platform
+    if python:
+        platform = PYTHON_BACKEND  # what ModelMetadata reports for a backend-only config
+    if platform not in (*TENSOR_PLATFORMS, ENSEMBLE_PLATFORM) and not python:
         raise ConfigError(
             f"model '{name}': platform '{config.platform}' / backend '{config.backend}' is not "
-            f"supported (StageServe serves {', '.join(repr(p) for p in TENSOR_PLATFORMS)} and "
-            f"'{ENSEMBLE_PLATFORM}' models)"
+            f"supported (StageServe serves {', '.join(repr(p) for p in TENSOR_PLATFORMS)}, "
+            f"'{ENSEMBLE_PLATFORM}' and '{PYTHON_BACKEND}' backend models)"
+        )
+    decoupled = bool(config.model_transaction_policy.decoupled)
+    if decoupled and not python:
+        raise ConfigError(
+            f"model '{name}': decoupled models are supported for the '{PYTHON_BACKEND}' backend"
         )
     if config.max_batch_size < 0:
         raise ConfigError(f"model '{name}': max_batch_size must be >= 0")
@@ -385,12 +397,18 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
         dynamic_batching=dynamic,
         instance_groups=tuple(groups),
         model_filename=config.default_model_filename
-        or TENSOR_PLATFORMS.get(platform, ("", DEFAULT_ONNX_FILENAME))[1],
+        or (
+            DEFAULT_PYTHON_FILENAME
+            if python
+            else TENSOR_PLATFORMS.get(platform, ("", DEFAULT_ONNX_FILENAME))[1]
+        ),
         parameters={k: v.string_value for k, v in config.parameters.items()},
         sequence=sequence,
         steps=steps,
         batch_inputs=batch_inputs,
         batch_outputs=batch_outputs,
+        backend=PYTHON_BACKEND if python else (config.backend or ""),
+        decoupled=decoupled,
         warmups=_warmup_specs(config, inputs, sequence),
     )
 

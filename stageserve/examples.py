@@ -2,9 +2,9 @@
 
 Every model is an ONNX graph made with ``onnx.helper`` plus a Triton
 ``config.pbtxt``, written as ``<root>/<model>/config.pbtxt`` and
-``<root>/<model>/<version>/model.onnx``; where torch is installed, the
-TorchScript models of ``stageserve.torch_examples`` join them. Nothing is
-downloaded.
+``<root>/<model>/<version>/model.onnx``, or a Triton Python-backend
+``<version>/model.py``; where torch is installed, the TorchScript models of
+``stageserve.torch_examples`` join them. Nothing is downloaded.
 
     python -m stageserve.examples OUTDIR
 
@@ -690,6 +690,166 @@ def write_preprocess(root: Path, name: str = "preprocess") -> Path:
     )
 
 
+# --------------------------------------------------------------------------
+# Triton Python-backend models (model.py + triton_python_backend_utils)
+
+
+def python_config_text(
+    name: str,
+    inputs: Sequence[TensorSpec],
+    outputs: Sequence[TensorSpec],
+    *,
+    max_batch_size: int,
+    dynamic_batching: bool = False,
+    instance_count: int = 1,
+    decoupled: bool = False,
+) -> str:
+    """config.pbtxt of a `backend: "python"` model."""
+    text = config_text(
+        name,
+        inputs,
+        outputs,
+        max_batch_size=max_batch_size,
+        dynamic_batching=dynamic_batching,
+        instance_count=instance_count,
+    ).replace('platform: "onnxruntime_onnx"', 'backend: "python"')
+    if decoupled:
+        text += "model_transaction_policy { decoupled: true }\n"
+    return text
+
+
+def write_python_model(
+    root: Path, name: str, source: str, config: str | None, versions: Iterable[int] = (1,)
+) -> Path:
+    """``<root>/<name>/config.pbtxt`` (None: none, for auto-complete) and
+    ``<root>/<name>/<v>/model.py``."""
+    model_dir = Path(root) / name
+    model_dir.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        (model_dir / "config.pbtxt").write_text(config)
+    for v in versions:
+        (model_dir / str(v)).mkdir(exist_ok=True)
+        (model_dir / str(v) / "model.py").write_text(source)
+    return model_dir
+
+
+#: The classic Triton pre-processing step, in Python: (x - 0.5) * 2 per request.
+PY_PREPROCESS_SOURCE = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            y = ((x - np.float32(0.5)) * np.float32(2.0)).astype(np.float32)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", y)]))
+        return responses
+"""
+
+#: BLS: normalise, call the ONNX classifier through the stack, return its argmax too.
+PY_BLS_SOURCE = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.target = "mlp"
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            y = ((x - np.float32(0.5)) * np.float32(2.0)).astype(np.float32)
+            bls = pb_utils.InferenceRequest(
+                model_name=self.target,
+                requested_output_names=["OUTPUT0"],
+                inputs=[pb_utils.Tensor("INPUT0", y)],
+            )
+            answer = bls.exec()
+            if answer.has_error():
+                responses.append(pb_utils.InferenceResponse(error=answer.error()))
+                continue
+            probs = pb_utils.get_output_tensor_by_name(answer, "OUTPUT0").as_numpy()
+            label = np.argmax(probs, axis=-1).astype(np.int64).reshape(-1, 1)
+            responses.append(
+                pb_utils.InferenceResponse(
+                    [pb_utils.Tensor("PROBS", probs), pb_utils.Tensor("LABEL", label)]
+                )
+            )
+        return responses
+"""
+
+#: Decoupled: for a request [n, delay_ms], n responses (0..n-1), then the final flag.
+PY_STREAM_SOURCE = """\
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            n, delay_ms = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy().tolist()
+            for i in range(int(n)):
+                if i:
+                    time.sleep(delay_ms / 1000.0)
+                token = np.array([i], dtype=np.int32)
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", token)]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+def write_py_preprocess(root: Path, name: str = "py_preprocess") -> Path:
+    text = python_config_text(
+        name,
+        [("INPUT0", "FP32", (256,))],
+        [("OUTPUT0", "FP32", (256,))],
+        max_batch_size=64,
+        dynamic_batching=True,
+    )
+    return write_python_model(root, name, PY_PREPROCESS_SOURCE, text)
+
+
+def write_py_ensemble(root: Path, name: str = "ensemble_py_mlp", mlp: str = "mlp") -> Path:
+    """RAW --py_preprocess (model.py)--> NORMALIZED --mlp (ONNX)--> PROBS."""
+    model_dir = write_ensemble_mlp(root, name, mlp)
+    text = (model_dir / "config.pbtxt").read_text()
+    (model_dir / "config.pbtxt").write_text(
+        text.replace('model_name: "preprocess"', 'model_name: "py_preprocess"')
+    )
+    return model_dir
+
+
+def write_py_bls(root: Path, name: str = "py_bls", instance_count: int = 2) -> Path:
+    text = python_config_text(
+        name,
+        [("INPUT0", "FP32", (256,))],
+        [("PROBS", "FP32", (10,)), ("LABEL", "INT64", (1,))],
+        max_batch_size=64,
+        dynamic_batching=True,
+        instance_count=instance_count,
+    )
+    return write_python_model(root, name, PY_BLS_SOURCE, text)
+
+
+def write_py_stream(root: Path, name: str = "py_stream") -> Path:
+    text = python_config_text(
+        name,
+        [("IN", "INT32", (2,))],
+        [("OUT", "INT32", (1,))],
+        max_batch_size=0,
+        decoupled=True,
+    )
+    return write_python_model(root, name, PY_STREAM_SOURCE, text)
+
+
 def build_example_repository(root: Path) -> list[str]:
     """Write the whole example repository under ``root``; return model names."""
     root = Path(root)
@@ -722,6 +882,12 @@ def build_example_repository(root: Path) -> list[str]:
     write_preprocess(root, "preprocess")
     write_ensemble_mlp(root, "ensemble_mlp")
     names += ["preprocess", "ensemble_mlp"]
+
+    write_py_preprocess(root)
+    write_py_ensemble(root)
+    write_py_bls(root)
+    write_py_stream(root)
+    names += ["py_preprocess", "ensemble_py_mlp", "py_bls", "py_stream"]
 
     if importlib.util.find_spec("torch") is not None:  # the torch extra is installed
         from stageserve.torch_examples import build_torch_examples

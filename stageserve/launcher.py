@@ -260,12 +260,16 @@ def start_services(
 
     rl = stack.start_service("ratelimiter", ["ratelimiter", *common, *ratelimiter_args, *metrics()])
     peers = ["--ratelimiter", rl.address]
+    # The scheduler first: workers send Python models' BLS requests to it.
+    sched = stack.start_service("scheduler", ["scheduler", *common, *peers, *metrics()])
+    worker_peers = [*peers, "--scheduler", sched.address]
     gpus = gpu_count() if workers == AUTO else 0  # --workers auto: one per GPU
     worker_children = [
-        stack.start_service(f"worker-{i}", ["worker", *common, *peers, "--device", dev, *metrics()])
+        stack.start_service(
+            f"worker-{i}", ["worker", *common, *worker_peers, "--device", dev, *metrics()]
+        )
         for i, dev in enumerate(worker_devices(workers, device, gpus))
     ]
-    sched = stack.start_service("scheduler", ["scheduler", *common, *peers, *metrics()])
     gw_args = [
         "gateway",
         "--listen",

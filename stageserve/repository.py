@@ -12,7 +12,14 @@ from pathlib import Path
 
 from stageserve.autocomplete import complete_io, complete_platform, model_file_for, needs_io
 from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
-from stageserve.config import ConfigError, ModelSpec, read_config, select_versions, to_spec
+from stageserve.config import (
+    PYTHON_BACKEND,
+    ConfigError,
+    ModelSpec,
+    read_config,
+    select_versions,
+    to_spec,
+)
 from stageserve.generated import model_config_pb2 as mc
 from stageserve.names import model_name_problem
 
@@ -94,6 +101,11 @@ def _complete(config: mc.ModelConfig, path: Path, autocomplete: AutoComplete) ->
     written = (path / "config.pbtxt").is_file()
     model_file = model_file_for(config, path, version_folders(path))
     complete_platform(config, model_file)
+    if config.backend == PYTHON_BACKEND and not config.platform:
+        from services.worker.python_backend.autocomplete import complete_python
+
+        complete_python(config, path, version_folders(path))
+        return
     if not written and not (config.platform or config.backend):
         raise ConfigError(f"no config.pbtxt in {path}, and no model file to generate one from")
     if not needs_io(config):

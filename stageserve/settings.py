@@ -34,6 +34,9 @@ class WorkerSettings:
     heartbeat_s: float = 0.5
     # Re-check of the published model set when no model event arrives.
     reconcile_s: float = 2.0
+    # How long a Python model's BLS keeps a called model's config: a reload is
+    # picked up within this (the scheduler checks generations too).
+    bls_model_cache_s: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,8 @@ class RunningStack:
                 self.redis_url,
                 "--ratelimiter",
                 self.ratelimiter.address,
+                "--scheduler",
+                self.scheduler.address,
                 "--device",
                 "cpu",
             ],

@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
 from services.gateway.models import ModelManager
 from services.gateway.overrides import OverrideArea
+from services.gateway.python_models import (
+    DecoupledStream,
+    check_unary_allowed,
+    python_request_fields,
+    stream_partials,
+)
 from services.gateway.recorder import RequestRecorder
 from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.shared_memory import Region, SystemSharedMemory
@@ -97,10 +103,35 @@ class DataPlane:
 
     # ------------------------------------------------------------------ infer
 
+    def decoupled_stream(
+        self,
+        request: gs.ModelInferRequest,
+        put: Callable[[gs.ModelStreamInferResponse], None],
+    ) -> DecoupledStream | None:
+        """For a request to a decoupled model, the DecoupledStream that `put`s its
+        responses before the final one as they arrive; None for other models."""
+        entry = self.models.entries.get(request.model_name)
+        spec = entry.spec if entry is not None else None
+        return DecoupledStream(request, put) if spec is not None and spec.decoupled else None
+
+    def is_decoupled(self, model: str) -> bool:
+        entry = self.models.entries.get(model)
+        return bool(entry is not None and entry.spec is not None and entry.spec.decoupled)
+
     async def infer(
-        self, request: gs.ModelInferRequest, raw_contents: Sequence[bytes] | None = None
+        self,
+        request: gs.ModelInferRequest,
+        raw_contents: Sequence[bytes] | None = None,
+        *,
+        stream: DecoupledStream | None = None,
     ) -> gs.ModelInferResponse:
-        """`raw_contents` stands for request.raw_input_contents (validation.py)."""
+        """`raw_contents` stands for request.raw_input_contents (validation.py).
+
+        A decoupled model needs `stream` (decoupled_stream()): its earlier
+        responses go there and this returns the final one (see stream.last());
+        without one, a decoupled model is refused as Triton's ModelInfer does."""
+        if stream is None:
+            check_unary_allowed(self.models, request)
         start = time.monotonic_ns()
         entry, version = self.models.resolve(request.model_name, request.model_version)
         spec = entry.spec
@@ -130,8 +161,12 @@ class DataPlane:
                     sequence_id_str=validated.sequence_id_str,
                     sequence_start=validated.sequence_start,
                     sequence_end=validated.sequence_end,
-                )
+                    **python_request_fields(spec, request),
+                ),
+                on_more=stream_partials(stream, entry.name, version, request.id),
             )
+            if stream is not None:
+                stream.final(resp)
             self._record_steps(resp)
             if resp.code:
                 raise StageError(code_from_int(resp.code), resp.message)

@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -36,6 +37,8 @@ class SchedulerLink:
         self.stub = pb_grpc.SchedulerStub(self.channel)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[pb.ScheduleResponse]] = {}
+        # Decoupled models: the responses before a request's final one.
+        self._on_more: dict[int, Callable[[pb.ScheduleResponse], None]] = {}
         self._outbox: asyncio.Queue | None = None
         self._reader: asyncio.Task | None = None
         self._opening = asyncio.Lock()
@@ -96,6 +99,11 @@ class SchedulerLink:
         try:
             async for message in call:
                 for resp in message.responses:
+                    if resp.more:
+                        on_more = self._on_more.get(resp.id)
+                        if on_more is not None:
+                            on_more(resp)
+                        continue
                     fut = self._pending.pop(resp.id, None)
                     if fut is not None and not fut.done():
                         fut.set_result(resp)
@@ -117,16 +125,25 @@ class SchedulerLink:
             if not fut.done():
                 fut.set_exception(err)
 
-    async def schedule(self, request: pb.ScheduleRequest) -> pb.ScheduleResponse:
+    async def schedule(
+        self,
+        request: pb.ScheduleRequest,
+        on_more: Callable[[pb.ScheduleResponse], None] | None = None,
+    ) -> pb.ScheduleResponse:
+        """The request's (final) response; `on_more` gets a decoupled model's
+        earlier responses as they arrive."""
         outbox = await self._ensure_stream()
         request.id = next(self._ids)
         fut: asyncio.Future[pb.ScheduleResponse] = asyncio.get_running_loop().create_future()
         self._pending[request.id] = fut
+        if on_more is not None:
+            self._on_more[request.id] = on_more
         outbox.put_nowait(request)
         try:
             return await fut
         finally:
             self._pending.pop(request.id, None)
+            self._on_more.pop(request.id, None)
 
     async def close(self) -> None:
         if self._reader is not None:

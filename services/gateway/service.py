@@ -24,6 +24,7 @@ from typing import TypeVar
 import grpc
 
 from services.gateway.dataplane import DataPlane
+from services.gateway.python_models import mark_final
 from stageserve.errors import StageError
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
@@ -158,10 +159,15 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
         tasks: set[asyncio.Task] = set()
 
         async def answer(request: gs.ModelInferRequest) -> None:
+            # A decoupled model's responses before the final one go out as they come.
+            stream = self.dataplane.decoupled_stream(request, responses.put_nowait)
             try:
                 response = gs.ModelStreamInferResponse(
-                    infer_response=await self.dataplane.infer(request)
+                    infer_response=await self.dataplane.infer(request, stream=stream)
                 )
+                mark_final(response)
+                if stream is not None and (response := stream.last(response)) is None:
+                    return  # a final flag without a response, and no empty final asked for
             except Exception as exc:  # a bug must not drop this response silently
                 response = _stream_error(request, client_message(exc, "ModelStreamInfer"))
             responses.put_nowait(response)

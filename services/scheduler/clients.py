@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -146,6 +147,7 @@ class WorkerStream:
         self.stub = pb_grpc.WorkerStub(self.channel)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[pb.ExecuteResponse]] = {}
+        self._on_part: dict[int, Callable[[pb.ExecuteResponse], None]] = {}  # decoupled models
         self._outbox: asyncio.Queue | None = None
         self._reader: asyncio.Task | None = None
         self._timer = STAGE_RPC_DURATION.labels("scheduler", "worker", "Execute")
@@ -172,6 +174,11 @@ class WorkerStream:
         try:
             async for resp in call:
                 self.broken = False
+                if resp.more:  # a decoupled model's response; the batch goes on
+                    on_part = self._on_part.get(resp.id)
+                    if on_part is not None:
+                        on_part(resp)
+                    continue
                 fut = self._pending.pop(resp.id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(resp)
@@ -187,10 +194,15 @@ class WorkerStream:
                 if not fut.done():
                     fut.set_exception(error)
 
-    async def execute(self, request: pb.ExecuteRequest, timeout_s: float) -> pb.ExecuteResponse:
+    async def execute(
+        self,
+        request: pb.ExecuteRequest,
+        timeout_s: float,
+        on_part: Callable[[pb.ExecuteResponse], None] | None = None,
+    ) -> pb.ExecuteResponse:
         start = time.perf_counter()
         try:
-            resp = await self._execute(request, timeout_s)
+            resp = await self._execute(request, timeout_s, on_part)
         except WorkerCallError as exc:
             STAGE_RPC_ERRORS.labels("scheduler", "worker", "Execute", exc.code.name).inc()
             raise
@@ -198,11 +210,18 @@ class WorkerStream:
             self._timer.observe(time.perf_counter() - start)
         return resp
 
-    async def _execute(self, request: pb.ExecuteRequest, timeout_s: float) -> pb.ExecuteResponse:
+    async def _execute(
+        self,
+        request: pb.ExecuteRequest,
+        timeout_s: float,
+        on_part: Callable[[pb.ExecuteResponse], None] | None,
+    ) -> pb.ExecuteResponse:
         outbox = self._ensure_stream()
         request.id = next(self._ids)
         fut: asyncio.Future[pb.ExecuteResponse] = asyncio.get_running_loop().create_future()
         self._pending[request.id] = fut
+        if on_part is not None:
+            self._on_part[request.id] = on_part
         outbox.put_nowait(request)
         try:
             resp = await asyncio.wait_for(fut, timeout_s)
@@ -212,6 +231,7 @@ class WorkerStream:
             ) from None
         finally:
             self._pending.pop(request.id, None)
+            self._on_part.pop(request.id, None)
         if resp.code:
             raise WorkerCallError(code_from_int(resp.code), resp.message)
         return resp
@@ -233,11 +253,17 @@ class WorkerClients:
         stream = self._streams.get(address)
         return stream is not None and stream.broken
 
-    async def execute(self, address: str, request: pb.ExecuteRequest) -> pb.ExecuteResponse:
+    async def execute(
+        self,
+        address: str,
+        request: pb.ExecuteRequest,
+        on_part: Callable[[pb.ExecuteResponse], None] | None = None,
+    ) -> pb.ExecuteResponse:
+        """The batch's answer; `on_part` gets a decoupled model's responses as sent."""
         stream = self._streams.get(address)
         if stream is None:
             stream = self._streams[address] = WorkerStream(address)
-        return await stream.execute(request, self.execute_timeout_s)
+        return await stream.execute(request, self.execute_timeout_s, on_part)
 
     async def close(self) -> None:
         for stream in self._streams.values():

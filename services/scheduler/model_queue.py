@@ -35,6 +35,7 @@ from services.scheduler.batcher import (
 )
 from services.scheduler.batcher import shape_key as batch_shape_key
 from services.scheduler.clients import Granted, RateLimiterClient, WorkerCallError, WorkerClients
+from services.scheduler.decoupled import DecoupledBatch
 from services.scheduler.grant_pool import GrantPool, Held, Usable
 from services.scheduler.response_order import ResponseOrder
 from stageserve.config import ModelSpec, QueuePolicySpec
@@ -102,6 +103,7 @@ def build_execute_request(
     batch: list[Queued],
     batching: bool,
     ragged: frozenset[str] = frozenset(),
+    request_info: bool = False,
 ) -> pb.ExecuteRequest:
     """Concatenate each input's raw bytes across the batch (batch dim is outermost).
 
@@ -129,6 +131,15 @@ def build_execute_request(
     req.request_batch_sizes.extend(q.msg.batch_size if batching else 1 for q in batch)
     for q in batch:
         req.requested.add(names=q.msg.outputs)
+        if not request_info:  # only Python models read them (InferenceRequest)
+            continue
+        req.request_info.add(
+            request_id=q.msg.request_id,
+            correlation_id=q.msg.sequence_id,
+            correlation_id_str=q.msg.sequence_id_str,
+            flags=int(q.msg.sequence_start) | (int(q.msg.sequence_end) << 1),
+            parameters_json=q.msg.parameters_json,
+        )
     return req
 
 
@@ -427,16 +438,36 @@ class ModelQueue:
         try:
             compute_start = time.monotonic_ns()
             request = build_execute_request(
-                grant.instance_id, batch, self.spec.batching, self.spec.ragged_inputs
+                grant.instance_id,
+                batch,
+                self.spec.batching,
+                self.spec.ragged_inputs,
+                request_info=self.spec.backend == "python",
+            )
+            decoupled = (
+                DecoupledBatch(
+                    batch, compute_start, sum(request.request_batch_sizes), self._deliver
+                )
+                if self.spec.decoupled
+                else None
             )
             try:
-                resp = await self.workers.execute(grant.worker_address, request)
+                resp = await self.workers.execute(
+                    grant.worker_address, request, decoupled.on_part if decoupled else None
+                )
             except WorkerCallError as exc:
                 err, failed_instance = self._execution_error(exc, grant)
-                if failed_instance is None and self._requeue(batch):
+                resent = decoupled is not None and decoupled.sent_any
+                if failed_instance is None and not resent and self._requeue(batch):
                     return  # the instance was unloaded (a reload): run elsewhere
+                if decoupled is not None:
+                    decoupled.finish(err)
+                    return
                 for q in batch:
                     self._deliver(q, error_response(q.msg.id, err))
+                return
+            if decoupled is not None:
+                decoupled.finish(None)
                 return
             total = sum(request.request_batch_sizes)
             self._batch_hist.observe(total)
@@ -449,11 +480,17 @@ class ModelQueue:
                     batch_size=total,
                     batch_leader=i == 0,
                 )
+                result = resp.results[i]
+                if result.code:  # a per-request error (a Python model's response)
+                    self._deliver(
+                        q,
+                        pb.ScheduleResponse(
+                            id=q.msg.id, code=result.code, message=result.message, timing=timing
+                        ),
+                    )
+                    continue
                 self._deliver(
-                    q,
-                    pb.ScheduleResponse(
-                        id=q.msg.id, outputs=resp.results[i].outputs, timing=timing
-                    ),
+                    q, pb.ScheduleResponse(id=q.msg.id, outputs=result.outputs, timing=timing)
                 )
         finally:
             self.executing -= 1

@@ -11,7 +11,7 @@ from services.scheduler.clients import RateLimiterClient, WorkerClients
 from services.scheduler.ensemble import check_step_input, run_ensemble
 from services.scheduler.model_queue import ModelQueue, error_response
 from services.scheduler.sequence_queue import make_sequence_queue
-from stageserve.errors import internal, unavailable
+from stageserve.errors import StageError, internal, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import LoadedModel, ModelStateStore
@@ -112,6 +112,12 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             request.batch_size = 0
         if loaded.spec.steps:
             return await run_ensemble(request, loaded.spec, self._submit_step)
+        if loaded.spec.decoupled:  # its many responses have no place in the dataflow yet
+            raise StageError(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"ensemble step '{request.model}' is a decoupled model, which StageServe "
+                f"does not support inside ensembles",
+            )
         check_step_input(loaded.spec, request)
         answered: asyncio.Future[pb.ScheduleResponse] = asyncio.get_running_loop().create_future()
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -72,13 +74,14 @@ class HostedInstance:
     generation: int
     placement: Placement
     spec: ModelSpec
-    backend: TensorBackend
+    backend: TensorBackend | Any  # Any: a Python-backend instance (python_backend/)
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="instance")
     )
     in_flight: int = 0
     compute_timers: tuple = ()
     inline: InlinePolicy = field(default_factory=InlinePolicy)
+    runs_inline: bool = True  # False: never on the event loop (Python models)
 
     @property
     def execute_delay_s(self) -> float:
@@ -87,14 +90,23 @@ class HostedInstance:
         return float(self.spec.parameters.get("execute_delay_ms", "0") or 0) / 1000.0
 
     def __post_init__(self) -> None:
+        if not self.runs_inline:
+            self.inline = InlinePolicy(limit_ns=0)
         labels = (self.model, str(self.version), self.instance_id)
         self.compute_timers = tuple(
             WORKER_COMPUTE.labels(*labels, phase) for phase in ("input", "infer", "output")
         )
 
-    def execute(self, request: pb.ExecuteRequest) -> pb.ExecuteResponse:
+    def execute(
+        self, request: pb.ExecuteRequest, emit: Callable[[pb.ExecuteResponse], None] | None = None
+    ) -> pb.ExecuteResponse:
         """Decode, run and split one batch: on the instance's own thread, or
-        inline on the event loop when its policy says the model is fast."""
+        inline on the event loop when its policy says the model is fast.
+        Backends that take the batch's requests themselves (Python models)
+        get it whole; `emit` sends a decoupled model's responses early."""
+        execute_batch = getattr(self.backend, "execute_batch", None)
+        if execute_batch is not None:
+            return execute_batch(request, emit)
         t0 = time.monotonic_ns()
         try:
             feeds = {t.name: raw_to_numpy(t.raw, t.datatype, t.shape) for t in request.inputs}
@@ -168,6 +180,9 @@ class HostedInstance:
         return list(wanted)
 
     def close(self) -> None:
+        finalize = getattr(self.backend, "close", None)
+        if finalize is not None:  # on the instance's thread, after its last batch
+            self.executor.submit(finalize).result()
         self.executor.shutdown(wait=True)
 
 

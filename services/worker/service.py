@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 import grpc
 import redis.asyncio as aioredis
@@ -20,6 +21,8 @@ import redis.asyncio as aioredis
 from services.worker.backends import create_backend
 from services.worker.instances import HostedInstance, default_intra_op_threads, placements
 from services.worker.onnx_backend import BackendError, InvalidInputError
+from services.worker.python_backend.bls import install as bls_install
+from services.worker.python_backend.worker_glue import load_python_model
 from services.worker.warmup import WarmupError, warm_up, warmup_requests
 from stageserve import redis_keys as keys
 from stageserve.errors import code_from_int
@@ -59,7 +62,11 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     # ---------------------------------------------------------------- execute
 
-    async def _run(self, request: pb.ExecuteRequest) -> pb.ExecuteResponse:
+    async def _run(
+        self,
+        request: pb.ExecuteRequest,
+        emit: Callable[[pb.ExecuteResponse], None] | None = None,
+    ) -> pb.ExecuteResponse:
         """Execute one batch (inline when short, see inline_policy); errors
         become the answer's code."""
         inst = self.instances.get(request.instance_id)
@@ -77,7 +84,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 resp = inst.execute(request)
             else:
                 loop = asyncio.get_running_loop()
-                resp = await loop.run_in_executor(inst.executor, inst.execute, request)
+                resp = await loop.run_in_executor(inst.executor, inst.execute, request, emit)
         except InvalidInputError as exc:  # refused before running
             return pb.ExecuteResponse(
                 id=request.id,
@@ -114,8 +121,15 @@ class WorkerService(pb_grpc.WorkerServicer):
         answers: asyncio.Queue[pb.ExecuteResponse | None] = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
 
+        loop = asyncio.get_running_loop()
+
+        def emit(part: pb.ExecuteResponse, request_id: int) -> None:
+            """A decoupled model's response, sent from the instance's thread."""
+            part.id = request_id
+            loop.call_soon_threadsafe(answers.put_nowait, part)
+
         async def run(request: pb.ExecuteRequest) -> None:
-            answers.put_nowait(await self._run(request))
+            answers.put_nowait(await self._run(request, lambda part: emit(part, request.id)))
 
         async def read() -> None:
             try:
@@ -186,6 +200,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def _load(self, model: LoadedModel) -> bool:
         if model.spec.steps:  # an ensemble runs in the scheduler, not on instances
             return False
+        if model.spec.backend == "python":
+            return await load_python_model(self, model)
         hosted = {(i.model, i.version, i.generation) for i in self.instances.values()}
         groups = [(g, placements(g, self.gpu)) for g in model.spec.instance_groups]
         total = sum(len(p) for _, p in groups)
@@ -318,6 +334,7 @@ async def serve(
     device: str,
     worker_id: str | None,
     advertise: str | None = None,
+    scheduler_address: str | None = None,
 ) -> None:
     from stageserve.net import SERVER_OPTIONS
     from stageserve.service_runtime import run_server
@@ -331,6 +348,8 @@ async def serve(
     )
     server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_WorkerServicer_to_server(service, server)
+    # Python models' BLS requests go to the scheduler (python_backend/bls.py).
+    bls = bls_install(scheduler_address, service.state) if scheduler_address else None
 
     # The address peers dial must be known before registering: bind first.
     host = listen.rsplit(":", 1)[0]
@@ -354,5 +373,7 @@ async def serve(
             )
         for inst in service.instances.values():
             inst.close()
+        if bls is not None:
+            await bls.close()
         await channel.close()
         await redis.aclose()

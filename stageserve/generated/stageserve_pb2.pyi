@@ -35,7 +35,7 @@ class Timing(_message.Message):
     def __init__(self, queue_ns: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_leader: _Optional[bool] = ...) -> None: ...
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("id", "model", "version", "inputs", "outputs", "batch_size", "priority", "timeout_us", "config_generation", "sequence_id", "sequence_id_str", "sequence_start", "sequence_end")
+    __slots__ = ("id", "model", "version", "inputs", "outputs", "batch_size", "priority", "timeout_us", "config_generation", "sequence_id", "sequence_id_str", "sequence_start", "sequence_end", "request_id", "parameters_json")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,8 @@ class ScheduleRequest(_message.Message):
     SEQUENCE_ID_STR_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_START_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_END_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
     id: int
     model: str
     version: int
@@ -62,23 +64,29 @@ class ScheduleRequest(_message.Message):
     sequence_id_str: str
     sequence_start: bool
     sequence_end: bool
-    def __init__(self, id: _Optional[int] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., priority: _Optional[int] = ..., timeout_us: _Optional[int] = ..., config_generation: _Optional[int] = ..., sequence_id: _Optional[int] = ..., sequence_id_str: _Optional[str] = ..., sequence_start: _Optional[bool] = ..., sequence_end: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    parameters_json: str
+    def __init__(self, id: _Optional[int] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., priority: _Optional[int] = ..., timeout_us: _Optional[int] = ..., config_generation: _Optional[int] = ..., sequence_id: _Optional[int] = ..., sequence_id_str: _Optional[str] = ..., sequence_start: _Optional[bool] = ..., sequence_end: _Optional[bool] = ..., request_id: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
-    __slots__ = ("id", "code", "message", "outputs", "timing", "steps")
+    __slots__ = ("id", "code", "message", "outputs", "timing", "steps", "more", "no_response")
     ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    NO_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     id: int
     code: int
     message: str
     outputs: _containers.RepeatedCompositeFieldContainer[Tensor]
     timing: Timing
     steps: _containers.RepeatedCompositeFieldContainer[StepStat]
-    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepStat, _Mapping]]] = ...) -> None: ...
+    more: bool
+    no_response: bool
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepStat, _Mapping]]] = ..., more: _Optional[bool] = ..., no_response: _Optional[bool] = ...) -> None: ...
 
 class StepStat(_message.Message):
     __slots__ = ("model", "version", "timing", "batch_size", "duration_ns", "failed", "code", "message")
@@ -282,10 +290,42 @@ class RequestedOutputs(_message.Message):
     def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestOutputs(_message.Message):
-    __slots__ = ("outputs",)
+    __slots__ = ("outputs", "code", "message")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[Tensor]
-    def __init__(self, outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+    code: int
+    message: str
+    def __init__(self, outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class RequestInfo(_message.Message):
+    __slots__ = ("request_id", "correlation_id", "correlation_id_str", "flags", "parameters_json")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CORRELATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CORRELATION_ID_STR_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    correlation_id: int
+    correlation_id_str: str
+    flags: int
+    parameters_json: str
+    def __init__(self, request_id: _Optional[str] = ..., correlation_id: _Optional[int] = ..., correlation_id_str: _Optional[str] = ..., flags: _Optional[int] = ..., parameters_json: _Optional[str] = ...) -> None: ...
+
+class DecoupledPart(_message.Message):
+    __slots__ = ("request_index", "has_response", "response", "final", "compute_infer_ns")
+    REQUEST_INDEX_FIELD_NUMBER: _ClassVar[int]
+    HAS_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INFER_NS_FIELD_NUMBER: _ClassVar[int]
+    request_index: int
+    has_response: bool
+    response: RequestOutputs
+    final: bool
+    compute_infer_ns: int
+    def __init__(self, request_index: _Optional[int] = ..., has_response: _Optional[bool] = ..., response: _Optional[_Union[RequestOutputs, _Mapping]] = ..., final: _Optional[bool] = ..., compute_infer_ns: _Optional[int] = ...) -> None: ...
 
 class RaggedShapes(_message.Message):
     __slots__ = ("input", "rank", "dims")
@@ -298,23 +338,25 @@ class RaggedShapes(_message.Message):
     def __init__(self, input: _Optional[str] = ..., rank: _Optional[int] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("id", "instance_id", "inputs", "request_batch_sizes", "requested", "ragged_shapes")
+    __slots__ = ("id", "instance_id", "inputs", "request_batch_sizes", "requested", "ragged_shapes", "request_info")
     ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_FIELD_NUMBER: _ClassVar[int]
     RAGGED_SHAPES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_INFO_FIELD_NUMBER: _ClassVar[int]
     id: int
     instance_id: str
     inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
     request_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
     requested: _containers.RepeatedCompositeFieldContainer[RequestedOutputs]
     ragged_shapes: _containers.RepeatedCompositeFieldContainer[RaggedShapes]
-    def __init__(self, id: _Optional[int] = ..., instance_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., request_batch_sizes: _Optional[_Iterable[int]] = ..., requested: _Optional[_Iterable[_Union[RequestedOutputs, _Mapping]]] = ..., ragged_shapes: _Optional[_Iterable[_Union[RaggedShapes, _Mapping]]] = ...) -> None: ...
+    request_info: _containers.RepeatedCompositeFieldContainer[RequestInfo]
+    def __init__(self, id: _Optional[int] = ..., instance_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., request_batch_sizes: _Optional[_Iterable[int]] = ..., requested: _Optional[_Iterable[_Union[RequestedOutputs, _Mapping]]] = ..., ragged_shapes: _Optional[_Iterable[_Union[RaggedShapes, _Mapping]]] = ..., request_info: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
-    __slots__ = ("id", "code", "message", "results", "compute_input_ns", "compute_infer_ns", "compute_output_ns")
+    __slots__ = ("id", "code", "message", "results", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "parts", "more")
     ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +364,8 @@ class ExecuteResponse(_message.Message):
     COMPUTE_INPUT_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_INFER_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_OUTPUT_NS_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     id: int
     code: int
     message: str
@@ -329,4 +373,6 @@ class ExecuteResponse(_message.Message):
     compute_input_ns: int
     compute_infer_ns: int
     compute_output_ns: int
-    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., results: _Optional[_Iterable[_Union[RequestOutputs, _Mapping]]] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[DecoupledPart]
+    more: bool
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., results: _Optional[_Iterable[_Union[RequestOutputs, _Mapping]]] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[DecoupledPart, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...

@@ -9,6 +9,7 @@ import asyncio
 import gzip
 import http.client
 import json
+import time
 import uuid
 import zlib
 
@@ -278,6 +279,48 @@ def test_generate_and_generate_stream_on_a_non_decoupled_model(stack: RunningSta
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
     assert raw.startswith(b"data: ") and raw.endswith(b"\n\n") and raw.count(b"data: ") == 1
     assert json.loads(raw[len(b"data: ") :]) == doc
+
+
+def test_generate_stream_on_a_decoupled_model_sends_each_response_as_an_event(
+    stack: RunningStack,
+) -> None:
+    """py_stream sends n responses delay_ms apart: n Server-Sent Events, each
+    read before the next response exists (streamed, not buffered)."""
+    host, port = stack.gateway.http_address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        body = json.dumps({"IN": [3, 400]}).encode()
+        conn.request("POST", "/v2/models/py_stream/generate_stream", body=body)
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.getheader("content-type").startswith("text/event-stream")
+        events, arrived = [], []
+        start = time.monotonic()
+        while line := resp.readline():
+            if line.startswith(b"data: "):
+                events.append(json.loads(line[len(b"data: ") :]))
+                arrived.append(time.monotonic() - start)
+    finally:
+        conn.close()
+    assert events == [{"OUT": i, "model_name": "py_stream", "model_version": "1"} for i in range(3)]
+    assert arrived[0] < arrived[2] - 0.5  # the first event came ~800 ms before the last
+
+
+def test_generate_on_a_decoupled_model_and_infer_refused(stack: RunningStack) -> None:
+    status, _, raw = request(stack, "POST", "/v2/models/py_stream/generate", {"IN": [1, 0]})
+    assert status == 200
+    assert json.loads(raw) == {"OUT": 0, "model_name": "py_stream", "model_version": "1"}
+    status, _, raw = request(stack, "POST", "/v2/models/py_stream/generate", {"IN": [2, 0]})
+    assert status == 400 and "use generate_stream" in json.loads(raw)["error"]
+    body = {"inputs": [{"name": "IN", "shape": [2], "datatype": "INT32", "data": [1, 0]}]}
+    status, _, raw = request(stack, "POST", "/v2/models/py_stream/infer", body)
+    assert status == 400
+    assert json.loads(raw) == {
+        "error": "HTTP end point doesn't support models with decoupled transaction policy"
+    }
+    # an error before the first event is an HTTP error, not a stream
+    status, _, raw = request(stack, "POST", "/v2/models/py_stream/generate_stream", {"X": 1})
+    assert status == 400 and "missing required input" in json.loads(raw)["error"]
 
 
 def test_system_shared_memory_over_http(stack: RunningStack) -> None:

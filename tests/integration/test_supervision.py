@@ -142,6 +142,48 @@ def test_kill_9_of_a_stage_heals_with_nobody_acting(up: Up, stage: str) -> None:
     print(f"{stage}: serving again {healed_s:.2f}s after kill -9")
 
 
+def _bls_ok(url: str) -> bool:
+    inp = grpcclient.InferInput("INPUT0", [1, 256], "FP32")
+    inp.set_data_from_numpy(np.full((1, 256), 0.5, np.float32))
+    try:
+        with grpcclient.InferenceServerClient(url) as client:
+            result = client.infer("py_bls", [inp], client_timeout=5)
+    except InferenceServerException:
+        return False
+    return result.as_numpy("PROBS").shape == (1, 10)
+
+
+def _worker_children(parent: int) -> dict[int, list[str]]:
+    """pid -> argv of `parent`'s worker children (from /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().decode().split("\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and "stageserve.cli" in argv and "worker" in argv:
+            found[int(entry.name)] = argv
+    return found
+
+
+def test_a_restarted_worker_keeps_its_scheduler_for_bls(up: Up) -> None:
+    """The restart command line carries the worker's --scheduler: py_bls
+    (model.py calling mlp through the scheduler) works after a kill -9."""
+    assert wait_until(lambda: _bls_ok(up.url), 30), "py_bls did not serve before the kill"
+    # the current worker-0 (a test before may have restarted it)
+    ((pid, before),) = _worker_children(up.proc.pid).items()
+    scheduler = before[before.index("--scheduler") + 1]
+    logged = up.restarted_lines("worker-0")
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: up.restarted_lines("worker-0") == logged + 1, HEAL_BOUND_S)
+    (argv,) = _worker_children(up.proc.pid).values()
+    assert argv[argv.index("--scheduler") + 1] == scheduler
+    assert wait_until(lambda: _bls_ok(up.url), HEAL_BOUND_S, interval_s=0.1)
+
+
 def test_a_restarted_gateway_takes_over_models_loaded_through_the_api(
     example_repository: Path,
 ) -> None:

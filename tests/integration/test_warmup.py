@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from stageserve.examples import config_text, simple_model, write_model
+from stageserve.examples import (
+    config_text,
+    python_config_text,
+    simple_model,
+    write_model,
+    write_python_model,
+)
 from tests.integration.helpers import infer_simple, stack_retrying
 from tests.stack import RunningStack
 
@@ -50,6 +56,43 @@ class _RefusesZeros(torch.nn.Module):
         return INPUT__0 + 1
 
 
+# A Python model: OUT = IN + 1, and an error response for an all-zero input.
+PY_SOURCE = """\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "IN").as_numpy()
+            if (x == 0).all():
+                out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("no zeros")))
+            else:
+                out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x + 1)]))
+        return out
+"""
+
+
+def _py_warmup(source: str) -> str:
+    return f"""model_warmup [ {{ name: "w" batch_size: 2 count: 2
+  inputs {{ key: "IN" value: {{ data_type: TYPE_FP32 dims: [ 4 ] {source} }} }} }} ]
+"""
+
+
+def _python_models(root: Path) -> None:
+    io = dict(inputs=[("IN", "FP32", (4,))], outputs=[("OUT", "FP32", (4,))])
+    text = python_config_text(
+        "warm_py", **io, max_batch_size=8, dynamic_batching=True, instance_count=2
+    )
+    write_python_model(root, "warm_py", PY_SOURCE, text + _py_warmup("random_data: true"))
+    text = python_config_text("warm_py_fails", **io, max_batch_size=8, dynamic_batching=True)
+    write_python_model(root, "warm_py_fails", PY_SOURCE, text + _py_warmup("zero_data: true"))
+    text = python_config_text("warm_py_decoupled", **io, max_batch_size=0, decoupled=True)
+    warmup = _py_warmup("random_data: true").replace("batch_size: 2", "batch_size: 1")
+    write_python_model(root, "warm_py_decoupled", PY_SOURCE, text + warmup)
+
+
 @pytest.fixture(scope="module")
 def warm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     root = tmp_path_factory.mktemp("warmup_repository")
@@ -80,6 +123,7 @@ model_warmup [ { name: "zeros" batch_size: 2
   inputs { key: "INPUT__0" value: { data_type: TYPE_FP32 dims: [ 3 ] zero_data: true } } } ]
 """
     )
+    _python_models(root)
     with stack_retrying(root) as s:
         yield s
 
@@ -126,3 +170,22 @@ def test_a_warmup_file_of_the_wrong_size_fails_the_load(warm_stack: RunningStack
     assert not warm_stack.client().is_model_ready("warm_short_file")
     reason = _reason(warm_stack, "warm_short_file")
     assert "warmup 'short' input 'INPUT1'" in reason and "needs 64 bytes, got 2" in reason
+
+
+def test_python_models_warm_up_on_every_instance(warm_stack: RunningStack) -> None:
+    c = warm_stack.client()
+    assert c.is_model_ready("warm_py")
+    st = _stats(warm_stack, "warm_py")
+    # 2 instances x count 2 x batch_size 2
+    assert st.inference_count == 8 and st.execution_count == 4
+
+
+def test_a_python_warmup_answered_with_an_error_fails_the_load(warm_stack: RunningStack) -> None:
+    assert not warm_stack.client().is_model_ready("warm_py_fails")
+    reason = _reason(warm_stack, "warm_py_fails")
+    assert "warmup 'w' failed: no zeros" in reason
+
+
+def test_a_decoupled_python_model_with_warmup_fails_the_load(warm_stack: RunningStack) -> None:
+    assert not warm_stack.client().is_model_ready("warm_py_decoupled")
+    assert "model_warmup is not supported for decoupled" in _reason(warm_stack, "warm_py_decoupled")

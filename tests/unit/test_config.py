@@ -169,11 +169,22 @@ def test_tensor_spec_matches(dims, shape, ok):
 
 @pytest.mark.parametrize(
     "platform,backend",
-    [("tensorrt_plan", ""), ("", "python"), ("", "")],
+    [("tensorrt_plan", ""), ("", "tensorflow"), ("", "")],
 )
 def test_unsupported_platform(platform, backend):
     body = f'backend: "{backend}"\n' if backend else ""
     refused(body, "not supported", "'m'", platform=platform)
+
+
+def test_python_backend_model():
+    s = spec('backend: "python"\nmodel_transaction_policy { decoupled: true }\n', platform="")
+    assert (s.backend, s.platform, s.model_filename, s.decoupled) == (
+        "python",
+        "python",
+        "model.py",
+        True,
+    )
+    refused("model_transaction_policy { decoupled: true }\n", "decoupled")  # ONNX: refused
 
 
 def test_negative_max_batch_size():

@@ -18,6 +18,7 @@ from stageserve.tensors import numpy_to_raw, raw_to_numpy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+PYTHON_MODELS = {"py_preprocess", "py_bls", "py_stream"}  # model.py (Python backend)
 EXPECTED_MODELS = {
     "simple",
     "simple_nobatch",
@@ -28,11 +29,19 @@ EXPECTED_MODELS = {
     "preprocess",
     "ensemble_mlp",
     *(f"identity_{d.lower()}" for d in examples.ALL_DATATYPES),
+    *PYTHON_MODELS,
+    "ensemble_py_mlp",
     "torch_mlp",  # TorchScript (stageserve.torch_examples; torch is a test dependency)
     "torch_two_io",
 }
 # Ensembles have a config and an empty version folder, no model file.
-ONNX_MODELS = EXPECTED_MODELS - {"ensemble_mlp", "torch_mlp", "torch_two_io"}
+ONNX_MODELS = EXPECTED_MODELS - {
+    "ensemble_mlp",
+    "ensemble_py_mlp",
+    *PYTHON_MODELS,
+    "torch_mlp",
+    "torch_two_io",
+}
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +66,11 @@ def test_layout(repo: Path) -> None:
     for name in ONNX_MODELS:
         assert (repo / name / "config.pbtxt").is_file()
         assert _model(repo, name).is_file()
+    for name in PYTHON_MODELS:
+        assert (repo / name / "1" / "model.py").is_file()
+        assert to_spec(parse_config_text((repo / name / "config.pbtxt").read_text())).backend == (
+            "python"
+        )
     everything = "BOOL UINT8 UINT16 UINT32 UINT64 INT8 INT16 INT32 INT64 FP16 FP32 FP64 BF16 BYTES"
     assert tuple(everything.split()) == examples.ALL_DATATYPES
 

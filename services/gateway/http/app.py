@@ -11,12 +11,13 @@ unexpected a 500 with a short message and a log line.
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -75,14 +76,21 @@ def http_status(code: grpc.StatusCode) -> int:
 
 
 class Response:
-    __slots__ = ("status", "body", "headers")
+    """`stream`, when set, is the body sent chunk by chunk (Server-Sent Events)."""
+
+    __slots__ = ("status", "body", "headers", "stream")
 
     def __init__(
-        self, status: int = 200, body: bytes = b"", headers: list[tuple[bytes, bytes]] = ()
+        self,
+        status: int = 200,
+        body: bytes = b"",
+        headers: list[tuple[bytes, bytes]] = (),
+        stream: AsyncIterator[bytes] | None = None,
     ) -> None:
         self.status = status
         self.body = body
         self.headers = list(headers)
+        self.stream = stream
 
 
 def json_response(doc: Any, status: int = 200) -> Response:
@@ -132,10 +140,26 @@ class HttpFront:
         parts = [p for p in scope["path"].split("/") if p]
         request = Request(scope["method"], parts, dict(scope["headers"]), body)
         endpoint, response = await self._dispatch(request)
-        headers = [(b"content-length", str(len(response.body)).encode()), *response.headers]
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        await send({"type": "http.response.body", "body": response.body})
+        if response.stream is not None:
+            await self._send_stream(response, send)
+        else:
+            headers = [(b"content-length", str(len(response.body)).encode()), *response.headers]
+            start_msg = {"type": "http.response.start", "status": response.status}
+            await send({**start_msg, "headers": headers})
+            await send({"type": "http.response.body", "body": response.body})
         self._timer(endpoint, response.status).observe(time.perf_counter() - start)
+
+    @staticmethod
+    async def _send_stream(response: Response, send) -> None:
+        assert response.stream is not None
+        start = {"type": "http.response.start", "status": response.status}
+        await send({**start, "headers": response.headers})
+        try:
+            async for chunk in response.stream:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            await response.stream.aclose()  # type: ignore[attr-defined]
+        await send({"type": "http.response.body", "body": b""})
 
     def _timer(self, endpoint: str, status: int):
         timer = self._timers.get((endpoint, status))
@@ -257,6 +281,8 @@ class HttpFront:
         header_length = _header_length(request.headers)
         body = _decompressed(request)
         parsed = codec.parse_infer(body, header_length, model, version)
+        if self.dp.is_decoupled(parsed.request.model_name):  # as Triton's HTTP front
+            raise invalid("HTTP end point doesn't support models with decoupled transaction policy")
         result = await self.dp.infer(parsed.request, parsed.raw)
         body, json_length = codec.encode_infer(result, parsed)
         if json_length is None:
@@ -277,21 +303,76 @@ class HttpFront:
         return Response(200, body, headers)
 
     async def generate(self, request: Request, model: str, version: str) -> Response:
-        """Triton's generate extension for a non-decoupled model: one response."""
+        """Triton's generate extension: one response. A decoupled model may
+        answer it when it sends exactly one response (generate_stream otherwise)."""
         entry, _ = self.dp.models.resolve(model, version)
         assert entry.spec is not None
         infer = codec.parse_generate(request.body, entry.spec, version)
-        return json_response(codec.encode_generate(await self.dp.infer(infer)))
+        sent: list[gs.ModelStreamInferResponse] = []
+        stream = self.dp.decoupled_stream(infer, sent.append)
+        response = await self.dp.infer(infer, stream=stream)
+        final = gs.ModelStreamInferResponse(infer_response=response)
+        if stream is not None and (last := stream.last(final)) is not None:
+            sent.append(last)
+        elif stream is None:
+            sent.append(final)
+        for message in sent:
+            if message.error_message:
+                raise invalid(message.error_message)
+        if len(sent) != 1:
+            raise invalid(
+                f"generate expects one response from model '{entry.name}', which sent "
+                f"{len(sent)}: use generate_stream for a decoupled model's responses"
+            )
+        return json_response(codec.encode_generate(sent[0].infer_response))
 
     async def generate_stream(self, request: Request, model: str, version: str) -> Response:
-        """The same as one Server-Sent Event: a non-decoupled model answers once.
-        (Decoupled models, with several events, come with another change.)"""
+        """Server-Sent Events, one per response: one for a non-decoupled model,
+        each of a decoupled model's responses as it arrives. An error before
+        the first event is an HTTP error; after it, an event {"error": ...}."""
         entry, _ = self.dp.models.resolve(model, version)
         assert entry.spec is not None
         infer = codec.parse_generate(request.body, entry.spec, version)
-        doc = codec.encode_generate(await self.dp.infer(infer))
-        body = b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
-        return Response(200, body, [(b"content-type", b"text/event-stream; charset=utf-8")])
+        events: asyncio.Queue[gs.ModelStreamInferResponse | StageError | None] = asyncio.Queue()
+        stream = self.dp.decoupled_stream(infer, events.put_nowait)
+
+        async def run() -> None:
+            try:
+                out = gs.ModelStreamInferResponse(
+                    infer_response=await self.dp.infer(infer, stream=stream)
+                )
+                if stream is None or (out := stream.last(out)) is not None:
+                    events.put_nowait(out)
+            except StageError as err:
+                events.put_nowait(err)
+            except Exception as exc:
+                log.exception(
+                    "unexpected error", extra={"endpoint": "generate_stream", "error": repr(exc)}
+                )
+                events.put_nowait(
+                    StageError(grpc.StatusCode.INTERNAL, "internal error in generate_stream")
+                )
+            finally:
+                events.put_nowait(None)
+
+        task = asyncio.create_task(run())
+        first = await events.get()
+        if isinstance(first, StageError):
+            await task
+            raise first
+
+        async def body() -> AsyncIterator[bytes]:
+            item = first
+            try:
+                while item is not None:
+                    yield _sse_event(item)
+                    item = await events.get()
+            finally:
+                if not task.done():
+                    task.cancel()
+
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
+        return Response(200, headers=headers, stream=body())
 
     # ------------------------------------------------------------- repository
 
@@ -338,6 +419,16 @@ class HttpFront:
 
     async def unsupported(self, request: Request) -> Response:
         raise unsupported_error(request.parts[1])
+
+
+def _sse_event(item: gs.ModelStreamInferResponse | StageError) -> bytes:
+    if isinstance(item, StageError):
+        doc: dict[str, Any] = {"error": item.message}
+    elif item.error_message:
+        doc = {"error": item.error_message}
+    else:
+        doc = codec.encode_generate(item.infer_response)
+    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
 
 
 def unsupported_error(what: str) -> StageError:

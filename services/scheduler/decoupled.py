@@ -1,0 +1,91 @@
+"""A decoupled model's responses, forwarded per request as the worker sends them.
+
+A decoupled (Python) model answers each request of a batch with any number of
+responses and then a final flag, possibly after execute returned. The worker
+streams them as `ExecuteResponse(more=true, parts=...)`; each becomes a
+ScheduleResponse for its request at once, `more` set until that request's
+final one. Whatever the batch's outcome, every request gets exactly one
+final answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from stageserve.errors import StageError
+from stageserve.generated import stageserve_pb2 as pb
+
+
+class _Queued(Protocol):
+    msg: pb.ScheduleRequest
+    enqueue_ns: int
+
+    def respond(self, response: pb.ScheduleResponse) -> None: ...
+
+
+def _respond(q: _Queued, response: pb.ScheduleResponse) -> None:
+    q.respond(response)
+
+
+class DecoupledBatch:
+    """`deliver` sends each request's final answer (the queue's, which keeps
+    preserve_ordering); earlier responses go straight to the request."""
+
+    def __init__(
+        self,
+        batch: Sequence[_Queued],
+        compute_start_ns: int,
+        total: int,
+        deliver: Callable[[_Queued, pb.ScheduleResponse], None] = _respond,
+    ) -> None:
+        self.batch = batch
+        self.deliver = deliver
+        self.compute_start_ns = compute_start_ns
+        self.total = total
+        self.finished: set[int] = set()
+        self.sent_any = False
+
+    def on_part(self, resp: pb.ExecuteResponse) -> None:
+        for part in resp.parts:
+            index = part.request_index
+            if index >= len(self.batch) or index in self.finished:
+                continue
+            q = self.batch[index]
+            out = pb.ScheduleResponse(
+                id=q.msg.id, more=not part.final, no_response=not part.has_response
+            )
+            if part.has_response and part.response.code:
+                out.code, out.message = part.response.code, part.response.message
+            elif part.has_response:
+                out.outputs.extend(part.response.outputs)
+            if part.final:
+                self.finished.add(index)
+                out.timing.CopyFrom(self._timing(index))
+                out.timing.compute_infer_ns = part.compute_infer_ns
+            self.sent_any = True
+            if part.final:
+                self.deliver(q, out)
+            else:
+                q.respond(out)
+
+    def finish(self, err: StageError | None) -> None:
+        """The batch ended: requests still open get the error (or an empty final)."""
+        for index, q in enumerate(self.batch):
+            if index in self.finished:
+                continue
+            self.finished.add(index)
+            out = pb.ScheduleResponse(id=q.msg.id, timing=self._timing(index))
+            if err is not None:
+                out.code, out.message = err.code.value[0], err.message
+            else:
+                out.no_response = True
+            self.deliver(q, out)
+
+    def _timing(self, index: int) -> pb.Timing:
+        q = self.batch[index]
+        return pb.Timing(
+            queue_ns=self.compute_start_ns - q.enqueue_ns,
+            batch_size=self.total,
+            batch_leader=index == 0,
+        )

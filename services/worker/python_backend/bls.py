@@ -1,0 +1,213 @@
+"""BLS: `pb_utils.InferenceRequest(...).exec()` from inside a model's execute.
+
+A BLS request goes through the stack's scheduler like any client request
+(dynamic batching, rate limiting, queue policies and ensembles apply), over
+the gateway's own SchedulerLink client: one multiplexed stream per worker.
+It is validated by the gateway's pure validation (the same errors a client
+would get), and a failure comes back as `response.has_error()` /
+`response.error()`, never raised, as in Triton. BLS requests count in the
+target's ModelStatistics (and Triton's metrics), as in Triton: the worker
+publishes its share to Redis like one more gateway.
+
+`exec()` runs on the calling instance's thread and waits there; the stream
+lives on the worker's event loop, which is why Python instances never run
+inline on that loop. `async_exec()` awaits from the instance's own loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from services.gateway.recorder import RequestRecorder
+from services.gateway.scheduler_link import SchedulerLink
+from services.gateway.shared_stats import SharedStats
+from services.gateway.statistics import StatsBook
+from services.gateway.validation import validate_infer
+from stageserve import pb_utils
+from stageserve.datatypes import from_numpy
+from stageserve.errors import StageError, code_from_int
+from stageserve.generated import grpc_service_pb2 as gs
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.model_state import LoadedModel, ModelStateStore
+from stageserve.settings import WORKER
+from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
+
+# grpc.StatusCode value -> pb_utils.TritonError code (the inverse of Triton's mapping).
+_TRITON_CODES = {
+    2: pb_utils.TritonError.UNKNOWN,
+    13: pb_utils.TritonError.INTERNAL,
+    5: pb_utils.TritonError.NOT_FOUND,
+    3: pb_utils.TritonError.INVALID_ARG,
+    14: pb_utils.TritonError.UNAVAILABLE,
+    12: pb_utils.TritonError.UNSUPPORTED,
+    6: pb_utils.TritonError.ALREADY_EXISTS,
+    1: pb_utils.TritonError.CANCELLED,
+}
+
+
+def _error(code: int, message: str) -> pb_utils.InferenceResponse:
+    return pb_utils.InferenceResponse(
+        error=pb_utils.TritonError(message, _TRITON_CODES.get(code, pb_utils.TritonError.INTERNAL))
+    )
+
+
+class BlsClient:
+    def __init__(
+        self, scheduler_address: str, state: ModelStateStore, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.link = SchedulerLink(scheduler_address)
+        self.state = state
+        self.loop = loop
+        self._models: dict[str, tuple[float, LoadedModel | None]] = {}
+        # BLS requests count in their target's ModelStatistics, as in Triton:
+        # this worker publishes its share like one more gateway (shared_stats.py).
+        self.stats = StatsBook(self._generation_of)
+        self.recorder = RequestRecorder(self.stats)
+        self.shared = SharedStats(state.redis, self.stats)
+        self.shared.start()
+
+    def _generation_of(self, model: str) -> int:
+        cached = self._models.get(model)
+        return cached[1].generation if cached is not None and cached[1] is not None else 0
+
+    # Called by pb_utils.InferenceRequest ------------------------------------
+
+    def execute(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
+        future = asyncio.run_coroutine_threadsafe(self.infer(request, decoupled), self.loop)
+        return self._shape(future.result(), decoupled)
+
+    async def execute_async(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
+        future = asyncio.run_coroutine_threadsafe(self.infer(request, decoupled), self.loop)
+        return self._shape(await asyncio.wrap_future(future), decoupled)
+
+    @staticmethod
+    def _shape(responses: list[pb_utils.InferenceResponse], decoupled: bool) -> Any:
+        # exec(decoupled=True) gives an iterator of every response (collected
+        # before it returns: not streamed into the caller yet), else the one.
+        return iter(responses) if decoupled else responses[0]
+
+    # On the worker's loop ----------------------------------------------------
+
+    async def infer(
+        self, request: pb_utils.InferenceRequest, decoupled: bool = False
+    ) -> list[pb_utils.InferenceResponse]:
+        """The target's responses: one, or (a decoupled target) each it sent,
+        the final flag alone becoming an empty response, as in Triton."""
+        try:
+            loaded = await self._model(request.model_name())
+            if loaded is None:
+                return [
+                    _error(5, f"Request for unknown model: '{request.model_name()}' is not found")
+                ]
+            if loaded.spec.decoupled and not decoupled:
+                return [
+                    _error(
+                        3,
+                        f"model '{request.model_name()}' is decoupled: "
+                        f"use exec(decoupled=True) / async_exec(decoupled=True)",
+                    )
+                ]
+            schedule = self._schedule_request(request, loaded)
+        except StageError as err:
+            return [_error(err.code.value[0], err.message)]
+        start = time.monotonic_ns()
+        earlier: list[pb.ScheduleResponse] = []
+        try:
+            resp = await self.link.schedule(schedule, on_more=earlier.append)
+        except StageError as err:
+            resp = pb.ScheduleResponse(code=err.code.value[0], message=err.message)
+        self._record(schedule, resp, time.monotonic_ns() - start)
+        return [self._response(request, r) for r in (*earlier, resp)]
+
+    @staticmethod
+    def _response(
+        request: pb_utils.InferenceRequest, resp: pb.ScheduleResponse
+    ) -> pb_utils.InferenceResponse:
+        if resp.code:
+            return _error(resp.code, resp.message)
+        try:
+            outputs = [
+                pb_utils.Tensor(t.name, raw_to_numpy(t.raw, t.datatype, t.shape))
+                for t in resp.outputs
+            ]
+        except TensorError as exc:
+            return _error(13, f"BLS response from '{request.model_name()}': {exc}")
+        return pb_utils.InferenceResponse(outputs)
+
+    def _record(self, request: pb.ScheduleRequest, resp: pb.ScheduleResponse, ns: int) -> None:
+        for st in resp.steps:  # an ensemble's composing executions
+            if st.failed:
+                self.recorder.failure(
+                    st.model, st.version, st.duration_ns, code_from_int(st.code), st.message
+                )
+            else:
+                self.recorder.success(
+                    st.model, st.version, st.duration_ns, st.batch_size, st.timing
+                )
+        if resp.code:
+            self.recorder.failure(
+                request.model, request.version, ns, code_from_int(resp.code), resp.message
+            )
+        else:
+            self.recorder.success(
+                request.model, request.version, ns, request.batch_size, resp.timing
+            )
+
+    def _schedule_request(
+        self, request: pb_utils.InferenceRequest, loaded: LoadedModel
+    ) -> pb.ScheduleRequest:
+        name = request.model_name()
+        version = request.model_version()
+        if version <= 0:
+            version = max(loaded.versions)
+        elif version not in loaded.versions:
+            raise StageError(
+                code_from_int(5),
+                f"Request for unknown model: '{name}' version {version} is not found",
+            )
+        infer = gs.ModelInferRequest(model_name=name, id=request.request_id())
+        for tensor in request.inputs():
+            arr = tensor.as_numpy()
+            try:
+                dt = from_numpy(arr.dtype)
+            except KeyError as exc:
+                raise StageError(code_from_int(3), str(exc)) from None
+            infer.inputs.add(name=tensor.name(), datatype=dt.triton, shape=list(arr.shape))
+            infer.raw_input_contents.append(numpy_to_raw(arr, dt))
+        for output in request.requested_output_names():
+            infer.outputs.add(name=output)
+        validated = validate_infer(infer, loaded.spec)
+        return pb.ScheduleRequest(
+            model=name,
+            version=version,
+            inputs=validated.inputs,
+            outputs=validated.outputs,
+            batch_size=validated.batch_size,
+            priority=validated.priority,
+            timeout_us=request.timeout() or validated.timeout_us,
+            config_generation=loaded.generation,
+            request_id=request.request_id(),
+            parameters_json=request.parameters() if request.parameters() != "{}" else "",
+        )
+
+    async def _model(self, name: str) -> LoadedModel | None:
+        cached = self._models.get(name)
+        now = time.monotonic()
+        if cached is not None and now - cached[0] < WORKER.bls_model_cache_s:
+            return cached[1]
+        loaded = await self.state.get(name)
+        self._models[name] = (now, loaded)
+        return loaded
+
+    async def close(self) -> None:
+        await self.shared.close()
+        await self.link.close()
+
+
+def install(scheduler_address: str, state: ModelStateStore) -> BlsClient:
+    """Make pb_utils.InferenceRequest.exec() reach this stack's scheduler (on the running loop)."""
+    client = BlsClient(scheduler_address, state, asyncio.get_running_loop())
+    pb_utils.InferenceRequest._bls = client
+    return client

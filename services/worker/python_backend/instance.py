@@ -1,0 +1,377 @@
+"""One instance of a Triton Python-backend model, executing in the worker process.
+
+The scheduler sends a formed batch (inputs concatenated); Triton's Python
+backend hands `execute` a LIST of requests, each with its own tensors, so the
+batch is split back per request here and the model's per-request responses
+become the batch's per-request results. Errors follow Triton 2.51 (checked
+against it): an exception in execute fails every request of the batch with
+INTERNAL "Failed to process the request(s) for model '<instance>', message:
+<Type>: <text>" (Triton appends the traceback location; we leave it out, it
+names server files); a response's TritonError fails that request alone with
+the error's code; a wrong number of responses fails the batch. The instance
+keeps serving after any of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from services.worker.python_backend.loader import ModelImportError, import_model_file
+from stageserve import pb_utils
+from stageserve.config import ModelSpec
+from stageserve.datatypes import from_numpy
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
+
+log = logging.getLogger(__name__)
+
+INTERNAL = 13  # grpc.StatusCode.INTERNAL
+# pb_utils.TritonError codes -> grpc.StatusCode values (Triton's mapping).
+_CODES = {
+    pb_utils.TritonError.UNKNOWN: 2,
+    pb_utils.TritonError.INTERNAL: 13,
+    pb_utils.TritonError.NOT_FOUND: 5,
+    pb_utils.TritonError.INVALID_ARG: 3,
+    pb_utils.TritonError.UNAVAILABLE: 14,
+    pb_utils.TritonError.UNSUPPORTED: 12,
+    pb_utils.TritonError.ALREADY_EXISTS: 6,
+    pb_utils.TritonError.CANCELLED: 1,
+}
+
+#: emit(part_message): sends a decoupled model's responses as they are made.
+Emit = Callable[[pb.ExecuteResponse], None]
+
+
+class PythonModelError(Exception):
+    """initialize (or the import) failed: the model does not load."""
+
+
+def grpc_code(error: pb_utils.TritonError) -> int:
+    return _CODES.get(error.code(), INTERNAL)
+
+
+class PythonInstance:
+    def __init__(
+        self,
+        model_file: Path,
+        spec: ModelSpec,
+        config_json: str,
+        *,
+        instance_name: str,
+        kind: str,
+        device_id: int,
+        version: int,
+    ) -> None:
+        self.spec = spec
+        self.instance_name = instance_name
+        self.decoupled = spec.decoupled
+        try:
+            module = import_model_file(model_file)
+        except ModelImportError as exc:
+            raise PythonModelError(str(exc)) from exc
+        try:
+            self.model = module.TritonPythonModel()
+        except Exception as exc:
+            raise PythonModelError(
+                f"Failed to create TritonPythonModel of '{instance_name}': "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if not callable(getattr(self.model, "execute", None)):
+            raise PythonModelError(
+                f"TritonPythonModel of model '{spec.name}' ({model_file}) has no execute method"
+            )
+        self.is_async = inspect.iscoroutinefunction(self.model.execute)
+        # An `async def execute` runs on this instance's own loop, on the
+        # instance's thread: awaiting BLS (async_exec) never blocks other instances.
+        self._loop = asyncio.new_event_loop() if self.is_async else None
+        args = {
+            "model_config": config_json,
+            "model_instance_kind": "GPU" if kind == "KIND_GPU" else "CPU",
+            "model_instance_name": instance_name,
+            "model_instance_device_id": str(max(device_id, 0)),
+            "model_repository": str(model_file.parent.parent),
+            "model_version": str(version),
+            "model_name": spec.name,
+        }
+        initialize = getattr(self.model, "initialize", None)
+        if initialize is not None:
+            try:
+                initialize(args)
+            except Exception as exc:
+                raise PythonModelError(
+                    f"Failed to initialize model '{instance_name}': {type(exc).__name__}: {exc}"
+                ) from exc
+
+    # ---------------------------------------------------------------- execute
+
+    def execute_batch(self, request: pb.ExecuteRequest, emit: Emit | None) -> pb.ExecuteResponse:
+        t0 = time.monotonic_ns()
+        try:
+            requests = self._requests(request)
+        except TensorError as exc:
+            return _failed(INTERNAL, f"bad input tensor for model '{self.spec.name}': {exc}")
+        senders = _Senders(len(requests), emit, self) if self.decoupled else None
+        if senders is not None:
+            for i, req in enumerate(requests):
+                req._sender = pb_utils.InferenceResponseSender(senders.emitter(i, req))
+        t1 = time.monotonic_ns()
+        try:
+            responses = self._call_execute(requests)
+        except Exception as exc:  # the model's own failure: this batch fails, the model serves on
+            message = (
+                f"Failed to process the request(s) for model '{self.instance_name}', "
+                f"message: {type(exc).__name__}: {exc}"
+            )
+            log.warning(
+                "python model execute raised",
+                extra={"instance": self.instance_name, "error": message},
+            )
+            if senders is not None:
+                senders.fail_unfinished(message)
+            return _failed(INTERNAL, message)
+        t2 = time.monotonic_ns()
+        if senders is not None:
+            return self._finish_decoupled(senders, responses, t0, t1, t2)
+        out = self._collect(request, requests, responses)
+        t3 = time.monotonic_ns()
+        out.compute_input_ns, out.compute_infer_ns, out.compute_output_ns = (
+            t1 - t0,
+            t2 - t1,
+            t3 - t2,
+        )
+        return out
+
+    def _call_execute(self, requests: list[pb_utils.InferenceRequest]) -> Any:
+        if self._loop is not None:
+            return self._loop.run_until_complete(self.model.execute(requests))
+        return self.model.execute(requests)
+
+    def _finish_decoupled(
+        self, senders: _Senders, responses: Any, t0: int, t1: int, t2: int
+    ) -> pb.ExecuteResponse:
+        if responses is not None:  # Triton 2.51 answers this the same way
+            senders.fail_unfinished(
+                f"Failed to process the request(s) for model '{self.instance_name}', message: "
+                f"Python model '{self.instance_name}' is using the decoupled mode and the "
+                f"execute function must return None."
+            )
+        senders.wait_all_final()  # responses may come from the model's own threads
+        out = pb.ExecuteResponse()
+        out.compute_input_ns, out.compute_infer_ns = t1 - t0, t2 - t1
+        out.compute_output_ns = time.monotonic_ns() - t2
+        return out
+
+    def _requests(self, request: pb.ExecuteRequest) -> list[pb_utils.InferenceRequest]:
+        """Split the formed batch back into the requests it was made of."""
+        sizes = list(request.request_batch_sizes)
+        ragged = {r.input: r for r in request.ragged_shapes}
+        per_request: list[list[pb_utils.Tensor]] = [[] for _ in sizes]
+        for t in request.inputs:
+            arr = raw_to_numpy(t.raw, t.datatype, t.shape)
+            if t.name in ragged:
+                pieces = _split_ragged(arr, ragged[t.name], len(sizes))
+            elif len(sizes) == 1:
+                pieces = [arr]
+            else:
+                pieces = np.split(arr, np.cumsum(sizes)[:-1])
+            for i, piece in enumerate(pieces):
+                per_request[i].append(pb_utils.Tensor(t.name, piece))
+        infos = list(request.request_info)
+        out = []
+        for i, tensors in enumerate(per_request):
+            info = infos[i] if i < len(infos) else pb.RequestInfo()
+            out.append(
+                pb_utils.InferenceRequest(
+                    model_name=self.spec.name,
+                    requested_output_names=list(request.requested[i].names)
+                    or [o.name for o in self.spec.outputs],
+                    inputs=tensors,
+                    correlation_id=info.correlation_id_str or info.correlation_id,
+                    request_id=info.request_id,
+                    flags=info.flags,
+                    parameters=info.parameters_json or None,
+                )
+            )
+        return out
+
+    def _collect(
+        self,
+        request: pb.ExecuteRequest,
+        requests: list[pb_utils.InferenceRequest],
+        responses: Any,
+    ) -> pb.ExecuteResponse:
+        if not isinstance(responses, list | tuple) or len(responses) != len(requests):
+            got = len(responses) if isinstance(responses, list | tuple) else 0
+            return _failed(
+                INTERNAL,
+                f"Failed to process the request(s) for model '{self.instance_name}', message: "
+                f"Number of InferenceResponse objects do not match the number of "
+                f"InferenceRequest objects. InferenceRequest(s) size is:{len(requests)}, and "
+                f"InferenceResponse(s) size is:{got}",
+            )
+        out = pb.ExecuteResponse()
+        for req, resp in zip(requests, responses, strict=True):
+            out.results.append(self.request_outputs(req, resp))
+        return out
+
+    def request_outputs(self, req: pb_utils.InferenceRequest, resp: Any) -> pb.RequestOutputs:
+        """One response as the request's outputs (only those it asked for), or its error."""
+        if not isinstance(resp, pb_utils.InferenceResponse):
+            return pb.RequestOutputs(
+                code=INTERNAL,
+                message=f"model '{self.spec.name}' returned {type(resp).__name__}, "
+                f"not an InferenceResponse",
+            )
+        if resp.has_error():
+            error = resp.error()
+            assert error is not None
+            return pb.RequestOutputs(code=grpc_code(error), message=error.message())
+        wanted = set(req.requested_output_names())
+        result = pb.RequestOutputs()
+        for tensor in resp.output_tensors():
+            if tensor.name() not in wanted:
+                continue
+            try:
+                result.outputs.append(self._tensor(tensor))
+            except (TensorError, KeyError, ValueError) as exc:
+                return pb.RequestOutputs(
+                    code=INTERNAL,
+                    message=f"model '{self.spec.name}' output '{tensor.name()}': {exc}",
+                )
+        return result
+
+    def _tensor(self, tensor: pb_utils.Tensor) -> pb.Tensor:
+        arr = tensor.as_numpy()
+        # Triton sends the tensor's own datatype, whatever the config declares
+        # (checked with 2.51); BF16 has no numpy type, so the config says it.
+        declared = self.spec.output(tensor.name())
+        dt = from_numpy(arr.dtype)
+        if declared is not None and declared.datatype.triton == "BF16":
+            dt = declared.datatype
+        return pb.Tensor(
+            name=tensor.name(),
+            datatype=dt.triton,
+            shape=list(arr.shape),
+            raw=numpy_to_raw(arr, dt),
+        )
+
+    # --------------------------------------------------------------- finalize
+
+    def close(self) -> None:
+        finalize = getattr(self.model, "finalize", None)
+        try:
+            if finalize is not None:
+                result = finalize()
+                if inspect.iscoroutine(result) and self._loop is not None:
+                    self._loop.run_until_complete(result)
+        except Exception as exc:
+            log.warning(
+                "python model finalize raised",
+                extra={"instance": self.instance_name, "error": f"{type(exc).__name__}: {exc}"},
+            )
+        finally:
+            if self._loop is not None:
+                self._loop.close()
+
+
+class _Senders:
+    """The response senders of one decoupled batch: parts go out as sent, and
+    the batch ends once every request has had its final flag."""
+
+    def __init__(self, count: int, emit: Emit | None, instance: PythonInstance) -> None:
+        self._emit = emit
+        self._instance = instance
+        self._unfinished = set(range(count))
+        self._done = threading.Condition()
+        self._start_ns = time.monotonic_ns()  # a request's compute time ends at its final
+
+    def emitter(
+        self, index: int, req: pb_utils.InferenceRequest
+    ) -> Callable[[pb_utils.InferenceResponse | None, bool], None]:
+        def emit(response: pb_utils.InferenceResponse | None, final: bool) -> None:
+            part = pb.DecoupledPart(request_index=index, final=final)
+            if response is not None:
+                part.has_response = True
+                part.response.CopyFrom(self._instance.request_outputs(req, response))
+            self._send(part)
+
+        return emit
+
+    def _send(self, part: pb.DecoupledPart) -> None:
+        with self._done:
+            if part.request_index not in self._unfinished:
+                return
+            if part.final:
+                self._unfinished.discard(part.request_index)
+                part.compute_infer_ns = time.monotonic_ns() - self._start_ns
+                self._done.notify_all()
+        if self._emit is not None:
+            self._emit(pb.ExecuteResponse(parts=[part], more=True))
+
+    def fail_unfinished(self, message: str) -> None:
+        with self._done:
+            pending = sorted(self._unfinished)
+        for index in pending:
+            self._send(
+                pb.DecoupledPart(
+                    request_index=index,
+                    has_response=True,
+                    response=pb.RequestOutputs(code=INTERNAL, message=message),
+                    final=True,
+                )
+            )
+
+    def wait_all_final(self) -> None:
+        with self._done:
+            self._done.wait_for(lambda: not self._unfinished)
+
+
+def _split_ragged(arr: np.ndarray, shapes: pb.RaggedShapes, requests: int) -> list[np.ndarray]:
+    rank = int(shapes.rank)
+    dims = list(shapes.dims)
+    out, offset = [], 0
+    for i in range(requests):
+        shape = tuple(dims[i * rank : (i + 1) * rank])
+        count = math.prod(shape)
+        out.append(arr[offset : offset + count].reshape(shape))
+        offset += count
+    return out
+
+
+def _failed(code: int, message: str) -> pb.ExecuteResponse:
+    return pb.ExecuteResponse(code=code, message=message)
+
+
+def config_json(config: Any) -> str:
+    """A ModelConfig proto as the JSON Triton gives `initialize`: field names as
+    in config.pbtxt, every field present (defaults too), 64-bit integers as
+    numbers (protobuf's JSON writes them as strings)."""
+    from google.protobuf import json_format
+
+    as_dict = json_format.MessageToDict(
+        config, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    return json.dumps(_int64_numbers(as_dict))
+
+
+def _int64_numbers(value: Any, key: str = "") -> Any:
+    if isinstance(value, dict):
+        return {k: _int64_numbers(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_int64_numbers(v, key) for v in value]
+    if key == "string_value":  # a parameter's text stays text
+        return value
+    if isinstance(value, str) and value.lstrip("-").isdigit():
+        return int(value)
+    return value

@@ -1,0 +1,57 @@
+"""services/scheduler/decoupled.py: a decoupled batch's responses per request;
+finals through the queue's `deliver` (preserve_ordering), earlier ones direct."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.scheduler.decoupled import DecoupledBatch
+from stageserve.errors import StageError
+from stageserve.generated import stageserve_pb2 as pb
+
+
+@dataclass
+class _Q:
+    id: int
+    enqueue_ns: int = 0
+    got: list[pb.ScheduleResponse] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.msg = pb.ScheduleRequest(id=self.id)
+
+    def respond(self, response: pb.ScheduleResponse) -> None:
+        self.got.append(response)
+
+
+def _part(index: int, final: bool, value: bytes = b"", has_response: bool = True):
+    part = pb.DecoupledPart(request_index=index, final=final, has_response=has_response)
+    if has_response:
+        part.response.outputs.add(name="OUT", raw=value)
+    return part
+
+
+def test_finals_go_through_deliver_and_earlier_responses_straight() -> None:
+    batch = [_Q(1), _Q(2)]
+    delivered: list[tuple[int, pb.ScheduleResponse]] = []
+    db = DecoupledBatch(batch, 10, 2, lambda q, r: delivered.append((q.msg.id, r)))
+    db.on_part(pb.ExecuteResponse(more=True, parts=[_part(0, False, b"a"), _part(1, False, b"b")]))
+    assert [r.more for r in batch[0].got] == [True] and [r.more for r in batch[1].got] == [True]
+    db.on_part(pb.ExecuteResponse(more=True, parts=[_part(1, True, b"c")]))
+    assert [(i, r.more, r.outputs[0].raw) for i, r in delivered] == [(2, False, b"c")]
+    db.finish(None)  # request 1 had no final: an empty one, through deliver
+    assert [(i, r.no_response) for i, r in delivered] == [(2, False), (1, True)]
+    assert len(batch[0].got) == 1 and len(batch[1].got) == 1
+    assert db.sent_any
+
+
+def test_finish_with_an_error_answers_the_open_requests_only() -> None:
+    batch = [_Q(1), _Q(2)]
+    db = DecoupledBatch(batch, 0, 2)  # default: straight to the request
+    db.on_part(pb.ExecuteResponse(more=True, parts=[_part(0, True, has_response=False)]))
+    db.finish(StageError(grpc.StatusCode.UNAVAILABLE, "worker gone"))
+    assert [(r.code, r.no_response) for r in batch[0].got] == [(0, True)]
+    assert [(r.code, r.message) for r in batch[1].got] == [
+        (grpc.StatusCode.UNAVAILABLE.value[0], "worker gone")
+    ]

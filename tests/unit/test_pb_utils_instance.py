@@ -1,0 +1,140 @@
+"""PythonInstance (the worker side of pb_utils) on its own: a formed batch
+split into requests, per-request results and errors, decoupled parts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.worker.python_backend.instance import (
+    PythonInstance,
+    PythonModelError,
+    config_json,
+)
+from stageserve.config import parse_config_text, to_spec
+from stageserve.examples import python_config_text
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.tensors import numpy_to_raw, raw_to_numpy
+
+SOURCE = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "IN").as_numpy()
+            if x.reshape(-1)[0] < 0:
+                out.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError("negative", pb_utils.TritonError.INVALID_ARG)))
+                continue
+            out.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("OUT", x * 2),
+                pb_utils.Tensor("ROWS", np.array([[x.shape[0]]] * x.shape[0], np.int32)),
+            ]))
+        return out if requests[0].request_id() != "short" else out[:-1]
+"""
+
+STREAM = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for r in requests:
+            sender = r.get_response_sender()
+            for i in range(2):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([i]))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+def _instance(tmp_path: Path, source: str, **config) -> PythonInstance:
+    text = python_config_text(
+        "m",
+        [("IN", "FP32", (2,))],
+        [("OUT", "FP32", (2,)), ("ROWS", "INT32", (1,))],
+        **config,
+    )
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "1" / "model.py").write_text(source)
+    config_proto = parse_config_text(text)
+    return PythonInstance(
+        tmp_path / "m" / "1" / "model.py",
+        to_spec(config_proto),
+        config_json(config_proto),
+        instance_name="m_0_0",
+        kind="KIND_CPU",
+        device_id=-1,
+        version=1,
+    )
+
+
+def _batch(parts: list[np.ndarray], outputs: list[list[str]], ids=None) -> pb.ExecuteRequest:
+    x = np.concatenate(parts)
+    req = pb.ExecuteRequest(request_batch_sizes=[len(p) for p in parts])
+    req.inputs.add(name="IN", datatype="FP32", shape=list(x.shape), raw=numpy_to_raw(x))
+    for i, names in enumerate(outputs):
+        req.requested.add(names=names)
+        req.request_info.add(request_id=(ids or [""] * len(parts))[i])
+    return req
+
+
+def test_batch_split_per_request(tmp_path: Path) -> None:
+    inst = _instance(tmp_path, SOURCE, max_batch_size=8)
+    a = np.ones((1, 2), np.float32)
+    b = np.full((3, 2), 2, np.float32)
+    c = np.full((1, 2), -1, np.float32)
+    resp = inst.execute_batch(_batch([a, b, c], [[], ["OUT"], []]), None)
+    assert resp.code == 0 and len(resp.results) == 3
+    first = {t.name: raw_to_numpy(t.raw, t.datatype, t.shape) for t in resp.results[0].outputs}
+    np.testing.assert_array_equal(first["OUT"], a * 2)
+    assert first["ROWS"].tolist() == [[1]]
+    second = resp.results[1].outputs
+    assert [t.name for t in second] == ["OUT"] and list(second[0].shape) == [3, 2]
+    assert (resp.results[2].code, resp.results[2].message) == (3, "negative")
+
+
+def test_wrong_number_of_responses(tmp_path: Path) -> None:
+    inst = _instance(tmp_path, SOURCE, max_batch_size=8)
+    a = np.ones((1, 2), np.float32)
+    resp = inst.execute_batch(_batch([a, a], [[], []], ids=["short", ""]), None)
+    assert resp.code == 13
+    assert "InferenceRequest(s) size is:2, and InferenceResponse(s) size is:1" in resp.message
+
+
+def test_decoupled_parts_then_end(tmp_path: Path) -> None:
+    inst = _instance(tmp_path, STREAM, max_batch_size=0, decoupled=True)
+    parts: list[pb.ExecuteResponse] = []
+    a = np.ones((2,), np.float32)
+    req = pb.ExecuteRequest(request_batch_sizes=[1])
+    req.inputs.add(name="IN", datatype="FP32", shape=[2], raw=numpy_to_raw(a))
+    req.requested.add()
+    resp = inst.execute_batch(req, parts.append)
+    assert resp.code == 0 and not resp.more
+    assert all(p.more for p in parts)
+    flat = [(q.request_index, q.has_response, q.final) for p in parts for q in p.parts]
+    assert flat == [(0, True, False), (0, True, False), (0, False, True)]
+
+
+def test_model_without_execute_does_not_load(tmp_path: Path) -> None:
+    with pytest.raises(PythonModelError, match="no execute method"):
+        _instance(tmp_path, "class TritonPythonModel:\n    pass\n", max_batch_size=0)
+
+
+def test_config_json_numbers_and_text() -> None:
+    text = python_config_text("m", [("IN", "FP32", (-1, 2))], [], max_batch_size=4)
+    text = text.replace("output [\n\n]", "") + (
+        'parameters { key: "k" value: { string_value: "5" } }\n'
+    )
+    config = json.loads(config_json(parse_config_text(text)))
+    assert config["input"][0]["dims"] == [-1, 2]
+    assert config["parameters"]["k"]["string_value"] == "5"
+    assert config["max_batch_size"] == 4 and config["backend"] == "python"

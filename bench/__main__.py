@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 
 from bench.perf_analyzer import PerfResult, find_perf_analyzer, run_perf
+from bench.profile import Recorder, format_profile
 from stageserve.examples import build_example_repository
 from stageserve.launcher import Stack, start_services
 
@@ -60,7 +61,15 @@ def _served(url: str, model: str) -> tuple[int, int]:
     )
 
 
+def _profile_targets(stack: Stack) -> list[tuple[str, int]]:
+    """(stage, pid) of every Python service (Redis is not a Python process)."""
+    return [(c.name, c.proc.pid) for c in stack.children if not c.name.startswith("redis")]
+
+
 def measure(url: str, stack: Stack, model: str, concurrency: int, args) -> Point:
+    recorder = Recorder(args.profile) if args.profile else None
+    if recorder is not None:
+        recorder.start(_profile_targets(stack), f"{model}-c{concurrency}")
     cpu_before = _cpu_seconds(stack)
     served_before, executions_before = _served(url, model)
     result = run_perf(
@@ -74,6 +83,9 @@ def measure(url: str, stack: Stack, model: str, concurrency: int, args) -> Point
     served_after, executions_after = _served(url, model)
     served = max(1, served_after - served_before)
     cpu_after = _cpu_seconds(stack)
+    if recorder is not None:
+        for profile in recorder.stop():
+            print(format_profile(profile), flush=True)
     per_request = {s: (cpu_after[s] - cpu_before[s]) / served * 1e6 for s in STAGES}
     return Point(result, per_request, served / max(1, executions_after - executions_before))
 
@@ -115,8 +127,19 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="extra perf_analyzer argument, repeatable (e.g. --perf-arg=--sequence-length=20)",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="py-spy every stage during each measurement (raw stacks into DIR) and print "
+        "where each spends its CPU (needs: pip install py-spy)",
+    )
     args = parser.parse_args(argv)
 
+    if args.profile and not Recorder.available():
+        print("py-spy is not installed: pip install py-spy", file=sys.stderr)
+        return 2
     if find_perf_analyzer() is None:
         print(
             "perf_analyzer is not installed: run scripts/install_perf_analyzer.sh", file=sys.stderr

@@ -1,0 +1,34 @@
+"""bench/profile.py: py-spy's collapsed stacks -> self time per frame and per area."""
+
+from bench.profile import area_of, format_profile, parse_collapsed
+
+RAW = [
+    "<module> (x.py:1);run (asyncio/base_events.py:600);_run (grpc/_cython/cygrpc.pyx:10) 30\n",
+    "<module> (x.py:1);infer (services/gateway/dataplane.py:120) 10\n",
+    "<module> (x.py:1);infer (services/gateway/dataplane.py:120);"
+    "SerializeToString (google/protobuf/message.py:5) 20\n",
+    "\n",
+    "garbage line without a count\n",
+]
+
+
+def test_self_samples_go_to_the_leaf_frame_and_its_area():
+    profile = parse_collapsed(RAW, "gateway")
+    assert profile.samples == 60
+    assert profile.self_frames["_run (grpc/_cython/cygrpc.pyx:10)"] == 30
+    assert profile.self_frames["infer (services/gateway/dataplane.py:120)"] == 10
+    assert profile.areas == {"grpc cython": 30, "protobuf": 20, "stageserve services": 10}
+
+
+def test_area_of_unknown_file_is_other():
+    assert area_of("f (/usr/lib/python3.11/threading.py:3)") == "other"
+    assert area_of("f (services/scheduler/model_queue.py:9)") == "stageserve services"
+
+
+def test_format_lists_areas_and_top_frames_as_shares():
+    text = format_profile(parse_collapsed(RAW, "gateway"), top=2)
+    assert text.splitlines()[0] == "gateway: 60 samples on CPU"
+    assert "grpc cython 50%" in text
+    assert "50.0%  _run (grpc/_cython/cygrpc.pyx:10)" in text
+    assert "infer (services" not in text  # only the top 2 frames
+    assert format_profile(parse_collapsed([], "worker")) == "worker: no samples"

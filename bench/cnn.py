@@ -113,3 +113,47 @@ def write_cnn(
         kind=kind,
     )
     return write_model(root, name, cnn_model(image_size, width), text)
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def _conv2d(x: np.ndarray, w: np.ndarray, b: np.ndarray, stride: int, pad: int) -> np.ndarray:
+    """NCHW convolution in the dtype of ``x`` (im2col + one matmul per layer)."""
+    k = w.shape[2]
+    xp = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    win = np.lib.stride_tricks.sliding_window_view(xp, (k, k), axis=(2, 3))
+    win = win[:, :, ::stride, ::stride]  # (n, c_in, h_out, w_out, k, k)
+    y = np.einsum("nchwij,ocij->nohw", win, w.astype(x.dtype), optimize=True)
+    return y + b.astype(x.dtype)[None, :, None, None]
+
+
+def reference_forward(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    """The model's output computed by numpy in float64, straight from its graph.
+
+    Independent of ONNX Runtime (the engine every server runs), for checking
+    what servers answer. Knows exactly the ops :func:`cnn_model` emits.
+    """
+    values: dict[str, np.ndarray] = {
+        t.name: numpy_helper.to_array(t).astype(np.float64) for t in model.graph.initializer
+    }
+    values[model.graph.input[0].name] = np.asarray(x, dtype=np.float64)
+    for node in model.graph.node:
+        args = [values[name] for name in node.input]
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "Conv":
+            out = _conv2d(*args, stride=attrs["strides"][0], pad=attrs["pads"][0])
+        elif node.op_type == "Relu":
+            out = np.maximum(args[0], 0.0)
+        elif node.op_type == "Add":
+            out = args[0] + args[1]
+        elif node.op_type == "GlobalAveragePool":
+            out = args[0].mean(axis=(2, 3), keepdims=True)
+        elif node.op_type == "Flatten":
+            out = args[0].reshape(args[0].shape[0], -1)
+        elif node.op_type == "Gemm":
+            out = args[0] @ args[1] + args[2]
+        else:
+            raise ValueError(f"reference_forward: unsupported op {node.op_type}")
+        values[node.output[0]] = out
+    return values[model.graph.output[0].name]

@@ -1,16 +1,21 @@
 """`python -m bench.compare`: StageServe side by side with real Triton and MLServer.
 
-Builds the two benchmark models (``identity`` FP32 [16] and the ``mlp``
-256-1024-1024-10, same ONNX bytes for every server), then for each server in
-turn -- only one running at a time -- starts it on free ports, checks that it
-answers the same numbers as numpy for a fixed input (through
-``tritonclient.grpc``), runs ``perf_analyzer`` over gRPC at each concurrency
-and stops it. Prints infer/s, p50, p99 and the server's CPU use per server,
+Builds the benchmark models (``identity`` FP32 [16], the ``mlp``
+256-1024-1024-10 and ``cnn``, the compute-bound ResNet-style CNN of
+bench/cnn.py on [3, 32, 32] images; same ONNX bytes for every server), then
+for each server in turn -- only one running at a time -- starts it on free
+ports, checks that it answers the same numbers as numpy for a fixed input
+(through ``tritonclient.grpc``), runs ``perf_analyzer`` over gRPC at each
+concurrency and stops it. Prints infer/s, p50, p99 and the server's CPU use per server,
 and the ratios StageServe/Triton and StageServe/MLServer; writes CSV, a
 markdown copy of the tables and (with matplotlib) a throughput-vs-p99 plot.
+Where a model has a target (:data:`TARGETS`: ``cnn`` at c=8 and c=32,
+StageServe >= 0.95x Triton's throughput with p99 <= 1.2x Triton's), it also
+prints whether the measured ratios meet it.
 
   scripts/install_perf_analyzer.sh && scripts/install_references.sh   # once
-  python -m bench.compare                                # all servers, both models, c=1 8 32 64
+  python -m bench.compare                                # all servers, all 3 models, c=1 8 32 64
+  python -m bench.compare --servers triton stageserve --models cnn --concurrency 8 32
   python -m bench.compare --servers triton stageserve --models mlp --concurrency 8 64
   python -m bench.compare --servers mlserver mlserver-proxy --models identity   # proxy cost
 
@@ -217,6 +222,60 @@ def ratios(
     return out
 
 
+@dataclass(frozen=True)
+class Target:
+    """A goal for StageServe / ``reference`` on one model at some concurrencies."""
+
+    model: str
+    concurrency: tuple[int, ...]
+    reference: str
+    min_throughput: float  # StageServe infer/s at least this times the reference's
+    max_p99: float  # StageServe p99 at most this times the reference's
+    source: str
+
+
+#: Issue 15 (target 4): on the compute-bound CNN, at c=8 and c=32, StageServe
+#: serves at least 0.95x Triton's inferences per second at a p99 of at most
+#: 1.2x Triton's.
+TARGETS = (Target("cnn", (8, 32), "triton", 0.95, 1.2, "issue 15"),)
+
+
+@dataclass(frozen=True)
+class TargetCheck:
+    target: Target
+    concurrency: int
+    throughput: float | None  # the measured ratios (None: a side has no figure)
+    p99: float | None
+
+    @property
+    def throughput_met(self) -> bool | None:
+        return None if self.throughput is None else self.throughput >= self.target.min_throughput
+
+    @property
+    def p99_met(self) -> bool | None:
+        return None if self.p99 is None else self.p99 <= self.target.max_p99
+
+    @property
+    def met(self) -> bool | None:
+        """True: both ratios meet the target; False: one misses; None: no figure."""
+        parts = (self.throughput_met, self.p99_met)
+        if False in parts:
+            return False
+        return None if None in parts else True
+
+
+def target_checks(rs: Sequence[Ratio], targets: Sequence[Target] = TARGETS) -> list[TargetCheck]:
+    """One check per target concurrency that was run against the target's reference."""
+    index = {(r.model, r.concurrency, r.reference): r for r in rs}
+    out = []
+    for t in targets:
+        for conc in t.concurrency:
+            r = index.get((t.model, conc, t.reference))
+            if r is not None:
+                out.append(TargetCheck(t, conc, r.throughput, r.p99))
+    return out
+
+
 # --------------------------------------------------------------------------- formatting
 
 
@@ -324,6 +383,44 @@ def format_ratios(rs: Sequence[Ratio], markdown: bool = False, ours_label: str =
     return _grid(header, rows, markdown, left=2)
 
 
+def format_targets(checks: Sequence[TargetCheck], markdown: bool = False) -> str:
+    """The target ratios (SS/reference infer/s and p99) next to their goals, met or not."""
+    header = ["model", "conc", "target", "SS/ref infer/s", "goal", "SS/ref p99", "goal", "met"]
+    rows = []
+    for c in checks:
+        t = c.target
+        verdict = {True: "yes", False: "NO", None: "-"}[c.met]
+        rows.append(
+            [
+                t.model,
+                str(c.concurrency),
+                f"{t.source}, vs {LABELS.get(t.reference, t.reference)}",
+                _ratio(c.throughput),
+                f">= {t.min_throughput:.2f}x",
+                _ratio(c.p99),
+                f"<= {t.max_p99:.2f}x",
+                verdict,
+            ]
+        )
+    return _grid(header, rows, markdown)
+
+
+def target_record(c: TargetCheck) -> dict:
+    """A check as meta.json records it."""
+    t = c.target
+    return {
+        "model": t.model,
+        "concurrency": c.concurrency,
+        "reference": t.reference,
+        "source": t.source,
+        "throughput_ratio": c.throughput,
+        "min_throughput_ratio": t.min_throughput,
+        "p99_ratio": c.p99,
+        "max_p99_ratio": t.max_p99,
+        "met": c.met,
+    }
+
+
 CSV_FIELDS = (
     "server", "model", "concurrency", "repeats", "infer_per_s", "infer_per_s_min",
     "infer_per_s_max", "p50_us", "p99_us", "server_cores", "cpu_us_per_infer",
@@ -387,6 +484,7 @@ def write_results(
     rs = ratios(points)
     proxy = proxy_overhead(points)
     python = python_ratios(points)
+    checks = target_checks(rs)
     files = {
         "points": out / "compare.csv",
         "ratios": out / "ratios.csv",
@@ -401,11 +499,14 @@ def write_results(
         "\n\n".join(
             [format_points(points, markdown=True)]
             + ([format_ratios(rs, markdown=True)] if rs else [])
+            + ([format_targets(checks, markdown=True)] if checks else [])
             + ([format_ratios(proxy, markdown=True, ours_label="proxy")] if proxy else [])
             + ([format_ratios(python, markdown=True, ours_label="SS-py")] if python else [])
         )
         + "\n"
     )
+    if checks:
+        meta = {**meta, "targets": [target_record(c) for c in checks]}
     files["meta"].write_text(json.dumps(meta, indent=2, default=str) + "\n")
     if plot:
         png = plot_points(points, out / "compare.png")
@@ -509,9 +610,15 @@ def window_spread(stdout: str, windows: int = 3) -> float | None:
 
 
 def measure_point(
-    label: str, server, model: str, concurrency: int, args, repeat: int = 0
+    label: str,
+    server,
+    model: str,
+    concurrency: int,
+    args,
+    repeat: int = 0,
+    shapes: dict[str, tuple[int, ...]] | None = None,
 ) -> Measurement:
-    """One perf_analyzer run.
+    """One perf_analyzer run (``shapes``: its ``--shape`` per input).
 
     When perf_analyzer finds no stable window triple within --max-trials, the
     point is measured once more over exactly 3 windows with the criterion
@@ -533,6 +640,7 @@ def measure_point(
                 measurement_ms=args.measurement_ms,
                 stability_pct=pct,
                 extra_args=extra,
+                shapes=shapes,
             )
         except PerfAnalyzerUnstable:
             if attempt == 1 or args.unstable_retry_pct <= pct:
@@ -611,11 +719,14 @@ def run_server(
             f"{LABELS[label]} ({info['version']}) up in {info['startup_s']}s at {server.url}; "
             "consistency check passed"
         )
-        for model in (m.name for m in models):
+        for bench_model in models:
+            model = bench_model.name
             for c in args.concurrency:
                 for rep in range(_repeats_for(c, args)):
                     try:
-                        m = measure_point(label, server, model, c, args, rep)
+                        m = measure_point(
+                            label, server, model, c, args, rep, bench_model.input_shapes
+                        )
                     except PerfAnalyzerError as exc:
                         log(f"  {model} c={c}: FAILED ({str(exc).splitlines()[0]})")
                         info.setdefault("failures", []).append(f"{model} c={c}: {exc}")
@@ -743,6 +854,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     rs = ratios(points)
     if rs:
         print(format_ratios(rs))
+        print()
+    checks = target_checks(rs)
+    if checks:
+        print("Targets (StageServe / reference at the target's concurrencies):")
+        print(format_targets(checks))
         print()
     proxy = proxy_overhead(points)
     if proxy:

@@ -8,7 +8,15 @@ Flags used by :func:`run_perf`::
 
     perf_analyzer -i grpc -u URL -m MODEL --concurrency-range C:C
                   -p MEASUREMENT_MS -s STABILITY_PCT [--percentile=N]
-                  --verbose-csv -f perf.csv
+                  [--shape NAME:D1,D2,...] --verbose-csv -f perf.csv
+
+perf_analyzer takes each input's shape from ``ModelMetadata`` (the batch
+dimension dropped when ``max_batch_size > 0``) and uses a ``--shape`` only
+for an input with a variable (-1) dimension; for fixed dims such as the
+benchmark CNN's ``[3, 32, 32]`` a ``--shape`` is accepted and ignored, so
+passing every input's shape is safe and states in the command line what is
+sent (``test_run_perf_sends_image_shaped_inputs`` checks both cases with the
+real binary).
 
 ``--verbose-csv`` adds ``Avg latency`` (only when no ``--percentile`` is given),
 ``request/response`` and ``response wait`` columns. The CSV always carries the
@@ -32,7 +40,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -301,8 +309,13 @@ def perf_args(
     protocol: str = "grpc",
     csv_path: str = CSV_NAME,
     extra_args: Sequence[str] = (),
+    shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> list[str]:
-    """The perf_analyzer argument list used by :func:`run_perf` (without the binary)."""
+    """The perf_analyzer argument list used by :func:`run_perf` (without the binary).
+
+    ``shapes``: input name -> dims without the batch dimension, one
+    ``--shape NAME:D1,D2,...`` each.
+    """
     args = [
         "-i", protocol,
         "-u", url,
@@ -313,8 +326,19 @@ def perf_args(
     ]  # fmt: skip
     if percentile is not None:
         args.append(f"--percentile={percentile}")
+    args += shape_args(shapes or {})
     args += ["--verbose-csv", "-f", csv_path, *extra_args]
     return args
+
+
+def shape_args(shapes: Mapping[str, Sequence[int]]) -> list[str]:
+    """``--shape NAME:D1,D2,...`` per input (dims without the batch dimension)."""
+    out = []
+    for name, dims in shapes.items():
+        if not dims or any(int(d) < 1 for d in dims):
+            raise ValueError(f"--shape {name}: dims must be positive, got {list(dims)}")
+        out += ["--shape", f"{name}:{','.join(str(int(d)) for d in dims)}"]
+    return out
 
 
 def run_perf(
@@ -329,15 +353,16 @@ def run_perf(
     timeout_s: float | None = None,
     protocol: str = "grpc",
     analyzer: PerfAnalyzer | None = None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> PerfResult:
     """Run one perf_analyzer measurement at a fixed concurrency.
 
     ``percentile`` (e.g. 99) makes perf_analyzer stabilise on that percentile
     instead of the average latency; it then reports no average (``avg_us`` is
-    None). ``timeout_s`` defaults to enough for 10 trials of ``measurement_ms``
-    plus a minute. Raises :class:`PerfAnalyzerUnstable` (exit 2),
-    :class:`PerfAnalyzerError` (other failures, timeouts) or
-    :class:`PerfAnalyzerNotInstalled`.
+    None). ``shapes``: see :func:`perf_args`. ``timeout_s`` defaults to
+    enough for 10 trials of ``measurement_ms`` plus a minute. Raises
+    :class:`PerfAnalyzerUnstable` (exit 2), :class:`PerfAnalyzerError` (other
+    failures, timeouts) or :class:`PerfAnalyzerNotInstalled`.
     """
     pa = analyzer or find_perf_analyzer()
     if pa is None:
@@ -355,6 +380,7 @@ def run_perf(
         percentile=percentile,
         protocol=protocol,
         extra_args=extra_args,
+        shapes=shapes,
     )
     cmd = pa.command(*args)
     # Run inside a scratch dir with a relative -f: for ensembles perf_analyzer also

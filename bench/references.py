@@ -1,14 +1,18 @@
 """The reference servers StageServe is measured against, started and stopped by code.
 
-Three servers, one at a time, each serving the SAME two models built by
-:mod:`stageserve.examples` (same ONNX bytes, same weights):
+Three servers, one at a time, each serving the SAME models (same ONNX bytes,
+same weights), built by :mod:`stageserve.examples` and :mod:`bench.cnn`:
 
 ``identity``
     FP32 ``INPUT0`` -> ``OUTPUT0``, dims ``[16]``.
 ``mlp``
     256 -> 1024 -> 1024 -> 10 classifier (:func:`stageserve.examples.mlp_model`).
+``cnn``
+    the ResNet-style CNN of :func:`bench.cnn.cnn_model` (width 32), FP32
+    ``INPUT`` ``[3, 32, 32]`` -> ``OUTPUT`` ``[10]``: a compute-bound model
+    (about 1.5 ms of CPU per image, see :data:`CNN_IMAGE_SIZE`).
 
-Both with ``max_batch_size: 64`` and dynamic batching, and ONNX Runtime with
+All with ``max_batch_size: 64`` and dynamic batching, and ONNX Runtime with
 the same session options everywhere (intra-op threads = cores // instances,
 no spin-waiting).
 
@@ -54,8 +58,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
 import psutil
 
+from bench.cnn import CLASSES as CNN_CLASSES
+from bench.cnn import cnn_model, reference_forward
 from stageserve.config import parse_config_text
 from stageserve.examples import (
     config_text,
@@ -72,8 +79,23 @@ BENCH_DIR = Path(__file__).resolve().parent
 TRITON_VENV = ".venv-triton"
 MLSERVER_VENV = ".venv-mlserver"
 SERVERS = ("triton", "mlserver", "stageserve")
-MODELS = ("identity", "mlp")
+MODELS = ("identity", "mlp", "cnn")
 MAX_BATCH_SIZE = 64
+#: Image side of the ``cnn`` model. Chosen so one inference does real work yet
+#: a run at c=8 and c=32 stays short: onnxruntime 1.32 alone on this 2-vCPU VM
+#: (load average 0.7; :func:`bench.cnn.cnn_model` at width 32, no spinning)
+#: took 1.45 ms of CPU per image at batch 1 on 1 intra-op thread, 1.93 ms of
+#: CPU (1.23 ms wall) on the benchmark's 2 threads, and 1.3-1.4 ms of CPU per
+#: image in batches of 8. (16: 0.4 ms, 24: 0.9 ms, 40: 2.1 ms, 48: 3.1 ms.)
+CNN_IMAGE_SIZE = 32
+CNN_WIDTH = 32
+#: Consistency tolerance of ``cnn``, relative to the reference's largest
+#: output: 15 float32 convolutions (fan-in up to 128*3*3 = 1152) summed in
+#: ONNX Runtime's kernel-dependent order against a float64 numpy forward pass.
+#: Measured error 3.5e-6 on outputs up to 15.6 (2e-7 relative); 1e-4 leaves
+#: room for other CPUs' kernels (AVX2 / AVX-512 paths, thread splits) while a wrong
+#: weight, layout or batch split shows up as errors of order 1.
+CNN_RTOL = 1e-4
 MLSERVER_RUNTIME_MODULE = "stageserve_bench_runtime"
 MLSERVER_IMPLEMENTATION = f"{MLSERVER_RUNTIME_MODULE}.OnnxRuntimeModel"
 MODEL_CONFIG_METHOD = "/inference.GRPCInferenceService/ModelConfig"
@@ -104,6 +126,11 @@ class BenchModel:
     inputs: tuple[Tensor, ...]
     outputs: tuple[Tensor, ...]
 
+    @property
+    def input_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Input name -> dims without the batch dimension (perf_analyzer's ``--shape``)."""
+        return {name: dims for name, _, dims in self.inputs}
+
 
 def bench_model(name: str) -> BenchModel:
     """One of :data:`MODELS`, as ONNX bytes plus its tensors."""
@@ -124,6 +151,15 @@ def bench_model(name: str) -> BenchModel:
             onnx_model.SerializeToString(),
             (("INPUT0", "FP32", (sizes[0],)),),
             (("OUTPUT0", "FP32", (sizes[-1],)),),
+        )
+    if name == "cnn":
+        onnx_model = cnn_model(CNN_IMAGE_SIZE, CNN_WIDTH)
+        side = CNN_IMAGE_SIZE
+        return BenchModel(
+            name,
+            onnx_model.SerializeToString(),
+            (("INPUT", "FP32", (3, side, side)),),
+            (("OUTPUT", "FP32", (CNN_CLASSES,)),),
         )
     raise ValueError(f"unknown benchmark model {name!r} (choose from {', '.join(MODELS)})")
 
@@ -711,7 +747,16 @@ def expected_output(model: BenchModel, x: np.ndarray) -> np.ndarray:
         return x
     if model.name == "mlp":
         return mlp_reference(x, mlp_weights()).astype(np.float32)
+    if model.name == "cnn":  # float64, from the very ONNX graph the servers get
+        return reference_forward(onnx.load_from_string(model.onnx), x)
     raise ValueError(model.name)
+
+
+def tolerance(model: BenchModel, want: np.ndarray) -> float:
+    """Largest accepted max |output - reference| for ``model`` (see :data:`CNN_RTOL`)."""
+    if model.name == "cnn":
+        return CNN_RTOL * max(1.0, float(np.max(np.abs(want))))
+    return 1e-5
 
 
 def infer_once(url: str, model: BenchModel, x: np.ndarray) -> np.ndarray:
@@ -733,12 +778,12 @@ def infer_once(url: str, model: BenchModel, x: np.ndarray) -> np.ndarray:
 
 
 def check_consistency(
-    url: str, models: Sequence[BenchModel], atol: float = 1e-5
+    url: str, models: Sequence[BenchModel], atol: float | None = None
 ) -> dict[str, np.ndarray]:
     """Infer a fixed batch on every model; compare with numpy. Returns the outputs.
 
     Raises AssertionError when a server's answer differs from the reference
-    (shape, or values beyond ``atol``).
+    (shape, or values beyond ``atol``; default :func:`tolerance`).
     """
     outputs = {}
     for m in models:
@@ -750,8 +795,9 @@ def check_consistency(
                 f"{m.name}: output shape {None if got is None else got.shape} != {want.shape}"
             )
         err = float(np.max(np.abs(got.astype(np.float64) - want)))
-        if err > atol:
-            raise AssertionError(f"{m.name}: max |output - reference| = {err:.3g} > {atol}")
+        limit = tolerance(m, want) if atol is None else atol
+        if err > limit:
+            raise AssertionError(f"{m.name}: max |output - reference| = {err:.3g} > {limit:.3g}")
         outputs[m.name] = got
     return outputs
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import json
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from bench import compare, mlserver_boot, references
+from bench.cnn import cnn_model
 from bench.compare import Measurement, Point
 from stageserve.config import parse_config_text, to_spec
 from stageserve.examples import identity_model, mlp_model
@@ -120,6 +122,140 @@ def test_format_points_table():
     assert lines[2].split()[-3:] == ["-", "-", "-"]  # Triton identity: no CPU figure
 
 
+def _three_model_points() -> list[Point]:
+    """All three bench models at c=8 and 32, measured in an odd order."""
+    ms = []
+    for model, base in (("cnn", 300.0), ("mlp", 2000.0), ("identity", 3000.0)):
+        for conc in (32, 8):
+            ms.append(_m("stageserve", model, conc, base * 0.96, p50=1100, p99=2300))
+            ms.append(_m("triton", model, conc, base, p50=1000, p99=2000, cores=1.2))
+    return compare.summarize(ms)
+
+
+def test_tables_and_csv_with_three_models():
+    points = _three_model_points()
+    body = [ln.split()[:3] for ln in compare.format_points(points).splitlines()[2:]]
+    # MODELS order (identity, mlp, cnn), then concurrency, then server
+    assert body == [
+        [model, conc, server]
+        for model in ("identity", "mlp", "cnn")
+        for conc in ("8", "32")
+        for server in ("Triton", "StageServe")
+    ]
+    rs = compare.ratios(points)
+    assert len(rs) == 6 and {r.reference for r in rs} == {"triton"}
+    text = compare.format_ratios(rs).splitlines()
+    # ratios keep the order points were first measured in, as the run goes
+    assert [tuple(ln.split()[:2]) for ln in text[2:]] == [
+        (model, conc) for model in ("cnn", "mlp", "identity") for conc in ("32", "8")
+    ]
+    cnn8 = [ln.split() for ln in text if ln.startswith("cnn") and ln.split()[1] == "8"][0]
+    assert cnn8 == ["cnn", "8", "0.96x", "1.10x", "1.15x", "1.15x"]  # infer/s, p50, p99, per-core
+    rows = list(csv.DictReader(io.StringIO(compare.points_csv(points))))
+    assert {r["model"] for r in rows} == {"identity", "mlp", "cnn"} and len(rows) == 12
+    ratio_rows = list(csv.DictReader(io.StringIO(compare.ratios_csv(rs))))
+    cnn = [r for r in ratio_rows if r["model"] == "cnn"]
+    assert sorted(float(r["throughput"]) for r in cnn) == [0.96, 0.96]
+    assert {float(r["p99"]) for r in cnn} == {1.15}
+
+
+def test_write_results_and_plot_with_three_models(tmp_path: Path):
+    ms = [
+        _m(server, model, conc, 100.0 * (i + 1))
+        for i, model in enumerate(("identity", "mlp", "cnn"))
+        for server in ("triton", "stageserve")
+        for conc in (8, 32)
+    ]
+    files = compare.write_results(tmp_path / "out", ms, {}, plot=False)
+    md = files["markdown"].read_text()
+    for model in ("identity", "mlp", "cnn"):
+        assert f"| {model} | 8 | StageServe |" in md
+    assert "| cnn | 8 | issue 15, vs Triton |" in md  # the target table
+    targets = json.loads(files["meta"].read_text())["targets"]
+    assert [(t["model"], t["concurrency"], t["reference"]) for t in targets] == [
+        ("cnn", 8, "triton"),
+        ("cnn", 32, "triton"),
+    ]
+    assert targets[0]["throughput_ratio"] == 1.0 and targets[0]["met"] is True
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    png = compare.plot_points(compare.summarize(ms), tmp_path / "p.png")
+    assert png is not None
+    height, width = matplotlib.image.imread(png).shape[:2]
+    assert width > 2.5 * height  # one panel per model, side by side
+
+
+def test_cnn_targets_are_issue_15():
+    (t,) = compare.TARGETS
+    assert (t.model, t.concurrency, t.reference) == ("cnn", (8, 32), "triton")
+    assert (t.min_throughput, t.max_p99) == (0.95, 1.2)
+
+
+def test_target_checks_and_table():
+    ms = [
+        _m("triton", "cnn", 8, 1000.0, p99=10000),
+        _m("stageserve", "cnn", 8, 960.0, p99=11000),  # 0.96x, 1.10x: met
+        _m("triton", "cnn", 32, 1000.0, p99=10000),
+        _m("stageserve", "cnn", 32, 990.0, p99=12500),  # 0.99x, 1.25x: p99 missed
+        _m("triton", "cnn", 1, 1000.0),  # not a target concurrency
+        _m("stageserve", "cnn", 1, 10.0),
+        _m("triton", "mlp", 8, 1000.0),  # no target for mlp
+        _m("stageserve", "mlp", 8, 10.0),
+        _m("mlserver", "cnn", 8, 10.0),  # not the target's reference
+    ]
+    checks = compare.target_checks(compare.ratios(compare.summarize(ms)))
+    assert [(c.target.model, c.concurrency) for c in checks] == [("cnn", 8), ("cnn", 32)]
+    c8, c32 = checks
+    assert c8.throughput == pytest.approx(0.96) and c8.p99 == pytest.approx(1.1)
+    assert (c8.throughput_met, c8.p99_met, c8.met) == (True, True, True)
+    assert (c32.throughput_met, c32.p99_met, c32.met) == (True, False, False)
+    lines = compare.format_targets(checks).splitlines()
+    assert lines[0].split()[:3] == ["model", "conc", "target"]
+    assert lines[2].split() == [
+        "cnn", "8", "issue", "15,", "vs", "Triton", "0.96x", ">=", "0.95x", "1.10x", "<=",
+        "1.20x", "yes",
+    ]  # fmt: skip
+    assert lines[3].split()[-1] == "NO"
+    md = compare.format_targets(checks, markdown=True).splitlines()
+    assert md[0] == "| model | conc | target | SS/ref infer/s | goal | SS/ref p99 | goal | met |"
+
+
+def test_target_checks_without_a_figure_or_a_run():
+    # Triton failed at c=32: the check is there, undecided; c=8 not run at all: no check
+    ms = [_m("stageserve", "cnn", 32, 900.0), _m("triton", "mlp", 32, 1000.0)]
+    (c,) = compare.target_checks(compare.ratios(compare.summarize(ms)))
+    assert c.concurrency == 32 and c.throughput is None and c.met is None
+    assert compare.format_targets([c]).splitlines()[-1].split()[-1] == "-"
+    below = compare.TargetCheck(compare.TARGETS[0], 8, throughput=0.5, p99=None)
+    assert below.met is False  # one ratio missing, the other already misses
+    assert compare.target_checks([]) == []
+
+
+def test_measure_point_passes_the_model_shapes(monkeypatch: pytest.MonkeyPatch):
+    seen = {}
+
+    def fake_run_perf(url, model, concurrency, **kw):
+        seen.update(kw, url=url, model=model, concurrency=concurrency)
+        return type("R", (), {"throughput": 500.0, "p50_us": 1.0, "p99_us": 2.0, "stdout": ""})
+
+    class Server:
+        url = "127.0.0.1:1"
+
+        def cpu_seconds(self) -> float:
+            return 0.0
+
+    monkeypatch.setattr(compare, "run_perf", fake_run_perf)
+    monkeypatch.setattr(compare, "execution_counts", lambda url, model: None)
+    args = argparse.Namespace(
+        max_trials=5, stability_pct=30, unstable_retry_pct=1000, measurement_ms=2000
+    )
+    cnn = references.bench_model("cnn")
+    m = compare.measure_point("stageserve", Server(), "cnn", 8, args, 0, cnn.input_shapes)
+    assert seen["shapes"] == {"INPUT": (3, 32, 32)} and seen["concurrency"] == 8
+    assert m.throughput == 500.0 and m.model == "cnn"
+
+
 def test_format_points_marks_repeats_and_unstable():
     ms = [_m("triton", "mlp", 1, 90.0, stable=False), _m("triton", "mlp", 1, 110.0)]
     row = compare.format_points(compare.summarize(ms)).splitlines()[-1]
@@ -192,7 +328,8 @@ def test_window_spread_from_verbose_output():
 
 
 def test_bench_models_are_the_example_models():
-    ident, mlp = references.bench_models()
+    assert references.MODELS == ("identity", "mlp", "cnn")
+    ident, mlp, cnn = references.bench_models()
     assert ident.onnx == identity_model("FP32", (16,), 64).SerializeToString()
     assert mlp.onnx == mlp_model().SerializeToString()
     assert ident.inputs == (("INPUT0", "FP32", (16,)),)
@@ -200,6 +337,22 @@ def test_bench_models_are_the_example_models():
     assert mlp.outputs == (("OUTPUT0", "FP32", (10,)),)
     with pytest.raises(ValueError):
         references.bench_model("resnet")
+
+
+def test_bench_cnn_is_bench_cnns_model():
+    cnn = references.bench_model("cnn")
+    side = references.CNN_IMAGE_SIZE
+    assert side == 32
+    assert cnn.onnx == cnn_model(side, references.CNN_WIDTH).SerializeToString()
+    assert cnn.inputs == (("INPUT", "FP32", (3, side, side)),)
+    assert cnn.outputs == (("OUTPUT", "FP32", (10,)),)
+    assert cnn.input_shapes == {"INPUT": (3, side, side)}
+    assert references.bench_model("mlp").input_shapes == {"INPUT0": (256,)}
+    # same settings as the other bench models
+    config = parse_config_text(references.stageserve_config_text(cnn))
+    assert config.max_batch_size == 64 and config.HasField("dynamic_batching")
+    assert config.dynamic_batching.max_queue_delay_microseconds == 0
+    assert list(config.input[0].dims) == [3, side, side]
 
 
 def test_triton_repository_is_python_backend(tmp_path: Path):
@@ -218,7 +371,9 @@ def test_triton_repository_is_python_backend(tmp_path: Path):
             (n, list(d)) for n, _, d in m.inputs
         ]
         assert config.input[0].data_type == mc.TYPE_FP32
-        assert config.output[0].name == "OUTPUT0"
+        assert [(t.name, list(t.dims)) for t in config.output] == [
+            (n, list(d)) for n, _, d in m.outputs
+        ]
         threads = config.parameters["intra_op_thread_count"].string_value
         assert int(threads) == max(1, (os.cpu_count() or 1) // 2)
         assert (mdir / "1" / "model.onnx").read_bytes() == m.onnx
@@ -273,7 +428,10 @@ def test_mlserver_repository(tmp_path: Path):
         assert ms["implementation"] == "stageserve_bench_runtime.OnnxRuntimeModel"
         assert ms["max_batch_size"] == 64 and ms["max_batch_time"] == 0.002
         assert ms["inputs"] == [
-            {"name": "INPUT0", "datatype": "FP32", "shape": [-1, *m.inputs[0][2]]}
+            {"name": m.inputs[0][0], "datatype": "FP32", "shape": [-1, *m.inputs[0][2]]}
+        ]
+        assert ms["outputs"] == [
+            {"name": m.outputs[0][0], "datatype": "FP32", "shape": [-1, *m.outputs[0][2]]}
         ]
         assert ms["parameters"]["uri"] == "./model.onnx"
         assert (root / m.name / "model.onnx").read_bytes() == m.onnx
@@ -294,13 +452,39 @@ def test_mlserver_boot_decodes_model_config_request():
 
 
 def test_expected_outputs():
-    ident, mlp = references.bench_models()
+    ident, mlp, cnn = references.bench_models()
     x = references.consistency_input(ident)
     assert x.shape == (4, 16) and x.dtype == np.float32
     assert references.expected_output(ident, x) is x
     y = references.expected_output(mlp, references.consistency_input(mlp))
     assert y.shape == (4, 10)
     np.testing.assert_allclose(y.sum(axis=1), 1.0, rtol=1e-5)
+    x = references.consistency_input(cnn)
+    assert x.shape == (4, 3, 32, 32) and x.dtype == np.float32
+    y = references.expected_output(cnn, x)
+    assert y.shape == (4, 10) and y.dtype == np.float64
+
+
+def test_cnn_reference_agrees_with_onnxruntime_within_the_tolerance():
+    """What every server runs (ONNX Runtime, float32) against the float64 numpy
+    reference: well inside the tolerance, and a wrong answer is well outside."""
+    ort = pytest.importorskip("onnxruntime")
+    cnn = references.bench_model("cnn")
+    x = references.consistency_input(cnn)
+    want = references.expected_output(cnn, x)
+    tol = references.tolerance(cnn, want)
+    assert tol == pytest.approx(1e-4 * np.abs(want).max())
+    session = ort.InferenceSession(cnn.onnx, providers=["CPUExecutionProvider"])
+    got = session.run(["OUTPUT"], {"INPUT": x})[0]
+    assert got.dtype == np.float32
+    assert np.abs(got - want).max() < tol / 10
+    # one image's answer in another's place, or another seed's weights, fail
+    assert np.abs(got[[1, 0, 2, 3]] - want).max() > 100 * tol
+    other = ort.InferenceSession(
+        cnn_model(32, 32, seed=8).SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    assert np.abs(other.run(["OUTPUT"], {"INPUT": x})[0] - want).max() > 100 * tol
+    assert references.tolerance(references.bench_model("mlp"), want) == 1e-5
 
 
 # --------------------------------------------------------------------------- installs

@@ -42,6 +42,7 @@ from bench.perf_analyzer import (
     parse_stdout,
     perf_args,
     run_perf,
+    shape_args,
 )
 
 TRITON_AVG_STDOUT = """\
@@ -405,6 +406,21 @@ def test_perf_args():
     assert args[-3:] == ["--async", "-b", "4"]
 
 
+def test_perf_args_shapes():
+    """One --shape per input, dims without the batch dimension (the CNN's [3, S, S])."""
+    args = perf_args("h:1", "cnn", 8, shapes={"INPUT": (3, 32, 32)}, extra_args=["-v"])
+    i = args.index("--shape")
+    assert args[i + 1] == "INPUT:3,32,32"
+    assert args[-1] == "-v" and args.count("--shape") == 1
+    two = perf_args("h:1", "m", 1, shapes={"A": [16], "B": (2, 3)})
+    assert [two[j + 1] for j, a in enumerate(two) if a == "--shape"] == ["A:16", "B:2,3"]
+    assert "--shape" not in perf_args("h:1", "m", 1, shapes={})
+    assert shape_args({}) == []
+    for bad in ({"A": ()}, {"A": (3, -1)}, {"A": (0,)}):
+        with pytest.raises(ValueError, match="--shape A"):
+            shape_args(bad)
+
+
 def test_format_table():
     rows = [
         build_result("double_fp32", 1, TRITON_SWEEP_CSV, TRITON_SWEEP_STDOUT),
@@ -559,72 +575,98 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _TinyServer:
+    """An in-process KServe gRPC server with one FP32 identity model of ``dims``.
+
+    ``dims`` (without the batch dimension) go into ModelConfig and, after a
+    -1 batch dimension, into ModelMetadata; every ModelInfer's input shape is
+    kept in ``shapes``.
+    """
+
+    def __init__(self, name: str, dims: list[int]) -> None:
+        grpc = pytest.importorskip("grpc")
+        mc = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+        pb = pytest.importorskip("tritonclient.grpc.service_pb2")
+        pbg = pytest.importorskip("tritonclient.grpc.service_pb2_grpc")
+        self.name = name
+        self.shapes: list[tuple[int, ...]] = []
+        tiny = self
+
+        class Servicer(pbg.GRPCInferenceServiceServicer):
+            def ServerLive(self, request, context):
+                return pb.ServerLiveResponse(live=True)
+
+            def ServerReady(self, request, context):
+                return pb.ServerReadyResponse(ready=True)
+
+            def ModelReady(self, request, context):
+                return pb.ModelReadyResponse(ready=request.name == name)
+
+            def ServerMetadata(self, request, context):
+                return pb.ServerMetadataResponse(
+                    name="tiny", version="0", extensions=["statistics"]
+                )
+
+            def ModelMetadata(self, request, context):
+                if request.name != name:
+                    context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model '{request.name}'")
+                t = pb.ModelMetadataResponse.TensorMetadata
+                return pb.ModelMetadataResponse(
+                    name=name, versions=["1"], platform="python",
+                    inputs=[t(name="INPUT0", datatype="FP32", shape=[-1, *dims])],
+                    outputs=[t(name="OUTPUT0", datatype="FP32", shape=[-1, *dims])],
+                )  # fmt: skip
+
+            def ModelConfig(self, request, context):
+                cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=8)
+                cfg.input.add(name="INPUT0", data_type=mc.TYPE_FP32, dims=dims)
+                cfg.output.add(name="OUTPUT0", data_type=mc.TYPE_FP32, dims=dims)
+                return pb.ModelConfigResponse(config=cfg)
+
+            def ModelStatistics(self, request, context):
+                n = len(tiny.shapes)
+                st = pb.ModelStatistics(
+                    name=name, version="1", inference_count=n, execution_count=n
+                )
+                for f in ("success", "queue", "compute_input", "compute_infer", "compute_output"):
+                    getattr(st.inference_stats, f).count = n
+                    getattr(st.inference_stats, f).ns = n * 2000
+                return pb.ModelStatisticsResponse(model_stats=[st])
+
+            def ModelInfer(self, request, context):
+                shape = list(request.inputs[0].shape)
+                tiny.shapes.append(tuple(shape))
+                resp = pb.ModelInferResponse(model_name=name, model_version="1", id=request.id)
+                resp.outputs.add(name="OUTPUT0", datatype="FP32", shape=shape)
+                resp.raw_output_contents.append(request.raw_input_contents[0])
+                return resp
+
+        port = _free_port()
+        self.url = f"127.0.0.1:{port}"
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        pbg.add_GRPCInferenceServiceServicer_to_server(Servicer(), self.server)
+        self.server.add_insecure_port(self.url)
+
+    def __enter__(self) -> _TinyServer:
+        self.server.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.stop(grace=None)
+
+
+def _need_perf_analyzer() -> None:
+    if find_perf_analyzer() is None:
+        pytest.skip("perf_analyzer not installed (scripts/install_perf_analyzer.sh)")
+
+
 @pytest.mark.perf
 def test_run_perf_real_binary_against_tiny_server():
     """End to end: the installed perf_analyzer against an in-process KServe gRPC server."""
-    pa = find_perf_analyzer()
-    if pa is None:
-        pytest.skip("perf_analyzer not installed (scripts/install_perf_analyzer.sh)")
-    grpc = pytest.importorskip("grpc")
-    mc = pytest.importorskip("tritonclient.grpc.model_config_pb2")
-    pb = pytest.importorskip("tritonclient.grpc.service_pb2")
-    pbg = pytest.importorskip("tritonclient.grpc.service_pb2_grpc")
-
-    name = "identity_fp32"
-    count = [0]
-
-    class Servicer(pbg.GRPCInferenceServiceServicer):
-        def ServerLive(self, request, context):
-            return pb.ServerLiveResponse(live=True)
-
-        def ServerReady(self, request, context):
-            return pb.ServerReadyResponse(ready=True)
-
-        def ModelReady(self, request, context):
-            return pb.ModelReadyResponse(ready=request.name == name)
-
-        def ServerMetadata(self, request, context):
-            return pb.ServerMetadataResponse(name="tiny", version="0", extensions=["statistics"])
-
-        def ModelMetadata(self, request, context):
-            if request.name != name:
-                context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model '{request.name}'")
-            t = pb.ModelMetadataResponse.TensorMetadata
-            return pb.ModelMetadataResponse(
-                name=name, versions=["1"], platform="python",
-                inputs=[t(name="INPUT0", datatype="FP32", shape=[-1, 4])],
-                outputs=[t(name="OUTPUT0", datatype="FP32", shape=[-1, 4])],
-            )  # fmt: skip
-
-        def ModelConfig(self, request, context):
-            cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=8)
-            cfg.input.add(name="INPUT0", data_type=mc.TYPE_FP32, dims=[4])
-            cfg.output.add(name="OUTPUT0", data_type=mc.TYPE_FP32, dims=[4])
-            return pb.ModelConfigResponse(config=cfg)
-
-        def ModelStatistics(self, request, context):
-            n = count[0]
-            st = pb.ModelStatistics(name=name, version="1", inference_count=n, execution_count=n)
-            for f in ("success", "queue", "compute_input", "compute_infer", "compute_output"):
-                getattr(st.inference_stats, f).count = n
-                getattr(st.inference_stats, f).ns = n * 2000
-            return pb.ModelStatisticsResponse(model_stats=[st])
-
-        def ModelInfer(self, request, context):
-            count[0] += 1
-            resp = pb.ModelInferResponse(model_name=name, model_version="1", id=request.id)
-            resp.outputs.add(name="OUTPUT0", datatype="FP32", shape=list(request.inputs[0].shape))
-            resp.raw_output_contents.append(request.raw_input_contents[0])
-            return resp
-
-    port = _free_port()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    pbg.add_GRPCInferenceServiceServicer_to_server(Servicer(), server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
-    try:
+    _need_perf_analyzer()
+    with _TinyServer("identity_fp32", [4]) as tiny:
         t0 = time.monotonic()
-        r = run_perf(f"127.0.0.1:{port}", name, 1, measurement_ms=500, stability_pct=50,
+        r = run_perf(tiny.url, tiny.name, 1, measurement_ms=500, stability_pct=50,
                      timeout_s=60)  # fmt: skip
         assert isinstance(r, PerfResult)
         assert r.throughput > 0
@@ -636,10 +678,22 @@ def test_run_perf_real_binary_against_tiny_server():
         assert time.monotonic() - t0 < 60
 
         with pytest.raises(PerfAnalyzerError, match="nosuch") as info:
-            run_perf(f"127.0.0.1:{port}", "nosuch", 1, measurement_ms=500, timeout_s=60)
+            run_perf(tiny.url, "nosuch", 1, measurement_ms=500, timeout_s=60)
         assert info.value.returncode == 99
-    finally:
-        server.stop(grace=None)
+
+
+@pytest.mark.perf
+@pytest.mark.parametrize("dims", [[3, 8, 8], [3, -1, -1]], ids=["fixed", "variable"])
+def test_run_perf_sends_image_shaped_inputs(dims):
+    """The benchmark CNN's [3, S, S] input: with ``shapes`` (``--shape INPUT0:3,8,8``)
+    perf_analyzer sends [1, 3, 8, 8] whether the model's dims are fixed (the
+    flag is accepted and ignored) or variable (the flag is what fills them)."""
+    _need_perf_analyzer()
+    with _TinyServer("image", dims) as tiny:
+        r = run_perf(tiny.url, tiny.name, 1, measurement_ms=300, stability_pct=1000,
+                     timeout_s=60, shapes={"INPUT0": (3, 8, 8)})  # fmt: skip
+    assert r.throughput > 0
+    assert set(tiny.shapes) == {(1, 3, 8, 8)}
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -67,7 +67,7 @@ def _profile_targets(stack: Stack) -> list[tuple[str, int]]:
 
 
 def measure(url: str, stack: Stack, model: str, concurrency: int, args) -> Point:
-    recorder = Recorder(args.profile) if args.profile else None
+    recorder = Recorder(args.profile, native=args.profile_native) if args.profile else None
     if recorder is not None:
         recorder.start(_profile_targets(stack), f"{model}-c{concurrency}")
     cpu_before = _cpu_seconds(stack)
@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="py-spy every stage during each measurement (raw stacks into DIR) and print "
         "where each spends its CPU (needs: pip install py-spy)",
+    )
+    parser.add_argument(
+        "--profile-native", action="store_true", help="with --profile: C/Cython frames too"
     )
     args = parser.parse_args(argv)
 

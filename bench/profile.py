@@ -99,9 +99,10 @@ def format_profile(profile: Profile, top: int = 12) -> str:
 class Recorder:
     """py-spy record on several processes at once, stopped together."""
 
-    def __init__(self, out_dir: Path, rate: int = 250) -> None:
+    def __init__(self, out_dir: Path, rate: int = 250, native: bool = False) -> None:
         self.out_dir = out_dir
         self.rate = rate
+        self.native = native  # C/Cython frames too (grpc's Cython core): slower sampling
         self._procs: list[tuple[str, Path, subprocess.Popen]] = []
 
     @staticmethod
@@ -130,6 +131,7 @@ class Recorder:
                 "--output",
                 str(path),
                 "--nonblocking",
+                *(["--native"] if self.native else []),
             ]
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self._procs.append((stage, path, proc))

@@ -29,6 +29,7 @@ from stageserve.errors import StageError
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.telemetry import GATEWAY_RPC_DURATION
+from stageserve.transport import serve_stream
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,10 @@ _PASS_THROUGH = (asyncio.CancelledError, grpc.aio.AbortError)
 
 def internal_message(rpc: str) -> str:
     return f"internal error in {rpc}; the server log has the detail"
+
+
+def _one(request: gs.ModelInferRequest) -> tuple[gs.ModelInferRequest]:
+    return (request,)
 
 
 def client_message(exc: BaseException, rpc: str) -> str:
@@ -155,12 +160,10 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
         """Requests on one stream run concurrently; each response carries its
         request's id, and an error goes into that response's error_message
         without closing the stream."""
-        responses: asyncio.Queue[gs.ModelStreamInferResponse | None] = asyncio.Queue()
-        tasks: set[asyncio.Task] = set()
 
-        async def answer(request: gs.ModelInferRequest) -> None:
+        async def answer(request: gs.ModelInferRequest, respond) -> None:
             # A decoupled model's responses before the final one go out as they come.
-            stream = self.dataplane.decoupled_stream(request, responses.put_nowait)
+            stream = self.dataplane.decoupled_stream(request, respond)
             try:
                 response = gs.ModelStreamInferResponse(
                     infer_response=await self.dataplane.infer(request, stream=stream)
@@ -170,27 +173,13 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
                     return  # a final flag without a response, and no empty final asked for
             except Exception as exc:  # a bug must not drop this response silently
                 response = _stream_error(request, client_message(exc, "ModelStreamInfer"))
-            responses.put_nowait(response)
+            respond(response)
 
-        async def read() -> None:
-            try:
-                async for request in request_iterator:
-                    task = asyncio.create_task(answer(request))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                while tasks:
-                    await asyncio.gather(*list(tasks))
-            finally:
-                responses.put_nowait(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (item := await responses.get()) is not None:
-                yield item
-        finally:
-            reader.cancel()
-            for task in tasks:
-                task.cancel()
+        # Public protocol: one response per message (no packing).
+        async for response in serve_stream(
+            request_iterator, unpack=_one, handle=answer, concurrent=True
+        ):
+            yield response
 
     # ----------------------------------------------------- system shared memory
 

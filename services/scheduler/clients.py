@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.net import insecure_channel
 from stageserve.settings import SCHEDULER
 from stageserve.telemetry import STAGE_RPC_DURATION, STAGE_RPC_ERRORS
+from stageserve.transport import StreamLink
 
 log = logging.getLogger(__name__)
 
@@ -139,60 +139,26 @@ class WorkerCallError(Exception):
 
 
 class WorkerStream:
-    """One long-lived ExecuteStream to a worker; batches matched to answers by id."""
+    """One long-lived ExecuteStream to a worker (stageserve/transport.py);
+    batches matched to answers by id."""
 
     def __init__(self, address: str) -> None:
         self.address = address
         self.channel = insecure_channel(address)
-        self.stub = pb_grpc.WorkerStub(self.channel)
-        self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[pb.ExecuteResponse]] = {}
-        self._on_part: dict[int, Callable[[pb.ExecuteResponse], None]] = {}  # decoupled models
-        self._outbox: asyncio.Queue | None = None
-        self._reader: asyncio.Task | None = None
+        self._link: StreamLink[pb.ExecuteRequest, pb.ExecuteResponse] = StreamLink(
+            name=f"worker {address}",
+            open_call=pb_grpc.WorkerStub(self.channel).ExecuteStream,
+            pack=lambda requests: pb.ExecuteRequests(requests=requests),
+            unpack=lambda message: message.responses,
+            on_break=lambda code, reason: WorkerCallError(code, reason),
+        )
         self._timer = STAGE_RPC_DURATION.labels("scheduler", "worker", "Execute")
-        # Set when the stream broke (the worker died or went away); cleared by
-        # the next answer. Grants on a broken worker are not reused.
-        self.broken = False
 
-    def _ensure_stream(self) -> asyncio.Queue:
-        if self._outbox is not None and self._reader is not None and not self._reader.done():
-            return self._outbox
-        outbox: asyncio.Queue = asyncio.Queue()
-
-        async def requests():
-            while (item := await outbox.get()) is not None:
-                yield item
-
-        call = self.stub.ExecuteStream(requests())
-        self._outbox = outbox
-        self._reader = asyncio.create_task(self._read(call, outbox))
-        return outbox
-
-    async def _read(self, call, outbox: asyncio.Queue) -> None:
-        error = WorkerCallError(grpc.StatusCode.UNAVAILABLE, "worker stream closed")
-        try:
-            async for resp in call:
-                self.broken = False
-                if resp.more:  # a decoupled model's response; the batch goes on
-                    on_part = self._on_part.get(resp.id)
-                    if on_part is not None:
-                        on_part(resp)
-                    continue
-                fut = self._pending.pop(resp.id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(resp)
-        except grpc.aio.AioRpcError as exc:
-            error = WorkerCallError(exc.code(), exc.details() or "worker stream failed")
-            self.broken = exc.code() != grpc.StatusCode.CANCELLED
-        finally:
-            if self._outbox is outbox:
-                self._outbox = None
-            outbox.put_nowait(None)
-            pending, self._pending = self._pending, {}
-            for fut in pending.values():
-                if not fut.done():
-                    fut.set_exception(error)
+    @property
+    def broken(self) -> bool:
+        """The stream broke (the worker died or went away) and nothing has
+        come from the worker since. Grants on a broken worker are not reused."""
+        return self._link.broken
 
     async def execute(
         self,
@@ -202,7 +168,16 @@ class WorkerStream:
     ) -> pb.ExecuteResponse:
         start = time.perf_counter()
         try:
-            resp = await self._execute(request, timeout_s, on_part)
+            resp = await self._link.call(
+                request,
+                on_more=on_part,
+                timeout_s=timeout_s,
+                on_timeout=lambda: WorkerCallError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s}s"
+                ),
+            )
+            if resp.code:
+                raise WorkerCallError(code_from_int(resp.code), resp.message)
         except WorkerCallError as exc:
             STAGE_RPC_ERRORS.labels("scheduler", "worker", "Execute", exc.code.name).inc()
             raise
@@ -210,35 +185,8 @@ class WorkerStream:
             self._timer.observe(time.perf_counter() - start)
         return resp
 
-    async def _execute(
-        self,
-        request: pb.ExecuteRequest,
-        timeout_s: float,
-        on_part: Callable[[pb.ExecuteResponse], None] | None,
-    ) -> pb.ExecuteResponse:
-        outbox = self._ensure_stream()
-        request.id = next(self._ids)
-        fut: asyncio.Future[pb.ExecuteResponse] = asyncio.get_running_loop().create_future()
-        self._pending[request.id] = fut
-        if on_part is not None:
-            self._on_part[request.id] = on_part
-        outbox.put_nowait(request)
-        try:
-            resp = await asyncio.wait_for(fut, timeout_s)
-        except TimeoutError:
-            raise WorkerCallError(
-                grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s}s"
-            ) from None
-        finally:
-            self._pending.pop(request.id, None)
-            self._on_part.pop(request.id, None)
-        if resp.code:
-            raise WorkerCallError(code_from_int(resp.code), resp.message)
-        return resp
-
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        await self._link.close()
         await self.channel.close()
 
 

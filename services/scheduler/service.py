@@ -16,8 +16,22 @@ from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import LoadedModel, ModelStateStore
 from stageserve.redis_connect import connect
+from stageserve.transport import serve_stream
 
 log = logging.getLogger(__name__)
+
+
+def _requests_of(batch: pb.ScheduleBatch):
+    return batch.requests
+
+
+def _pack_responses(responses: list[pb.ScheduleResponse]) -> pb.ScheduleResponses:
+    return pb.ScheduleResponses(responses=responses)
+
+
+def _scheduler_error(msg: pb.ScheduleRequest, exc: Exception) -> pb.ScheduleResponse:
+    """A request whose submission raised: answered, and the stream goes on."""
+    return error_response(msg.id, internal(f"scheduler error: {type(exc).__name__}"))
 
 
 class SchedulerService(pb_grpc.SchedulerServicer):
@@ -134,40 +148,16 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         task.add_done_callback(self._tasks.discard)
 
     async def Schedule(self, request_iterator, context: grpc.aio.ServicerContext):
-        responses: asyncio.Queue[pb.ScheduleResponse | None] = asyncio.Queue()
-        respond = responses.put_nowait
-
-        async def read_requests() -> None:
-            try:
-                async for batch in request_iterator:
-                    for msg in batch.requests:
-                        try:
-                            await self._submit(msg, respond)
-                        except Exception as exc:  # one bad request must not end the stream
-                            log.exception("submit failed", extra={"model": msg.model})
-                            respond(error_response(msg.id, internal(f"scheduler error: {exc}")))
-            finally:
-                responses.put_nowait(None)
-
-        reader = asyncio.create_task(read_requests())
-        try:
-            while True:
-                item = await responses.get()
-                if item is None:
-                    break
-                # Everything answered since the last write goes out as one message.
-                out = pb.ScheduleResponses()
-                out.responses.append(item)
-                while not responses.empty():
-                    item = responses.get_nowait()
-                    if item is None:
-                        break
-                    out.responses.append(item)
-                yield out
-                if item is None:
-                    break
-        finally:
-            reader.cancel()
+        """One gateway's (or worker's BLS) stream: requests are submitted in
+        arrival order; answers go back as they come, packed per write."""
+        async for message in serve_stream(
+            request_iterator,
+            unpack=_requests_of,
+            handle=self._submit,
+            pack=_pack_responses,
+            on_error=_scheduler_error,
+        ):
+            yield message
 
     async def QueueStats(self, request: pb.QueueStatsRequest, context) -> pb.QueueStatsResponse:
         return pb.QueueStatsResponse(

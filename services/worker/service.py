@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 import redis.asyncio as aioredis
@@ -25,7 +25,6 @@ from services.worker.python_backend.bls import install as bls_install
 from services.worker.python_backend.worker_glue import load_python_model
 from services.worker.warmup import WarmupError, warm_up, warmup_requests
 from stageserve import redis_keys as keys
-from stageserve.errors import code_from_int
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.gpus import gpu_count
@@ -33,12 +32,30 @@ from stageserve.model_state import LoadedModel, ModelStateStore
 from stageserve.net import insecure_channel
 from stageserve.redis_connect import connect
 from stageserve.settings import WORKER
+from stageserve.transport import serve_stream
 
 log = logging.getLogger(__name__)
 
 LEASE_MS = WORKER.lease_ms
 HEARTBEAT_S = WORKER.heartbeat_s
 RECONCILE_S = WORKER.reconcile_s
+
+
+def _requests_of(message: pb.ExecuteRequests):
+    return message.requests
+
+
+def _pack_responses(responses: list[pb.ExecuteResponse]) -> pb.ExecuteResponses:
+    return pb.ExecuteResponses(responses=responses)
+
+
+def _worker_error(request: pb.ExecuteRequest, exc: Exception) -> pb.ExecuteResponse:
+    """A batch whose handling raised (a bug): answered, never left to hang."""
+    return pb.ExecuteResponse(
+        id=request.id,
+        code=grpc.StatusCode.INTERNAL.value[0],
+        message=f"worker error: {type(exc).__name__}",
+    )
 
 
 class WorkerService(pb_grpc.WorkerServicer):
@@ -109,45 +126,31 @@ class WorkerService(pb_grpc.WorkerServicer):
         c_out.observe(resp.compute_output_ns / 1e9)
         return resp
 
-    async def Execute(self, request: pb.ExecuteRequest, context) -> pb.ExecuteResponse:
-        resp = await self._run(request)
-        if resp.code:
-            await context.abort(code_from_int(resp.code), resp.message)
-        return resp
-
     async def ExecuteStream(self, request_iterator, context):
         """Batches from one scheduler run concurrently (each on its instance's
-        thread) and are answered as they finish."""
-        answers: asyncio.Queue[pb.ExecuteResponse | None] = asyncio.Queue()
-        tasks: set[asyncio.Task] = set()
-
+        thread) and are answered as they finish, packed per write."""
         loop = asyncio.get_running_loop()
 
-        def emit(part: pb.ExecuteResponse, request_id: int) -> None:
-            """A decoupled model's response, sent from the instance's thread."""
-            part.id = request_id
-            loop.call_soon_threadsafe(answers.put_nowait, part)
+        def handle(request: pb.ExecuteRequest, respond) -> Awaitable[None]:
+            def emit(part: pb.ExecuteResponse) -> None:
+                """A decoupled model's response, sent from the instance's thread."""
+                part.id = request.id
+                loop.call_soon_threadsafe(respond, part)
 
-        async def run(request: pb.ExecuteRequest) -> None:
-            answers.put_nowait(await self._run(request, lambda part: emit(part, request.id)))
+            async def run() -> None:
+                respond(await self._run(request, emit))
 
-        async def read() -> None:
-            try:
-                async for request in request_iterator:
-                    task = asyncio.create_task(run(request))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-            finally:
-                answers.put_nowait(None)
+            return run()
 
-        reader = asyncio.create_task(read())
-        try:
-            while (answer := await answers.get()) is not None:
-                yield answer
-        finally:
-            reader.cancel()
-            for task in tasks:
-                task.cancel()
+        async for message in serve_stream(
+            request_iterator,
+            unpack=_requests_of,
+            handle=handle,
+            pack=_pack_responses,
+            concurrent=True,
+            on_error=_worker_error,
+        ):
+            yield message
 
     # ------------------------------------------------------------- lifecycle
 

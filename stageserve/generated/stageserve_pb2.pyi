@@ -376,3 +376,15 @@ class ExecuteResponse(_message.Message):
     parts: _containers.RepeatedCompositeFieldContainer[DecoupledPart]
     more: bool
     def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., results: _Optional[_Iterable[_Union[RequestOutputs, _Mapping]]] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[DecoupledPart, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
+
+class ExecuteRequests(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[ExecuteRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[ExecuteRequest, _Mapping]]] = ...) -> None: ...
+
+class ExecuteResponses(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[ExecuteResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[ExecuteResponse, _Mapping]]] = ...) -> None: ...

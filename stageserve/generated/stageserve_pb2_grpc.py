@@ -482,26 +482,15 @@ class WorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Execute = channel.unary_unary(
-                '/stageserve.v1.Worker/Execute',
-                request_serializer=stageserve__pb2.ExecuteRequest.SerializeToString,
-                response_deserializer=stageserve__pb2.ExecuteResponse.FromString,
-                _registered_method=True)
         self.ExecuteStream = channel.stream_stream(
                 '/stageserve.v1.Worker/ExecuteStream',
-                request_serializer=stageserve__pb2.ExecuteRequest.SerializeToString,
-                response_deserializer=stageserve__pb2.ExecuteResponse.FromString,
+                request_serializer=stageserve__pb2.ExecuteRequests.SerializeToString,
+                response_deserializer=stageserve__pb2.ExecuteResponses.FromString,
                 _registered_method=True)
 
 
 class WorkerServicer:
     """Missing associated documentation comment in .proto file."""
-
-    def Execute(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
     def ExecuteStream(self, request_iterator, context):
         """One long-lived stream per scheduler; batches run concurrently and answer
@@ -514,15 +503,10 @@ class WorkerServicer:
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Execute': grpc.unary_unary_rpc_method_handler(
-                    servicer.Execute,
-                    request_deserializer=stageserve__pb2.ExecuteRequest.FromString,
-                    response_serializer=stageserve__pb2.ExecuteResponse.SerializeToString,
-            ),
             'ExecuteStream': grpc.stream_stream_rpc_method_handler(
                     servicer.ExecuteStream,
-                    request_deserializer=stageserve__pb2.ExecuteRequest.FromString,
-                    response_serializer=stageserve__pb2.ExecuteResponse.SerializeToString,
+                    request_deserializer=stageserve__pb2.ExecuteRequests.FromString,
+                    response_serializer=stageserve__pb2.ExecuteResponses.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -534,33 +518,6 @@ def add_WorkerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Worker:
     """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def Execute(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/stageserve.v1.Worker/Execute',
-            stageserve__pb2.ExecuteRequest.SerializeToString,
-            stageserve__pb2.ExecuteResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def ExecuteStream(request_iterator,
@@ -577,8 +534,8 @@ class Worker:
             request_iterator,
             target,
             '/stageserve.v1.Worker/ExecuteStream',
-            stageserve__pb2.ExecuteRequest.SerializeToString,
-            stageserve__pb2.ExecuteResponse.FromString,
+            stageserve__pb2.ExecuteRequests.SerializeToString,
+            stageserve__pb2.ExecuteResponses.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,257 @@
+"""stageserve/transport.py over real grpc.aio streams (one process, localhost)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import grpc
+import pytest
+
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.generated import stageserve_pb2_grpc as pb_grpc
+from stageserve.net import free_port
+from stageserve.transport import StreamLink, _Outbox, serve_stream
+
+
+class Broken(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+
+
+class Echo(pb_grpc.SchedulerServicer):
+    """Answers model "echo" at once, "slow" after 50 ms, "boom" by raising,
+    "parts" with two more=True responses before the final one, "never" never."""
+
+    def __init__(self, concurrent: bool = True) -> None:
+        self.concurrent = concurrent
+        self.messages_in = 0
+        self.requests_in = 0
+        self.handled: list[str] = []
+
+    def _unpack(self, message: pb.ScheduleBatch):
+        self.messages_in += 1
+        self.requests_in += len(message.requests)
+        return message.requests
+
+    async def _handle(self, request: pb.ScheduleRequest, respond) -> None:
+        self.handled.append(request.request_id)
+        if request.model == "slow":
+            await asyncio.sleep(0.05)
+        elif request.model == "boom":
+            raise ValueError("secret detail")
+        elif request.model == "never":
+            return
+        elif request.model == "parts":
+            respond(pb.ScheduleResponse(id=request.id, more=True, message="1"))
+            respond(pb.ScheduleResponse(id=request.id, more=True, message="2"))
+        respond(pb.ScheduleResponse(id=request.id, message=request.request_id))
+
+    async def Schedule(self, request_iterator, context):
+        async for message in serve_stream(
+            request_iterator,
+            unpack=self._unpack,
+            handle=self._handle,
+            pack=lambda responses: pb.ScheduleResponses(responses=responses),
+            concurrent=self.concurrent,
+            on_error=lambda request, exc: pb.ScheduleResponse(
+                id=request.id, code=13, message=f"failed: {type(exc).__name__}"
+            ),
+        ):
+            yield message
+
+
+async def _server(servicer: Echo, port: int) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    pb_grpc.add_SchedulerServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server
+
+
+def _link(channel: grpc.aio.Channel, ready=None) -> StreamLink:
+    return StreamLink(
+        name="test",
+        open_call=pb_grpc.SchedulerStub(channel).Schedule,
+        pack=lambda requests: pb.ScheduleBatch(requests=requests),
+        unpack=lambda message: message.responses,
+        on_break=Broken,
+        ready=ready,
+    )
+
+
+def _req(model: str, tag: str = "") -> pb.ScheduleRequest:
+    return pb.ScheduleRequest(model=model, request_id=tag)
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+def in_loop(test):
+    """Run an async test in a fresh event loop (no pytest-asyncio here)."""
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        return asyncio.run(asyncio.wait_for(test(*args, **kwargs), 30))
+
+    return run
+
+
+@in_loop
+async def test_many_calls_in_flight_are_matched_by_id_and_packed(port):
+    servicer = Echo()
+    server = await _server(servicer, port)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        link = _link(channel)
+        tags = [str(i) for i in range(200)]
+        answers = await asyncio.gather(*(link.call(_req("echo", t)) for t in tags))
+        assert [a.message for a in answers] == tags
+        assert servicer.requests_in == 200
+        # 200 calls queued in one loop turn travel in far fewer messages.
+        assert servicer.messages_in < 20
+        assert link.in_flight == 0
+        await link.close()
+    await server.stop(None)
+
+
+@in_loop
+async def test_decoupled_parts_reach_on_more_before_the_final_response(port):
+    server = await _server(Echo(), port)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        link = _link(channel)
+        parts: list[str] = []
+        final = await link.call(_req("parts", "last"), on_more=lambda r: parts.append(r.message))
+        assert parts == ["1", "2"]
+        assert final.message == "last" and not final.more
+        await link.close()
+    await server.stop(None)
+
+
+@in_loop
+async def test_a_raising_handler_is_answered_and_the_stream_goes_on(port):
+    server = await _server(Echo(), port)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        link = _link(channel)
+        failed, ok = await asyncio.gather(link.call(_req("boom")), link.call(_req("echo", "x")))
+        assert failed.code == 13 and failed.message == "failed: ValueError"
+        assert "secret" not in failed.message
+        assert ok.message == "x"
+        assert (await link.call(_req("echo", "y"))).message == "y"
+        await link.close()
+    await server.stop(None)
+
+
+@in_loop
+async def test_concurrent_handlers_answer_as_they_finish(port):
+    server = await _server(Echo(concurrent=True), port)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        link = _link(channel)
+        order: list[str] = []
+
+        async def call(model: str, tag: str) -> None:
+            await link.call(_req(model, tag))
+            order.append(tag)
+
+        await asyncio.gather(call("slow", "slow"), call("echo", "fast"))
+        assert order == ["fast", "slow"]
+        await link.close()
+    await server.stop(None)
+
+
+@in_loop
+async def test_sequential_handlers_run_in_arrival_order(port):
+    servicer = Echo(concurrent=False)
+    server = await _server(servicer, port)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        link = _link(channel)
+        tags = [f"{model}{i}" for i, model in enumerate(["slow", "echo", "slow", "echo"])]
+        await asyncio.gather(*(link.call(_req(t[:-1], t)) for t in tags))
+        assert servicer.handled == tags
+        await link.close()
+    await server.stop(None)
+
+
+@in_loop
+async def test_timeout_fails_the_call_with_the_given_error(port):
+    server = await _server(Echo(), port)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        link = _link(channel)
+        with pytest.raises(Broken) as caught:
+            await link.call(
+                _req("never"),
+                timeout_s=0.05,
+                on_timeout=lambda: Broken(grpc.StatusCode.DEADLINE_EXCEEDED, "late"),
+            )
+        assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert link.in_flight == 0
+        with pytest.raises(TimeoutError):
+            await link.call(_req("never"), timeout_s=0.01)
+        await link.close()
+    await server.stop(None)
+
+
+@in_loop
+async def test_a_broken_stream_fails_every_waiting_call_then_reopens(port):
+    server = await _server(Echo(), port)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        link = _link(channel)
+        assert (await link.call(_req("echo", "a"))).message == "a"
+        waiting = [asyncio.ensure_future(link.call(_req("never"))) for _ in range(5)]
+        await asyncio.sleep(0.05)
+        await server.stop(None)  # the peer goes away mid-call
+        results = await asyncio.wait_for(
+            asyncio.gather(*waiting, return_exceptions=True), timeout=5
+        )
+        assert all(isinstance(r, Broken) for r in results), results
+        assert results[0].code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        assert link.broken and link.in_flight == 0
+        server = await _server(Echo(), port)  # back on the same address
+        for _ in range(50):  # the channel reconnects with backoff
+            try:
+                answer = await link.call(_req("echo", "b"))
+                break
+            except Broken:
+                await asyncio.sleep(0.1)
+        assert answer.message == "b"
+        assert not link.broken
+        await link.close()
+    await server.stop(None)
+
+
+@in_loop
+async def test_callers_waiting_for_one_failed_open_share_its_error(port):
+    attempts = 0
+
+    async def never_ready() -> None:
+        nonlocal attempts
+        attempts += 1
+        await asyncio.sleep(0.05)
+        raise Broken(grpc.StatusCode.UNAVAILABLE, "unreachable")
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        link = _link(channel, ready=never_ready)
+        results = await asyncio.gather(
+            *(link.call(_req("echo")) for _ in range(10)), return_exceptions=True
+        )
+        assert all(isinstance(r, Broken) for r in results)
+        assert attempts == 1  # one bounded wait for all of them, not one each
+        with pytest.raises(Broken):  # a later call tries again
+            await link.call(_req("echo"))
+        assert attempts == 2
+
+
+@in_loop
+async def test_outbox_hands_over_everything_queued_then_ends_when_closed():
+    outbox: _Outbox[int] = _Outbox()
+    taker = asyncio.ensure_future(outbox.take_all())
+    await asyncio.sleep(0)
+    outbox.put(1)
+    outbox.put(2)
+    assert await taker == [1, 2]
+    outbox.put(3)
+    outbox.close()
+    assert await outbox.take_all() == [3]  # what was queued still goes out
+    assert await outbox.take_all() == []

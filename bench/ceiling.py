@@ -68,6 +68,7 @@ from bench.stream_vs_unary import SERVICE as ECHO_SERVICE
 from bench.stream_vs_unary import start_echo_server
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import model_config_pb2 as mc
+from stageserve.grpc_io import choose_grpc_io
 from stageserve.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -279,6 +280,7 @@ def _spawn(role: str, port: int, backend: str | None = None) -> subprocess.Popen
     if backend is not None:
         args += ["--backend", backend]
     env = dict(os.environ)
+    choose_grpc_io(env)  # the same gRPC I/O path as StageServe's services: like with like
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     return subprocess.Popen(
         args, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, start_new_session=True

@@ -130,8 +130,8 @@ class Recorder:
                 "raw",
                 "--output",
                 str(path),
-                "--nonblocking",
-                *(["--native"] if self.native else []),
+                # py-spy cannot unwind native frames without pausing the process.
+                *(["--native"] if self.native else ["--nonblocking"]),
             ]
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self._procs.append((stage, path, proc))

@@ -23,6 +23,7 @@ from services.ratelimiter.options import (
 )
 from stageserve.autocomplete_options import DEFAULT_MAX_BATCH_SIZE, AutoComplete
 from stageserve.gpus import parse_workers
+from stageserve.grpc_io import choose_grpc_io
 from stageserve.logs import setup_logging
 from stageserve.security_options import add_flags as add_security_flags
 from stageserve.security_options import (
@@ -222,6 +223,7 @@ def _need(args: argparse.Namespace, *names: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    choose_grpc_io()  # before anything imports grpc (see grpc_io.py)
     from stageserve.launcher import die_with_parent
 
     die_with_parent()

@@ -19,9 +19,16 @@ decoded by hand: this environment has no Triton protos.
 """
 
 import json
+import os
 import sys
 
-import grpc
+# Run as a script, this file's folder (bench/) is sys.path[0], where
+# bench/http.py would shadow the standard library's `http` that MLServer
+# (starlette) imports: drop it before anything else is imported.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import grpc  # noqa: E402
 
 METHOD = "/inference.GRPCInferenceService/ModelConfig"
 

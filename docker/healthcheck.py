@@ -77,11 +77,32 @@ def _dialable(address: str) -> str:
     return f"{host}:{port}"
 
 
-def check(address: str, service: str = "", timeout: float = 3.0) -> tuple[bool, str]:
+def _channel(address: str, stage_tls: bool):
+    """Plaintext, or mutual TLS with the stage certificate when `stage_tls` and
+    STAGESERVE_STAGE_TLS_* are set (the internal stages then require it)."""
+    import grpc
+
+    tls = None
+    if stage_tls:
+        from stageserve.stage_tls import stage_tls as configured
+
+        tls = configured()
+    if tls is None:
+        return grpc.insecure_channel(address)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
+    )
+    options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+    return grpc.secure_channel(address, credentials, options=options)
+
+
+def check(
+    address: str, service: str = "", timeout: float = 3.0, stage_tls: bool = False
+) -> tuple[bool, str]:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(_dialable(address)) as channel:
+    with _channel(_dialable(address), stage_tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -96,9 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("address", nargs="?", help="host:port (default: from the container's command)")
     p.add_argument("--service", default="", help="health service name ('' = whole server)")
     p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument(
+        "--plaintext",
+        action="store_true",
+        help="never use the stage TLS certificate (STAGESERVE_STAGE_TLS_*)",
+    )
     args = p.parse_args(argv)
 
     address = args.address
+    # An internal stage speaks mutual TLS when STAGESERVE_STAGE_TLS_* is set;
+    # the gateway's public port never does (it has Triton's own TLS flags).
+    stage_tls = not args.plaintext
     if address is None:
         service_argv = _stageserve_argv()
         if service_argv is None:
@@ -108,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         if address is None:
             print("one-shot command: nothing to check")
             return 0
-    ok, text = check(address, args.service, args.timeout)
+        stage_tls = stage_tls and bool(service_argv) and service_argv[0] != "gateway"
+    ok, text = check(address, args.service, args.timeout, stage_tls)
     print(text, file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1
 

@@ -32,6 +32,7 @@ from stageserve.security_options import (
     restrictions_from,
     tls_from,
 )
+from stageserve.stage_tls import StageTlsError, stage_tls
 
 log = logging.getLogger("stageserve")
 
@@ -224,6 +225,11 @@ def _need(args: argparse.Namespace, *names: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     choose_grpc_io()  # before anything imports grpc (see grpc_io.py)
+    try:
+        stage_tls()  # a half-configured stage TLS stops here, not at the first dial
+    except StageTlsError as exc:
+        print(f"stageserve: {exc}", file=sys.stderr)
+        return 2
     from stageserve.launcher import die_with_parent
 
     die_with_parent()

@@ -6,6 +6,8 @@ import socket
 
 import grpc
 
+from stageserve.stage_tls import stage_tls
+
 # Tensors can be large; Triton itself accepts up to 2 GiB messages.
 MAX_MESSAGE_BYTES = 2**31 - 1
 GRPC_OPTIONS = [
@@ -40,5 +42,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+def stage_channel(address: str) -> grpc.aio.Channel:
+    """A channel to another stage: mutual TLS when stage TLS is configured
+    (stageserve/stage_tls.py), plaintext otherwise."""
+    tls = stage_tls()
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
+    )
+    options = list(GRPC_OPTIONS)
+    if tls.server_name:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+def add_stage_port(server: grpc.aio.Server, listen: str) -> int:
+    """Bind an internal stage's server: clients must present a certificate
+    signed by the stage CA when stage TLS is configured. 0 when it cannot bind."""
+    tls = stage_tls()
+    if tls is None:
+        return server.add_insecure_port(listen)
+    credentials = grpc.ssl_server_credentials(
+        [(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True
+    )
+    return server.add_secure_port(listen, credentials)

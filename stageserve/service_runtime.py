@@ -11,6 +11,8 @@ import sys
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from stageserve.net import add_stage_port
+
 log = logging.getLogger(__name__)
 
 READY_MARKER = "STAGESERVE_READY"
@@ -30,8 +32,10 @@ async def run_server(
     bound: bool = False,
     before_ready: asyncio.Future | None = None,
     announce: dict | None = None,
+    internal: bool = True,
 ) -> None:
-    """Bind (unless `bound`), serve gRPC health, announce (with `announce`'s extra
+    """Bind (unless `bound`; an `internal` stage with stage TLS when configured,
+    stageserve/stage_tls.py), serve gRPC health, announce (with `announce`'s extra
     fields), stop cleanly on SIGTERM/SIGINT."""
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else None
     if health_servicer is None:  # pragma: no cover - older grpcio-health-checking
@@ -41,7 +45,7 @@ async def run_server(
         address = listen
     else:
         host = listen.rsplit(":", 1)[0]
-        port = server.add_insecure_port(listen)
+        port = add_stage_port(server, listen) if internal else server.add_insecure_port(listen)
         if port == 0:
             raise RuntimeError(f"{service}: cannot listen on {listen}")
         address = f"{host}:{port}"

@@ -16,7 +16,7 @@ import grpc
 from stageserve.errors import StageError, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
-from stageserve.net import insecure_channel
+from stageserve.net import stage_channel
 from stageserve.settings import GATEWAY
 from stageserve.transport import StreamLink
 
@@ -27,7 +27,7 @@ class SchedulerLink:
     ) -> None:
         self.address = address
         self.connect_timeout_s = connect_timeout_s
-        self.channel = insecure_channel(address)
+        self.channel = stage_channel(address)
         stub = pb_grpc.SchedulerStub(self.channel)
         self._link: StreamLink[pb.ScheduleRequest, pb.ScheduleResponse] = StreamLink(
             name="scheduler",

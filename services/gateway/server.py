@@ -23,7 +23,7 @@ from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
-from stageserve.net import SERVER_OPTIONS, insecure_channel
+from stageserve.net import SERVER_OPTIONS, stage_channel
 from stageserve.redis_connect import connect
 from stageserve.security_options import Restriction, TlsOptions
 from stageserve.service_runtime import run_server
@@ -52,7 +52,7 @@ async def serve(
     front on the same dataplane; None: gRPC only."""
     redis = connect(redis_url)
     await redis.ping()
-    rl_channel = insecure_channel(ratelimiter_address)
+    rl_channel = stage_channel(ratelimiter_address)
     models = ModelManager(
         repository,
         ModelStateStore(redis),
@@ -97,7 +97,9 @@ async def serve(
     loader = asyncio.create_task(load_then_ready())
     try:
         if tls is None:
-            await run_server(server, listen, "gateway", before_ready=loader, announce=announce)
+            await run_server(
+                server, listen, "gateway", before_ready=loader, announce=announce, internal=False
+            )
         else:  # Triton's --grpc-use-ssl: the public endpoint speaks TLS only
             port = server.add_secure_port(listen, server_credentials(tls))
             address = f"{listen.rsplit(':', 1)[0]}:{port}"

@@ -13,7 +13,7 @@ import grpc
 from stageserve.errors import StageError, code_from_int, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
-from stageserve.net import insecure_channel
+from stageserve.net import stage_channel
 from stageserve.settings import SCHEDULER
 from stageserve.telemetry import STAGE_RPC_DURATION, STAGE_RPC_ERRORS
 from stageserve.transport import StreamLink
@@ -50,7 +50,7 @@ class RateLimiterClient:
         lease_ms: int = LEASE_MS,
     ) -> None:
         self.address = address
-        self.channel = insecure_channel(address)
+        self.channel = stage_channel(address)
         self.stub = pb_grpc.RateLimiterStub(self.channel)
         self.wait_ms = wait_ms
         self.lease_ms = lease_ms
@@ -144,7 +144,7 @@ class WorkerStream:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self.channel = insecure_channel(address)
+        self.channel = stage_channel(address)
         self._link: StreamLink[pb.ExecuteRequest, pb.ExecuteResponse] = StreamLink(
             name=f"worker {address}",
             open_call=pb_grpc.WorkerStub(self.channel).ExecuteStream,

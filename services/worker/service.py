@@ -29,7 +29,7 @@ from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.gpus import gpu_count
 from stageserve.model_state import LoadedModel, ModelStateStore
-from stageserve.net import insecure_channel
+from stageserve.net import add_stage_port, stage_channel
 from stageserve.redis_connect import connect
 from stageserve.settings import WORKER
 from stageserve.transport import serve_stream
@@ -345,7 +345,7 @@ async def serve(
     redis = connect(redis_url)
     await redis.ping()
     worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    channel = insecure_channel(ratelimiter_address)
+    channel = stage_channel(ratelimiter_address)
     service = WorkerService(
         worker_id, ModelStateStore(redis), pb_grpc.RateLimiterStub(channel), detect_gpu(device)
     )
@@ -356,7 +356,7 @@ async def serve(
 
     # The address peers dial must be known before registering: bind first.
     host = listen.rsplit(":", 1)[0]
-    port = server.add_insecure_port(listen)
+    port = add_stage_port(server, listen)
     if port == 0:
         raise RuntimeError(f"worker: cannot listen on {listen}")
     public_host = host if host not in ("0.0.0.0", "[::]") else socket.gethostname()

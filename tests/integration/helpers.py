@@ -265,3 +265,34 @@ def two_paths(root: Path) -> Iterator[tuple[RunningStack, Child, grpcclient.Infe
             ["gateway", *common, "--scheduler", sched2.address, "--model-repository", str(root)],
         )
         yield running, sched2, grpcclient.InferenceServerClient(gw2.address)
+
+
+def make_certs(d: Path) -> Path:
+    """A CA and server/client certificates (SAN 127.0.0.1, localhost) in `d`,
+    made with the openssl CLI; skips the test when there is none."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl CLI to make test certificates")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    openssl(
+        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+        "-keyout", "ca.key", "-out", "ca.crt", "-subj", "/CN=stageserve-test-ca",
+    )  # fmt: skip
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for who in ("server", "client"):
+        openssl(
+            "req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{who}.key",
+            "-out", f"{who}.csr", "-subj", f"/CN={who}",
+        )  # fmt: skip
+        openssl(
+            "x509", "-req", "-in", f"{who}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "2", "-out", f"{who}.crt", "-extfile", "san.ext",
+        )  # fmt: skip
+    return d

@@ -7,8 +7,6 @@ certificate for 127.0.0.1, a client certificate); the test skips without it.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,35 +17,14 @@ from tritonclient.utils import InferenceServerException
 
 from stageserve.examples import write_simple
 from stageserve.launcher import Stack, start_services
-from tests.integration.helpers import infer_simple
+from tests.integration.helpers import infer_simple, make_certs
 
 TIMEOUT_S = 10.0
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if shutil.which("openssl") is None:
-        pytest.skip("no openssl CLI to make test certificates")
-    d = tmp_path_factory.mktemp("certs")
-    _openssl(
-        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-        "-keyout", "ca.key", "-out", "ca.crt", "-subj", "/CN=stageserve-test-ca", cwd=d,
-    )  # fmt: skip
-    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for who in ("server", "client"):
-        _openssl(
-            "req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{who}.key",
-            "-out", f"{who}.csr", "-subj", f"/CN={who}", cwd=d,
-        )  # fmt: skip
-        _openssl(
-            "x509", "-req", "-in", f"{who}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-            "-CAcreateserial", "-days", "2", "-out", f"{who}.crt", "-extfile", "san.ext", cwd=d,
-        )  # fmt: skip
-    return d
+    return make_certs(tmp_path_factory.mktemp("certs"))
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,7 @@ STAGESERVE_<SERVICE>_<FIELD> (e.g. STAGESERVE_WORKER_LEASE_MS=5000), which is
 how compose and Kubernetes configure the stages. The objects are built once
 per process, at import. docs/deployment.md lists them.
 
-Not here yet: the rate limiter's own figures (sweep period, Acquire's poll,
-the lease defaults it applies when a caller sends none), which are being
-reworked with its grants.
+Every service's figures are here, the rate limiter's included.
 """
 
 from __future__ import annotations
@@ -52,6 +50,30 @@ class SchedulerSettings:
     # Liveness of a scheduler's sequence backlog entries: a dead scheduler's
     # entries stop blocking their sequences after this.
     sequence_owner_ttl_ms: int = 3000
+    # A batch with no answer from its worker within this fails
+    # DEADLINE_EXCEEDED (a hung model.py; a dead worker fails at once).
+    execute_timeout_s: float = 300.0
+    # A grant held while its queue has work goes back after this, so other
+    # schedulers get a turn at the instance.
+    grant_reuse_s: float = 2.0
+    # An idle queue keeps its grants this long for the next burst.
+    standby_hold_s: float = 0.5
+
+
+@dataclass(frozen=True)
+class RateLimiterSettings:
+    # Acquire re-checks Redis at least this often while it waits (a release
+    # by another rate-limiter process is not signalled to this one).
+    acquire_poll_s: float = 0.02
+    # Period of releasing expired grants and forgetting dead workers: with
+    # the leases, bounds how long a crashed holder keeps resources.
+    sweep_s: float = 0.25
+    # Period of exporting resource and instance gauges for /metrics.
+    usage_export_s: float = 1.0
+    # Leases applied when a caller sends none (lease_ms 0).
+    default_worker_lease_ms: int = 3000
+    default_grant_lease_ms: int = 60_000
+    default_renew_lease_ms: int = 5000
 
 
 @dataclass(frozen=True)
@@ -109,6 +131,7 @@ def from_env(cls: type[T], service: str, environ: Mapping[str, str] = os.environ
 
 WORKER = from_env(WorkerSettings, "worker")
 SCHEDULER = from_env(SchedulerSettings, "scheduler")
+RATELIMITER = from_env(RateLimiterSettings, "ratelimiter")
 GATEWAY = from_env(GatewaySettings, "gateway")
 REDIS_CLIENT = from_env(RedisClientSettings, "redis_client")
 SUPERVISOR = from_env(SupervisorSettings, "supervisor")

@@ -19,6 +19,7 @@ from services.ratelimiter.registry import (
 )
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
+from stageserve.settings import RATELIMITER
 from stageserve.telemetry import (
     RATELIMITER_GRANT_WAIT,
     RATELIMITER_GRANTS,
@@ -31,7 +32,6 @@ log = logging.getLogger(__name__)
 
 # While every instance is busy, a waiting Acquire re-checks Redis at least
 # this often, so releases made by another rate-limiter process are seen.
-POLL_S = 0.02
 
 
 def instance_to_pb(inst: Instance) -> pb.InstanceInfo:
@@ -91,7 +91,10 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             for i in request.instances
         ]
         added = await self.registry.register(
-            request.worker_id, request.worker_address, instances, request.lease_ms or 3000
+            request.worker_id,
+            request.worker_address,
+            instances,
+            request.lease_ms or RATELIMITER.default_worker_lease_ms,
         )
         log.info(
             "worker registered",
@@ -101,7 +104,9 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
         return pb.RegisterResponse()
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
-        known = await self.registry.heartbeat(request.worker_id, request.lease_ms or 3000)
+        known = await self.registry.heartbeat(
+            request.worker_id, request.lease_ms or RATELIMITER.default_worker_lease_ms
+        )
         return pb.HeartbeatResponse(known=known)
 
     async def Deregister(self, request: pb.DeregisterRequest, context) -> pb.DeregisterResponse:
@@ -112,7 +117,7 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
 
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
         model, version = request.model, request.version
-        lease_ms = request.lease_ms or 60_000
+        lease_ms = request.lease_ms or RATELIMITER.default_grant_lease_ms
         started = time.monotonic()
         deadline = started + request.wait_ms / 1000.0
         resp = await self._acquire(model, version, lease_ms, deadline)
@@ -139,7 +144,7 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
                     granted=False, reason="every instance (or a resource it needs) is busy"
                 )
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), min(remaining, POLL_S))
+                await asyncio.wait_for(event.wait(), min(remaining, RATELIMITER.acquire_poll_s))
 
     def _granted(self, grant: Grant) -> pb.AcquireResponse:
         inst = grant.instance
@@ -167,7 +172,9 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
         return pb.ReleaseResponse()
 
     async def Renew(self, request: pb.RenewRequest, context) -> pb.RenewResponse:
-        lost = await self.registry.renew(list(request.grant_ids), request.lease_ms or 5000)
+        lost = await self.registry.renew(
+            list(request.grant_ids), request.lease_ms or RATELIMITER.default_renew_lease_ms
+        )
         return pb.RenewResponse(lost_grant_ids=lost)
 
     async def ListInstances(
@@ -196,7 +203,7 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
                 RATELIMITER_RESOURCES.remove(name, device, state)
         self._exported_resources = exported
 
-    async def export_usage_forever(self, period_s: float = 1.0) -> None:
+    async def export_usage_forever(self, period_s: float = RATELIMITER.usage_export_s) -> None:
         """Keep the gauges current for /metrics."""
         while True:
             try:
@@ -205,7 +212,7 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
                 log.exception("usage export failed")
             await asyncio.sleep(period_s)
 
-    async def sweep_forever(self, period_s: float = 0.25) -> None:
+    async def sweep_forever(self, period_s: float = RATELIMITER.sweep_s) -> None:
         """Release expired grants and forget dead workers."""
         while True:
             try:

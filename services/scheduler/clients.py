@@ -193,7 +193,7 @@ class WorkerStream:
 class WorkerClients:
     """One stream per worker address, opened on first use."""
 
-    def __init__(self, execute_timeout_s: float = 300.0) -> None:
+    def __init__(self, execute_timeout_s: float = SCHEDULER.execute_timeout_s) -> None:
         self._streams: dict[str, WorkerStream] = {}
         self.execute_timeout_s = execute_timeout_s
 

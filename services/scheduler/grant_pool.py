@@ -19,13 +19,15 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Generic, TypeVar
 
+from stageserve.settings import SCHEDULER
+
 G = TypeVar("G")
 
 # How long an idle queue keeps its grants before handing them back.
-STANDBY_HOLD_S = 0.5
+STANDBY_HOLD_S = SCHEDULER.standby_hold_s
 # How long one grant may be reused before it goes back to the rate limiter
 # (well inside the grant lease, so a held grant never expires under us).
-GRANT_REUSE_S = 2.0
+GRANT_REUSE_S = SCHEDULER.grant_reuse_s
 
 
 class Usable(Enum):

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# One command: install everything the tests need (virtualenv, perf_analyzer)
-# and run the whole suite: lint, deployment-file validation, unit and integration tests.
+# One command: install everything the tests need (virtualenv, perf_analyzer,
+# real Triton 2.51 as the referee: the tests that diff StageServe against it
+# run, ~10 s to install from the nvidia-pytriton wheel) and run the whole
+# suite: lint, deployment-file validation, unit and integration tests.
 #   scripts/test.sh [pytest args]
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/dev_env.sh"
 cd "$ROOT"
 bash scripts/install_perf_analyzer.sh >/dev/null
+SKIP_PERF_ANALYZER=1 bash scripts/install_references.sh triton 2>&1 | tail -n 2
 ruff check .
 bash scripts/validate_deploy.sh
 python -m pytest "$@"

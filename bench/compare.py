@@ -18,6 +18,11 @@ prints whether the measured ratios meet it.
   python -m bench.compare --servers triton stageserve --models cnn --concurrency 8 32
   python -m bench.compare --servers triton stageserve --models mlp --concurrency 8 64
   python -m bench.compare --servers mlserver mlserver-proxy --models identity   # proxy cost
+  python -m bench.compare --servers triton stageserve-python --models numpy   # issue 10
+
+Model ``numpy`` (not in the default set): an MLP 1024-2048-2048-16 that the
+Python-backend servers run as a ``model.py`` doing the forward pass in numpy
+(bench/numpy_model.py, ~1 ms per batch of 1); ONNX servers get its ONNX twin.
 
 Servers: ``triton`` (tritonserver 2.51, Python backend running ONNX Runtime),
 ``mlserver`` (MLServer 1.7, custom ONNX Runtime runtime, adaptive batching,
@@ -61,6 +66,7 @@ from bench.perf_analyzer import (
     run_perf,
 )
 from bench.references import (
+    DEFAULT_MODELS,
     MODELS,
     ReferenceNotInstalled,
     ServerStartError,
@@ -778,7 +784,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--servers", nargs="+", default=list(DEFAULT_SERVERS), choices=ALL_SERVERS)
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    ap.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=MODELS)
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 64])
     ap.add_argument("--measurement-ms", type=int, default=5000, help="perf_analyzer -p")
     ap.add_argument("--stability-pct", type=int, default=30, help="perf_analyzer -s")

@@ -79,7 +79,17 @@ BENCH_DIR = Path(__file__).resolve().parent
 TRITON_VENV = ".venv-triton"
 MLSERVER_VENV = ".venv-mlserver"
 SERVERS = ("triton", "mlserver", "stageserve")
-MODELS = ("identity", "mlp", "cnn")
+MODELS = ("identity", "mlp", "cnn", "numpy")
+#: What ``python -m bench.compare`` runs without ``--models``. ``numpy`` is
+#: issue 10's Python-backend model (``--servers triton stageserve-python
+#: --models numpy``); ONNX servers run its ONNX twin.
+DEFAULT_MODELS = ("identity", "mlp", "cnn")
+#: Layer sizes of the ``numpy`` model (an MLP, Gemm + ReLU, softmax). Chosen so
+#: its numpy ``execute`` (bench/numpy_model.py) does at least 1 ms of work per
+#: batch: numpy 1.26 / OpenBLAS on this 2-vCPU VM, one thread, took 0.75 ms at
+#: (512, 2048, 2048, 16) for a batch of 1 and 3.6 ms for 8; the 1024-wide input
+#: adds 2M multiply-adds per row (24 MB of weights read per batch).
+NUMPY_SIZES = (1024, 2048, 2048, 16)
 MAX_BATCH_SIZE = 64
 #: Image side of the ``cnn`` model. Chosen so one inference does real work yet
 #: a run at c=8 and c=32 stays short: onnxruntime 1.32 alone on this 2-vCPU VM
@@ -161,10 +171,18 @@ def bench_model(name: str) -> BenchModel:
             (("INPUT", "FP32", (3, side, side)),),
             (("OUTPUT", "FP32", (CNN_CLASSES,)),),
         )
+    if name == "numpy":
+        onnx_model = mlp_model(NUMPY_SIZES, MAX_BATCH_SIZE)
+        return BenchModel(
+            name,
+            onnx_model.SerializeToString(),
+            (("INPUT0", "FP32", (NUMPY_SIZES[0],)),),
+            (("OUTPUT0", "FP32", (NUMPY_SIZES[-1],)),),
+        )
     raise ValueError(f"unknown benchmark model {name!r} (choose from {', '.join(MODELS)})")
 
 
-def bench_models(names: Sequence[str] = MODELS) -> list[BenchModel]:
+def bench_models(names: Sequence[str] = DEFAULT_MODELS) -> list[BenchModel]:
     return [bench_model(n) for n in names]
 
 
@@ -216,7 +234,13 @@ def write_triton_repository(root: Path, models: Sequence[BenchModel], instances:
     root.mkdir(parents=True, exist_ok=True)
     for m in models:
         model_dir = write_model(root, m.name, m.onnx, triton_config_text(m, instances))
-        shutil.copyfile(BENCH_DIR / "triton_model.py", model_dir / "1" / "model.py")
+        if m.name == "numpy":  # execute in numpy, with the ONNX twin's weights
+            shutil.copyfile(BENCH_DIR / "numpy_model.py", model_dir / "1" / "model.py")
+            layers = mlp_weights(NUMPY_SIZES)
+            arrays = {f"{k}{i}": a for i, (w, b) in enumerate(layers) for k, a in (("W", w), ("B", b))}
+            np.savez(model_dir / "1" / "weights.npz", **arrays)
+        else:
+            shutil.copyfile(BENCH_DIR / "triton_model.py", model_dir / "1" / "model.py")
     return root
 
 
@@ -712,7 +736,7 @@ class StageServeServer(RunningServer):
             raise
         self.notes = {"instances": str(instances), "workers": str(workers)}
         if python:
-            self.notes["backend"] = "python (Triton's model.py -> onnxruntime, in the worker)"
+            self.notes["backend"] = "python (the model.py files Triton gets, in the worker)"
 
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.stack.children]
@@ -747,6 +771,8 @@ def expected_output(model: BenchModel, x: np.ndarray) -> np.ndarray:
         return x
     if model.name == "mlp":
         return mlp_reference(x, mlp_weights()).astype(np.float32)
+    if model.name == "numpy":
+        return mlp_reference(x, mlp_weights(NUMPY_SIZES)).astype(np.float32)
     if model.name == "cnn":  # float64, from the very ONNX graph the servers get
         return reference_forward(onnx.load_from_string(model.onnx), x)
     raise ValueError(model.name)
@@ -884,7 +910,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--configs", type=Path, required=True, help="JSON: model -> hex response")
     for name in SERVERS:
         s = sub.add_parser(name, help=f"start {name} on a free port and wait")
-        s.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+        s.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=MODELS)
         s.add_argument("--instances", type=int, default=1)
         if name == "mlserver":
             s.add_argument("--parallel-workers", type=int, default=0)

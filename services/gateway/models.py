@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from redis.exceptions import RedisError
 
 from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.config import ModelSpec
@@ -138,9 +139,18 @@ class ModelManager:
             *wanted,
             *(n for n in await self.state.loaded() if n in names and n not in wanted),
         ]
-        await asyncio.gather(
+        results = await asyncio.gather(
             *(self.load(name, adopt=True) for name in wanted), return_exceptions=True
         )
+        for name, result in zip(wanted, results, strict=True):
+            # A StageError was logged where it arose (and is the model's reason);
+            # anything else would otherwise vanish here, leaving the model
+            # unknown with no trace (seen: a ListInstances error at start).
+            if isinstance(result, BaseException) and not isinstance(result, StageError):
+                log.error(
+                    "startup model load failed",
+                    extra={"model": name, "error": f"{type(result).__name__}: {result}"},
+                )
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
@@ -296,10 +306,25 @@ class ModelManager:
         tag = f"g{generation}"
         deadline = time.monotonic() + self.load_timeout_s
         while True:
-            errors = await self.state.load_errors(name)
-            resp = await self.ratelimiter.ListInstances(
-                pb.ListInstancesRequest(model=name), timeout=10
-            )
+            try:
+                errors = await self.state.load_errors(name)
+                resp = await self.ratelimiter.ListInstances(
+                    pb.ListInstancesRequest(model=name), timeout=10
+                )
+            except (grpc.aio.AioRpcError, RedisError) as exc:
+                # A rate limiter or Redis that is briefly unreachable (restarting,
+                # or slow on a loaded machine) does not fail the load: ask again
+                # until the load timeout.
+                if time.monotonic() > deadline:
+                    raise unavailable(
+                        f"failed to load '{name}': instances unknown: {type(exc).__name__}"
+                    ) from None
+                log.warning(
+                    "waiting for instances: lookup failed, retrying",
+                    extra={"model": name, "error": type(exc).__name__},
+                )
+                await asyncio.sleep(0.2)
+                continue
             have = {i.version for i in resp.instances if i.instance_id.split("/")[-3] == tag}
             states = {v: READY if v in have else LOADING for v in versions}
             reasons: dict[int, str] = {}

@@ -328,7 +328,8 @@ def test_window_spread_from_verbose_output():
 
 
 def test_bench_models_are_the_example_models():
-    assert references.MODELS == ("identity", "mlp", "cnn")
+    assert references.MODELS == ("identity", "mlp", "cnn", "numpy")
+    assert references.DEFAULT_MODELS == ("identity", "mlp", "cnn")
     ident, mlp, cnn = references.bench_models()
     assert ident.onnx == identity_model("FP32", (16,), 64).SerializeToString()
     assert mlp.onnx == mlp_model().SerializeToString()
@@ -524,3 +525,41 @@ def test_triton_install_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     assert "PYTHONHOME" not in env
     assert env["LD_LIBRARY_PATH"] == f"{site / 'nvidia_pytriton.libs'}:/old"
     assert env["PATH"].startswith(f"{tmp_path / 'venv' / 'bin'}:")
+
+
+def test_numpy_model_runs_its_forward_pass_in_numpy_with_the_onnx_twins_weights(tmp_path: Path):
+    """Issue 10's benchmark model: Python-backend servers get bench/numpy_model.py
+    plus weights.npz, ONNX servers the same network as ONNX; all answer alike."""
+    import onnxruntime as ort
+
+    from services.worker.python_backend.loader import import_model_file
+    from stageserve import pb_utils
+
+    (model,) = references.bench_models(["numpy"])
+    assert model.inputs == (("INPUT0", "FP32", (references.NUMPY_SIZES[0],)),)
+    assert model.outputs == (("OUTPUT0", "FP32", (references.NUMPY_SIZES[-1],)),)
+    root = references.write_triton_repository(tmp_path / "tr", [model])
+    version_dir = root / "numpy" / "1"
+    assert (version_dir / "model.py").read_text() == (
+        references.BENCH_DIR / "numpy_model.py"
+    ).read_text()
+    instance = import_model_file(version_dir / "model.py").TritonPythonModel()
+    instance.initialize({"model_repository": str(root / "numpy"), "model_version": "1"})
+    x = references.consistency_input(model, batch=5)
+    requests = [  # a dynamic batch of two requests (3 + 2 rows)
+        pb_utils.InferenceRequest(
+            inputs=[pb_utils.Tensor("INPUT0", part)],
+            model_name="numpy",
+            requested_output_names=["OUTPUT0"],
+        )
+        for part in (x[:3], x[3:])
+    ]
+    responses = instance.execute(requests)
+    got = np.concatenate(
+        [pb_utils.get_output_tensor_by_name(r, "OUTPUT0").as_numpy() for r in responses]
+    )
+    want = references.expected_output(model, x)
+    assert got.shape == want.shape == (5, references.NUMPY_SIZES[-1])
+    assert np.max(np.abs(got - want)) <= references.tolerance(model, want)
+    onnx_out = ort.InferenceSession(model.onnx).run(None, {"INPUT0": x})[0]
+    assert np.max(np.abs(onnx_out - want)) <= references.tolerance(model, want)

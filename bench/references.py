@@ -236,8 +236,9 @@ def write_triton_repository(root: Path, models: Sequence[BenchModel], instances:
         model_dir = write_model(root, m.name, m.onnx, triton_config_text(m, instances))
         if m.name == "numpy":  # execute in numpy, with the ONNX twin's weights
             shutil.copyfile(BENCH_DIR / "numpy_model.py", model_dir / "1" / "model.py")
-            layers = mlp_weights(NUMPY_SIZES)
-            arrays = {f"{k}{i}": a for i, (w, b) in enumerate(layers) for k, a in (("W", w), ("B", b))}
+            arrays = {}
+            for i, (w, b) in enumerate(mlp_weights(NUMPY_SIZES)):
+                arrays[f"W{i}"], arrays[f"B{i}"] = w, b
             np.savez(model_dir / "1" / "weights.npz", **arrays)
         else:
             shutil.copyfile(BENCH_DIR / "triton_model.py", model_dir / "1" / "model.py")

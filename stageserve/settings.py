@@ -35,6 +35,12 @@ class WorkerSettings:
     # How long a Python model's BLS keeps a called model's config: a reload is
     # picked up within this (the scheduler checks generations too).
     bls_model_cache_s: float = 1.0
+    # Threads numpy's BLAS may use in the worker process (Python-backend
+    # models' numpy). 1: idle OpenBLAS threads busy-wait on the cores the
+    # other stages need (services/worker/blas_threads.py has the figures);
+    # 0 keeps the library's default. OPENBLAS/MKL/OMP_NUM_THREADS set in the
+    # worker's environment win.
+    blas_threads: int = 1
 
 
 @dataclass(frozen=True)

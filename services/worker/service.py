@@ -19,6 +19,7 @@ import grpc
 import redis.asyncio as aioredis
 
 from services.worker.backends import create_backend
+from services.worker.blas_threads import limit_blas_threads
 from services.worker.instances import HostedInstance, default_intra_op_threads, placements
 from services.worker.onnx_backend import BackendError, InvalidInputError
 from services.worker.python_backend.bls import install as bls_install
@@ -342,6 +343,7 @@ async def serve(
     from stageserve.net import SERVER_OPTIONS
     from stageserve.service_runtime import run_server
 
+    limit_blas_threads(os.environ, WORKER.blas_threads)
     redis = connect(redis_url)
     await redis.ping()
     worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"

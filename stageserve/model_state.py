@@ -7,6 +7,7 @@ from it. A generation number bumps on every (re)load, so readers can cache.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,10 +27,17 @@ class LoadedModel:
     path: Path
     config: mc.ModelConfig
     spec: ModelSpec
+    files: str = ""  # files_digest of the folder the publishing gateway read
+
+
+def files_digest(fingerprint: tuple) -> str:
+    """A model folder's fingerprint (repository.fingerprint) in a record: two
+    gateways reading the same folder agree on it."""
+    return hashlib.sha256(repr(fingerprint).encode()).hexdigest()[:32]
 
 
 def _record(
-    config: mc.ModelConfig, versions: tuple[int, ...], path: Path, generation: int
+    config: mc.ModelConfig, versions: tuple[int, ...], path: Path, generation: int, files: str
 ) -> dict[str, bytes | str | int]:
     """A model's record (keys.model) as the gateway publishes it."""
     return {
@@ -37,6 +45,7 @@ def _record(
         "versions": ",".join(str(v) for v in versions),
         "path": str(path),
         "generation": generation,
+        "files": files,
     }
 
 
@@ -85,6 +94,7 @@ def _decode(name: str, fields: dict[bytes, bytes]) -> LoadedModel | None:
         path=Path(fields[b"path"].decode()),
         config=config,
         spec=to_spec(config),
+        files=fields.get(b"files", b"").decode(),
     )
 
 
@@ -96,17 +106,46 @@ class ModelStateStore:
         self._publishers = redis.register_script(_PUBLISHERS)
 
     async def publish_loaded(
-        self, config: mc.ModelConfig, versions: tuple[int, ...], path: Path
+        self,
+        config: mc.ModelConfig,
+        versions: tuple[int, ...],
+        path: Path,
+        files: str = "",
+        adopt: bool = False,
+        match_files: bool = False,
     ) -> int:
+        """Publish a load under a new generation; returns the generation. With
+        `adopt`, a record that already is this load (same config, versions,
+        path and, with `match_files`, folder digest `files`: another gateway
+        published it) is taken as it is, no new generation; checked and
+        written atomically, so gateways applying the same change at once
+        (startup, poll mode) make workers load it once."""
         name = config.name
-        generation = int(await self.redis.incr(keys.GENERATION_COUNTER))
+        record = keys.model(name)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(keys.model_errors(name))
-            pipe.hset(keys.model(name), mapping=_record(config, versions, path, generation))
-            pipe.hset(keys.MODELS, name, generation)
-            pipe.publish(keys.MODEL_EVENTS, name)
-            await pipe.execute()
-        return generation
+            while True:
+                try:
+                    await pipe.watch(record)
+                    if adopt:
+                        current = _decode(name, await pipe.hgetall(record))
+                        if (
+                            current is not None
+                            and current.config == config
+                            and current.versions == versions
+                            and current.path == path
+                            and (not match_files or current.files == files)
+                        ):
+                            return current.generation
+                    generation = int(await self.redis.incr(keys.GENERATION_COUNTER))
+                    pipe.multi()
+                    pipe.delete(keys.model_errors(name))
+                    pipe.hset(record, mapping=_record(config, versions, path, generation, files))
+                    pipe.hset(keys.MODELS, name, generation)
+                    pipe.publish(keys.MODEL_EVENTS, name)
+                    await pipe.execute()
+                    return generation
+                except WatchError:  # another gateway published meanwhile: look again
+                    continue
 
     async def restore(self, previous: LoadedModel, failed_generation: int) -> bool:
         """Put back the record a failed reload replaced, generation and all, so
@@ -125,7 +164,11 @@ class ModelStateStore:
                 pipe.hset(
                     record,
                     mapping=_record(
-                        previous.config, previous.versions, previous.path, previous.generation
+                        previous.config,
+                        previous.versions,
+                        previous.path,
+                        previous.generation,
+                        previous.files,
                     ),
                 )
                 pipe.hset(keys.MODELS, previous.name, previous.generation)
@@ -148,6 +191,7 @@ class ModelStateStore:
         versions: tuple[int, ...],
         path: Path,
         generation: int,
+        files: str,
         client: aioredis.Redis | None = None,
     ) -> None:
         """Write a served model's record back, generation and all, unless Redis
@@ -159,7 +203,11 @@ class ModelStateStore:
             args=[
                 config.name,
                 generation,
-                *(x for kv in _record(config, versions, path, generation).items() for x in kv),
+                *(
+                    x
+                    for kv in _record(config, versions, path, generation, files).items()
+                    for x in kv
+                ),
             ],
             client=client,
         )

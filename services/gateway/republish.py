@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 
 from services.gateway.models import ModelManager
 from stageserve import redis_keys as keys
+from stageserve.model_state import files_digest
 from stageserve.settings import GATEWAY
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,12 @@ class Republisher:
                 assert e.config is not None
                 path = e.path or self.models.repository / e.name
                 await state.republish(
-                    e.config, tuple(sorted(e.versions)), path, e.generation, client=pipe
+                    e.config,
+                    tuple(sorted(e.versions)),
+                    path,
+                    e.generation,
+                    files_digest(e.fingerprint),
+                    client=pipe,
                 )
             await pipe.execute()
         # Records first, then the mark: a worker that sees the mark sees them.

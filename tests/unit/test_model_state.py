@@ -125,16 +125,51 @@ def test_republish_writes_back_only_what_redis_lost(redis_url) -> None:
         events = r.pubsub()
         await events.subscribe(keys.MODEL_EVENTS)
         await events.get_message(timeout=1)  # the subscribe confirmation
-        await store.republish(served.config, served.versions, served.path, generation)
+        await store.republish(served.config, served.versions, served.path, generation, served.files)
         assert await store.get("m") == served
         assert (await store.loaded())["m"].generation == generation
         message = await events.get_message(timeout=1)
         assert message is not None and message["data"] == b"m"
         # A record Redis holds (a later load by another gateway) is kept.
         newer = await store.publish_loaded(_config(4), (1, 2), Path("/repo/m"))
-        await store.republish(served.config, served.versions, served.path, generation)
+        await store.republish(served.config, served.versions, served.path, generation, served.files)
         assert (await store.get("m")).generation == newer
         assert (await store.get("m")).versions == (1, 2)
         await events.aclose()
+
+    run(redis_url, body)
+
+
+def test_adopt_takes_a_record_of_the_same_load_and_publishes_a_changed_one(redis_url) -> None:
+    """Gateways applying one change (startup, poll mode) publish it once."""
+
+    async def body(store: ModelStateStore, r) -> None:
+        path = Path("/repo/m")
+        first = await store.publish_loaded(_config(8), (1,), path, "files-a", adopt=True)
+        same = await store.publish_loaded(
+            _config(8), (1,), path, "files-a", adopt=True, match_files=True
+        )
+        assert same == first and int(await r.get(keys.GENERATION_COUNTER)) == first
+        assert (await store.get("m")).files == "files-a"
+        # A model file rewritten: same config, new digest, reloaded when files count.
+        assert await store.publish_loaded(_config(8), (1,), path, "files-b", adopt=True) == first
+        rewritten = await store.publish_loaded(
+            _config(8), (1,), path, "files-b", adopt=True, match_files=True
+        )
+        assert rewritten > first
+        changed = await store.publish_loaded(_config(4), (1,), path, "files-b", adopt=True)
+        assert changed > rewritten  # a config change is never adopted
+        # Without adopt (an explicit load), always a new generation.
+        assert await store.publish_loaded(_config(4), (1,), path, "files-b") > changed
+
+        # Two gateways at once: one generation between them.
+        await r.delete(keys.model("m"))
+        both = await asyncio.gather(
+            *(
+                store.publish_loaded(_config(2), (1,), path, "c", adopt=True, match_files=True)
+                for _ in range(2)
+            )
+        )
+        assert both[0] == both[1]
 
     run(redis_url, body)

@@ -49,14 +49,18 @@ def polled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
         yield running
 
 
-def _ready(running: RunningStack, model: str, version: str = "") -> bool:
-    c = client(running.url)
+def _ready_at(url: str, model: str, version: str = "") -> bool:
+    c = client(url)
     try:
         return c.is_model_ready(model, version)
     except InferenceServerException:
         return False
     finally:
         c.close()
+
+
+def _ready(running: RunningStack, model: str, version: str = "") -> bool:
+    return _ready_at(running.url, model, version)
 
 
 def test_snapshot_and_diff(tmp_path: Path):
@@ -183,16 +187,6 @@ def _generations_registered(running: RunningStack, model: str, version: int) -> 
 
 def _both(running: RunningStack, url_b: str, check) -> bool:
     return check(running.url) and check(url_b)
-
-
-def _ready_at(url: str, model: str, version: str = "") -> bool:
-    c = client(url)
-    try:
-        return c.is_model_ready(model, version)
-    except InferenceServerException:
-        return False
-    finally:
-        c.close()
 
 
 def _settled(running: RunningStack, model: str, counter: int, generation: int | None) -> None:

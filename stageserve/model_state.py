@@ -7,6 +7,7 @@ from it. A generation number bumps on every (re)load, so readers can cache.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,60 @@ class LoadedModel:
     path: Path
     config: mc.ModelConfig
     spec: ModelSpec
+    files: str = ""  # files_digest of the folder the publishing gateway read
+
+
+def files_digest(fingerprint: tuple) -> str:
+    """A model folder's fingerprint (repository.fingerprint) in a record: two
+    gateways reading the same folder agree on it."""
+    return hashlib.sha256(repr(fingerprint).encode()).hexdigest()[:32]
+
+
+def _record(
+    config: mc.ModelConfig, versions: tuple[int, ...], path: Path, generation: int, files: str
+) -> dict[str, bytes | str | int]:
+    """A model's record (keys.model) as the gateway publishes it."""
+    return {
+        "config": config.SerializeToString(),
+        "versions": ",".join(str(v) for v in versions),
+        "path": str(path),
+        "generation": generation,
+        "files": files,
+    }
+
+
+# Marks expire in Redis time, so gateways' and workers' clocks need not agree.
+_NOW_MS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# KEYS: publishers; ARGV: gateway, lease ms, renew only (1/0). Drops expired
+# marks on the way, so a killed gateway's leaves nothing behind.
+_MARK = (
+    _NOW_MS
+    + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
+if ARGV[3] == '1' and not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+  return 0
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+return 1
+"""
+)
+
+_PUBLISHERS = _NOW_MS + "return redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')"
+
+# KEYS: model record, models, events; ARGV: name, generation, record fields.
+_REPUBLISH = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return 0
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('PUBLISH', KEYS[3], ARGV[1])
+return 1
+"""
 
 
 def _decode(name: str, fields: dict[bytes, bytes]) -> LoadedModel | None:
@@ -39,33 +94,58 @@ def _decode(name: str, fields: dict[bytes, bytes]) -> LoadedModel | None:
         path=Path(fields[b"path"].decode()),
         config=config,
         spec=to_spec(config),
+        files=fields.get(b"files", b"").decode(),
     )
 
 
 class ModelStateStore:
     def __init__(self, redis: aioredis.Redis) -> None:
         self.redis = redis
+        self._republish = redis.register_script(_REPUBLISH)
+        self._mark = redis.register_script(_MARK)
+        self._publishers = redis.register_script(_PUBLISHERS)
 
     async def publish_loaded(
-        self, config: mc.ModelConfig, versions: tuple[int, ...], path: Path
+        self,
+        config: mc.ModelConfig,
+        versions: tuple[int, ...],
+        path: Path,
+        files: str = "",
+        adopt: bool = False,
+        match_files: bool = False,
     ) -> int:
+        """Publish a load under a new generation; returns the generation. With
+        `adopt`, a record that already is this load (same config, versions,
+        path and, with `match_files`, folder digest `files`: another gateway
+        published it) is taken as it is, no new generation; checked and
+        written atomically, so gateways applying the same change at once
+        (startup, poll mode) make workers load it once."""
         name = config.name
-        generation = int(await self.redis.incr(keys.GENERATION_COUNTER))
+        record = keys.model(name)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(keys.model_errors(name))
-            pipe.hset(
-                keys.model(name),
-                mapping={
-                    "config": config.SerializeToString(),
-                    "versions": ",".join(str(v) for v in versions),
-                    "path": str(path),
-                    "generation": generation,
-                },
-            )
-            pipe.hset(keys.MODELS, name, generation)
-            pipe.publish(keys.MODEL_EVENTS, name)
-            await pipe.execute()
-        return generation
+            while True:
+                try:
+                    await pipe.watch(record)
+                    if adopt:
+                        current = _decode(name, await pipe.hgetall(record))
+                        if (
+                            current is not None
+                            and current.config == config
+                            and current.versions == versions
+                            and current.path == path
+                            and (not match_files or current.files == files)
+                        ):
+                            return current.generation
+                    generation = int(await self.redis.incr(keys.GENERATION_COUNTER))
+                    pipe.multi()
+                    pipe.delete(keys.model_errors(name))
+                    pipe.hset(record, mapping=_record(config, versions, path, generation, files))
+                    pipe.hset(keys.MODELS, name, generation)
+                    pipe.publish(keys.MODEL_EVENTS, name)
+                    await pipe.execute()
+                    return generation
+                except WatchError:  # another gateway published meanwhile: look again
+                    continue
 
     async def restore(self, previous: LoadedModel, failed_generation: int) -> bool:
         """Put back the record a failed reload replaced, generation and all, so
@@ -83,12 +163,13 @@ class ModelStateStore:
                 pipe.multi()
                 pipe.hset(
                     record,
-                    mapping={
-                        "config": previous.config.SerializeToString(),
-                        "versions": ",".join(str(v) for v in previous.versions),
-                        "path": str(previous.path),
-                        "generation": previous.generation,
-                    },
+                    mapping=_record(
+                        previous.config,
+                        previous.versions,
+                        previous.path,
+                        previous.generation,
+                        previous.files,
+                    ),
                 )
                 pipe.hset(keys.MODELS, previous.name, previous.generation)
                 pipe.publish(keys.MODEL_EVENTS, previous.name)
@@ -104,11 +185,48 @@ class ModelStateStore:
             pipe.publish(keys.MODEL_EVENTS, name)
             await pipe.execute()
 
-    async def model_set_known(self) -> bool:
-        """False after Redis lost its data, until the gateway republished the
-        model set (services/gateway/republish.py): "no model" then means
-        "not known", not "unload everything"."""
-        return bool(await self.redis.exists(keys.MODELS_PUBLISHED))
+    async def republish(
+        self,
+        config: mc.ModelConfig,
+        versions: tuple[int, ...],
+        path: Path,
+        generation: int,
+        files: str,
+        client: aioredis.Redis | None = None,
+    ) -> None:
+        """Write a served model's record back, generation and all, unless Redis
+        holds one: after a loss the first gateway to write it wins, and a mark
+        that only lapsed (a stalled gateway) never rolls a newer load back.
+        `client`: a pipeline to queue it on."""
+        await self._republish(
+            keys=[keys.model(config.name), keys.MODELS, keys.MODEL_EVENTS],
+            args=[
+                config.name,
+                generation,
+                *(
+                    x
+                    for kv in _record(config, versions, path, generation, files).items()
+                    for x in kv
+                ),
+            ],
+            client=client,
+        )
+
+    async def mark_published(self, gateway: str, lease_ms: int, renew_only: bool) -> bool:
+        """Set (or, with `renew_only`, renew while it holds) `gateway`'s
+        publication mark for `lease_ms`; returns whether it is set."""
+        return bool(
+            await self._mark(
+                keys=[keys.MODEL_PUBLISHERS], args=[gateway, lease_ms, int(renew_only)]
+            )
+        )
+
+    async def withdraw_mark(self, gateway: str) -> None:
+        await self.redis.zrem(keys.MODEL_PUBLISHERS, gateway)
+
+    async def publishers(self) -> set[str]:
+        """The gateways whose publication mark holds now."""
+        return {raw.decode() for raw in await self._publishers(keys=[keys.MODEL_PUBLISHERS])}
 
     async def loaded(self) -> dict[str, LoadedModel]:
         out: dict[str, LoadedModel] = {}

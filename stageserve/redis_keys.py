@@ -6,9 +6,12 @@ Model state (written by the gateway, read by scheduler and worker):
                                     ("1,2"), path, generation
   ss:model:{name}:errors      hash  "{version}@{worker}" -> load error text
   ss:models:events            pub/sub channel, message = model name
-  ss:models:published         str   "1" while Redis holds the gateway's model set
-                                    (gone after Redis lost its data: the gateway
-                                    republishes, workers keep their instances)
+  ss:models:publishers        zset  gateway id -> until when (Redis time, ms) its
+                                    publication mark holds; a gateway whose mark is
+                                    gone (Redis lost its data) writes back the
+                                    records of its models, then marks again;
+                                    workers unload nothing while a gateway they
+                                    saw has no mark (services/worker/publishers.py)
 
 Statistics shared by the gateways (services/gateway/shared_stats.py):
   ss:stats:{model}:g{gen}:v{ver}  hash  gateway id -> serialized ModelStatistics
@@ -47,7 +50,7 @@ PREFIX = "ss:"
 MODELS = PREFIX + "models"
 MODEL_EVENTS = PREFIX + "models:events"
 GENERATION_COUNTER = PREFIX + "models:generation"
-MODELS_PUBLISHED = PREFIX + "models:published"
+MODEL_PUBLISHERS = PREFIX + "models:publishers"
 RL_PREFIX = PREFIX + "rl:"
 
 

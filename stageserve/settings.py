@@ -32,6 +32,11 @@ class WorkerSettings:
     heartbeat_s: float = 0.5
     # Re-check of the published model set when no model event arrives.
     reconcile_s: float = 2.0
+    # How long a worker unloads nothing while a gateway it saw has no
+    # publication mark (Redis lost it, or the gateway is gone): a live gateway
+    # marks again within its republish check (0.25 s); only a gone one's
+    # absence lasts, and it delays unloads by this much (services/worker/publishers.py).
+    publisher_grace_s: float = 5.0
     # How long a Python model's BLS keeps a called model's config: a reload is
     # picked up within this (the scheduler checks generations too).
     bls_model_cache_s: float = 1.0
@@ -91,8 +96,12 @@ class GatewaySettings:
     load_timeout_s: float = 120.0
     # Period of publishing this gateway's statistics for the others.
     stats_publish_s: float = 1.0
-    # Period of checking that Redis still holds the model set.
+    # Period of checking that Redis still holds the model set (the gateway's
+    # publication mark, renewed by the same check).
     republish_check_s: float = 0.25
+    # Lease of that mark: a killed gateway's mark is gone after this, a
+    # gateway stalled this long republishes (records Redis still holds are kept).
+    publication_lease_ms: int = 3000
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from stageserve.errors import StageError, invalid, not_found, unavailable
 from stageserve.generated import model_config_pb2 as mc
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
-from stageserve.model_state import ModelStateStore
+from stageserve.model_state import ModelStateStore, files_digest
 from stageserve.names import check_model_name, model_name_problem, parse_version, printable
 from stageserve.repository import model_names, read_model
 from stageserve.settings import GATEWAY
@@ -235,18 +235,17 @@ class ModelManager:
             assert model.config is not None and model.spec is not None
             start = time.monotonic()
             published = await self.state.get(name)
-            if (
-                adopt
-                and published is not None
-                and published.config == model.config
-                and published.versions == model.versions
-                and published.path == model.path
-            ):
-                generation = published.generation
-            else:
-                generation = await self.state.publish_loaded(
-                    model.config, model.versions, model.path
-                )
+            # In poll mode the files decide: a gateway adopts another's load of
+            # the folder it reads, and reloads what changed since.
+            files = files_digest(model.fingerprint)
+            generation = await self.state.publish_loaded(
+                model.config,
+                model.versions,
+                model.path,
+                files,
+                adopt=adopt,
+                match_files=self.control_mode == "poll",
+            )
             if model.spec.steps:  # an ensemble has no instances of its own
                 versions, reasons = dict.fromkeys(model.versions, READY), {}
             else:

@@ -8,6 +8,13 @@ generation, workers load it before they unload the old one and drain the old
 instances' in-flight batches first, so requests admitted before the change
 finish on the old version; a reload that fails keeps the old version serving.
 
+Several gateways polling one repository apply each change once stack-wide:
+a load adopts the record another gateway published for the same folder
+(config, versions, path and file digest; ModelStateStore.publish_loaded,
+atomic), so workers load a change once; and every gateway polls as soon as a
+model event says one of them published a change (not only every
+`--repository-poll-secs`), so they switch within milliseconds of each other.
+
 The scan is pure (`snapshot`, `diff`); `RepositoryPoller` is the thin loop.
 """
 
@@ -19,7 +26,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import redis.asyncio as aioredis
+
 from services.gateway.models import ModelManager
+from stageserve import redis_keys as keys
 from stageserve.errors import StageError
 from stageserve.repository import model_names
 
@@ -100,16 +110,35 @@ class RepositoryPoller:
     async def _apply(self, what: str, name: str) -> None:
         try:
             if what == "load":
-                await self.models.load(name)
+                await self.models.load(name, adopt=True)
             else:
                 await self.models.unload(name)
         except StageError as err:  # logged; a failed reload keeps the old version
             log.error(f"poll: {what} failed", extra={"model": name, "reason": err.message})
 
     async def run_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_secs)
+        events = self.models.state.redis.pubsub()
+        try:
+            await events.subscribe(keys.MODEL_EVENTS)
+            while True:
+                await self._wait(events)
+                try:
+                    await self.poll_once()
+                except Exception:
+                    log.exception("repository poll failed")
+        finally:
+            await events.aclose()
+
+    async def _wait(self, events: aioredis.client.PubSub) -> None:
+        """Until the next poll is due or a model event arrives (a gateway
+        published a change: the others apply it now, not a period later)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.poll_secs
+        while (left := deadline - loop.time()) > 0:
             try:
-                await self.poll_once()
-            except Exception:
-                log.exception("repository poll failed")
+                message = await events.get_message(ignore_subscribe_messages=True, timeout=left)
+            except Exception:  # Redis away: poll on the period alone
+                await asyncio.sleep(left)
+                return
+            if message is not None:
+                return

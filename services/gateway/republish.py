@@ -1,15 +1,16 @@
 """Put the model set back into a Redis that lost it (restarted empty, flushed).
 
 The gateway is the one stage that knows what is loaded; the others read it
-from Redis. A marker key (keys.MODELS_PUBLISHED) says that Redis holds the
-gateway's model set: it is written here at startup and after every
-republish, and Redis loses it with everything else. While it is missing,
-workers keep the instances they host instead of reading "nothing is loaded"
-(stageserve/model_state.py), and this loop, every PERIOD_S, publishes each
-loaded model again with the generation it had, so workers keep those
-instances and the gateway keeps counting statistics under the same load.
-The generation counter is raised to at least the highest generation
-republished, so a later reload gets a new one.
+from Redis. Each gateway holds a publication mark there (keys.MODEL_PUBLISHERS,
+a lease of LEASE_MS renewed every PERIOD_S). When its mark is gone, Redis lost
+its data (or this gateway stalled past its lease): it writes back the record
+of each model it serves, with the generation it had, where Redis holds none,
+then marks again. Workers keep every instance they host while a gateway they
+saw has no mark (services/worker/publishers.py), so a gateway that marks
+first, e.g. one restarting with nothing loaded at that very moment, cannot
+make them unload the models another gateway serves. The generation counter
+is raised to at least the highest generation republished, so a later reload
+gets a new one.
 """
 
 from __future__ import annotations
@@ -17,17 +18,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
+import socket
 
 import redis.asyncio as aioredis
 
 from services.gateway.models import ModelManager
 from stageserve import redis_keys as keys
+from stageserve.model_state import files_digest
 from stageserve.settings import GATEWAY
 
 log = logging.getLogger(__name__)
 
-# How soon a lost model set is noticed: a check is one EXISTS.
+# How soon a lost model set is noticed: a check is one script call.
 PERIOD_S = GATEWAY.republish_check_s
+LEASE_MS = GATEWAY.publication_lease_ms
 
 _RAISE_COUNTER = """
 if tonumber(redis.call('GET', KEYS[1]) or '0') < tonumber(ARGV[1]) then
@@ -40,6 +46,8 @@ class Republisher:
     def __init__(self, models: ModelManager, redis: aioredis.Redis) -> None:
         self.models = models
         self.redis = redis
+        # Unique per process: a restarted gateway is a new publisher.
+        self.gateway_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self._raise_counter = redis.register_script(_RAISE_COUNTER)
         self._task: asyncio.Task | None = None
 
@@ -51,6 +59,8 @@ class Republisher:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        with contextlib.suppress(Exception):  # Redis away: the lease ends it
+            await self.models.state.withdraw_mark(self.gateway_id)
 
     async def _run_forever(self) -> None:
         while True:
@@ -61,8 +71,9 @@ class Republisher:
             await asyncio.sleep(PERIOD_S)
 
     async def check(self) -> int:
-        """Republish when the marker is gone; returns how many models were."""
-        if await self.redis.exists(keys.MODELS_PUBLISHED):
+        """Republish when this gateway's mark is gone; returns how many models were."""
+        state = self.models.state
+        if await state.mark_published(self.gateway_id, LEASE_MS, renew_only=True):
             return 0
         # A model being (un)loaded right now publishes its own record.
         entries = [
@@ -73,26 +84,24 @@ class Republisher:
         async with self.redis.pipeline(transaction=True) as pipe:
             for e in entries:
                 assert e.config is not None
-                pipe.hset(
-                    keys.model(e.name),
-                    mapping={
-                        "config": e.config.SerializeToString(),
-                        "versions": ",".join(str(v) for v in sorted(e.versions)),
-                        "path": str(e.path or self.models.repository / e.name),
-                        "generation": e.generation,
-                    },
+                path = e.path or self.models.repository / e.name
+                await state.republish(
+                    e.config,
+                    tuple(sorted(e.versions)),
+                    path,
+                    e.generation,
+                    files_digest(e.fingerprint),
+                    client=pipe,
                 )
-                pipe.hset(keys.MODELS, e.name, e.generation)
-            pipe.set(keys.MODELS_PUBLISHED, "1")
-            for e in entries:
-                pipe.publish(keys.MODEL_EVENTS, e.name)
             await pipe.execute()
+        # Records first, then the mark: a worker that sees the mark sees them.
+        await state.mark_published(self.gateway_id, LEASE_MS, renew_only=False)
         if entries:
             await self._raise_counter(
                 keys=[keys.GENERATION_COUNTER], args=[max(e.generation for e in entries)]
             )
             log.warning(
-                "Redis had lost the model set; republished it",
-                extra={"models": sorted(e.name for e in entries)},
+                "publication mark was gone (Redis lost its data?); republished",
+                extra={"models": sorted(e.name for e in entries), "gateway": self.gateway_id},
             )
         return len(entries)

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -22,6 +23,7 @@ from services.worker.backends import create_backend
 from services.worker.blas_threads import limit_blas_threads
 from services.worker.instances import HostedInstance, default_intra_op_threads, placements
 from services.worker.onnx_backend import BackendError, InvalidInputError
+from services.worker.publishers import PublisherWatch
 from services.worker.python_backend.bls import install as bls_install
 from services.worker.python_backend.worker_glue import load_python_model
 from services.worker.warmup import WarmupError, warm_up, warmup_requests
@@ -76,6 +78,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         # instance id -> its group's rate_limiter (priority, resources)
         self.rate_limits: dict[str, tuple[int, tuple[tuple[str, int, bool], ...]]] = {}
         self._reconcile_lock = asyncio.Lock()
+        self.publishers = PublisherWatch(WORKER.publisher_grace_s)
         self._executing = 0  # batches executing on this worker, all instances
 
     # ---------------------------------------------------------------- execute
@@ -158,8 +161,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def reconcile(self) -> None:
         """Make the hosted instances match the published model set."""
         async with self._reconcile_lock:
-            if not await self.state.model_set_known():
-                return  # Redis lost it: keep what we host until the gateway republishes
+            waiting = self.publishers.waiting_for()
+            complete = self.publishers.observe(await self.state.publishers(), time.monotonic())
             wanted = await self.state.loaded()
             # New generations load (and register) before old ones unload, so a
             # reload under traffic never leaves a model without instances.
@@ -168,7 +171,15 @@ class WorkerService(pb_grpc.WorkerServicer):
                 changed |= await self._load(model)
             if changed:
                 await self.register()
-            await self._unload_stale(wanted)
+            if complete:
+                await self._unload_stale(wanted)
+            elif self.publishers.waiting_for() != waiting:
+                # Redis lost the model set and not every gateway republished
+                # yet: what is missing may still be served, keep it.
+                log.warning(
+                    "model set incomplete; unloading nothing",
+                    extra={"waiting_for": self.publishers.waiting_for()},
+                )
 
     async def _unload_stale(self, wanted: dict[str, LoadedModel]) -> bool:
         # An older generation goes only once the new one is hosted: a reload

@@ -248,9 +248,12 @@ def process_alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def two_paths(root: Path) -> Iterator[tuple[RunningStack, Child, grpcclient.InferenceServerClient]]:
-    """The stack plus a second scheduler and a gateway in front of it."""
-    with running_stack(root) as running:
+def two_paths(
+    root: Path, gateway_args: tuple[str, ...] = (), **stack_kwargs
+) -> Iterator[tuple[RunningStack, Child, grpcclient.InferenceServerClient]]:
+    """The stack plus a second scheduler and a gateway ("gateway-2", started with
+    `gateway_args` too) in front of it; `stack_kwargs` go to running_stack."""
+    with running_stack(root, **stack_kwargs) as running:
         common = [
             "--listen",
             "127.0.0.1:0",
@@ -262,7 +265,15 @@ def two_paths(root: Path) -> Iterator[tuple[RunningStack, Child, grpcclient.Infe
         sched2 = running.stack.start_service("scheduler-2", ["scheduler", *common])
         gw2 = running.stack.start_service(
             "gateway-2",
-            ["gateway", *common, "--scheduler", sched2.address, "--model-repository", str(root)],
+            [
+                "gateway",
+                *common,
+                "--scheduler",
+                sched2.address,
+                "--model-repository",
+                str(root),
+                *gateway_args,
+            ],
         )
         yield running, sched2, grpcclient.InferenceServerClient(gw2.address)
 

@@ -9,6 +9,7 @@ StageServe answers INVALID_ARGUMENT instead of Triton's INTERNAL
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import time
@@ -231,18 +232,24 @@ def test_file_override_loads_a_model_that_is_not_in_the_repository(
     assert not c.is_model_ready("fresh")
 
 
+@pytest.mark.parametrize("front", ["grpc", "http"])
 @pytest.mark.parametrize(
     "path",
     ["../../../{tmp}/escaped", "/{tmp}/escaped", "1/../../../../{tmp}/escaped", "1/a\x00b", ""],
 )
 def test_file_override_paths_stay_inside_the_model_folder(
-    hostile: RunningStack, tmp_path: Path, path: str
+    hostile: RunningStack, tmp_path: Path, path: str, front: str
 ) -> None:
     c = hostile.client()
     key = "file:" + path.format(tmp=str(tmp_path).strip("/"))
     config = _simple_config(c)
-    answer = _answer(c.load_model, "simple", config=config, files={key: b"payload"})
-    _check(answer, "StatusCode.INVALID_ARGUMENT", leaks=("Traceback", "Errno"))  # echoes the key
+    if front == "grpc":
+        answer = _answer(c.load_model, "simple", config=config, files={key: b"payload"})
+        code = "StatusCode.INVALID_ARGUMENT"
+    else:
+        load = _http_client(hostile).load_model
+        answer, code = _http_answer(load, "simple", config=config, files={key: b"payload"}), "400"
+    _check(answer, code, leaks=("Traceback", "Errno"))  # echoes the key
     assert "within model directory" in answer[1] or "file override" in answer[1], answer
     assert list(tmp_path.iterdir()) == []
     assert c.is_model_ready("simple")  # the loaded model keeps serving
@@ -265,3 +272,82 @@ def test_malformed_overrides_are_refused_with_triton_reasons(hostile: RunningSta
     assert "not found in any model repository" in answer[1]
     assert c.is_model_ready("simple")
     infer_simple(c)
+
+
+# ----------------------------------------------------- raw HTTP paths (no client)
+
+# Model names as raw URL path segments, sent as-is with http.client (tritonclient
+# leaves '/' unencoded and any client resolves '..'). Each segment is
+# percent-decoded on its own, so it stays one name and gets the gRPC front's
+# answer; '%2Fsimple' used to be split and decoded to a load of 'simple'.
+RAW_SEGMENTS = {
+    "encoded slash": ("a%2Fb", "never a path"),
+    "leading encoded slash": ("%2Fsimple", "never a path"),
+    "absolute": ("%2Fetc", "never a path"),
+    "version folder": ("simple%2F1", "never a path"),
+    "encoded dotdot": ("%2E%2E", "not a model folder"),
+    "encoded parent": ("%2E%2E%2Fsimple", "never a path"),
+    "raw dotdot": ("..", "not a model folder"),
+    "nul": ("a%00b", "NUL"),
+    "long": ("%78" * 300, "at most 255 bytes"),
+    "newline": ("a%0Ab", "control characters"),
+}
+
+
+def _raw(s: RunningStack, method: str, path: str, body: bytes = b"{}") -> tuple[str, str, float]:
+    """(HTTP status, error message, seconds) of one raw request."""
+    host, port = s.gateway.http_address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=PROMPT_S * 2)
+    start = time.monotonic()
+    try:
+        conn.request(method, path, body=body if method == "POST" else None)
+        response = conn.getresponse()
+        data = response.read()
+    finally:
+        conn.close()
+    message = json.loads(data).get("error", "") if data else ""
+    return str(response.status), message, time.monotonic() - start
+
+
+@pytest.mark.parametrize(("segment", "reason"), list(RAW_SEGMENTS.values()), ids=list(RAW_SEGMENTS))
+def test_percent_encoded_names_in_http_paths_stay_one_name(
+    hostile: RunningStack, repo: Path, segment: str, reason: str
+) -> None:
+    before = _listing(repo), sorted(os.listdir(repo.parent))
+    load = _raw(hostile, "POST", f"/v2/repository/models/{segment}/load")
+    _check(load, "400")
+    assert reason in load[1], load
+    _check(_raw(hostile, "POST", f"/v2/repository/models/{segment}/unload"), "200")
+    _check(_raw(hostile, "GET", f"/v2/models/{segment}"), "404")
+    _check(_raw(hostile, "GET", f"/v2/models/{segment}/config"), "404")
+    _check(_raw(hostile, "GET", f"/v2/models/{segment}/versions/1"), "404")
+    _check(_raw(hostile, "GET", f"/v2/models/{segment}/ready"), "400")  # not ready
+    _check(_raw(hostile, "GET", f"/v2/models/{segment}/stats"), "400")
+    _check(_raw(hostile, "POST", f"/v2/models/{segment}/infer", b'{"inputs": []}'), "404")
+    assert (_listing(repo), sorted(os.listdir(repo.parent))) == before
+    c = hostile.client()
+    assert {m.name for m in c.get_model_repository_index().models} == {"simple"}
+    infer_simple(c)
+
+
+def test_hostile_http_paths_match_no_route_or_a_clear_error(hostile: RunningStack) -> None:
+    for path in ("/v2/models//ready", "/v2/repository/models//load", "/v2//health/live"):
+        _check(_raw(hostile, "POST" if "load" in path else "GET", path), "404")
+    for version in ("..%2F1", "1%00", "%2E%2E", "abc", "9" * 40):
+        _check(_raw(hostile, "GET", f"/v2/models/simple/versions/{version}/ready"), "400")
+        _check(_raw(hostile, "GET", f"/v2/models/simple/versions/{version}"), "400")
+    status = _raw(hostile, "GET", "/v2/systemsharedmemory/region/a%2Fb/status")
+    _check(status, "404")
+    assert "'a/b'" in status[1]
+    _check(_raw(hostile, "POST", "/v2/systemsharedmemory/region/..%2F..%2Fx/unregister"), "200")
+
+
+def test_shared_memory_keys_over_http_never_reach_outside_dev_shm(hostile: RunningStack) -> None:
+    c = _http_client(hostile)
+    for key in ("/../etc/passwd", "/a/b", "/..", "/" + "k" * 300, "/x\x00y", ""):
+        answer = _http_answer(c.register_system_shared_memory, "r", key, 16)
+        _check(answer, "500")  # Triton's status for a key it cannot open
+        assert answer[1].startswith("Unable to open shared memory region"), answer
+    bad = _raw(hostile, "POST", "/v2/systemsharedmemory/region/r/register", b'{"key": 5}')
+    _check(bad, "400")
+    assert c.get_system_shared_memory_status() == []

@@ -1,6 +1,9 @@
 """Triton's --model-control-mode=poll through tritonclient: models added,
 changed and removed on disk are loaded, reloaded and unloaded without a
-restart; a request in flight during a reload finishes on the old version."""
+restart; a request in flight during a reload finishes on the old version.
+With two gateways polling one repository, each change is applied once
+stack-wide (one generation published, one set of instances) and nothing is
+published again afterwards (no flapping)."""
 
 from __future__ import annotations
 
@@ -11,11 +14,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 from tritonclient.utils import InferenceServerException
 
 from services.gateway.poller import diff, snapshot
+from stageserve import redis_keys as keys
 from stageserve.examples import write_simple
-from tests.integration.helpers import client, infer_simple, stack_retrying
+from tests.integration.helpers import (
+    client,
+    infer_simple,
+    registered_instances,
+    stack_retrying,
+    two_paths,
+)
 from tests.stack import RunningStack, wait_until
 
 POLL_S = 0.5
@@ -38,14 +49,18 @@ def polled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
         yield running
 
 
-def _ready(running: RunningStack, model: str, version: str = "") -> bool:
-    c = client(running.url)
+def _ready_at(url: str, model: str, version: str = "") -> bool:
+    c = client(url)
     try:
         return c.is_model_ready(model, version)
     except InferenceServerException:
         return False
     finally:
         c.close()
+
+
+def _ready(running: RunningStack, model: str, version: str = "") -> bool:
+    return _ready_at(running.url, model, version)
 
 
 def test_snapshot_and_diff(tmp_path: Path):
@@ -124,3 +139,134 @@ def test_removed_model_is_unloaded(polled):
     assert "doomed" not in names and "steady" in names
     infer_simple(c, model="steady")
     c.close()
+
+
+# ------------------------------------------------------- several gateways
+
+
+@pytest.fixture(scope="module")
+def two_polling(tmp_path_factory: pytest.TempPathFactory):
+    """Two gateways (each with its scheduler) polling the same repository."""
+    root = tmp_path_factory.mktemp("polled_by_two")
+    write_simple(root, "steady")
+    # Two instances: each gateway's in-flight request executes, none waits in a
+    # queue (a queued one fails when the old version goes; see docs/deployment.md).
+    _delay(write_simple(root, "versioned", max_batch_size=0, instance_count=2), 1500)
+    write_simple(root, "doomed")
+    poll = ("--model-control-mode", "poll", "--repository-poll-secs", str(POLL_S))
+    with two_paths(root, poll, control_mode="poll", repository_poll_secs=POLL_S) as (
+        running,
+        _,
+        client_b,
+    ):
+        client_b.close()
+        yield running, running.child("gateway-2").address
+
+
+def _counter(running: RunningStack) -> int:
+    r = redis.Redis.from_url(running.redis_url)
+    try:
+        return int(r.get(keys.GENERATION_COUNTER) or 0)
+    finally:
+        r.close()
+
+
+def _record_generation(running: RunningStack, model: str) -> int | None:
+    r = redis.Redis.from_url(running.redis_url)
+    try:
+        value = r.hget(keys.model(model), "generation")
+        return None if value is None else int(value)
+    finally:
+        r.close()
+
+
+def _generations_registered(running: RunningStack, model: str, version: int) -> set[str]:
+    """The generation tags (instance ids .../<version>/g<gen>/...) in the registry."""
+    return {i.split("/")[-3] for i in registered_instances(running.redis_url, model, version)}
+
+
+def _both(running: RunningStack, url_b: str, check) -> bool:
+    return check(running.url) and check(url_b)
+
+
+def _settled(running: RunningStack, model: str, counter: int, generation: int | None) -> None:
+    """No flapping: several polls later nothing was published again."""
+    time.sleep(4 * POLL_S)
+    assert _counter(running) == counter
+    assert _record_generation(running, model) == generation
+
+
+def test_two_gateways_load_an_added_model_once(two_polling, tmp_path):
+    running, url_b = two_polling
+    before = _counter(running)
+    write_simple(tmp_path, "newcomer").rename(running.repository / "newcomer")
+    assert wait_until(lambda: _both(running, url_b, lambda u: _ready_at(u, "newcomer")), BOUND_S)
+    # One load stack-wide: one generation published, one set of instances.
+    assert _counter(running) == before + 1
+    generation = _record_generation(running, "newcomer")
+    assert _generations_registered(running, "newcomer", 1) == {f"g{generation}"}
+    for url in (running.url, url_b):
+        with client(url) as c:
+            infer_simple(c, model="newcomer")
+    _settled(running, "newcomer", before + 1, generation)
+
+
+def test_two_gateways_reload_a_changed_model_once_in_flight_finishes_on_old(two_polling, tmp_path):
+    running, url_b = two_polling
+    model_dir = running.repository / "versioned"
+    before = _counter(running)
+    results: dict[str, object] = {}
+
+    def in_flight(url: str) -> None:
+        c = client(url)
+        try:
+            results[url] = infer_simple(c, model="versioned").get_response().model_version
+        except Exception as exc:
+            results[url] = f"{exc.status()}: {exc.message()}" if hasattr(exc, "status") else exc
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=in_flight, args=(u,)) for u in (running.url, url_b)]
+    for t in threads:
+        t.start()
+    time.sleep(0.4)  # both executing (1.5 s) when version 2 appears
+    staged = tmp_path / "2"
+    shutil.copytree(model_dir / "1", staged)
+    staged.rename(model_dir / "2")
+    seen: set[str] = set()
+    deadline = time.monotonic() + BOUND_S
+    while time.monotonic() < deadline and not _both(
+        running, url_b, lambda u: _ready_at(u, "versioned", "2")
+    ):
+        seen |= _generations_registered(running, "versioned", 2)
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert results == {running.url: "1", url_b: "1"}, results
+    assert _both(running, url_b, lambda u: _ready_at(u, "versioned", "2"))
+    # One reload stack-wide: one new generation, version 2 loaded once.
+    assert _counter(running) == before + 1
+    generation = _record_generation(running, "versioned")
+    seen |= _generations_registered(running, "versioned", 2)
+    assert seen == {f"g{generation}"}
+    for url in (running.url, url_b):
+        with client(url) as c:
+            assert infer_simple(c, model="versioned").get_response().model_version == "2"
+    _settled(running, "versioned", before + 1, generation)
+
+
+def test_two_gateways_unload_a_removed_model(two_polling):
+    running, url_b = two_polling
+    assert _both(running, url_b, lambda u: _ready_at(u, "doomed"))
+    before = _counter(running)
+    shutil.rmtree(running.repository / "doomed")
+    assert wait_until(lambda: _both(running, url_b, lambda u: not _ready_at(u, "doomed")), BOUND_S)
+    assert wait_until(lambda: not registered_instances(running.redis_url, "doomed"), BOUND_S)
+    assert _record_generation(running, "doomed") is None
+    _settled(running, "doomed", before, None)  # never republished
+    assert not registered_instances(running.redis_url, "doomed")
+    for url in (running.url, url_b):
+        with client(url) as c:
+            with pytest.raises(InferenceServerException, match="unknown model"):
+                infer_simple(c, model="doomed")
+            infer_simple(c, model="steady")

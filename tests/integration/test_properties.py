@@ -6,10 +6,12 @@ random names / datatypes / shapes / byte counts, load parameters with random
 config text and file-override paths aimed at a canary folder next to the
 repository, shared-memory registrations with random keys and windows) and
 sends them through tritonclient's own generated stub to one explicit-mode
-stack. Every answer must be:
+stack; and raw HTTP requests whose URL paths carry generated model names and
+versions (percent-escapes, dots, slashes, over-long) to the same stack's
+HTTP front. Every answer must be:
 
-* no UNKNOWN, and no INTERNAL (a client's mistake is never the server's
-  fault), except where Triton 2.51 itself answers INTERNAL: registering a
+* no UNKNOWN, and no INTERNAL / HTTP 500 (a client's mistake is never the
+  server's fault), except where Triton 2.51 itself answers INTERNAL: registering a
   shared-memory key it cannot open ("Unable to open shared memory region");
 * prompt (no DEADLINE_EXCEEDED within RPC_TIMEOUT_S);
 * free of Python exception text.
@@ -24,11 +26,13 @@ flake); set STAGESERVE_FUZZ_SEED=<int> to explore others.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import string
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote, unquote
 
 import grpc
 import pytest
@@ -301,6 +305,56 @@ def test_shared_memory(stub, name: str, key: str, offset: int, byte_size: int) -
     check(call(stub.SystemSharedMemoryStatus, pb.SystemSharedMemoryStatusRequest(name=name)))
     unregister = pb.SystemSharedMemoryUnregisterRequest(name=name)
     check(call(stub.SystemSharedMemoryUnregister, unregister))
+
+
+# ------------------------------------------------------------ HTTP URL paths
+
+# Path segments as a raw client may send them: percent-escapes of anything
+# ('%2F', '%00', '%2E%2E', bad escapes), literal dots and slashes (extra
+# segments), over-long names. Decoded per segment by the HTTP front.
+SEGMENTS = st.one_of(
+    st.sampled_from(["simple", "victim", "..", ".", "%2E%2E", "a%2Fb", "%00", "%2Fetc", "%ZZ"]),
+    st.sampled_from(["%", "%2", "x" * 300, "%78" * 300, "simple%2F1", "%2Fsimple"]),
+    st.text(alphabet=string.ascii_letters + string.digits + "%./-_~", max_size=30),
+    st.text(max_size=20).map(lambda t: quote(t, safe="")),
+)
+HTTP_ROUTES = [
+    ("GET", "/v2/models/{m}"),
+    ("GET", "/v2/models/{m}/ready"),
+    ("GET", "/v2/models/{m}/config"),
+    ("GET", "/v2/models/{m}/stats"),
+    ("GET", "/v2/models/{m}/versions/{v}"),
+    ("GET", "/v2/models/{m}/versions/{v}/ready"),
+    ("POST", "/v2/models/{m}/infer"),
+    ("POST", "/v2/models/{m}/versions/{v}/infer"),
+    ("POST", "/v2/repository/models/{m}/load"),
+    ("POST", "/v2/repository/models/{m}/unload"),
+    ("GET", "/v2/systemsharedmemory/region/{m}/status"),
+    ("POST", "/v2/systemsharedmemory/region/{m}/unregister"),
+]
+
+
+@fuzz_settings
+@given(route=st.sampled_from(HTTP_ROUTES), model=SEGMENTS, version=SEGMENTS)
+def test_http_paths(fuzz: RunningStack, route: tuple[str, str], model: str, version: str) -> None:
+    """No 500 (a client's mistake is never the server's fault), prompt, no
+    Python text; "simple" is never loaded or unloaded (whatever its spelling)."""
+    method, template = route
+    if "repository" in template and unquote(model).strip("/") in ("simple", ""):
+        return
+    path = template.format(m=model, v=version)
+    host, port = fuzz.gateway.http_address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=RPC_TIMEOUT_S)
+    counted["requests"] += 1
+    try:
+        body = b'{"inputs": []}' if method == "POST" else None
+        conn.request(method, path, body=body)
+        response = conn.getresponse()
+        data = response.read()
+    finally:
+        conn.close()
+    assert response.status != 500, (path, data)
+    assert not any(leak.encode() in data for leak in LEAKS), (path, data)
 
 
 # ------------------------------------------------------------------- after

@@ -92,3 +92,84 @@ def test_load_errors_name_each_worker_only_when_the_reasons_differ(redis_url) ->
         assert await store.load_errors("m") == {1: "bad file", 2: "bad file"}
 
     run(redis_url, body)
+
+
+def test_publication_marks_renew_expire_and_withdraw(redis_url) -> None:
+    async def body(store: ModelStateStore, r) -> None:
+        assert await store.publishers() == set()
+        # renew_only never creates a mark: that is how a gateway notices a loss
+        assert not await store.mark_published("gw-a", 5000, renew_only=True)
+        assert await store.mark_published("gw-a", 5000, renew_only=False)
+        assert await store.mark_published("gw-b", 100, renew_only=False)
+        assert await store.publishers() == {"gw-a", "gw-b"}
+        assert await store.mark_published("gw-a", 5000, renew_only=True)
+        await asyncio.sleep(0.25)  # gw-b's lease ran out
+        assert await store.publishers() == {"gw-a"}
+        assert not await store.mark_published("gw-b", 100, renew_only=True)
+        # the expired mark is dropped from Redis, not only hidden
+        assert await r.zrange(keys.MODEL_PUBLISHERS, 0, -1) == [b"gw-a"]
+        await store.withdraw_mark("gw-a")
+        assert await store.publishers() == set()
+        await store.mark_published("gw-a", 5000, renew_only=False)
+        await r.flushdb()  # Redis lost its data
+        assert not await store.mark_published("gw-a", 5000, renew_only=True)
+
+    run(redis_url, body)
+
+
+def test_republish_writes_back_only_what_redis_lost(redis_url) -> None:
+    async def body(store: ModelStateStore, r) -> None:
+        generation = await store.publish_loaded(_config(8), (1,), Path("/repo/m"))
+        served = await store.get("m")
+        await r.flushdb()
+        events = r.pubsub()
+        await events.subscribe(keys.MODEL_EVENTS)
+        await events.get_message(timeout=1)  # the subscribe confirmation
+        await store.republish(served.config, served.versions, served.path, generation, served.files)
+        assert await store.get("m") == served
+        assert (await store.loaded())["m"].generation == generation
+        message = await events.get_message(timeout=1)
+        assert message is not None and message["data"] == b"m"
+        # A record Redis holds (a later load by another gateway) is kept.
+        newer = await store.publish_loaded(_config(4), (1, 2), Path("/repo/m"))
+        await store.republish(served.config, served.versions, served.path, generation, served.files)
+        assert (await store.get("m")).generation == newer
+        assert (await store.get("m")).versions == (1, 2)
+        await events.aclose()
+
+    run(redis_url, body)
+
+
+def test_adopt_takes_a_record_of_the_same_load_and_publishes_a_changed_one(redis_url) -> None:
+    """Gateways applying one change (startup, poll mode) publish it once."""
+
+    async def body(store: ModelStateStore, r) -> None:
+        path = Path("/repo/m")
+        first = await store.publish_loaded(_config(8), (1,), path, "files-a", adopt=True)
+        same = await store.publish_loaded(
+            _config(8), (1,), path, "files-a", adopt=True, match_files=True
+        )
+        assert same == first and int(await r.get(keys.GENERATION_COUNTER)) == first
+        assert (await store.get("m")).files == "files-a"
+        # A model file rewritten: same config, new digest, reloaded when files count.
+        assert await store.publish_loaded(_config(8), (1,), path, "files-b", adopt=True) == first
+        rewritten = await store.publish_loaded(
+            _config(8), (1,), path, "files-b", adopt=True, match_files=True
+        )
+        assert rewritten > first
+        changed = await store.publish_loaded(_config(4), (1,), path, "files-b", adopt=True)
+        assert changed > rewritten  # a config change is never adopted
+        # Without adopt (an explicit load), always a new generation.
+        assert await store.publish_loaded(_config(4), (1,), path, "files-b") > changed
+
+        # Two gateways at once: one generation between them.
+        await r.delete(keys.model("m"))
+        both = await asyncio.gather(
+            *(
+                store.publish_loaded(_config(2), (1,), path, "c", adopt=True, match_files=True)
+                for _ in range(2)
+            )
+        )
+        assert both[0] == both[1]
+
+    run(redis_url, body)

@@ -19,6 +19,7 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 import grpc
 from prometheus_client import Histogram
@@ -105,6 +106,23 @@ def error_response(status: int, message: str) -> Response:
 Handler = Callable[["Request"], Awaitable[Response]]
 
 
+def path_segments(raw_path: bytes | None, path: str) -> list[str]:
+    """The URL path's segments, each percent-decoded on its own: split before
+    decoding, so `a%2Fb` stays one segment (model name "a/b", refused as a
+    path with the gRPC front's message) instead of becoming two, and `%2Fetc`
+    never loses its slash to name model "etc". An empty segment (`//`) makes
+    the path match no route. `path` (already decoded) when the server gives
+    no raw path (ASGI makes it optional)."""
+    if raw_path is None:
+        segments = path.split("/")
+    else:
+        segments = [unquote_to_bytes(s).decode("utf-8", "replace") for s in raw_path.split(b"/")]
+    segments = segments[1:] if segments[:1] == [""] else segments
+    while segments and segments[-1] == "":
+        segments.pop()  # a trailing slash is tolerated
+    return segments if all(segments) else [""]
+
+
 class Request:
     __slots__ = ("method", "parts", "headers", "body")
 
@@ -137,7 +155,7 @@ class HttpFront:
             return
         start = time.perf_counter()
         body = await _read_body(receive)
-        parts = [p for p in scope["path"].split("/") if p]
+        parts = path_segments(scope.get("raw_path"), scope["path"])
         request = Request(scope["method"], parts, dict(scope["headers"]), body)
         endpoint, response = await self._dispatch(request)
         if response.stream is not None:

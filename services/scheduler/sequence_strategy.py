@@ -126,7 +126,7 @@ class SequenceStrategy:
             expiry = self.slots.next_idle_expiry(self.running, self.idle_s)
             if expiry is not None:  # else a running sequence's finish wakes the queue
                 times.append(max(expiry, now) + 0.001)
-        return int(min(times) / _S) if times else None
+        return round(min(times) * 1e9) if times else None
 
     def next_batch(self, now_ns: int) -> Decision:
         eligible = self._eligible(now_ns)

@@ -173,6 +173,10 @@ class ModelQueue:
         self._depth_changed()
         self._arrived.set()
 
+    def fits(self, spec: ModelSpec) -> bool:
+        """Whether reconfigure can take this spec (same kind of scheduling)."""
+        return (spec.sequence is None) == (self.sequences is None)
+
     def reconfigure(self, spec: ModelSpec) -> None:
         """A reloaded model: keep queued requests, apply the new batching settings,
         and hand back held grants (their instances belong to the old load)."""

@@ -346,7 +346,21 @@ class ModelQueue:
             try:
                 now_ns = time.monotonic_ns()
                 if not self.strategy.has_work(now_ns):
-                    await self._idle(now_ns)
+                    # Idle: the pool keeps held grants for a standby hold, then
+                    # they go back. A batch finishing wakes us (its grant joins
+                    # the pool), so the hold starts when the last one ends; so
+                    # does an arrival, or the strategy's own wake-up (a retry
+                    # or a slot idle-out coming due). Inline, not a coroutine:
+                    # at concurrency 1 this runs once per request.
+                    remaining = self.grants.idle(now_ns / 1e9)
+                    if remaining == 0.0:
+                        self._release_spare()
+                        continue
+                    wake_ns = self.strategy.wake_at_ns(now_ns)
+                    if wake_ns is not None:
+                        until = max(0.0, (wake_ns - now_ns) / 1e9)
+                        remaining = until if remaining is None else min(remaining, until)
+                    await self._wait_arrival(remaining)
                     continue
                 self.grants.busy()
                 held = await self._next_grant()
@@ -363,21 +377,6 @@ class ModelQueue:
             except Exception:  # keep the loop alive whatever one batch did
                 log.exception("dispatch loop error", extra={"model": self.model})
                 await asyncio.sleep(0.01)
-
-    async def _idle(self, now_ns: int) -> None:
-        """No batch can form: the pool keeps held grants for a standby hold,
-        then they go back. A batch finishing wakes us (its grant joins the
-        pool), so the hold starts when the last one ends; so does an arrival,
-        or the strategy's own wake-up (a retry or slot idle-out due)."""
-        remaining = self.grants.idle(now_ns / 1e9)
-        if remaining == 0.0:
-            self._release_spare()
-            return
-        wake_ns = self.strategy.wake_at_ns(now_ns)
-        if wake_ns is not None:
-            until = max(0.0, (wake_ns - now_ns) / 1e9)
-            remaining = until if remaining is None else min(remaining, until)
-        await self._wait_arrival(remaining)
 
     async def _form_batch(self) -> list[Queued]:
         while True:

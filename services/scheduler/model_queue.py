@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_NONE_HIDDEN: frozenset[str] = frozenset()  # outputs a batch keeps from its answers
+
 
 def error_response(request_id: int, err: StageError) -> pb.ScheduleResponse:
     return pb.ScheduleResponse(id=request_id, code=err.code.value[0], message=err.message)
@@ -423,7 +425,7 @@ class ModelQueue:
             compute_start = time.monotonic_ns()
             if sequences is None:
                 rows: list[Queued | None] = batch  # type: ignore[assignment]
-                hidden: frozenset[str] = frozenset()
+                hidden = _NONE_HIDDEN
                 request = build_execute_request(
                     grant.instance_id,
                     batch,

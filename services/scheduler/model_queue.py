@@ -5,11 +5,15 @@ batches form when an instance can run them and grow while every instance is
 busy. Each batch runs as its own task; the loop goes straight back to
 waiting for the next free instance.
 
-The loop composes pure parts and does their I/O: the batcher (batch
-formation, queue order, timeouts: batcher.py), the grant pool (which grants
+ModelQueue is the one dispatch loop, for every kind of model; it composes
+pure parts and does their I/O: a batch-forming strategy (batch_strategy.py:
+the default scheduler and dynamic batcher over batcher.py;
+sequence_strategy.py: the sequence batcher), the grant pool (which grants
 are kept for reuse and when they go back: grant_pool.py) and the response
 order (preserve_ordering: response_order.py). The rate limiter is asked
-only for instances beyond those the pool holds.
+only for instances beyond those the pool holds. A sequence model adds the
+sequences' Redis adapter (sequence_queue.SequenceIO: backlog listing,
+claims, state commits) around each execution.
 """
 
 from __future__ import annotations
@@ -19,26 +23,18 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from redis.exceptions import RedisError
 
-from services.scheduler.batcher import (
-    Batcher,
-    DefaultBatcher,
-    DynamicBatcher,
-    Pending,
-    QueueFull,
-    QueuePolicy,
-)
-from services.scheduler.batcher import shape_key as batch_shape_key
+from services.scheduler.batch_strategy import Queued, QueueStrategy, Respond, Strategy
+from services.scheduler.batcher import QueueFull
 from services.scheduler.clients import Granted, RateLimiterClient, WorkerCallError, WorkerClients
 from services.scheduler.decoupled import DecoupledBatch
 from services.scheduler.grant_pool import GrantPool, Held, Usable
 from services.scheduler.response_order import ResponseOrder
-from stageserve.config import ModelSpec, QueuePolicySpec
+from stageserve.config import ModelSpec
 from stageserve.errors import StageError, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.telemetry import (
@@ -48,50 +44,12 @@ from stageserve.telemetry import (
     model_labels,
 )
 
+if TYPE_CHECKING:
+    from services.scheduler.sequence_queue import SequenceIO
+
 log = logging.getLogger(__name__)
 
-Respond = Callable[[pb.ScheduleResponse], None]
-
-# How often a batch is retried when its instance disappeared under it (a reload).
-MAX_ATTEMPTS = 3
-
-
-@dataclass
-class Queued:
-    msg: pb.ScheduleRequest
-    respond: Respond
-    enqueue_ns: int
-    seq: int = 0  # dispatch order, for preserve_ordering
-    pending: Pending | None = None  # its queue entry, to requeue it
-    attempts: int = 0
-
-
-def _policy(p: QueuePolicySpec) -> QueuePolicy:
-    return QueuePolicy(
-        p.timeout_action, p.default_timeout_us, p.allow_timeout_override, p.max_queue_size
-    )
-
-
-def make_batcher(spec: ModelSpec, adaptive_delay_us: int = 0) -> Batcher:
-    db = spec.dynamic_batching
-    if db is None:
-        return DefaultBatcher()
-    return DynamicBatcher(
-        spec.max_batch_size,
-        db.preferred_batch_sizes,
-        db.max_queue_delay_us * 1000,
-        adaptive_delay_us * 1000,
-        priority_levels=db.priority_levels,
-        default_priority_level=db.default_priority_level,
-        default_policy=_policy(db.default_queue_policy),
-        level_policies={level: _policy(p) for level, p in db.priority_queue_policy},
-    )
-
-
-def shape_key(
-    msg: pb.ScheduleRequest, batching: bool, ragged: frozenset[str] = frozenset()
-) -> tuple:
-    return batch_shape_key(((t.name, t.shape) for t in msg.inputs), batching, ragged)
+_NONE_HIDDEN: frozenset[str] = frozenset()  # outputs a batch keeps from its answers
 
 
 def error_response(request_id: int, err: StageError) -> pb.ScheduleResponse:
@@ -131,16 +89,25 @@ def build_execute_request(
     req.request_batch_sizes.extend(q.msg.batch_size if batching else 1 for q in batch)
     for q in batch:
         req.requested.add(names=q.msg.outputs)
-        if not request_info:  # only Python models read them (InferenceRequest)
-            continue
-        req.request_info.add(
-            request_id=q.msg.request_id,
-            correlation_id=q.msg.sequence_id,
-            correlation_id_str=q.msg.sequence_id_str,
-            flags=int(q.msg.sequence_start) | (int(q.msg.sequence_end) << 1),
-            parameters_json=q.msg.parameters_json,
-        )
+        if request_info:  # only Python models read them (InferenceRequest)
+            add_request_info(req, q.msg)
     return req
+
+
+def add_request_info(req: pb.ExecuteRequest, msg: pb.ScheduleRequest | None) -> None:
+    """A request's metadata for pb_utils.InferenceRequest; None: a padding row,
+    which Triton 2.51 gives correlation id 0, flags 0 and no request id."""
+    if msg is None:
+        req.request_info.add()
+        return
+    req.request_info.add(
+        request_id=msg.request_id,
+        correlation_id=msg.sequence_id,
+        correlation_id_str=msg.sequence_id_str,
+        # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1, _END = 2
+        flags=int(msg.sequence_start) | (int(msg.sequence_end) << 1),
+        parameters_json=msg.parameters_json,
+    )
 
 
 def _ragged_input(req: pb.ExecuteRequest, first: pb.Tensor, parts: list[pb.Tensor]) -> pb.Tensor:
@@ -157,6 +124,9 @@ def _ragged_input(req: pb.ExecuteRequest, first: pb.Tensor, parts: list[pb.Tenso
 
 
 class ModelQueue:
+    """The dispatch loop of one model version: composes a strategy (no I/O)
+    and, for sequence models, the sequences' Redis adapter; does the I/O."""
+
     def __init__(
         self,
         model: str,
@@ -165,12 +135,17 @@ class ModelQueue:
         ratelimiter: RateLimiterClient,
         workers: WorkerClients,
         adaptive_delay_us: int = 0,
+        strategy: Strategy | None = None,
+        sequences: SequenceIO | None = None,
     ) -> None:
         self.model = model
         self.version = version
         self.spec = spec
-        self.adaptive_delay_us = adaptive_delay_us
-        self.batcher = make_batcher(spec, adaptive_delay_us)
+        # (not `strategy or ...`: an empty strategy is falsy, it has a __len__)
+        self.strategy: Strategy = (
+            QueueStrategy(spec, adaptive_delay_us) if strategy is None else strategy
+        )
+        self.sequences = sequences
         self.ratelimiter = ratelimiter
         self.workers = workers
         self.executing = 0
@@ -181,27 +156,34 @@ class ModelQueue:
         self._tasks: set[asyncio.Task] = set()
         self._deadline_changed = asyncio.Event()
         self._order: ResponseOrder[tuple[Respond, pb.ScheduleResponse]] = ResponseOrder()
-        self._expiry_task = asyncio.create_task(self._expiry_loop())
         v = str(version)
         self._depth_gauge = SCHEDULER_QUEUE_DEPTH.labels(model, v)
         self._batch_hist = SCHEDULER_BATCH_SIZE.labels(model, v)
         self._labels = model_labels(model, version)
+        if sequences is not None:
+            sequences.bind(self._changed)
+        self._expiry_task = asyncio.create_task(self._expiry_loop())
         self._loop_task = asyncio.create_task(self._dispatch_loop())
 
     def _depth_changed(self) -> None:
-        depth = len(self.batcher)
+        depth = len(self.strategy)
         self._depth_gauge.set(depth)
         TRITON.set("nv_inference_pending_request_count", self._labels, depth)
+
+    def _changed(self) -> None:
+        """The sequences' adapter changed the queue (listed, put back, dropped)."""
+        self._depth_changed()
+        self._arrived.set()
+
+    def fits(self, spec: ModelSpec) -> bool:
+        """Whether reconfigure can take this spec (same kind of scheduling)."""
+        return (spec.sequence is None) == (self.sequences is None)
 
     def reconfigure(self, spec: ModelSpec) -> None:
         """A reloaded model: keep queued requests, apply the new batching settings,
         and hand back held grants (their instances belong to the old load)."""
-        pending = self.batcher.drain()
         self.spec = spec
-        self.batcher = make_batcher(spec, self.adaptive_delay_us)
-        for p in pending:  # the new config may make other inputs ragged
-            p.shape_key = shape_key(p.payload.msg, spec.batching, spec.ragged_inputs)
-        self.batcher.requeue_front(pending)
+        self.strategy.reconfigure(spec)
         # Ordering restarts with the new settings: release what was held.
         for respond, held in self._order.reset():
             respond(held)
@@ -209,20 +191,11 @@ class ModelQueue:
         self._arrived.set()
 
     def submit(self, msg: pb.ScheduleRequest, respond: Respond) -> None:
-        now = time.monotonic_ns()
-        batching = self.spec.batching
-        queued = Queued(msg, respond, now)
-        pending = queued.pending = Pending(
-            batch_size=msg.batch_size if batching else 1,
-            shape_key=shape_key(msg, batching, self.spec.ragged_inputs),
-            enqueue_ns=now,
-            payload=queued,
-            priority=int(msg.priority),
-        )
+        queued = Queued(msg, respond, time.monotonic_ns())
         try:
-            self.batcher.add(pending, timeout_us=int(msg.timeout_us))
+            has_deadline = self.strategy.add(queued)
         except QueueFull as exc:
-            level = self.batcher.level_of(int(msg.priority))
+            level = self.strategy.level_of(int(msg.priority))
             respond(
                 error_response(
                     msg.id,
@@ -233,19 +206,21 @@ class ModelQueue:
                 )
             )
             return
-        if pending.deadline_ns is not None:
+        if has_deadline:
             self._deadline_changed.set()
         self._depth_changed()
+        if self.sequences is not None:
+            self.sequences.accepted(queued)  # eligible once listed in Redis
+            return
         self._arrived.set()
 
     # --------------------------------------------------------------- timeouts
 
     def _expire(self) -> None:
-        rejected = self.batcher.expire(time.monotonic_ns())
+        rejected = self.strategy.expire(time.monotonic_ns())
         if not rejected:
             return
-        for p in rejected:
-            q: Queued = p.payload
+        for q in rejected:
             waited_us = (time.monotonic_ns() - q.enqueue_ns) // 1000
             q.respond(
                 error_response(
@@ -262,7 +237,7 @@ class ModelQueue:
         """Answer timed-out requests at their deadline, whatever is executing."""
         while True:
             self._deadline_changed.clear()
-            deadline = self.batcher.next_deadline()
+            deadline = self.strategy.next_deadline()
             if deadline is None:
                 await self._deadline_changed.wait()
                 continue
@@ -285,11 +260,7 @@ class ModelQueue:
 
     @property
     def pending(self) -> int:
-        return len(self.batcher)
-
-    def _has_work(self) -> bool:
-        """Whether a batch could be formed now (given a free instance)."""
-        return len(self.batcher) > 0
+        return len(self.strategy)
 
     @property
     def _ordered(self) -> bool:
@@ -303,12 +274,16 @@ class ModelQueue:
             self._acquiring.cancel()
         self._release_spare()
         self._fail_all(unavailable(f"model '{self.model}' is no longer scheduled"))
+        if self.sequences is not None:
+            self.sequences.close()
 
     def _fail_all(self, err: StageError) -> None:
-        for p in self.batcher.drain():
-            q: Queued = p.payload
+        failed = self.strategy.drain()
+        for q in failed:
             q.respond(error_response(q.msg.id, err))
         self._depth_changed()
+        if self.sequences is not None:
+            self.sequences.dropped(failed)
 
     async def _wait_arrival(self, timeout_s: float | None) -> None:
         self._arrived.clear()
@@ -359,7 +334,7 @@ class ModelQueue:
                 self._spawn(self.ratelimiter.release(grant.grant_id, failed=failed))
             if held is not None:
                 return held
-            if not self._has_work():
+            if not self.strategy.has_work(time.monotonic_ns()):
                 return None
             if self._acquiring is None:
                 self._acquiring = asyncio.create_task(self._acquire_into_spare())
@@ -371,15 +346,23 @@ class ModelQueue:
     async def _dispatch_loop(self) -> None:
         while True:
             try:
-                if not self._has_work():
+                now_ns = time.monotonic_ns()
+                if not self.strategy.has_work(now_ns):
                     # Idle: the pool keeps held grants for a standby hold, then
                     # they go back. A batch finishing wakes us (its grant joins
-                    # the pool), so the hold starts when the last one ends.
-                    remaining = self.grants.idle(time.monotonic())
+                    # the pool), so the hold starts when the last one ends; so
+                    # does an arrival, or the strategy's own wake-up (a retry
+                    # or a slot idle-out coming due). Inline, not a coroutine:
+                    # at concurrency 1 this runs once per request.
+                    remaining = self.grants.idle(now_ns / 1e9)
                     if remaining == 0.0:
                         self._release_spare()
-                    else:
-                        await self._wait_arrival(remaining)
+                        continue
+                    wake_ns = self.strategy.wake_at_ns(now_ns)
+                    if wake_ns is not None:
+                        until = max(0.0, (wake_ns - now_ns) / 1e9)
+                        remaining = until if remaining is None else min(remaining, until)
+                    await self._wait_arrival(remaining)
                     continue
                 self.grants.busy()
                 held = await self._next_grant()
@@ -400,10 +383,10 @@ class ModelQueue:
     async def _form_batch(self) -> list[Queued]:
         while True:
             self._expire()
-            decision = self.batcher.next_batch(time.monotonic_ns())
-            if decision.batch:
+            decision = self.strategy.next_batch(time.monotonic_ns())
+            batch = decision.batch
+            if batch:
                 self._depth_changed()
-                batch = [p.payload for p in decision.batch]
                 if self._ordered:
                     for q in batch:
                         q.seq = self._order.number()
@@ -434,23 +417,32 @@ class ModelQueue:
 
     async def _execute(self, batch: list[Queued], held: Held[Granted]) -> None:
         grant = held.grant
+        spec = self.spec
+        sequences = self.sequences
         failed_instance: bool | None = False
+        job = None
         try:
             compute_start = time.monotonic_ns()
-            request = build_execute_request(
-                grant.instance_id,
-                batch,
-                self.spec.batching,
-                self.spec.ragged_inputs,
-                request_info=self.spec.backend == "python",
-            )
-            decoupled = (
-                DecoupledBatch(
-                    batch, compute_start, sum(request.request_batch_sizes), self._deliver
+            if sequences is None:
+                rows: list[Queued | None] = batch  # type: ignore[assignment]
+                hidden = _NONE_HIDDEN
+                request = build_execute_request(
+                    grant.instance_id,
+                    batch,
+                    spec.batching,
+                    spec.ragged_inputs,
+                    request_info=spec.backend == "python",
                 )
-                if self.spec.decoupled
-                else None
-            )
+            else:  # claims the sequences in Redis; some may wait or be refused
+                job = await sequences.prepare(batch, grant.instance_id)
+                if job is None:
+                    return
+                rows, hidden, request = job.rows, job.hidden, job.request
+                compute_start = time.monotonic_ns()
+            decoupled = None
+            if spec.decoupled and sequences is None:
+                total = sum(request.request_batch_sizes)
+                decoupled = DecoupledBatch(batch, compute_start, total, self._deliver)
             try:
                 resp = await self.workers.execute(
                     grant.worker_address, request, decoupled.on_part if decoupled else None
@@ -463,46 +455,70 @@ class ModelQueue:
                 if decoupled is not None:
                     decoupled.finish(err)
                     return
-                for q in batch:
-                    self._deliver(q, error_response(q.msg.id, err))
+                if job is not None:  # a failed execution leaves the states as they were
+                    await job.settle_failed()
+                for q in rows:
+                    if q is not None:
+                        self._deliver(q, error_response(q.msg.id, err))
                 return
             if decoupled is not None:
                 decoupled.finish(None)
                 return
-            total = sum(request.request_batch_sizes)
-            self._batch_hist.observe(total)
-            for i, q in enumerate(batch):
-                timing = pb.Timing(
-                    queue_ns=compute_start - q.enqueue_ns,
-                    compute_input_ns=resp.compute_input_ns,
-                    compute_infer_ns=resp.compute_infer_ns,
-                    compute_output_ns=resp.compute_output_ns,
-                    batch_size=total,
-                    batch_leader=i == 0,
-                )
-                result = resp.results[i]
-                if result.code:  # a per-request error (a Python model's response)
-                    self._deliver(
-                        q,
-                        pb.ScheduleResponse(
-                            id=q.msg.id, code=result.code, message=result.message, timing=timing
-                        ),
-                    )
-                    continue
-                self._deliver(
-                    q, pb.ScheduleResponse(id=q.msg.id, outputs=result.outputs, timing=timing)
-                )
+            if job is not None:
+                # State first, answers second: a client that sends its next
+                # request the moment it has this answer must find the new
+                # state in Redis.
+                await job.commit(resp)
+            self._answer(rows, hidden, request, resp, compute_start)
         finally:
+            if job is not None:
+                job.close()
+            self.strategy.finished(batch, time.monotonic_ns())
             self.executing -= 1
             self._give_back(held, failed_instance)
 
+    def _answer(
+        self,
+        rows: list[Queued | None],
+        hidden: frozenset[str],
+        request: pb.ExecuteRequest,
+        resp: pb.ExecuteResponse,
+        compute_start: int,
+    ) -> None:
+        """Each request's outputs (less `hidden` ones) or its own error; None
+        rows are padding."""
+        total = sum(request.request_batch_sizes)
+        self._batch_hist.observe(total)
+        leader = True
+        for q, result in zip(rows, resp.results, strict=True):
+            if q is None:
+                continue
+            timing = pb.Timing(
+                queue_ns=compute_start - q.enqueue_ns,
+                compute_input_ns=resp.compute_input_ns,
+                compute_infer_ns=resp.compute_infer_ns,
+                compute_output_ns=resp.compute_output_ns,
+                batch_size=total,
+                batch_leader=leader,
+            )
+            leader = False
+            if result.code:  # a per-request error (a Python model's response)
+                self._deliver(
+                    q,
+                    pb.ScheduleResponse(
+                        id=q.msg.id, code=result.code, message=result.message, timing=timing
+                    ),
+                )
+                continue
+            outputs = result.outputs
+            if hidden:
+                outputs = [t for t in outputs if t.name not in hidden]
+            self._deliver(q, pb.ScheduleResponse(id=q.msg.id, outputs=outputs, timing=timing))
+
     def _requeue(self, batch: list[Queued]) -> bool:
         """Put a batch whose instance went away back at the head of the queue."""
-        if any(q.pending is None or q.attempts >= MAX_ATTEMPTS for q in batch):
+        if not self.strategy.requeue(batch):
             return False
-        for q in batch:
-            q.attempts += 1
-        self.batcher.requeue_front([q.pending for q in batch if q.pending is not None])
         self._depth_changed()
         self._arrived.set()
         return True

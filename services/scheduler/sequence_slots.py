@@ -1,5 +1,5 @@
-"""The sequence batcher's batch-forming strategy, pure (no I/O, time passed
-in), unit-tested on its own; SequenceQueue does the I/O.
+"""Building blocks of the sequence batcher's strategy (sequence_strategy.py),
+pure (no I/O, time passed in), unit-tested on their own.
 
 - `ready_in_age_order`: which sequences may put a request in the next batch
   (their head request is listed in Redis, none of theirs is executing, no

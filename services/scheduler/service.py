@@ -59,9 +59,14 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             self.models.pop(name, None)
             return None
         self.models[name] = loaded
-        for (model, _), queue in self.queues.items():
-            if model == name:
+        for key, queue in list(self.queues.items()):
+            if key[0] != name:
+                continue
+            if queue.fits(loaded.spec):
                 queue.reconfigure(loaded.spec)
+            else:  # sequence batching turned on or off: a queue of the other kind
+                queue.close()
+                del self.queues[key]
         return loaded
 
     def _queue(self, loaded: LoadedModel, version: int) -> ModelQueue:

@@ -84,7 +84,7 @@ def test_triton_queue_delay_still_applies_first() -> None:
 
 
 def test_scheduler_flag_reaches_the_batcher(monkeypatch) -> None:
-    from services.scheduler.model_queue import make_batcher
+    from services.scheduler.batch_strategy import make_batcher
     from stageserve.cli import build_parser
     from stageserve.config import parse_config_text, to_spec
 

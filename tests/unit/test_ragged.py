@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from services.scheduler.batch_strategy import Queued
+from services.scheduler.batch_strategy import shape_key as msg_shape_key
 from services.scheduler.batcher import DynamicBatcher, Pending, shape_key
-from services.scheduler.model_queue import Queued, build_execute_request
-from services.scheduler.model_queue import shape_key as msg_shape_key
+from services.scheduler.model_queue import build_execute_request
 from services.worker.batch_io import (
     BatchIOError,
     batch_input_array,

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
 
+from services.scheduler.batch_strategy import Queued
 from services.scheduler.sequence_queue import _control_tensor, _padding
 from stageserve.config import ControlInput, parse_config_text, to_spec
 from stageserve.datatypes import from_triton
@@ -15,16 +14,11 @@ from stageserve.generated import stageserve_pb2 as pb
 from stageserve.tensors import raw_to_numpy
 
 
-@dataclass
-class _Queued:
-    msg: pb.ScheduleRequest
-
-
 def _row(sid=0, sid_str="", start=False, end=False):
     msg = pb.ScheduleRequest(
         sequence_id=sid, sequence_id_str=sid_str, sequence_start=start, sequence_end=end
     )
-    return ("cid", _Queued(msg), {})
+    return Queued(msg, lambda _r: None, 0)
 
 
 ROWS = [_row(11, start=True), None, _row(12, end=True)]  # None: a padding row (direct)

@@ -1,0 +1,212 @@
+"""The sequence batcher's batch forming: a strategy with no I/O (time passed in).
+
+Requests wait in their sequence's backlog, in arrival order; a batch takes
+at most one request per sequence, the head of its backlog, and only once its
+entry is listed in Redis (`listed`), while no request of the sequence runs
+and no retry is pending (sequence_slots.ready_in_age_order). Rows of one
+batch share their input shapes (the oldest head's).
+
+- oldest: up to max_batch_size sequences, oldest head first;
+- direct: each sequence owns a slot from its START to its END (or idle
+  timeout); a START waits while every slot is taken, and `wake_at_ns` says
+  when the least recently used idle slot frees. Row i of a batch is slot i,
+  gaps are padding (`layout`).
+
+A batch waits for max_queue_delay after its oldest head unless it is full.
+The Redis side (listing, claims, states) is the adapter's,
+sequence_queue.py: it reports back with `listed`, `put_back`, `refused`,
+`ended`; ModelQueue calls `finished` when the batch is over.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from services.scheduler.batch_strategy import Queued, shape_key
+from services.scheduler.batcher import Decision
+from services.scheduler.sequence_slots import DirectSlots, ready_in_age_order
+from services.scheduler.sequence_store import sequence_key
+from stageserve.config import ModelSpec, SequenceBatching
+
+_S = 1e-9  # ns -> s: the slots keep seconds
+
+
+class SequenceStrategy:
+    def __init__(self, spec: ModelSpec) -> None:
+        self.backlogs: dict[str, deque[Queued]] = {}
+        self.running: set[str] = set()  # sequences with a request executing
+        self.slots: DirectSlots = DirectSlots()  # the direct strategy's slots
+        self.retry_at: dict[str, float] = {}  # busy elsewhere: not before this time (s)
+        self._count = 0
+        self._waiting_for_slot = False
+        self.reconfigure(spec)
+
+    def reconfigure(self, spec: ModelSpec) -> None:
+        assert spec.sequence is not None
+        self.spec = spec
+        self.seq: SequenceBatching = spec.sequence
+        self.direct = self.seq.strategy == "direct"
+        self.capacity = max(1, spec.max_batch_size)
+        self.idle_s = self.seq.max_idle_us / 1e6
+        self.delay_ns = self.seq.max_queue_delay_us * 1000
+
+    def __len__(self) -> int:
+        return self._count
+
+    # ----------------------------------------------------------------- intake
+
+    def add(self, q: Queued) -> bool:
+        q.cid = sequence_key(q.msg.sequence_id, q.msg.sequence_id_str)
+        q.listed = False
+        self.backlogs.setdefault(q.cid, deque()).append(q)
+        self._count += 1
+        return False
+
+    def listed(self, items: list[Queued]) -> list[Queued]:
+        """Their entries are in Redis now; returns those no longer queued
+        (answered meanwhile), whose entries the adapter takes back out."""
+        gone = []
+        for q in items:
+            q.listed = True
+            if not self._queued(q):
+                gone.append(q)
+        return gone
+
+    def drop(self, q: Queued) -> bool:
+        """Take a still-queued request out (its listing failed): True if it was."""
+        if not self._queued(q):
+            return False
+        backlog = self.backlogs[q.cid]
+        backlog.remove(q)
+        self._count -= 1
+        if not backlog and q.cid not in self.running:
+            del self.backlogs[q.cid]
+        return True
+
+    def _queued(self, q: Queued) -> bool:
+        return any(x is q for x in self.backlogs.get(q.cid, ()))
+
+    # ---------------------------------------------------------------- batches
+
+    def _eligible(self, now_ns: int) -> list[str]:
+        """Sequences whose next request may run now, oldest first."""
+        now = now_ns * _S
+        ready = ready_in_age_order(
+            ((cid, b[0].listed, b[0].enqueue_ns) for cid, b in self.backlogs.items() if b),
+            self.running,
+            self.retry_at,
+            now,
+        )
+        self._waiting_for_slot = False
+        if not self.direct:
+            return ready
+        self.slots.free_idle(
+            now, self.idle_s, lambda cid: cid in self.running or bool(self.backlogs.get(cid))
+        )
+        out = []
+        for cid in ready:
+            start = self.backlogs[cid][0].msg.sequence_start
+            if self.slots.admit(cid, start, self.capacity, now):
+                out.append(cid)
+            else:
+                self._waiting_for_slot = True
+        return out
+
+    def has_work(self, now_ns: int) -> bool:
+        return bool(self._eligible(now_ns))
+
+    def wake_at_ns(self, now_ns: int) -> int | None:
+        """A pending retry, or (a START waiting for a slot) the least recently
+        used idle slot timing out, 1 ms after, as free_idle wants it older."""
+        now = now_ns * _S
+        for cid in [c for c, t in self.retry_at.items() if t <= now]:
+            del self.retry_at[cid]
+        times = list(self.retry_at.values())
+        if self._waiting_for_slot:
+            expiry = self.slots.next_idle_expiry(self.running, self.idle_s)
+            if expiry is not None:  # else a running sequence's finish wakes the queue
+                times.append(max(expiry, now) + 0.001)
+        return round(min(times) * 1e9) if times else None
+
+    def next_batch(self, now_ns: int) -> Decision:
+        eligible = self._eligible(now_ns)
+        if not eligible:
+            return Decision(None, None)
+        oldest = self.backlogs[eligible[0]][0].enqueue_ns
+        full = len(eligible) >= self.capacity
+        if not full and self.delay_ns and now_ns < oldest + self.delay_ns:
+            wake = self.wake_at_ns(now_ns)
+            deadline = oldest + self.delay_ns
+            return Decision(None, deadline if wake is None else min(wake, deadline))
+        # Rows of one batch share their input shapes (the oldest one's).
+        batching = self.spec.batching
+        want = shape_key(self.backlogs[eligible[0]][0].msg, batching)
+        chosen = [
+            cid for cid in eligible if shape_key(self.backlogs[cid][0].msg, batching) == want
+        ][: self.capacity]
+        batch = []
+        for cid in chosen:
+            batch.append(self.backlogs[cid].popleft())
+            self.running.add(cid)
+        self._count -= len(batch)
+        return Decision(batch, None)
+
+    def layout(self, claimed: list[tuple[Queued, int]]) -> list[Queued | None]:
+        """Batch rows for (request, slot it claimed with in Redis); for direct,
+        row i is slot i and gaps are padding (None)."""
+        if not self.direct:
+            return [q for q, _ in claimed]
+        return self.slots.layout([(q.cid, q, slot) for q, slot in claimed], self.capacity)
+
+    def slot(self, cid: str) -> int:
+        return self.slots.slot(cid)
+
+    # --------------------------------------------------------------- outcomes
+
+    def put_back(self, q: Queued, retry_at_ns: int | None = None) -> None:
+        """Return a request to the head of its backlog (not eligible before
+        retry_at_ns: an earlier request of its sequence runs elsewhere)."""
+        self.backlogs.setdefault(q.cid, deque()).appendleft(q)
+        self.running.discard(q.cid)
+        self._count += 1
+        if retry_at_ns is not None:
+            self.retry_at[q.cid] = retry_at_ns * _S
+
+    def refused(self, q: Queued) -> None:
+        """Its sequence is unknown in Redis: no slot, nothing running."""
+        self.running.discard(q.cid)
+        self.slots.release(q.cid)
+
+    def ended(self, q: Queued) -> None:
+        """Its END request ran: the slot comes free."""
+        self.slots.release(q.cid)
+
+    def finished(self, batch: list[Queued], now_ns: int) -> None:
+        now = now_ns * _S
+        for q in batch:
+            cid = q.cid
+            self.running.discard(cid)
+            self.slots.touch(cid, now)
+            if cid in self.backlogs and not self.backlogs[cid]:
+                del self.backlogs[cid]
+
+    def requeue(self, batch: list[Queued]) -> bool:
+        return False  # its state may have moved on: the client resends
+
+    def expire(self, now_ns: int) -> list[Queued]:
+        return []
+
+    def next_deadline(self) -> int | None:
+        return None
+
+    def drain(self) -> list[Queued]:
+        out = []
+        for cid in list(self.backlogs):
+            if cid in self.running:
+                continue
+            out.extend(self.backlogs.pop(cid))
+        self._count -= len(out)
+        return out
+
+    def level_of(self, priority: int) -> int:
+        return 0

@@ -50,8 +50,15 @@ async def load_python_model(worker: WorkerService, model: LoadedModel) -> bool:
             )
             await worker.state.report_load_error(model.name, version, worker.worker_id, str(exc))
             continue
-        for inst in loaded:
+        # python_instances keeps the groups' order: each instance takes its
+        # group's rate_limiter (priority, resources), as the ONNX branch does.
+        group_of = [g for g, places in groups for _ in places]
+        for inst, group in zip(loaded, group_of, strict=True):
             worker.instances[inst.instance_id] = inst
+            worker.rate_limits[inst.instance_id] = (
+                group.rate_limiter_priority,
+                group.rate_limiter_resources,
+            )
         log.info(
             "python model loaded",
             extra={"model": model.name, "version": version, "instances": len(loaded)},

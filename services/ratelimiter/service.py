@@ -1,4 +1,10 @@
-"""grpc.aio adapter of the rate limiter: converts messages and waits for grants."""
+"""grpc.aio adapter of the rate limiter: converts messages and waits for grants.
+
+Acquire and Release arrive on one stream per scheduler (Grants, served by
+stageserve/transport.py's serve_stream, each request its own task since an
+acquire may wait); the rest are unary calls. Every failure is typed
+(errors.py): Redis unreachable is UNAVAILABLE, never UNKNOWN.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import time
 
 import grpc
 
+from services.ratelimiter.errors import stage_error, typed_errors
 from services.ratelimiter.options import OFF
 from services.ratelimiter.registry import (
     Grant,
@@ -27,11 +34,9 @@ from stageserve.telemetry import (
     RATELIMITER_RESOURCES,
     RATELIMITER_WAIT,
 )
+from stageserve.transport import serve_stream
 
 log = logging.getLogger(__name__)
-
-# While every instance is busy, a waiting Acquire re-checks Redis at least
-# this often, so releases made by another rate-limiter process are seen.
 
 
 def instance_to_pb(inst: Instance) -> pb.InstanceInfo:
@@ -67,6 +72,18 @@ class Wakeups:
             ev.set()
 
 
+def _requests_of(message: pb.GrantRequests):
+    return message.requests
+
+
+def _pack_responses(responses: list[pb.GrantResponse]) -> pb.GrantResponses:
+    return pb.GrantResponses(responses=responses)
+
+
+def _error_response(request_id: int, code: grpc.StatusCode, message: str) -> pb.GrantResponse:
+    return pb.GrantResponse(id=request_id, code=code.value[0], message=message)
+
+
 class RateLimiterService(pb_grpc.RateLimiterServicer):
     def __init__(self, registry: RedisRegistry) -> None:
         self.registry = registry
@@ -75,6 +92,7 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
         self._grants: dict[str, tuple[str, int, bool]] = {}
         self._exported_resources: set[tuple[str, str]] = set()
 
+    @typed_errors
     async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
         instances = [
             Instance(
@@ -103,19 +121,48 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
         self.wakeups.wake_all()
         return pb.RegisterResponse()
 
+    @typed_errors
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         known = await self.registry.heartbeat(
             request.worker_id, request.lease_ms or RATELIMITER.default_worker_lease_ms
         )
         return pb.HeartbeatResponse(known=known)
 
+    @typed_errors
     async def Deregister(self, request: pb.DeregisterRequest, context) -> pb.DeregisterResponse:
         removed = await self.registry.deregister(request.worker_id)
         log.info("worker deregistered", extra={"worker_id": request.worker_id, "removed": removed})
         self.wakeups.wake_all()
         return pb.DeregisterResponse()
 
-    async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
+    async def Grants(self, request_iterator, context: grpc.aio.ServicerContext):
+        """One scheduler's stream of acquires and releases, answered by id."""
+        async for message in serve_stream(
+            request_iterator,
+            unpack=_requests_of,
+            handle=self._grant_call,
+            pack=_pack_responses,
+            concurrent=True,
+        ):
+            yield message
+
+    async def _grant_call(self, request: pb.GrantRequest, respond) -> None:
+        call = request.WhichOneof("call")
+        try:
+            if call == "acquire":
+                resp = pb.GrantResponse(id=request.id, acquire=await self.acquire(request.acquire))
+            elif call == "release":
+                await self.release(request.release)
+                resp = pb.GrantResponse(id=request.id)
+            else:
+                resp = _error_response(request.id, grpc.StatusCode.INVALID_ARGUMENT, "empty call")
+        except Exception as exc:
+            err = stage_error(exc, call.capitalize() if call else "Grants")
+            resp = _error_response(request.id, err.code, err.message)
+        respond(resp)
+
+    async def acquire(self, request: pb.AcquireRequest) -> pb.AcquireResponse:
+        """A grant within request.wait_ms, or granted=False with the reason."""
         model, version = request.model, request.version
         lease_ms = request.lease_ms or RATELIMITER.default_grant_lease_ms
         started = time.monotonic()
@@ -157,7 +204,7 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             holds_resources=grant.holds_resources,
         )
 
-    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+    async def release(self, request: pb.ReleaseRequest) -> None:
         await self.registry.release(request.grant_id, failed=request.instance_failed)
         if request.instance_failed:
             log.warning(
@@ -169,14 +216,15 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             self.wakeups.wake(known[0], known[1])
         else:  # freed resources may let any model run
             self.wakeups.wake_all()
-        return pb.ReleaseResponse()
 
+    @typed_errors
     async def Renew(self, request: pb.RenewRequest, context) -> pb.RenewResponse:
         lost = await self.registry.renew(
             list(request.grant_ids), request.lease_ms or RATELIMITER.default_renew_lease_ms
         )
         return pb.RenewResponse(lost_grant_ids=lost)
 
+    @typed_errors
     async def ListInstances(
         self, request: pb.ListInstancesRequest, context
     ) -> pb.ListInstancesResponse:
@@ -208,8 +256,8 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
         while True:
             try:
                 await self.export_usage_once()
-            except Exception:
-                log.exception("usage export failed")
+            except Exception as exc:
+                stage_error(exc, "usage export")  # logged there
             await asyncio.sleep(period_s)
 
     async def sweep_forever(self, period_s: float = RATELIMITER.sweep_s) -> None:
@@ -220,8 +268,8 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
                 if expired or dead:
                     log.warning("sweep", extra={"expired_grants": expired, "dead_workers": dead})
                     self.wakeups.wake_all()
-            except Exception:
-                log.exception("sweep failed")
+            except Exception as exc:
+                stage_error(exc, "sweep")  # logged there
             await asyncio.sleep(period_s)
 
 

@@ -34,6 +34,9 @@ class Granted:
 class RateLimiterClient:
     """Acquire / release grants, and keep the leases of held grants alive.
 
+    Acquires and releases travel on one long-lived stream (Grants, over
+    stageserve/transport.py), packed with whatever else is queued: a unary
+    call each cost the rate limiter 2x the CPU (docs/architecture.md).
     Leases are short (LEASE_MS), so the grants of a scheduler that crashed
     come free within seconds; a live scheduler renews what it holds every
     RENEW_S. A renewal also reports grants the rate limiter dropped (their
@@ -52,11 +55,48 @@ class RateLimiterClient:
         self.address = address
         self.channel = stage_channel(address)
         self.stub = pb_grpc.RateLimiterStub(self.channel)
+        self._link: StreamLink[pb.GrantRequest, pb.GrantResponse] = StreamLink(
+            name=f"ratelimiter {address}",
+            open_call=self.stub.Grants,
+            pack=lambda requests: pb.GrantRequests(requests=requests),
+            unpack=lambda message: message.responses,
+            on_break=self._unreachable,
+        )
         self.wait_ms = wait_ms
         self.lease_ms = lease_ms
         self.held: set[str] = set()
         self.lost: set[str] = set()
         self._renewer: asyncio.Task | None = None
+        self._timers = {
+            rpc: STAGE_RPC_DURATION.labels("scheduler", "ratelimiter", rpc)
+            for rpc in ("Acquire", "Release")
+        }
+
+    def _unreachable(self, code: grpc.StatusCode, details: str) -> StageError:
+        return unavailable(f"rate limiter at {self.address} unavailable: {code.name}: {details}")
+
+    async def _call(self, rpc: str, request: pb.GrantRequest, timeout_s: float) -> pb.GrantResponse:
+        """The call's answer; StageError when it failed (typed by the rate
+        limiter) or the stream broke."""
+        start = time.perf_counter()
+        try:
+            resp = await self._link.call(
+                request,
+                timeout_s=timeout_s,
+                on_timeout=lambda: unavailable(
+                    f"rate limiter at {self.address} did not answer within {timeout_s:.0f}s"
+                ),
+            )
+            if resp.code:
+                raise StageError(
+                    code_from_int(resp.code), f"rate limiter at {self.address}: {resp.message}"
+                )
+        except StageError as err:
+            STAGE_RPC_ERRORS.labels("scheduler", "ratelimiter", rpc, err.code.name).inc()
+            raise
+        finally:
+            self._timers[rpc].observe(time.perf_counter() - start)
+        return resp
 
     async def _renew_forever(self) -> None:
         while True:
@@ -74,29 +114,15 @@ class RateLimiterClient:
     async def acquire(self, model: str, version: int) -> Granted | None:
         """A grant, or None when every instance stayed busy for wait_ms.
 
-        Raises StageError(UNAVAILABLE) when no instance exists or the rate
-        limiter cannot be reached.
+        Raises StageError (UNAVAILABLE) when no instance exists, or the rate
+        limiter or its Redis cannot be reached.
         """
-        start = time.perf_counter()
-        try:
-            resp = await self.stub.Acquire(
-                pb.AcquireRequest(
-                    model=model, version=version, wait_ms=self.wait_ms, lease_ms=self.lease_ms
-                ),
-                timeout=self.wait_ms / 1000.0 + 5.0,
+        request = pb.GrantRequest(
+            acquire=pb.AcquireRequest(
+                model=model, version=version, wait_ms=self.wait_ms, lease_ms=self.lease_ms
             )
-        except grpc.aio.AioRpcError as exc:
-            STAGE_RPC_ERRORS.labels("scheduler", "ratelimiter", "Acquire", exc.code().name).inc()
-            # UNKNOWN carries the rate limiter's Python exception (e.g. Redis
-            # restarting): logged there, not passed on to clients.
-            details = "" if exc.code() == grpc.StatusCode.UNKNOWN else f": {exc.details()}"
-            raise unavailable(
-                f"rate limiter at {self.address} unavailable: {exc.code().name}{details}"
-            ) from exc
-        finally:
-            STAGE_RPC_DURATION.labels("scheduler", "ratelimiter", "Acquire").observe(
-                time.perf_counter() - start
-            )
+        )
+        resp = (await self._call("Acquire", request, self.wait_ms / 1000.0 + 5.0)).acquire
         if resp.granted:
             self.held.add(resp.grant_id)
             if self._renewer is None:
@@ -114,18 +140,19 @@ class RateLimiterClient:
     async def release(self, grant_id: str, failed: bool = False, reason: str = "") -> None:
         self.held.discard(grant_id)
         self.lost.discard(grant_id)
+        request = pb.GrantRequest(
+            release=pb.ReleaseRequest(grant_id=grant_id, instance_failed=failed, reason=reason)
+        )
         try:
-            await self.stub.Release(
-                pb.ReleaseRequest(grant_id=grant_id, instance_failed=failed, reason=reason),
-                timeout=5.0,
-            )
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+            await self._call("Release", request, 5.0)
+        except StageError as err:
             # The grant's lease expires on its own; nothing leaks.
-            log.warning("release failed", extra={"grant_id": grant_id, "error": str(exc)})
+            log.warning("release failed", extra={"grant_id": grant_id, "error": err.message})
 
     async def close(self) -> None:
         if self._renewer is not None:
             self._renewer.cancel()
+        await self._link.close()
         await self.channel.close()
 
 

@@ -249,9 +249,41 @@ class ReleaseRequest(_message.Message):
     reason: str
     def __init__(self, grant_id: _Optional[str] = ..., instance_failed: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
-class ReleaseResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+class GrantRequest(_message.Message):
+    __slots__ = ("id", "acquire", "release")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    acquire: AcquireRequest
+    release: ReleaseRequest
+    def __init__(self, id: _Optional[int] = ..., acquire: _Optional[_Union[AcquireRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ...) -> None: ...
+
+class GrantRequests(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[GrantRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[GrantRequest, _Mapping]]] = ...) -> None: ...
+
+class GrantResponse(_message.Message):
+    __slots__ = ("id", "more", "acquire", "code", "message")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    more: bool
+    acquire: AcquireResponse
+    code: int
+    message: str
+    def __init__(self, id: _Optional[int] = ..., more: _Optional[bool] = ..., acquire: _Optional[_Union[AcquireResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class GrantResponses(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[GrantResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[GrantResponse, _Mapping]]] = ...) -> None: ...
 
 class RenewRequest(_message.Message):
     __slots__ = ("grant_ids", "lease_ms")

@@ -166,15 +166,10 @@ class RateLimiterStub:
                 request_serializer=stageserve__pb2.DeregisterRequest.SerializeToString,
                 response_deserializer=stageserve__pb2.DeregisterResponse.FromString,
                 _registered_method=True)
-        self.Acquire = channel.unary_unary(
-                '/stageserve.v1.RateLimiter/Acquire',
-                request_serializer=stageserve__pb2.AcquireRequest.SerializeToString,
-                response_deserializer=stageserve__pb2.AcquireResponse.FromString,
-                _registered_method=True)
-        self.Release = channel.unary_unary(
-                '/stageserve.v1.RateLimiter/Release',
-                request_serializer=stageserve__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=stageserve__pb2.ReleaseResponse.FromString,
+        self.Grants = channel.stream_stream(
+                '/stageserve.v1.RateLimiter/Grants',
+                request_serializer=stageserve__pb2.GrantRequests.SerializeToString,
+                response_deserializer=stageserve__pb2.GrantResponses.FromString,
                 _registered_method=True)
         self.Renew = channel.unary_unary(
                 '/stageserve.v1.RateLimiter/Renew',
@@ -209,14 +204,10 @@ class RateLimiterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Acquire(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Release(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def Grants(self, request_iterator, context):
+        """One long-lived stream per scheduler: acquires (answered when granted or
+        after wait_ms) and releases, each answered by id.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -252,15 +243,10 @@ def add_RateLimiterServicer_to_server(servicer, server):
                     request_deserializer=stageserve__pb2.DeregisterRequest.FromString,
                     response_serializer=stageserve__pb2.DeregisterResponse.SerializeToString,
             ),
-            'Acquire': grpc.unary_unary_rpc_method_handler(
-                    servicer.Acquire,
-                    request_deserializer=stageserve__pb2.AcquireRequest.FromString,
-                    response_serializer=stageserve__pb2.AcquireResponse.SerializeToString,
-            ),
-            'Release': grpc.unary_unary_rpc_method_handler(
-                    servicer.Release,
-                    request_deserializer=stageserve__pb2.ReleaseRequest.FromString,
-                    response_serializer=stageserve__pb2.ReleaseResponse.SerializeToString,
+            'Grants': grpc.stream_stream_rpc_method_handler(
+                    servicer.Grants,
+                    request_deserializer=stageserve__pb2.GrantRequests.FromString,
+                    response_serializer=stageserve__pb2.GrantResponses.SerializeToString,
             ),
             'Renew': grpc.unary_unary_rpc_method_handler(
                     servicer.Renew,
@@ -365,7 +351,7 @@ class RateLimiter:
             _registered_method=True)
 
     @staticmethod
-    def Acquire(request,
+    def Grants(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -375,39 +361,12 @@ class RateLimiter:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/stageserve.v1.RateLimiter/Acquire',
-            stageserve__pb2.AcquireRequest.SerializeToString,
-            stageserve__pb2.AcquireResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Release(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/stageserve.v1.RateLimiter/Release',
-            stageserve__pb2.ReleaseRequest.SerializeToString,
-            stageserve__pb2.ReleaseResponse.FromString,
+            '/stageserve.v1.RateLimiter/Grants',
+            stageserve__pb2.GrantRequests.SerializeToString,
+            stageserve__pb2.GrantResponses.FromString,
             options,
             channel_credentials,
             insecure,

@@ -298,8 +298,8 @@ def test_service_exports_counts_and_grant_wait_by_priority(redis_url):
         await register(reg, "w1", inst("a", "metered", Resource("M", 2), priority=3))
         waits = dict(model="metered", priority="3")
         before = sample("stageserve_ratelimiter_grant_wait_seconds_count", **waits) or 0
-        resp = await service.Acquire(
-            pb.AcquireRequest(model="metered", version=1, wait_ms=0, lease_ms=LONG), None
+        resp = await service.acquire(
+            pb.AcquireRequest(model="metered", version=1, wait_ms=0, lease_ms=LONG)
         )
         assert resp.granted and resp.holds_resources and resp.instance.priority == 3
         assert sample("stageserve_ratelimiter_grant_wait_seconds_count", **waits) == before + 1
@@ -307,7 +307,7 @@ def test_service_exports_counts_and_grant_wait_by_priority(redis_url):
         gauge = "stageserve_ratelimiter_resources"
         assert sample(gauge, resource="M", device="w1/-1", state="held") == 2
         assert sample(gauge, resource="M", device="w1/-1", state="available") == 2
-        await service.Release(pb.ReleaseRequest(grant_id=resp.grant_id), None)
+        await service.release(pb.ReleaseRequest(grant_id=resp.grant_id))
         await service.export_usage_once()
         assert sample(gauge, resource="M", device="w1/-1", state="held") == 0
         await reg.deregister("w1")

@@ -242,6 +242,16 @@ class StreamLink(Generic[Req, Resp]):
             if timer is not None:
                 timer.cancel()
 
+    async def send(self, request: Req) -> None:
+        """Queue a request that gets no answer (id 0): it goes out with the
+        next message, and is lost if the stream breaks first. For calls whose
+        failure the caller could only log anyway (a rate-limiter release,
+        whose lease ends on its own): no answer saves the peer a write and
+        this end a read per call."""
+        outbox = await self._stream()
+        request.id = 0
+        outbox.put(request)
+
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()

@@ -24,6 +24,7 @@ from services.ratelimiter.registry import (
     RedisRegistry,
     Resource,
 )
+from stageserve.errors import invalid
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.settings import RATELIMITER
@@ -78,10 +79,6 @@ def _requests_of(message: pb.GrantRequests):
 
 def _pack_responses(responses: list[pb.GrantResponse]) -> pb.GrantResponses:
     return pb.GrantResponses(responses=responses)
-
-
-def _error_response(request_id: int, code: grpc.StatusCode, message: str) -> pb.GrantResponse:
-    return pb.GrantResponse(id=request_id, code=code.value[0], message=message)
 
 
 class RateLimiterService(pb_grpc.RateLimiterServicer):
@@ -147,18 +144,22 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             yield message
 
     async def _grant_call(self, request: pb.GrantRequest, respond) -> None:
+        """An acquire is answered (granted or not, or its typed error); a
+        release is not (the scheduler sends it and goes on): its failure is
+        logged here, and the grant's lease ends on its own."""
         call = request.WhichOneof("call")
         try:
-            if call == "acquire":
-                resp = pb.GrantResponse(id=request.id, acquire=await self.acquire(request.acquire))
-            elif call == "release":
+            if call == "release":
                 await self.release(request.release)
-                resp = pb.GrantResponse(id=request.id)
-            else:
-                resp = _error_response(request.id, grpc.StatusCode.INVALID_ARGUMENT, "empty call")
+                return
+            if call != "acquire":
+                raise invalid(f"a grant call must be an acquire or a release, not {call}")
+            resp = pb.GrantResponse(id=request.id, acquire=await self.acquire(request.acquire))
         except Exception as exc:
             err = stage_error(exc, call.capitalize() if call else "Grants")
-            resp = _error_response(request.id, err.code, err.message)
+            if call == "release":
+                return
+            resp = pb.GrantResponse(id=request.id, code=err.code.value[0], message=err.message)
         respond(resp)
 
     async def acquire(self, request: pb.AcquireRequest) -> pb.AcquireResponse:

@@ -67,16 +67,13 @@ class RateLimiterClient:
         self.held: set[str] = set()
         self.lost: set[str] = set()
         self._renewer: asyncio.Task | None = None
-        self._timers = {
-            rpc: STAGE_RPC_DURATION.labels("scheduler", "ratelimiter", rpc)
-            for rpc in ("Acquire", "Release")
-        }
+        self._acquire_timer = STAGE_RPC_DURATION.labels("scheduler", "ratelimiter", "Acquire")
 
     def _unreachable(self, code: grpc.StatusCode, details: str) -> StageError:
         return unavailable(f"rate limiter at {self.address} unavailable: {code.name}: {details}")
 
-    async def _call(self, rpc: str, request: pb.GrantRequest, timeout_s: float) -> pb.GrantResponse:
-        """The call's answer; StageError when it failed (typed by the rate
+    async def _acquire_call(self, request: pb.GrantRequest, timeout_s: float) -> pb.AcquireResponse:
+        """The acquire's answer; StageError when it failed (typed by the rate
         limiter) or the stream broke."""
         start = time.perf_counter()
         try:
@@ -92,11 +89,11 @@ class RateLimiterClient:
                     code_from_int(resp.code), f"rate limiter at {self.address}: {resp.message}"
                 )
         except StageError as err:
-            STAGE_RPC_ERRORS.labels("scheduler", "ratelimiter", rpc, err.code.name).inc()
+            STAGE_RPC_ERRORS.labels("scheduler", "ratelimiter", "Acquire", err.code.name).inc()
             raise
         finally:
-            self._timers[rpc].observe(time.perf_counter() - start)
-        return resp
+            self._acquire_timer.observe(time.perf_counter() - start)
+        return resp.acquire
 
     async def _renew_forever(self) -> None:
         while True:
@@ -122,7 +119,7 @@ class RateLimiterClient:
                 model=model, version=version, wait_ms=self.wait_ms, lease_ms=self.lease_ms
             )
         )
-        resp = (await self._call("Acquire", request, self.wait_ms / 1000.0 + 5.0)).acquire
+        resp = await self._acquire_call(request, self.wait_ms / 1000.0 + 5.0)
         if resp.granted:
             self.held.add(resp.grant_id)
             if self._renewer is None:
@@ -138,16 +135,15 @@ class RateLimiterClient:
         return None
 
     async def release(self, grant_id: str, failed: bool = False, reason: str = "") -> None:
+        """Sent without waiting for an answer: a release that fails (the
+        stream broke, Redis is down) is logged by the rate limiter, and the
+        grant's lease ends on its own, so nothing leaks."""
         self.held.discard(grant_id)
         self.lost.discard(grant_id)
         request = pb.GrantRequest(
             release=pb.ReleaseRequest(grant_id=grant_id, instance_failed=failed, reason=reason)
         )
-        try:
-            await self._call("Release", request, 5.0)
-        except StageError as err:
-            # The grant's lease expires on its own; nothing leaks.
-            log.warning("release failed", extra={"grant_id": grant_id, "error": err.message})
+        await self._link.send(request)
 
     async def close(self) -> None:
         if self._renewer is not None:

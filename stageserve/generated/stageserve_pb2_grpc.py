@@ -205,8 +205,8 @@ class RateLimiterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Grants(self, request_iterator, context):
-        """One long-lived stream per scheduler: acquires (answered when granted or
-        after wait_ms) and releases, each answered by id.
+        """One long-lived stream per scheduler: acquires (answered by id, when
+        granted or after wait_ms) and releases (not answered).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -118,6 +118,21 @@ async def test_many_calls_in_flight_are_matched_by_id_and_packed(port):
 
 
 @in_loop
+async def test_a_sent_request_reaches_the_handler_in_order_and_waits_for_nothing(port):
+    servicer = Echo(concurrent=False)
+    server = await _server(servicer, port)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        link = _link(channel)
+        await link.send(_req("never", "sent"))  # no answer is ever awaited
+        assert link.in_flight == 0
+        answer = await link.call(_req("echo", "called"))
+        assert answer.message == "called"
+        assert servicer.handled == ["sent", "called"]
+        await link.close()
+    await server.stop(None)
+
+
+@in_loop
 async def test_decoupled_parts_reach_on_more_before_the_final_response(port):
     server = await _server(Echo(), port)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

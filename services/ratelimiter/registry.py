@@ -88,10 +88,15 @@ class RedisRegistry:
         self._release = redis.register_script(scripts.RELEASE)
         self._sweep = redis.register_script(scripts.SWEEP)
         self._renew = redis.register_script(scripts.RENEW)
+        self._overrides: dict[str, int] = {}
 
     async def register(
         self, worker_id: str, address: str, instances: list[Instance], lease_ms: int
     ) -> int:
+        # Redis restarted empty (workers register again then): the overrides
+        # went with it, and counts would fall back to the largest need.
+        if self._overrides and not await self.redis.exists(self.prefix + "res:override"):
+            await self.set_overrides(self._overrides)
         args: list[str | int] = [self.prefix, worker_id, address, lease_ms]
         for inst in instances:
             res = json.dumps([[r.name, int(r.is_global), r.count] for r in inst.resources])
@@ -109,6 +114,7 @@ class RedisRegistry:
     async def set_overrides(self, overrides: dict[str, int]) -> None:
         """The --rate-limit-resource counts ("name" or "name@device" -> count).
         Every rate limiter sharing the Redis must be given the same ones."""
+        self._overrides = dict(overrides)
         args: list[str | int] = [self.prefix]
         for name, count in sorted(overrides.items()):
             args += [name, count]

@@ -148,6 +148,18 @@ def test_per_device_resources_count_per_device_global_ones_once(redis_url):
     run(redis_url, body)
 
 
+def test_overrides_come_back_when_workers_register_after_redis_lost_them(redis_url):
+    async def body(reg, r):
+        await reg.set_overrides(dict([parse_resource_flag("R1:3")]))
+        await register(reg, "w1", inst("a", "A", R1))
+        assert await counts(reg) == {"R1@w1/-1": (0, 3)}
+        await r.flushdb()  # Redis restarted empty
+        await register(reg, "w1", inst("a", "A", R1))
+        assert await counts(reg) == {"R1@w1/-1": (0, 3)}  # not 1, the largest need
+
+    run(redis_url, body)
+
+
 def test_overrides_any_device_then_one_device_and_too_small(redis_url):
     async def body(reg, r):
         await register(reg, "w1", inst("a", "A", R1, device=0), inst("b", "B", R1, device=0))

@@ -511,6 +511,42 @@ def _own_group_and_die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def start_grpc_triton(
+    workdir: Path,
+    repo: Path,
+    models: Sequence[str],
+    extra: Sequence[str] = (),
+    timeout_s: float = 180.0,
+) -> tuple[subprocess.Popen, str]:
+    """tritonserver on `repo`, gRPC only on a free port (no HTTP, no metrics, no
+    auto-complete), plus `extra` flags; (process, url) once `models` are ready.
+    Its log is workdir/tritonserver.log."""
+    install = find_triton()
+    backends = install.make_backend_dir(workdir / "triton_backends")
+    port = free_port()
+    url = f"127.0.0.1:{port}"
+    log = workdir / "tritonserver.log"
+    cmd = [
+        str(install.binary),
+        "--model-repository", str(repo),
+        "--backend-directory", str(backends),
+        "--grpc-port", str(port),
+        "--grpc-address", "127.0.0.1",
+        "--allow-http", "false",
+        "--allow-metrics", "false",
+        "--disable-auto-complete-config",
+        "--exit-timeout-secs", "5",
+        *extra,
+    ]  # fmt: skip
+    proc = _popen(cmd, log, env=install.env(), cwd=workdir)
+    try:
+        wait_ready(url, models, timeout_s, [proc], log)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, url
+
+
 def _popen(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd=None):
     fh = log.open("ab")
     try:

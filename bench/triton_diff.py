@@ -38,15 +38,14 @@ from tritonclient.utils import InferenceServerException
 from bench.references import (
     BENCH_DIR,
     ReferenceNotInstalled,
-    _popen,
     bench_model,
     find_triton,
+    start_grpc_triton,
     stop_process,
     triton_config_text,
     wait_ready,
 )
 from stageserve.examples import write_model
-from stageserve.net import free_port
 
 RPC_TIMEOUT_S = 30.0
 SETTLE_S = 10.0
@@ -98,33 +97,11 @@ class Server:
 
 class Triton(Server):
     def __init__(self, workdir: Path) -> None:
-        install = find_triton()
         repo = write_repository(workdir / "triton_repo", triton=True)
-        backends = install.make_backend_dir(workdir / "triton_backends")
-        port = free_port()
-        self.url = f"127.0.0.1:{port}"
-        log = workdir / "tritonserver.log"
-        cmd = [
-            str(install.binary),
-            "--model-repository", str(repo),
-            "--backend-directory", str(backends),
-            "--grpc-port", str(port),
-            "--grpc-address", "127.0.0.1",
-            "--allow-http", "false",
-            "--allow-metrics", "false",
-            "--disable-auto-complete-config",
-            "--model-control-mode", "explicit",
-            "--exit-timeout-secs", "5",
-            "--strict-readiness", "true",
-        ]  # fmt: skip
+        extra = ["--model-control-mode", "explicit", "--strict-readiness", "true"]
         for m in STARTUP_MODELS:
-            cmd += ["--load-model", m]
-        self.proc = _popen(cmd, log, env=install.env(), cwd=workdir)
-        try:
-            wait_ready(self.url, list(STARTUP_MODELS), 180, [self.proc], log)
-        except BaseException:
-            self.stop()
-            raise
+            extra += ["--load-model", m]
+        self.proc, self.url = start_grpc_triton(workdir, repo, list(STARTUP_MODELS), extra)
 
     def stop(self) -> None:
         stop_process(self.proc)

@@ -27,8 +27,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from bench.references import ReferenceNotInstalled, _popen, find_triton, stop_process, wait_ready
-from stageserve.net import free_port
+from bench.references import ReferenceNotInstalled, start_grpc_triton, stop_process, wait_ready
 
 MODEL = "prio"
 DELAY_MS = 5
@@ -149,30 +148,10 @@ class TritonServer:
     """tritonserver --rate-limit=execution_count on the `prio` repository."""
 
     def __init__(self, workdir: Path, layout: str = "groups") -> None:
-        install = find_triton()
         repo = write_repository(workdir / "triton_repo", layout)
-        backends = install.make_backend_dir(workdir / "triton_backends")
-        port = free_port()
-        self.url = f"127.0.0.1:{port}"
-        log = workdir / "tritonserver.log"
-        cmd = [
-            str(install.binary),
-            "--model-repository", str(repo),
-            "--backend-directory", str(backends),
-            "--grpc-port", str(port),
-            "--grpc-address", "127.0.0.1",
-            "--allow-http", "false",
-            "--allow-metrics", "false",
-            "--disable-auto-complete-config",
-            "--rate-limit", "execution_count",
-            "--exit-timeout-secs", "5",
-        ]  # fmt: skip
-        self.proc = _popen(cmd, log, env=install.env(), cwd=workdir)
-        try:
-            wait_ready(self.url, models(layout), 120, [self.proc], log)
-        except BaseException:
-            self.stop()
-            raise
+        self.proc, self.url = start_grpc_triton(
+            workdir, repo, models(layout), ["--rate-limit", "execution_count"], 120
+        )
 
     def stop(self) -> None:
         stop_process(self.proc)

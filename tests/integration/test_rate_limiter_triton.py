@@ -6,8 +6,8 @@ p4) needing the one count of resource R, each execution sleeping 5 ms and
 answering its instance's name; 8 clients keep both instances waiting for R,
 so every pick is contended. Two layouts: one model with two instance groups,
 and two models of one group each (a global R). Measured on the 2-core dev
-machine: Triton 3.98-3.99 p1 picks per p4 pick in both layouts, StageServe
-4.01-4.02 (before the Python backend registered its groups' rate_limiter,
+machine: Triton 3.98-4.01 p1 picks per p4 pick in both layouts, StageServe
+3.97-4.02 (before the Python backend registered its groups' rate_limiter,
 StageServe's one-model ratio was 1.00: R was not held at all).
 
 Needs .venv-triton (scripts/install_references.sh triton); skips cleanly

@@ -6,6 +6,11 @@ streams them as `ExecuteResponse(more=true, parts=...)`; each becomes a
 ScheduleResponse for its request at once, `more` set until that request's
 final one. Whatever the batch's outcome, every request gets exactly one
 final answer.
+
+A message with `execute_returned` says the model's execute returned while
+some request still waits for its final: the instance takes its next batch
+then (as in Triton), so the grant goes back (`on_returned`) while this
+batch keeps forwarding the parts still to come.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ def _respond(q: _Queued, response: pb.ScheduleResponse) -> None:
 
 class DecoupledBatch:
     """`deliver` sends each request's final answer (the queue's, which keeps
-    preserve_ordering); earlier responses go straight to the request."""
+    preserve_ordering); earlier responses go straight to the request;
+    `on_returned` runs once, when the worker says execute returned."""
 
     def __init__(
         self,
@@ -38,15 +44,22 @@ class DecoupledBatch:
         compute_start_ns: int,
         total: int,
         deliver: Callable[[_Queued, pb.ScheduleResponse], None] = _respond,
+        on_returned: Callable[[], None] | None = None,
     ) -> None:
         self.batch = batch
         self.deliver = deliver
+        self.on_returned = on_returned
         self.compute_start_ns = compute_start_ns
         self.total = total
         self.finished: set[int] = set()
         self.sent_any = False
+        self.returned = False  # execute returned before the batch's last message
 
     def on_part(self, resp: pb.ExecuteResponse) -> None:
+        if resp.execute_returned and not self.returned:
+            self.returned = True
+            if self.on_returned is not None:
+                self.on_returned()
         for part in resp.parts:
             index = part.request_index
             if index >= len(self.batch) or index in self.finished:

@@ -442,15 +442,22 @@ class ModelQueue:
             decoupled = None
             if spec.decoupled and sequences is None:
                 total = sum(request.request_batch_sizes)
-                decoupled = DecoupledBatch(batch, compute_start, total, self._deliver)
+                decoupled = DecoupledBatch(
+                    batch,
+                    compute_start,
+                    total,
+                    self._deliver,
+                    # execute returned: the instance is free, its senders go on
+                    on_returned=lambda: self._give_back(held, False),
+                )
             try:
                 resp = await self.workers.execute(
                     grant.worker_address, request, decoupled.on_part if decoupled else None
                 )
             except WorkerCallError as exc:
                 err, failed_instance = self._execution_error(exc, grant)
-                resent = decoupled is not None and decoupled.sent_any
-                if failed_instance is None and not resent and self._requeue(batch):
+                ran = decoupled is not None and (decoupled.sent_any or decoupled.returned)
+                if failed_instance is None and not ran and self._requeue(batch):
                     return  # the instance was unloaded (a reload): run elsewhere
                 if decoupled is not None:
                     decoupled.finish(err)
@@ -475,7 +482,8 @@ class ModelQueue:
                 job.close()
             self.strategy.finished(batch, time.monotonic_ns())
             self.executing -= 1
-            self._give_back(held, failed_instance)
+            if decoupled is None or not decoupled.returned:
+                self._give_back(held, failed_instance)
 
     def _answer(
         self,

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from stageserve.datatypes import from_triton
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.telemetry import WORKER_COMPUTE
 from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
+
+if TYPE_CHECKING:
+    from services.worker.python_backend.instance import StillSending
 
 
 @dataclass(frozen=True)
@@ -99,11 +102,12 @@ class HostedInstance:
 
     def execute(
         self, request: pb.ExecuteRequest, emit: Callable[[pb.ExecuteResponse], None] | None = None
-    ) -> pb.ExecuteResponse:
+    ) -> pb.ExecuteResponse | StillSending:
         """Decode, run and split one batch: on the instance's own thread, or
         inline on the event loop when its policy says the model is fast.
         Backends that take the batch's requests themselves (Python models)
-        get it whole; `emit` sends a decoupled model's responses early."""
+        get it whole; `emit` sends a decoupled model's responses early, and
+        StillSending says its execute returned before every final."""
         execute_batch = getattr(self.backend, "execute_batch", None)
         if execute_batch is not None:
             return execute_batch(request, emit)

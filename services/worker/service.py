@@ -25,6 +25,7 @@ from services.worker.instances import HostedInstance, default_intra_op_threads, 
 from services.worker.onnx_backend import BackendError, InvalidInputError
 from services.worker.publishers import PublisherWatch
 from services.worker.python_backend.bls import install as bls_install
+from services.worker.python_backend.instance import StillSending
 from services.worker.python_backend.worker_glue import load_python_model
 from services.worker.warmup import WarmupError, warm_up, warmup_requests
 from stageserve import redis_keys as keys
@@ -97,15 +98,22 @@ class WorkerService(pb_grpc.WorkerServicer):
                 code=grpc.StatusCode.NOT_FOUND.value[0],
                 message=f"instance {request.instance_id} is not hosted here",
             )
-        inst.in_flight += 1
+        inst.in_flight += 1  # until the batch's last message: an unload waits for it
         inline = inst.inline.runs_inline(self._executing)
         self._executing += 1
+        executing = True
         try:
             if inline:
                 resp = inst.execute(request)
             else:
                 loop = asyncio.get_running_loop()
                 resp = await loop.run_in_executor(inst.executor, inst.execute, request, emit)
+                if isinstance(resp, StillSending):
+                    # A decoupled execute returned: its instance thread is
+                    # free, the model's senders still answer this batch.
+                    self._executing -= 1
+                    executing = False
+                    resp = await asyncio.wrap_future(resp.last)
         except InvalidInputError as exc:  # refused before running
             return pb.ExecuteResponse(
                 id=request.id,
@@ -122,7 +130,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             )
         finally:
             inst.in_flight -= 1
-            self._executing -= 1
+            if executing:
+                self._executing -= 1
         resp.id = request.id
         c_in, c_infer, c_out = inst.compute_timers
         c_in.observe(resp.compute_input_ns / 1e9)

@@ -388,7 +388,7 @@ class ExecuteRequest(_message.Message):
     def __init__(self, id: _Optional[int] = ..., instance_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., request_batch_sizes: _Optional[_Iterable[int]] = ..., requested: _Optional[_Iterable[_Union[RequestedOutputs, _Mapping]]] = ..., ragged_shapes: _Optional[_Iterable[_Union[RaggedShapes, _Mapping]]] = ..., request_info: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
-    __slots__ = ("id", "code", "message", "results", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "parts", "more")
+    __slots__ = ("id", "code", "message", "results", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "parts", "more", "execute_returned")
     ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -398,6 +398,7 @@ class ExecuteResponse(_message.Message):
     COMPUTE_OUTPUT_NS_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    EXECUTE_RETURNED_FIELD_NUMBER: _ClassVar[int]
     id: int
     code: int
     message: str
@@ -407,7 +408,8 @@ class ExecuteResponse(_message.Message):
     compute_output_ns: int
     parts: _containers.RepeatedCompositeFieldContainer[DecoupledPart]
     more: bool
-    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., results: _Optional[_Iterable[_Union[RequestOutputs, _Mapping]]] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[DecoupledPart, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
+    execute_returned: bool
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., results: _Optional[_Iterable[_Union[RequestOutputs, _Mapping]]] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[DecoupledPart, _Mapping]]] = ..., more: _Optional[bool] = ..., execute_returned: _Optional[bool] = ...) -> None: ...
 
 class ExecuteRequests(_message.Message):
     __slots__ = ("requests",)

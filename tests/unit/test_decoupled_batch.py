@@ -55,3 +55,19 @@ def test_finish_with_an_error_answers_the_open_requests_only() -> None:
     assert [(r.code, r.message) for r in batch[1].got] == [
         (grpc.StatusCode.UNAVAILABLE.value[0], "worker gone")
     ]
+
+
+def test_execute_returned_runs_on_returned_once_and_parts_go_on() -> None:
+    """The worker's execute_returned message frees the grant (on_returned) once;
+    the batch keeps forwarding the parts that come after it."""
+    batch = [_Q(1)]
+    returned: list[bool] = []
+    db = DecoupledBatch(batch, 0, 1, on_returned=lambda: returned.append(True))
+    db.on_part(pb.ExecuteResponse(more=True, execute_returned=True))
+    assert returned == [True] and db.returned and not db.sent_any and batch[0].got == []
+    db.on_part(pb.ExecuteResponse(more=True, parts=[_part(0, False, b"a")]))
+    db.on_part(pb.ExecuteResponse(more=True, execute_returned=True, parts=[_part(0, True, b"b")]))
+    assert returned == [True]
+    assert [(r.more, r.outputs[0].raw) for r in batch[0].got] == [(True, b"a"), (False, b"b")]
+    db.finish(None)  # every request had its final: nothing more
+    assert len(batch[0].got) == 2

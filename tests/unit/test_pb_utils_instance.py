@@ -12,6 +12,7 @@ import pytest
 from services.worker.python_backend.instance import (
     PythonInstance,
     PythonModelError,
+    StillSending,
     config_json,
 )
 from stageserve.config import parse_config_text, to_spec
@@ -52,6 +53,31 @@ class TritonPythonModel:
             for i in range(2):
                 sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([i]))]))
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+# execute starts a thread that sends one response and the final flag once
+# the test sets GO, and returns at once.
+THREADED = """\
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+GO = threading.Event()
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        senders = [r.get_response_sender() for r in requests]
+
+        def later():
+            GO.wait(10)
+            for s in senders:
+                s.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([7]))]),
+                       flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+        threading.Thread(target=later, daemon=True).start()
         return None
 """
 
@@ -122,6 +148,30 @@ def test_decoupled_parts_then_end(tmp_path: Path) -> None:
     assert all(p.more for p in parts)
     flat = [(q.request_index, q.has_response, q.final) for p in parts for q in p.parts]
     assert flat == [(0, True, False), (0, True, False), (0, False, True)]
+    # Every final came before execute returned: no execute_returned message.
+    assert not any(p.execute_returned for p in parts)
+
+
+def test_decoupled_execute_returns_before_the_finals(tmp_path: Path) -> None:
+    """The instance thread is free once execute returned (Triton's semantics):
+    the worker is told (execute_returned), the senders go on, and the batch's
+    last message comes after every final part."""
+    inst = _instance(tmp_path, THREADED, max_batch_size=0, decoupled=True)
+    parts: list[pb.ExecuteResponse] = []
+    a = np.ones((2,), np.float32)
+    req = pb.ExecuteRequest(request_batch_sizes=[1])
+    req.inputs.add(name="IN", datatype="FP32", shape=[2], raw=numpy_to_raw(a))
+    req.requested.add()
+    pending = inst.execute_batch(req, parts.append)
+    assert isinstance(pending, StillSending)
+    assert [(p.more, p.execute_returned, len(p.parts)) for p in parts] == [(True, True, 0)]
+    assert not pending.last.done()
+    inst.model.execute.__globals__["GO"].set()
+    last = pending.last.result(timeout=10)
+    assert last.code == 0 and not last.more and not last.execute_returned
+    flat = [(q.request_index, q.has_response, q.final) for p in parts for q in p.parts]
+    assert flat == [(0, True, True)]
+    assert parts[-1].parts[0].compute_infer_ns > 0
 
 
 def test_model_without_execute_does_not_load(tmp_path: Path) -> None:

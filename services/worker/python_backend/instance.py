@@ -15,6 +15,7 @@ keeps serving after any of them.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import json
 import logging
@@ -22,6 +23,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,15 @@ _CODES = {
 
 #: emit(part_message): sends a decoupled model's responses as they are made.
 Emit = Callable[[pb.ExecuteResponse], None]
+
+
+@dataclass(frozen=True)
+class StillSending:
+    """A decoupled batch whose execute returned before every request's final
+    flag: the instance is free (as in Triton), the model's senders go on, and
+    `last` resolves with the batch's last message once every final is in."""
+
+    last: concurrent.futures.Future[pb.ExecuteResponse]
 
 
 class PythonModelError(Exception):
@@ -115,7 +126,9 @@ class PythonInstance:
 
     # ---------------------------------------------------------------- execute
 
-    def execute_batch(self, request: pb.ExecuteRequest, emit: Emit | None) -> pb.ExecuteResponse:
+    def execute_batch(
+        self, request: pb.ExecuteRequest, emit: Emit | None
+    ) -> pb.ExecuteResponse | StillSending:
         t0 = time.monotonic_ns()
         try:
             requests = self._requests(request)
@@ -159,18 +172,19 @@ class PythonInstance:
 
     def _finish_decoupled(
         self, senders: _Senders, responses: Any, t0: int, t1: int, t2: int
-    ) -> pb.ExecuteResponse:
+    ) -> pb.ExecuteResponse | StillSending:
         if responses is not None:  # Triton 2.51 answers this the same way
             senders.fail_unfinished(
                 f"Failed to process the request(s) for model '{self.instance_name}', message: "
                 f"Python model '{self.instance_name}' is using the decoupled mode and the "
                 f"execute function must return None."
             )
-        senders.wait_all_final()  # responses may come from the model's own threads
         out = pb.ExecuteResponse()
         out.compute_input_ns, out.compute_infer_ns = t1 - t0, t2 - t1
         out.compute_output_ns = time.monotonic_ns() - t2
-        return out
+        # Responses may still come from the model's own threads: the instance
+        # does not wait for them (Triton frees it when execute returns).
+        return senders.returned(out)
 
     def _requests(self, request: pb.ExecuteRequest) -> list[pb_utils.InferenceRequest]:
         """Split the formed batch back into the requests it was made of."""
@@ -287,14 +301,20 @@ class PythonInstance:
 
 class _Senders:
     """The response senders of one decoupled batch: parts go out as sent, and
-    the batch ends once every request has had its final flag."""
+    the batch ends once execute returned and every request had its final flag.
+
+    Parts are emitted under the lock, so the stream carries them in the order
+    the senders' calls took it, and the batch's last message (sent once
+    `last` resolves) after every one of them."""
 
     def __init__(self, count: int, emit: Emit | None, instance: PythonInstance) -> None:
         self._emit = emit
         self._instance = instance
         self._unfinished = set(range(count))
-        self._done = threading.Condition()
+        self._lock = threading.Lock()
         self._start_ns = time.monotonic_ns()  # a request's compute time ends at its final
+        self._last_message: pb.ExecuteResponse | None = None  # set when execute returned
+        self._last: concurrent.futures.Future[pb.ExecuteResponse] = concurrent.futures.Future()
 
     def emitter(
         self, index: int, req: pb_utils.InferenceRequest
@@ -309,18 +329,20 @@ class _Senders:
         return emit
 
     def _send(self, part: pb.DecoupledPart) -> None:
-        with self._done:
+        with self._lock:
             if part.request_index not in self._unfinished:
                 return
             if part.final:
                 self._unfinished.discard(part.request_index)
                 part.compute_infer_ns = time.monotonic_ns() - self._start_ns
-                self._done.notify_all()
-        if self._emit is not None:
-            self._emit(pb.ExecuteResponse(parts=[part], more=True))
+            if self._emit is not None:  # a thread-safe hand-off, it never blocks
+                self._emit(pb.ExecuteResponse(parts=[part], more=True))
+            ended = not self._unfinished and self._last_message is not None
+        if ended:
+            self._last.set_result(self._last_message)
 
     def fail_unfinished(self, message: str) -> None:
-        with self._done:
+        with self._lock:
             pending = sorted(self._unfinished)
         for index in pending:
             self._send(
@@ -332,9 +354,16 @@ class _Senders:
                 )
             )
 
-    def wait_all_final(self) -> None:
-        with self._done:
-            self._done.wait_for(lambda: not self._unfinished)
+    def returned(self, last_message: pb.ExecuteResponse) -> pb.ExecuteResponse | StillSending:
+        """execute returned: the batch's last message now if every final is
+        in, else the worker is told (execute_returned) and gets it later."""
+        with self._lock:
+            self._last_message = last_message
+            if not self._unfinished:
+                return last_message
+            if self._emit is not None:
+                self._emit(pb.ExecuteResponse(more=True, execute_returned=True))
+        return StillSending(self._last)
 
 
 def _split_ragged(arr: np.ndarray, shapes: pb.RaggedShapes, requests: int) -> list[np.ndarray]:

@@ -151,4 +151,3 @@ def test_triton_does_the_same(repository: Path, tmp_path: Path) -> None:
         assert_overlaps(first, second)
     finally:
         stop_process(proc)
-

@@ -27,6 +27,7 @@ import tritonclient.grpc as grpcclient
 from bench.references import ReferenceNotInstalled, _popen, find_triton, stop_process, wait_ready
 from stageserve.examples import python_config_text, write_python_model
 from stageserve.net import free_port
+from tests.integration.helpers import registered_instances, worker_id
 from tests.stack import running_stack, wait_until
 
 # IN = [n, gap_ms]: a thread sends n responses gap_ms apart, then the final
@@ -243,7 +244,13 @@ def test_worker_killed_while_senders_send(tmp_path: Path) -> None:
             assert a.nothing_more()
         finally:
             a.close()
-        stack.start_worker()
+        fresh = worker_id(stack.start_worker().proc.pid)
+        assert wait_until(
+            lambda: (
+                {i.split("/")[0] for i in registered_instances(stack.redis_url, MODEL)} == {fresh}
+            ),
+            timeout_s=60,
+        )
         first, second = overlap(stack.url, [2, 100])
         assert _values(first) == [(0, False), (1, False), (None, True)]
         assert _values(second) == [(0, False), (None, True)]

@@ -65,6 +65,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 GO = threading.Event()
+SENT = threading.Event()
+ERRORS = []
 
 
 class TritonPythonModel:
@@ -73,9 +75,13 @@ class TritonPythonModel:
 
         def later():
             GO.wait(10)
-            for s in senders:
-                s.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([7]))]),
-                       flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            try:
+                for s in senders:
+                    s.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([7]))]),
+                           flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception as exc:
+                ERRORS.append(exc)
+            SENT.set()
 
         threading.Thread(target=later, daemon=True).start()
         return None
@@ -188,3 +194,19 @@ def test_config_json_numbers_and_text() -> None:
     assert config["input"][0]["dims"] == [-1, 2]
     assert config["parameters"]["k"]["string_value"] == "5"
     assert config["max_batch_size"] == 4 and config["backend"] == "python"
+
+
+def test_decoupled_send_after_the_worker_stopped_waiting(tmp_path: Path) -> None:
+    """The worker's wait for the last message was cancelled (its scheduler
+    stream went away): the model's later send still returns normally."""
+    inst = _instance(tmp_path, THREADED, max_batch_size=0, decoupled=True)
+    req = pb.ExecuteRequest(request_batch_sizes=[1])
+    a = np.ones((2,), np.float32)
+    req.inputs.add(name="IN", datatype="FP32", shape=[2], raw=numpy_to_raw(a))
+    req.requested.add()
+    pending = inst.execute_batch(req, None)
+    assert isinstance(pending, StillSending) and pending.last.cancel()
+    model = inst.model.execute.__globals__
+    model["GO"].set()
+    assert model["SENT"].wait(10)
+    assert model["ERRORS"] == []

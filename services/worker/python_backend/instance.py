@@ -338,7 +338,9 @@ class _Senders:
             if self._emit is not None:  # a thread-safe hand-off, it never blocks
                 self._emit(pb.ExecuteResponse(parts=[part], more=True))
             ended = not self._unfinished and self._last_message is not None
-        if ended:
+        # Cancelled when the scheduler's stream went away (the worker's wait
+        # for it was cancelled): the model's send must not raise for that.
+        if ended and self._last.set_running_or_notify_cancel():
             self._last.set_result(self._last_message)
 
     def fail_unfinished(self, message: str) -> None:

@@ -24,10 +24,9 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from bench.references import ReferenceNotInstalled, _popen, find_triton, stop_process, wait_ready
+from bench.references import wait_ready
 from stageserve.examples import python_config_text, write_python_model
-from stageserve.net import free_port
-from tests.integration.helpers import registered_instances, worker_id
+from tests.integration.helpers import registered_instances, triton_grpc, worker_id
 from tests.stack import running_stack, wait_until
 
 # IN = [n, gap_ms]: a thread sends n responses gap_ms apart, then the final
@@ -98,42 +97,12 @@ def write_repository(root: Path) -> Path:
     return root
 
 
-@contextlib.contextmanager
-def triton_server(repository: Path, workdir: Path, *extra: str) -> Iterator[str]:
-    """Real Triton 2.51 on `repository`; yields its gRPC address."""
-    try:
-        install = find_triton()
-    except ReferenceNotInstalled as exc:
-        pytest.skip(str(exc))
-    backends = install.make_backend_dir(workdir / "backends")
-    port = free_port()
-    url = f"127.0.0.1:{port}"
-    log = workdir / "tritonserver.log"
-    cmd = [
-        str(install.binary),
-        "--model-repository", str(repository),
-        "--backend-directory", str(backends),
-        "--grpc-port", str(port),
-        "--grpc-address", "127.0.0.1",
-        "--allow-http", "false",
-        "--allow-metrics", "false",
-        "--exit-timeout-secs", "5",
-        *extra,
-    ]  # fmt: skip
-    proc = _popen(cmd, log, env=install.env(), cwd=workdir)
-    try:
-        wait_ready(url, [MODEL], 180, [proc], log)
-        yield url
-    finally:
-        stop_process(proc)
-
-
 @pytest.fixture(scope="module", params=["stageserve", "triton"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """The gRPC address of StageServe, then of real Triton, on the same model."""
     root = write_repository(tmp_path_factory.mktemp("repo"))
     if request.param == "triton":
-        with triton_server(root, tmp_path_factory.mktemp("triton")) as url:
+        with triton_grpc(root, tmp_path_factory.mktemp("triton"), [MODEL]) as url:
             yield url
         return
     with running_stack(root) as stack:
@@ -262,7 +231,7 @@ def explicit_server(kind: str, tmp_path: Path) -> Iterator[str]:
     root = write_repository(tmp_path / "repo")
     if kind == "triton":
         extra = ("--model-control-mode", "explicit", "--load-model", MODEL)
-        with triton_server(root, tmp_path, *extra) as url:
+        with triton_grpc(root, tmp_path, [MODEL], *extra) as url:
             yield url
         return
     with running_stack(root, control_mode="explicit", load_models=(MODEL,)) as stack:

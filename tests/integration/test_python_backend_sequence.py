@@ -18,14 +18,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from bench.references import (
-    ReferenceNotInstalled,
-    _popen,
-    find_triton,
-    stop_process,
-    wait_ready,
-)
-from stageserve.net import free_port
+from bench.references import wait_ready
+from tests.integration.helpers import triton_grpc
 from tests.stack import running_stack
 
 # Appends one JSON line per execute(): what each request of the batch carried.
@@ -148,27 +142,5 @@ def test_stageserve_gives_tritons_request_metadata_and_padding(repository: Path)
 
 
 def test_triton_gives_the_same(repository: Path, tmp_path: Path) -> None:
-    try:
-        install = find_triton()
-    except ReferenceNotInstalled as exc:
-        pytest.skip(str(exc))
-    backends = install.make_backend_dir(tmp_path / "backends")
-    port = free_port()
-    url = f"127.0.0.1:{port}"
-    log = tmp_path / "tritonserver.log"
-    cmd = [
-        str(install.binary),
-        "--model-repository", str(repository),
-        "--backend-directory", str(backends),
-        "--grpc-port", str(port),
-        "--grpc-address", "127.0.0.1",
-        "--allow-http", "false",
-        "--allow-metrics", "false",
-        "--exit-timeout-secs", "5",
-    ]  # fmt: skip
-    proc = _popen(cmd, log, env=install.env(), cwd=tmp_path)
-    try:
-        wait_ready(url, list(MODELS), 180, [proc], log)
+    with triton_grpc(repository, tmp_path, list(MODELS)) as url:
         assert run_calls(url, repository) == EXPECTED
-    finally:
-        stop_process(proc)

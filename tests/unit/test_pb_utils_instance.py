@@ -119,6 +119,15 @@ def _batch(parts: list[np.ndarray], outputs: list[list[str]], ids=None) -> pb.Ex
     return req
 
 
+def _one_request() -> pb.ExecuteRequest:
+    """A batch of one request of a model without batching."""
+    req = pb.ExecuteRequest(request_batch_sizes=[1])
+    a = np.ones((2,), np.float32)
+    req.inputs.add(name="IN", datatype="FP32", shape=[2], raw=numpy_to_raw(a))
+    req.requested.add()
+    return req
+
+
 def test_batch_split_per_request(tmp_path: Path) -> None:
     inst = _instance(tmp_path, SOURCE, max_batch_size=8)
     a = np.ones((1, 2), np.float32)
@@ -145,10 +154,7 @@ def test_wrong_number_of_responses(tmp_path: Path) -> None:
 def test_decoupled_parts_then_end(tmp_path: Path) -> None:
     inst = _instance(tmp_path, STREAM, max_batch_size=0, decoupled=True)
     parts: list[pb.ExecuteResponse] = []
-    a = np.ones((2,), np.float32)
-    req = pb.ExecuteRequest(request_batch_sizes=[1])
-    req.inputs.add(name="IN", datatype="FP32", shape=[2], raw=numpy_to_raw(a))
-    req.requested.add()
+    req = _one_request()
     resp = inst.execute_batch(req, parts.append)
     assert resp.code == 0 and not resp.more
     assert all(p.more for p in parts)
@@ -164,10 +170,7 @@ def test_decoupled_execute_returns_before_the_finals(tmp_path: Path) -> None:
     last message comes after every final part."""
     inst = _instance(tmp_path, THREADED, max_batch_size=0, decoupled=True)
     parts: list[pb.ExecuteResponse] = []
-    a = np.ones((2,), np.float32)
-    req = pb.ExecuteRequest(request_batch_sizes=[1])
-    req.inputs.add(name="IN", datatype="FP32", shape=[2], raw=numpy_to_raw(a))
-    req.requested.add()
+    req = _one_request()
     pending = inst.execute_batch(req, parts.append)
     assert isinstance(pending, StillSending)
     assert [(p.more, p.execute_returned, len(p.parts)) for p in parts] == [(True, True, 0)]
@@ -200,10 +203,7 @@ def test_decoupled_send_after_the_worker_stopped_waiting(tmp_path: Path) -> None
     """The worker's wait for the last message was cancelled (its scheduler
     stream went away): the model's later send still returns normally."""
     inst = _instance(tmp_path, THREADED, max_batch_size=0, decoupled=True)
-    req = pb.ExecuteRequest(request_batch_sizes=[1])
-    a = np.ones((2,), np.float32)
-    req.inputs.add(name="IN", datatype="FP32", shape=[2], raw=numpy_to_raw(a))
-    req.requested.add()
+    req = _one_request()
     pending = inst.execute_batch(req, None)
     assert isinstance(pending, StillSending) and pending.last.cancel()
     model = inst.model.execute.__globals__

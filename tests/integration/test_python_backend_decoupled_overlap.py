@@ -81,7 +81,7 @@ class TritonPythonModel:
 """
 
 MODEL = "py_threaded"
-SLOW = [3, 400]  # responses at ~0.4, 0.8, 1.2 s, then the final
+SLOW = [3, 600]  # responses at ~0.6, 1.2, 1.8 s, then the final
 SLOW_ANSWERS = [(0, False), (1, False), (2, False), (None, True)]
 RAISED = (
     "Failed to process the request(s) for model 'py_threaded_0_0', message: "
@@ -173,13 +173,13 @@ def test_instance_takes_the_next_request_once_execute_returned(server: str) -> N
     assert _values(first) == SLOW_ANSWERS
     assert _values(second) == [(0, False), (None, True)]
     # The one instance took B's request while A's thread was still sending:
-    # B is done before A's first response (~0.4 s), let alone A's final (~1.2 s).
+    # B is done before A's first response (~0.6 s), let alone A's final (~1.8 s).
     assert second[-1][0] < first[0][0]
     assert first[-1][0] - second[0][0] > 0.6
 
 
 def test_error_sent_after_execute_returned_ends_the_request(server: str) -> None:
-    first, second = overlap(server, [-1, 500])
+    first, second = overlap(server, [-1, 600])
     assert _values(first) == [("late error", True)]
     assert _values(second) == [(0, False), (None, True)]
     assert second[-1][0] < first[0][0]

@@ -313,37 +313,13 @@ def make_certs(d: Path) -> Path:
 def triton_grpc(repository: Path, workdir: Path, models: list[str], *extra: str) -> Iterator[str]:
     """Real Triton 2.51 (.venv-triton) serving `repository` over gRPC only;
     yields its address once `models` are ready. Skips the test without it."""
-    from bench.references import (
-        ReferenceNotInstalled,
-        _popen,
-        find_triton,
-        stop_process,
-        wait_ready,
-    )
-    from stageserve.net import free_port
+    from bench.references import ReferenceNotInstalled, start_grpc_triton, stop_process
 
     try:
-        install = find_triton()
+        proc, url = start_grpc_triton(workdir, repository, models, extra)
     except ReferenceNotInstalled as exc:
         pytest.skip(str(exc))
-    backends = install.make_backend_dir(workdir / "backends")
-    port = free_port()
-    url = f"127.0.0.1:{port}"
-    log = workdir / "tritonserver.log"
-    cmd = [
-        str(install.binary),
-        "--model-repository", str(repository),
-        "--backend-directory", str(backends),
-        "--grpc-port", str(port),
-        "--grpc-address", "127.0.0.1",
-        "--allow-http", "false",
-        "--allow-metrics", "false",
-        "--exit-timeout-secs", "5",
-        *extra,
-    ]  # fmt: skip
-    proc = _popen(cmd, log, env=install.env(), cwd=workdir)
     try:
-        wait_ready(url, models, 180, [proc], log)
         yield url
     finally:
         stop_process(proc)

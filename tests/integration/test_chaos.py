@@ -4,10 +4,8 @@ The same code as `python -m bench.chaos`, with fewer clients and shorter
 windows, guarding the benchmark's goals: for every stage, no hung call, no
 wrong answer (simple's sums and accumulator's running sums are checked), no
 leak in Redis afterwards (grants, instance counts, sequence keys), and full
-throughput back after the kill. The goal, 5 s, is what the benchmark's
-figures show; the bound here is looser (see test_supervision.py: on a
-machine shared with other jobs a Python stage can take longer than 5 s just
-to start). The table is printed.
+throughput back within the issue's goal, 5 s of the kill (measured here
+0.0-2.0 s per stage, 2-core machine, load average ~3). The table is printed.
 """
 
 from __future__ import annotations
@@ -17,8 +15,8 @@ from pathlib import Path
 from bench.chaos import STAGES, run_chaos, table
 
 WINDOW_S = 8.0
-# Full throughput must show within the window: a 1 s measuring span ending in it.
-HEAL_BOUND_S = WINDOW_S - 1.0
+# The goal of python -m bench.chaos: full throughput within 5 s of the kill.
+HEAL_BOUND_S = 5.0
 
 
 def test_every_stage_killed_heals_without_hangs_wrong_answers_or_leaks(

@@ -118,6 +118,7 @@ class StreamLink(Generic[Req, Resp]):
         self._reader: asyncio.Task | None = None
         self._opening = asyncio.Lock()
         self._last_failure: tuple[float, Exception] | None = None
+        self._down_logged = False  # a stream that got no answer was logged
         # Set when the stream broke (the peer died or went away), cleared by
         # the next message from the peer.
         self.broken = False
@@ -173,8 +174,10 @@ class StreamLink(Generic[Req, Resp]):
     async def _read(self, call, outbox: _Outbox[Req]) -> None:
         code, details = grpc.StatusCode.UNAVAILABLE, "stream closed"
         pending, on_more, unpack = self._pending, self._on_more, self._unpack
+        answered = False
         try:
             async for message in call:
+                answered = True
                 self.broken = False
                 for resp in unpack(message):
                     if resp.more:  # type: ignore[attr-defined]
@@ -192,10 +195,17 @@ class StreamLink(Generic[Req, Resp]):
             code, details = grpc.StatusCode.CANCELLED, "shutting down"
             raise
         finally:
-            log.warning(
+            # While the peer is down every call opens a stream that fails at
+            # once (seen: seven lines in one millisecond when the rate limiter
+            # was killed): one line for the first such stream, none for the
+            # next until a stream gets an answer again.
+            quiet = not answered and self._down_logged
+            log.log(
+                logging.DEBUG if quiet else logging.WARNING,
                 "internal stream ended",
                 extra={"link": self.name, "code": code.name, "details": details},
             )
+            self._down_logged = not answered
             if self._outbox is outbox:
                 self._outbox = None
             outbox.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 
 import grpc
 import pytest
@@ -270,3 +271,33 @@ async def test_outbox_hands_over_everything_queued_then_ends_when_closed():
     outbox.close()
     assert await outbox.take_all() == [3]  # what was queued still goes out
     assert await outbox.take_all() == []
+
+
+@in_loop
+async def test_a_down_peer_is_logged_once_not_once_per_call(port, caplog):
+    server = await _server(Echo(), port)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        link = _link(channel)
+        assert (await link.call(_req("echo", "a"))).message == "a"
+        await server.stop(None)
+        with caplog.at_level(logging.WARNING, logger="stageserve.transport"):
+            for _ in range(6):  # each call opens a stream that fails at once
+                with pytest.raises(Broken):
+                    await link.call(_req("echo"), timeout_s=5)
+        ended = [r for r in caplog.records if r.getMessage() == "internal stream ended"]
+        # the stream that broke, then the first failed reopen; not one per call
+        assert 1 <= len(ended) <= 2, [r.__dict__.get("details") for r in ended]
+        server = await _server(Echo(), port)
+        for _ in range(50):
+            try:
+                assert (await link.call(_req("echo", "b"))).message == "b"
+                break
+            except Broken:
+                await asyncio.sleep(0.1)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="stageserve.transport"):
+            await server.stop(None)  # up again, then down again: logged again
+            with pytest.raises(Broken):
+                await link.call(_req("echo"), timeout_s=5)
+        assert any(r.getMessage() == "internal stream ended" for r in caplog.records)
+        await link.close()

@@ -6,12 +6,17 @@ import grpc
 
 
 class StageError(Exception):
-    """An error answered to the client with Triton's gRPC status code."""
+    """An error answered to the client with Triton's gRPC status code.
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    `rejected`: a queue policy refused the request (a full queue): Triton
+    counts it under nv_inference_request_failure{reason="REJECTED"}.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, rejected: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.rejected = rejected
 
     def __repr__(self) -> str:
         return f"StageError({self.code.name}, {self.message!r})"
@@ -27,6 +32,11 @@ def not_found(message: str) -> StageError:
 
 def unavailable(message: str) -> StageError:
     return StageError(grpc.StatusCode.UNAVAILABLE, message)
+
+
+def queue_full(message: str) -> StageError:
+    """A request refused because its queue is full (UNAVAILABLE, as Triton)."""
+    return StageError(grpc.StatusCode.UNAVAILABLE, message, rejected=True)
 
 
 def internal(message: str) -> StageError:

@@ -169,7 +169,7 @@ class DataPlane:
                 stream.final(resp)
             self._record_steps(resp)
             if resp.code:
-                raise StageError(code_from_int(resp.code), resp.message)
+                raise StageError(code_from_int(resp.code), resp.message, rejected=resp.rejected)
             out = gs.ModelInferResponse(
                 model_name=entry.name, model_version=str(version), id=request.id
             )
@@ -185,7 +185,7 @@ class DataPlane:
             # Triton 2.51's statistics nor metrics (measured: bench/triton_diff.py).
             if scheduled:
                 self.recorder.failure(
-                    entry.name, version, time.monotonic_ns() - start, err.code, err.message
+                    entry.name, version, time.monotonic_ns() - start, err.code, err.rejected
                 )
             raise
         finally:
@@ -210,7 +210,7 @@ class DataPlane:
         for st in resp.steps:
             if st.failed:
                 code = code_from_int(st.code)
-                self.recorder.failure(st.model, st.version, st.duration_ns, code, st.message)
+                self.recorder.failure(st.model, st.version, st.duration_ns, code, st.rejected)
             else:
                 self.recorder.success(
                     st.model, st.version, st.duration_ns, st.batch_size, st.timing

@@ -21,8 +21,10 @@ _REASONS = {
 }
 
 
-def failure_reason(code: grpc.StatusCode, message: str = "") -> str:
-    if code == grpc.StatusCode.UNAVAILABLE and "queue" in message and "full" in message:
+def failure_reason(code: grpc.StatusCode, rejected: bool = False) -> str:
+    """Triton's reason label; `rejected` is the scheduler's typed flag for a
+    request its queue policy refused (ScheduleResponse.rejected)."""
+    if rejected:
         return "REJECTED"
     return _REASONS.get(code, "OTHER")
 
@@ -73,8 +75,13 @@ class RequestRecorder:
         c_out.observe(timing.compute_output_ns / 1e9)
 
     def failure(
-        self, model: str, version: int, request_ns: int, code: grpc.StatusCode, message: str
+        self,
+        model: str,
+        version: int,
+        request_ns: int,
+        code: grpc.StatusCode,
+        rejected: bool = False,
     ) -> None:
         self.book.of(model, version).record_failure(request_ns)
-        labels = (*model_labels(model, version), ("reason", failure_reason(code, message)))
+        labels = (*model_labels(model, version), ("reason", failure_reason(code, rejected)))
         self.triton.inc("nv_inference_request_failure", labels)

@@ -140,6 +140,7 @@ async def _run_step(
         failed=bool(resp.code),
         code=resp.code,
         message=resp.message,
+        rejected=resp.rejected,
     )
     return resp, [*resp.steps, stat]
 

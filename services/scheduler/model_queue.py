@@ -35,7 +35,7 @@ from services.scheduler.decoupled import DecoupledBatch
 from services.scheduler.grant_pool import GrantPool, Held, Usable
 from services.scheduler.response_order import ResponseOrder
 from stageserve.config import ModelSpec
-from stageserve.errors import StageError, unavailable
+from stageserve.errors import StageError, queue_full, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.telemetry import (
     SCHEDULER_BATCH_SIZE,
@@ -53,7 +53,9 @@ _NONE_HIDDEN: frozenset[str] = frozenset()  # outputs a batch keeps from its ans
 
 
 def error_response(request_id: int, err: StageError) -> pb.ScheduleResponse:
-    return pb.ScheduleResponse(id=request_id, code=err.code.value[0], message=err.message)
+    return pb.ScheduleResponse(
+        id=request_id, code=err.code.value[0], message=err.message, rejected=err.rejected
+    )
 
 
 def build_execute_request(
@@ -199,7 +201,7 @@ class ModelQueue:
             respond(
                 error_response(
                     msg.id,
-                    unavailable(
+                    queue_full(
                         f"Exceeds maximum queue size: the queue of model '{self.model}' "
                         f"(priority level {level}) is full: {exc}"
                     ),

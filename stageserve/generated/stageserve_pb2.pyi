@@ -69,7 +69,7 @@ class ScheduleRequest(_message.Message):
     def __init__(self, id: _Optional[int] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., priority: _Optional[int] = ..., timeout_us: _Optional[int] = ..., config_generation: _Optional[int] = ..., sequence_id: _Optional[int] = ..., sequence_id_str: _Optional[str] = ..., sequence_start: _Optional[bool] = ..., sequence_end: _Optional[bool] = ..., request_id: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
-    __slots__ = ("id", "code", "message", "outputs", "timing", "steps", "more", "no_response")
+    __slots__ = ("id", "code", "message", "outputs", "timing", "steps", "more", "no_response", "rejected")
     ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class ScheduleResponse(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     NO_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
     id: int
     code: int
     message: str
@@ -86,10 +87,11 @@ class ScheduleResponse(_message.Message):
     steps: _containers.RepeatedCompositeFieldContainer[StepStat]
     more: bool
     no_response: bool
-    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepStat, _Mapping]]] = ..., more: _Optional[bool] = ..., no_response: _Optional[bool] = ...) -> None: ...
+    rejected: bool
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepStat, _Mapping]]] = ..., more: _Optional[bool] = ..., no_response: _Optional[bool] = ..., rejected: _Optional[bool] = ...) -> None: ...
 
 class StepStat(_message.Message):
-    __slots__ = ("model", "version", "timing", "batch_size", "duration_ns", "failed", "code", "message")
+    __slots__ = ("model", "version", "timing", "batch_size", "duration_ns", "failed", "code", "message", "rejected")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +100,7 @@ class StepStat(_message.Message):
     FAILED_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     timing: Timing
@@ -106,7 +109,8 @@ class StepStat(_message.Message):
     failed: bool
     code: int
     message: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., batch_size: _Optional[int] = ..., duration_ns: _Optional[int] = ..., failed: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    rejected: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., batch_size: _Optional[int] = ..., duration_ns: _Optional[int] = ..., failed: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., rejected: _Optional[bool] = ...) -> None: ...
 
 class ScheduleBatch(_message.Message):
     __slots__ = ("requests",)

@@ -140,7 +140,7 @@ class BlsClient:
         for st in resp.steps:  # an ensemble's composing executions
             if st.failed:
                 self.recorder.failure(
-                    st.model, st.version, st.duration_ns, code_from_int(st.code), st.message
+                    st.model, st.version, st.duration_ns, code_from_int(st.code), st.rejected
                 )
             else:
                 self.recorder.success(
@@ -148,7 +148,7 @@ class BlsClient:
                 )
         if resp.code:
             self.recorder.failure(
-                request.model, request.version, ns, code_from_int(resp.code), resp.message
+                request.model, request.version, ns, code_from_int(resp.code), resp.rejected
             )
         else:
             self.recorder.success(

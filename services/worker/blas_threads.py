@@ -8,12 +8,17 @@ gateway, scheduler and rate limiter those spinning threads take the cores the
 stages need to move requests. Measured with bench.compare's `numpy` model
 (an MLP whose model.py does ~1 ms of numpy per batch), StageServe serving
 Triton's model.py on the 2-core dev machine, perf_analyzer over gRPC,
-OpenBLAS default (2 threads) vs 1 thread, infer/s:
+OpenBLAS default (2 threads) vs 1 thread, two interleaved rounds, infer/s:
 
-    c=1 222 -> 269, c=8 413 -> 603, c=32 769 -> 1,208, c=64 945 -> 1,108
+    c=1 367/348 -> 310/312, c=8 735/695 -> 788/731,
+    c=32 1,087/1,020 -> 1,446/1,444, c=64 1,144/1,137 -> 1,709/1,687
 
-(noisy, shared machine; OPENBLAS_THREAD_TIMEOUT=4, which makes idle threads
-sleep at once instead, did not help: 241 / 461 / 319 / 672). So the worker
+The instance is busy 73-77% of the time at c>=8 with one thread, 48-59%
+with two: spinning threads slow the stages that feed it. One thread loses
+~13% at c=1, where the cores are otherwise idle. (A first, noisier run gave
+the same picture; OPENBLAS_THREAD_TIMEOUT=4, which makes idle threads sleep
+at once instead, did not help there: 241 / 461 / 319 / 672 against
+222 / 413 / 769 / 945 with the default.) So the worker
 limits numpy's BLAS to one thread by default -- instances, not BLAS threads,
 are the unit of parallelism, as for Ray Serve replicas (OMP_NUM_THREADS=1) --
 unless the user chose: any of the usual thread variables set in the worker's

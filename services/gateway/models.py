@@ -279,7 +279,10 @@ class ModelManager:
                 )
                 raise unavailable(f"failed to load '{name}': " + "; ".join(reasons.values()))
             self.entries[name] = entry
-            if draining:
+            # Only the gateway that published the reload ends its drain: one that
+            # adopted it (poll mode, startup) would end it as soon as its own
+            # requests finished, cutting the publisher's short.
+            if draining and (published is None or generation != published.generation):
                 task = asyncio.create_task(self._drain(name, generation, draining))
                 self._drains.add(task)
                 task.add_done_callback(self._drains.discard)

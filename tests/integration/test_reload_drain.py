@@ -74,7 +74,7 @@ def test_reload_removing_a_version_lets_its_queued_requests_finish_on_it(
     np.testing.assert_array_equal(after.as_numpy("OUTPUT0"), _x(7) + 200)
     assert not c.is_model_ready("drained", "1")
     done = [answers.get(timeout=RPC_TIMEOUT_S) for _ in range(n)]
-    errors = [(k, e) for k, _, e, _ in done if e is not None]
+    errors = [(k, e.status(), e.message()) for k, _, e, _ in done if e is not None]
     assert not errors, errors
     for k, result, _, _ in done:
         assert result.get_response().model_version == "1"

@@ -28,6 +28,16 @@ class LoadedModel:
     config: mc.ModelConfig
     spec: ModelSpec
     files: str = ""  # files_digest of the folder the publishing gateway read
+    # Versions a reload removed while requests for them were still admitted:
+    # workers keep their old instances (registered, never loaded anew) until
+    # the gateway publishes the record again without them (Triton unloads a
+    # removed version only after its queued requests finished).
+    draining: tuple[int, ...] = ()
+
+    @property
+    def served_versions(self) -> tuple[int, ...]:
+        """The versions whose instances may still answer an admitted request."""
+        return (*self.versions, *self.draining)
 
 
 def files_digest(fingerprint: tuple) -> str:
@@ -36,16 +46,30 @@ def files_digest(fingerprint: tuple) -> str:
     return hashlib.sha256(repr(fingerprint).encode()).hexdigest()[:32]
 
 
+def _versions_field(versions: tuple[int, ...]) -> str:
+    return ",".join(str(v) for v in versions)
+
+
+def _parse_versions(raw: bytes) -> tuple[int, ...]:
+    return tuple(int(v) for v in raw.decode().split(",") if v)
+
+
 def _record(
-    config: mc.ModelConfig, versions: tuple[int, ...], path: Path, generation: int, files: str
+    config: mc.ModelConfig,
+    versions: tuple[int, ...],
+    path: Path,
+    generation: int,
+    files: str,
+    draining: tuple[int, ...] = (),
 ) -> dict[str, bytes | str | int]:
     """A model's record (keys.model) as the gateway publishes it."""
     return {
         "config": config.SerializeToString(),
-        "versions": ",".join(str(v) for v in versions),
+        "versions": _versions_field(versions),
         "path": str(path),
         "generation": generation,
         "files": files,
+        "draining": _versions_field(draining),
     }
 
 
@@ -90,11 +114,12 @@ def _decode(name: str, fields: dict[bytes, bytes]) -> LoadedModel | None:
     return LoadedModel(
         name=name,
         generation=int(fields[b"generation"]),
-        versions=tuple(int(v) for v in fields[b"versions"].decode().split(",") if v),
+        versions=_parse_versions(fields[b"versions"]),
         path=Path(fields[b"path"].decode()),
         config=config,
         spec=to_spec(config),
         files=fields.get(b"files", b"").decode(),
+        draining=_parse_versions(fields.get(b"draining", b"")),
     )
 
 
@@ -113,13 +138,15 @@ class ModelStateStore:
         files: str = "",
         adopt: bool = False,
         match_files: bool = False,
+        draining: tuple[int, ...] = (),
     ) -> int:
         """Publish a load under a new generation; returns the generation. With
         `adopt`, a record that already is this load (same config, versions,
         path and, with `match_files`, folder digest `files`: another gateway
         published it) is taken as it is, no new generation; checked and
         written atomically, so gateways applying the same change at once
-        (startup, poll mode) make workers load it once."""
+        (startup, poll mode) make workers load it once. `draining`: versions
+        the load removes that keep their instances (LoadedModel.draining)."""
         name = config.name
         record = keys.model(name)
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -139,7 +166,9 @@ class ModelStateStore:
                     generation = int(await self.redis.incr(keys.GENERATION_COUNTER))
                     pipe.multi()
                     pipe.delete(keys.model_errors(name))
-                    pipe.hset(record, mapping=_record(config, versions, path, generation, files))
+                    pipe.hset(
+                        record, mapping=_record(config, versions, path, generation, files, draining)
+                    )
                     pipe.hset(keys.MODELS, name, generation)
                     pipe.publish(keys.MODEL_EVENTS, name)
                     await pipe.execute()
@@ -169,10 +198,30 @@ class ModelStateStore:
                         previous.path,
                         previous.generation,
                         previous.files,
+                        previous.draining,
                     ),
                 )
                 pipe.hset(keys.MODELS, previous.name, previous.generation)
                 pipe.publish(keys.MODEL_EVENTS, previous.name)
+                await pipe.execute()
+            except WatchError:
+                return False
+        return True
+
+    async def end_draining(self, name: str, generation: int) -> bool:
+        """Publish the record again without its draining versions, so workers
+        unload them. Only while `generation` is the published one: a later
+        load published its own draining set. Returns whether it changed."""
+        record = keys.model(name)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(record)
+                current, draining = await pipe.hmget(record, "generation", "draining")
+                if current is None or int(current) != generation or not draining:
+                    return False
+                pipe.multi()
+                pipe.hset(record, "draining", "")
+                pipe.publish(keys.MODEL_EVENTS, name)
                 await pipe.execute()
             except WatchError:
                 return False

@@ -138,7 +138,7 @@ class DataPlane:
         assert spec is not None
         inflight = self._inflight(entry.name)
         inflight.inc()
-        self.models.begin(entry)
+        self.models.begin(entry, version)
         held: dict[str, Region] = {}  # output -> its region, released when the request ends
         scheduled = False
         try:
@@ -191,7 +191,7 @@ class DataPlane:
         finally:
             for region in held.values():
                 self.shm.release(region)
-            self.models.end(entry)
+            self.models.end(entry, version)
             inflight.dec()
         self.recorder.success(
             entry.name, version, time.monotonic_ns() - start, validated.batch_size, resp.timing

@@ -10,6 +10,7 @@ withdraws the model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from stageserve.errors import StageError, invalid, not_found, unavailable
 from stageserve.generated import model_config_pb2 as mc
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
-from stageserve.model_state import ModelStateStore, files_digest
+from stageserve.model_state import LoadedModel, ModelStateStore, files_digest
 from stageserve.names import check_model_name, model_name_problem, parse_version, printable
 from stageserve.repository import model_names, read_model
 from stageserve.settings import GATEWAY
@@ -74,7 +75,9 @@ class ModelManager:
         self.entries: dict[str, ModelEntry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._in_flight: dict[str, int] = {}
+        self._version_in_flight: dict[tuple[str, int], int] = {}
         self._idle: dict[str, asyncio.Event] = {}
+        self._drains: set[asyncio.Task] = set()
 
     # ----------------------------------------------------------------- lookup
 
@@ -238,6 +241,7 @@ class ModelManager:
             # In poll mode the files decide: a gateway adopts another's load of
             # the folder it reads, and reloads what changed since.
             files = files_digest(model.fingerprint)
+            draining = () if model.spec.steps else removed_versions(old, published, model.versions)
             generation = await self.state.publish_loaded(
                 model.config,
                 model.versions,
@@ -245,6 +249,7 @@ class ModelManager:
                 files,
                 adopt=adopt,
                 match_files=self.control_mode == "poll",
+                draining=draining,
             )
             if model.spec.steps:  # an ensemble has no instances of its own
                 versions, reasons = dict.fromkeys(model.versions, READY), {}
@@ -274,6 +279,13 @@ class ModelManager:
                 )
                 raise unavailable(f"failed to load '{name}': " + "; ".join(reasons.values()))
             self.entries[name] = entry
+            # Only the gateway that published the reload ends its drain: one that
+            # adopted it (poll mode, startup) would end it as soon as its own
+            # requests finished, cutting the publisher's short.
+            if draining and (published is None or generation != published.generation):
+                task = asyncio.create_task(self._drain(name, generation, draining))
+                self._drains.add(task)
+                task.add_done_callback(self._drains.discard)
             seconds = time.monotonic() - start
             for v in entry.ready_versions():
                 TRITON.set("nv_model_load_duration_secs", model_labels(name, v), seconds)
@@ -383,17 +395,49 @@ class ModelManager:
             )
             log.info("model unloaded", extra={"model": name})
 
+    async def _drain(self, name: str, generation: int, versions: tuple[int, ...]) -> None:
+        """Once this gateway's requests for the versions a reload removed have
+        finished (or after the load timeout, so a stuck request cannot keep
+        them hosted for ever), publish the record without them: workers then
+        unload their instances. Requests another gateway admitted are not
+        counted here (each gateway counts its own)."""
+        idle = self._idle.setdefault(name, asyncio.Event())
+        deadline = time.monotonic() + self.load_timeout_s
+        while (left := sum(self._version_in_flight.get((name, v), 0) for v in versions)) and (
+            remaining := deadline - time.monotonic()
+        ) > 0:
+            idle.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(idle.wait(), remaining)
+        try:
+            ended = await self.state.end_draining(name, generation)
+        except RedisError as exc:  # the next load or an unload publishes the record anew
+            log.error("ending a version drain failed", extra={"model": name, "error": str(exc)})
+            return
+        log.info(
+            "removed versions drained",
+            extra={"model": name, "versions": versions, "unfinished": left, "published": ended},
+        )
+
     # ------------------------------------------------------------- in-flight
 
-    # Counted per model name, not per entry: a reload replaces the entry while
-    # requests admitted under the old one are still running.
+    # Counted per model name and per version, not per entry: a reload replaces
+    # the entry while requests admitted under the old one are still running
+    # (an unload waits for the name's, a removed version's drain for its own).
 
-    def begin(self, entry: ModelEntry) -> None:
+    def begin(self, entry: ModelEntry, version: int) -> None:
         self._in_flight[entry.name] = self._in_flight.get(entry.name, 0) + 1
+        key = (entry.name, version)
+        self._version_in_flight[key] = self._version_in_flight.get(key, 0) + 1
 
-    def end(self, entry: ModelEntry) -> None:
-        left = self._in_flight[entry.name] = self._in_flight[entry.name] - 1
-        if left == 0 and entry.name in self._idle:
+    def end(self, entry: ModelEntry, version: int) -> None:
+        key = (entry.name, version)
+        if not (left := self._version_in_flight[key] - 1):
+            del self._version_in_flight[key]
+        else:
+            self._version_in_flight[key] = left
+        total = self._in_flight[entry.name] = self._in_flight[entry.name] - 1
+        if (total == 0 or left == 0) and entry.name in self._idle:
             self._idle[entry.name].set()
 
     # ------------------------------------------------------------------ index
@@ -411,6 +455,18 @@ class ModelManager:
                 for v, s in sorted(entry.versions.items()):
                     rows.append((name, str(v), s, entry.reasons.get(v, "")))
         return rows
+
+
+def removed_versions(
+    old: ModelEntry | None, published: LoadedModel | None, versions: tuple[int, ...]
+) -> tuple[int, ...]:
+    """The versions a (re)load drops that may still have admitted requests: the
+    old entry's ready ones it does not keep (all of them, not only those with
+    requests in flight now: the old entry admits until the new one replaces
+    it), and those the published record still drains (a reload during a drain
+    must not cut it short)."""
+    was = (*(old.ready_versions() if old else ()), *(published.draining if published else ()))
+    return tuple(sorted({v for v in was if v not in versions}))
 
 
 def rpc_error_to_stage(exc: grpc.aio.AioRpcError, what: str) -> StageError:

@@ -99,7 +99,9 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         cached = self.models.get(msg.model)
         if cached is None or cached.generation != msg.config_generation:
             cached = await self._model(msg.model, msg.config_generation)
-        if cached is None or msg.version not in cached.versions:
+        # A draining version still takes the requests the gateway admitted
+        # before the reload that removed it (LoadedModel.draining).
+        if cached is None or msg.version not in cached.served_versions:
             err = unavailable(f"model '{msg.model}' version {msg.version} is not loaded")
             respond(error_response(msg.id, err))
             return

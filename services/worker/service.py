@@ -27,6 +27,7 @@ from services.worker.publishers import PublisherWatch
 from services.worker.python_backend.bls import install as bls_install
 from services.worker.python_backend.instance import StillSending
 from services.worker.python_backend.worker_glue import load_python_model
+from services.worker.stale import stale_instances
 from services.worker.warmup import WarmupError, warm_up, warmup_requests
 from stageserve import redis_keys as keys
 from stageserve.generated import stageserve_pb2 as pb
@@ -191,23 +192,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 )
 
     async def _unload_stale(self, wanted: dict[str, LoadedModel]) -> bool:
-        # An older generation goes only once the new one is hosted: a reload
-        # whose new files fail to load leaves the old instances serving.
-        current = {
-            (i.model, i.version)
-            for i in self.instances.values()
-            if i.model in wanted and i.generation == wanted[i.model].generation
-        }
-        stale = [
-            inst
-            for inst in self.instances.values()
-            if inst.model not in wanted
-            or inst.version not in wanted[inst.model].versions
-            or (
-                wanted[inst.model].generation != inst.generation
-                and (inst.model, inst.version) in current
-            )
-        ]
+        stale = stale_instances(self.instances.values(), wanted)
         if not stale:
             return False
         for inst in stale:

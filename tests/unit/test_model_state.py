@@ -173,3 +173,26 @@ def test_adopt_takes_a_record_of_the_same_load_and_publishes_a_changed_one(redis
         assert both[0] == both[1]
 
     run(redis_url, body)
+
+
+def test_draining_versions_are_published_and_ended_only_for_their_generation(redis_url) -> None:
+    async def body(store: ModelStateStore, r) -> None:
+        first = await store.publish_loaded(_config(8), (2,), Path("/repo/m"), draining=(1,))
+        loaded = await store.get("m")
+        assert loaded is not None and loaded.draining == (1,)
+        assert loaded.served_versions == (2, 1)
+        later = await store.publish_loaded(_config(4), (3,), Path("/repo/m"), draining=(1, 2))
+        assert not await store.end_draining("m", first)  # a later load owns the record
+        assert (await store.get("m")).draining == (1, 2)
+        events = r.pubsub()
+        await events.subscribe(keys.MODEL_EVENTS)
+        await events.get_message(timeout=1)  # the subscribe confirmation
+        assert await store.end_draining("m", later)
+        ended = await store.get("m")
+        assert ended.draining == () and ended.versions == (3,) and ended.generation == later
+        message = await events.get_message(timeout=1)
+        assert message is not None and message["data"] == b"m"
+        assert not await store.end_draining("m", later)  # nothing left to end
+        await events.aclose()
+
+    run(redis_url, body)

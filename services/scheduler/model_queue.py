@@ -423,6 +423,9 @@ class ModelQueue:
         sequences = self.sequences
         failed_instance: bool | None = False
         job = None
+        # Before the try: a sequence batch can end before it is built (nothing
+        # claimable, Redis down) and the finally reads it.
+        decoupled: DecoupledBatch | None = None
         try:
             compute_start = time.monotonic_ns()
             if sequences is None:
@@ -441,7 +444,6 @@ class ModelQueue:
                     return
                 rows, hidden, request = job.rows, job.hidden, job.request
                 compute_start = time.monotonic_ns()
-            decoupled = None
             if spec.decoupled and sequences is None:
                 total = sum(request.request_batch_sizes)
                 decoupled = DecoupledBatch(

@@ -381,8 +381,10 @@ async def serve(
             await service.ratelimiter.Deregister(
                 pb.DeregisterRequest(worker_id=worker_id), timeout=2
             )
-        for inst in service.instances.values():
-            inst.close()
+        # Off the loop: a Python model's execute may be waiting on a BLS call
+        # that needs the loop, and its finalize queues behind that execute.
+        for inst in list(service.instances.values()):
+            await asyncio.to_thread(inst.close)
         if bls is not None:
             await bls.close()
         await channel.close()

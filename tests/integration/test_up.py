@@ -31,7 +31,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _start_up(repository: Path) -> tuple[subprocess.Popen, dict]:
+def _start_up(repository: Path, stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, dict]:
     grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
     proc = subprocess.Popen(
         [
@@ -51,7 +51,7 @@ def _start_up(repository: Path) -> tuple[subprocess.Popen, dict]:
             "cpu",
         ],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,
         text=True,
     )
     deadline = time.monotonic() + 120
@@ -97,8 +97,10 @@ def test_up_serves_and_ctrl_c_stops_every_process(example_repository: Path) -> N
             proc.kill()
 
 
-def test_killed_launcher_leaves_no_orphans(example_repository: Path) -> None:
-    proc, info = _start_up(example_repository)
+def test_killed_launcher_leaves_no_orphans(example_repository: Path, tmp_path: Path) -> None:
+    stderr_path = tmp_path / "stderr.log"  # the children write theirs here too
+    with stderr_path.open("w") as stderr:
+        proc, info = _start_up(example_repository, stderr)
     pids = info["pids"]
     proc.kill()  # SIGKILL: no chance to clean up; children die with it
     proc.wait(10)
@@ -106,6 +108,13 @@ def test_killed_launcher_leaves_no_orphans(example_repository: Path) -> None:
     while time.monotonic() < deadline and any(_alive(p) for p in pids.values()):
         time.sleep(0.1)
     leftover = [n for n, p in pids.items() if _alive(p)]
+    for name in leftover:  # where is it stuck? (service_runtime: SIGUSR1 dumps stacks)
+        os.kill(pids[name], signal.SIGUSR1)
+    time.sleep(1 if leftover else 0)
     for name in leftover:  # never leave them running, even when failing
         os.kill(pids[name], signal.SIGKILL)
-    assert not leftover
+    log = stderr_path.read_text()
+    assert not leftover, log[-20000:]
+    # Nobody needed the shutdown watchdog (service_runtime.SHUTDOWN_SLACK_S)
+    # either: its stack dump would name where a teardown hung.
+    assert "Timeout (" not in log, log[log.index("Timeout (") :][:20000]

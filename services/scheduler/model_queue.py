@@ -100,7 +100,7 @@ def add_request_info(req: pb.ExecuteRequest, msg: pb.ScheduleRequest | None) -> 
     """A request's metadata for pb_utils.InferenceRequest; None: a padding row,
     which Triton 2.51 gives correlation id 0, flags 0 and no request id."""
     if msg is None:
-        req.request_info.add()
+        req.request_info.add(padding=True)
         return
     req.request_info.add(
         request_id=msg.request_id,
@@ -426,6 +426,9 @@ class ModelQueue:
         # Before the try: a sequence batch can end before it is built (nothing
         # claimable, Redis down) and the finally reads it.
         decoupled: DecoupledBatch | None = None
+        # A decoupled sequence batch's final answers, held until its commit:
+        # "state first, answers second", as for any sequence batch.
+        finals: list[tuple[Queued, pb.ScheduleResponse]] = []
         try:
             compute_start = time.monotonic_ns()
             if sequences is None:
@@ -444,15 +447,17 @@ class ModelQueue:
                     return
                 rows, hidden, request = job.rows, job.hidden, job.request
                 compute_start = time.monotonic_ns()
-            if spec.decoupled and sequences is None:
-                total = sum(request.request_batch_sizes)
+            if spec.decoupled:
                 decoupled = DecoupledBatch(
-                    batch,
+                    rows,
                     compute_start,
-                    total,
-                    self._deliver,
-                    # execute returned: the instance is free, its senders go on
-                    on_returned=lambda: self._give_back(held, False),
+                    sum(request.request_batch_sizes),
+                    # A sequence's finals wait for its commit (below).
+                    self._deliver if job is None else lambda q, r: finals.append((q, r)),
+                    # execute returned: the instance is free, its senders go
+                    # on. A sequence batch keeps its instance to its last
+                    # final, so its next request runs after this one ended.
+                    on_returned=(lambda: self._give_back(held, False)) if job is None else None,
                 )
             try:
                 resp = await self.workers.execute(
@@ -465,15 +470,20 @@ class ModelQueue:
                     return  # the instance was unloaded (a reload): run elsewhere
                 if decoupled is not None:
                     decoupled.finish(err)
-                    return
                 if job is not None:  # a failed execution leaves the states as they were
                     await job.settle_failed()
+                if decoupled is not None:
+                    self._deliver_all(finals)
+                    return
                 for q in rows:
                     if q is not None:
                         self._deliver(q, error_response(q.msg.id, err))
                 return
             if decoupled is not None:
                 decoupled.finish(None)
+                if job is not None:  # a decoupled model's states: not supported (config.py)
+                    await job.commit(None)
+                self._deliver_all(finals)
                 return
             if job is not None:
                 # State first, answers second: a client that sends its next
@@ -486,8 +496,12 @@ class ModelQueue:
                 job.close()
             self.strategy.finished(batch, time.monotonic_ns())
             self.executing -= 1
-            if decoupled is None or not decoupled.returned:
+            if decoupled is None or not decoupled.returned or job is not None:
                 self._give_back(held, failed_instance)
+
+    def _deliver_all(self, answers: list[tuple[Queued, pb.ScheduleResponse]]) -> None:
+        for q, response in answers:
+            self._deliver(q, response)
 
     def _answer(
         self,

@@ -300,13 +300,15 @@ class SequenceJob:
         await self.io.store.commit([(q.cid, q.entry, False, None) for q in self.claimed])
         self.unsettled.clear()
 
-    async def commit(self, resp: pb.ExecuteResponse) -> None:
-        """Keep the new states, end the sequences whose request had END."""
+    async def commit(self, resp: pb.ExecuteResponse | None) -> None:
+        """Keep the new states, end the sequences whose request had END.
+        None: a decoupled batch, which has no state outputs."""
         seq = self.io.strategy.seq
         state_names = {s.output_name for s in seq.states}
         skip = 1 if self.io.strategy.spec.batching else 0  # a row's state shape has no batch dim
         commits = []
-        for q, result in zip(self.rows, resp.results, strict=True):
+        results = resp.results if resp is not None else [pb.RequestOutputs()] * len(self.rows)
+        for q, result in zip(self.rows, results, strict=True):
             if q is None:
                 continue
             new_states = {

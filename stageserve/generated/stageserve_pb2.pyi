@@ -336,18 +336,20 @@ class RequestOutputs(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class RequestInfo(_message.Message):
-    __slots__ = ("request_id", "correlation_id", "correlation_id_str", "flags", "parameters_json")
+    __slots__ = ("request_id", "correlation_id", "correlation_id_str", "flags", "parameters_json", "padding")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CORRELATION_ID_FIELD_NUMBER: _ClassVar[int]
     CORRELATION_ID_STR_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     correlation_id: int
     correlation_id_str: str
     flags: int
     parameters_json: str
-    def __init__(self, request_id: _Optional[str] = ..., correlation_id: _Optional[int] = ..., correlation_id_str: _Optional[str] = ..., flags: _Optional[int] = ..., parameters_json: _Optional[str] = ...) -> None: ...
+    padding: bool
+    def __init__(self, request_id: _Optional[str] = ..., correlation_id: _Optional[int] = ..., correlation_id_str: _Optional[str] = ..., flags: _Optional[int] = ..., parameters_json: _Optional[str] = ..., padding: _Optional[bool] = ...) -> None: ...
 
 class DecoupledPart(_message.Message):
     __slots__ = ("request_index", "has_response", "response", "final", "compute_infer_ns")

@@ -53,12 +53,14 @@ class TritonPythonModel:
 MODELS = {"seq_direct": "direct", "seq_oldest": "oldest"}
 
 
-def _config(name: str, strategy: str, log: Path) -> str:
+def sequence_config(name: str, strategy: str, out_dims: int = 1, extra: str = "") -> str:
+    """A sequence-batched Python model: IN and OUT int32, READY control, one
+    instance; `extra` lines go at the end."""
     return f"""name: "{name}"
 backend: "python"
 max_batch_size: 4
 input [ {{ name: "IN" data_type: TYPE_INT32 dims: [ 1 ] }} ]
-output [ {{ name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUT" data_type: TYPE_INT32 dims: [ {out_dims} ] }} ]
 sequence_batching {{
   {strategy} {{ }}
   max_sequence_idle_microseconds: 60000000
@@ -67,8 +69,13 @@ sequence_batching {{
   ]
 }}
 instance_group [ {{ kind: KIND_CPU count: 1 }} ]
-parameters {{ key: "log" value: {{ string_value: "{log}" }} }}
-"""
+{extra}"""
+
+
+def _config(name: str, strategy: str, log: Path) -> str:
+    return sequence_config(
+        name, strategy, extra=f'parameters {{ key: "log" value: {{ string_value: "{log}" }} }}\n'
+    )
 
 
 def write_repository(root: Path) -> Path:

@@ -583,3 +583,10 @@ def test_variable_state_takes_initial_state_dims():
 )
 def test_bad_state_dims_are_refused(fields, words):
     refused(_state(fields), "'SI'", *words)
+
+
+def test_decoupled_sequence_model_runs_without_state_and_is_refused_with_one():
+    python = 'backend: "python"\nmodel_transaction_policy { decoupled: true }\n'
+    s = spec(python + "max_batch_size: 4\nsequence_batching { oldest { } }\n", platform="")
+    assert s.decoupled and s.sequence is not None
+    refused(python + _state("dims: [ 1 ]"), "state", "decoupled", platform="")

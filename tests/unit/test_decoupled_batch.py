@@ -71,3 +71,16 @@ def test_execute_returned_runs_on_returned_once_and_parts_go_on() -> None:
     assert [(r.more, r.outputs[0].raw) for r in batch[0].got] == [(True, b"a"), (False, b"b")]
     db.finish(None)  # every request had its final: nothing more
     assert len(batch[0].got) == 2
+
+
+def test_padding_rows_are_skipped_and_the_first_real_row_leads() -> None:
+    """A sequence batch's rows may be None (the direct strategy's padding):
+    what the model sends for them goes nowhere, finish skips them."""
+    real = _Q(7)
+    delivered: list[pb.ScheduleResponse] = []
+    db = DecoupledBatch([None, real], 0, 2, lambda q, r: delivered.append(r))
+    db.on_part(pb.ExecuteResponse(more=True, parts=[_part(0, True, b"pad"), _part(1, False, b"x")]))
+    assert [r.outputs[0].raw for r in real.got] == [b"x"] and delivered == []
+    db.finish(None)
+    assert len(delivered) == 1 and delivered[0].id == 7 and delivered[0].no_response
+    assert delivered[0].timing.batch_leader

@@ -147,6 +147,23 @@ async def test_decoupled_parts_reach_on_more_before_the_final_response(port):
 
 
 @in_loop
+async def test_a_raising_on_more_callback_fails_its_call_only(port):
+    server = await _server(Echo(), port)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        link = _link(channel)
+
+        def raising(_resp) -> None:
+            raise KeyError("callback bug")
+
+        with pytest.raises(KeyError):  # at once, not when the stream ends
+            await asyncio.wait_for(link.call(_req("parts", "last"), on_more=raising), 5)
+        assert (await link.call(_req("echo", "after"))).message == "after"
+        assert not link.broken
+        await link.close()
+    await server.stop(None)
+
+
+@in_loop
 async def test_a_raising_handler_is_answered_and_the_stream_goes_on(port):
     server = await _server(Echo(), port)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -134,7 +134,10 @@ class PythonInstance:
             requests = self._requests(request)
         except TensorError as exc:
             return _failed(INTERNAL, f"bad input tensor for model '{self.spec.name}': {exc}")
-        senders = _Senders(len(requests), emit, self) if self.decoupled else None
+        senders = None
+        if self.decoupled:
+            padding = {i for i, info in enumerate(request.request_info) if info.padding}
+            senders = _Senders(len(requests), emit, self, padding)
         if senders is not None:
             for i, req in enumerate(requests):
                 req._sender = pb_utils.InferenceResponseSender(senders.emitter(i, req))
@@ -307,10 +310,17 @@ class _Senders:
     the senders' calls took it, and the batch's last message (sent once
     `last` resolves) after every one of them."""
 
-    def __init__(self, count: int, emit: Emit | None, instance: PythonInstance) -> None:
+    def __init__(
+        self,
+        count: int,
+        emit: Emit | None,
+        instance: PythonInstance,
+        padding: set[int] | frozenset[int] = frozenset(),
+    ) -> None:
         self._emit = emit
         self._instance = instance
-        self._unfinished = set(range(count))
+        # A padding row waits for nothing: what the model sends for it is dropped.
+        self._unfinished = set(range(count)) - set(padding)
         self._lock = threading.Lock()
         self._start_ns = time.monotonic_ns()  # a request's compute time ends at its final
         self._last_message: pb.ExecuteResponse | None = None  # set when execute returned

@@ -23,7 +23,8 @@ from tests.stack import RunningStack, running_stack
 
 # IN = [n, mode]: mode 0 sends n responses then the final flag alone; mode 1
 # sends the last response with the final flag; mode 2 raises; mode 3 returns a
-# list (not allowed for decoupled models); mode 4 sends an error as final.
+# list (not allowed for decoupled models); mode 4 sends an error as final;
+# mode 5 sends n responses and lets go of its sender without the final flag.
 DECOUPLED = """\
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -166,6 +167,19 @@ def test_errors_reach_the_stream_and_model_keeps_serving(dec_stack, mode, messag
     answers = _stream(dec_stack, "py_dec", [("e", [1, mode]), ("ok", [1, 1])], 2)
     assert sorted(_summary(answers), key=str) == sorted(
         [("error", message), ("ok", 0, True)], key=str
+    )
+
+
+def test_a_sender_released_without_its_final_ends_its_request(dec_stack) -> None:
+    """Beyond Triton, which leaves that request open for ever: once nothing
+    can send its final flag, the request ends INTERNAL; the model serves on."""
+    answers = _stream(dec_stack, "py_dec", [("r", [1, 5]), ("ok", [1, 1])], 3, timeout_s=10)
+    message = (
+        "Failed to process the request(s) for model 'py_dec_0_0', message: the response "
+        "sender was released without sending TRITONSERVER_RESPONSE_COMPLETE_FINAL"
+    )
+    assert sorted(_summary(answers), key=str) == sorted(
+        [("r", 0, False), ("error", message), ("ok", 0, True)], key=str
     )
 
 

@@ -22,6 +22,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,7 +141,7 @@ class PythonInstance:
             senders = _Senders(len(requests), emit, self, padding)
         if senders is not None:
             for i, req in enumerate(requests):
-                req._sender = pb_utils.InferenceResponseSender(senders.emitter(i, req))
+                req._sender = senders.sender(i, req.requested_output_names())
         t1 = time.monotonic_ns()
         try:
             responses = self._call_execute(requests)
@@ -239,11 +240,11 @@ class PythonInstance:
             )
         out = pb.ExecuteResponse()
         for req, resp in zip(requests, responses, strict=True):
-            out.results.append(self.request_outputs(req, resp))
+            out.results.append(self.request_outputs(req.requested_output_names(), resp))
         return out
 
-    def request_outputs(self, req: pb_utils.InferenceRequest, resp: Any) -> pb.RequestOutputs:
-        """One response as the request's outputs (only those it asked for), or its error."""
+    def request_outputs(self, requested: list[str], resp: Any) -> pb.RequestOutputs:
+        """One response as the request's outputs (only the `requested` ones), or its error."""
         if not isinstance(resp, pb_utils.InferenceResponse):
             return pb.RequestOutputs(
                 code=INTERNAL,
@@ -254,7 +255,7 @@ class PythonInstance:
             error = resp.error()
             assert error is not None
             return pb.RequestOutputs(code=grpc_code(error), message=error.message())
-        wanted = set(req.requested_output_names())
+        wanted = set(requested)
         result = pb.RequestOutputs()
         for tensor in resp.output_tensors():
             if tensor.name() not in wanted:
@@ -321,22 +322,58 @@ class _Senders:
         self._instance = instance
         # A padding row waits for nothing: what the model sends for it is dropped.
         self._unfinished = set(range(count)) - set(padding)
-        self._lock = threading.Lock()
+        # Reentrant: a sender freed by a garbage collection that runs while
+        # this thread holds the lock calls _released -> _send on it.
+        self._lock = threading.RLock()
+        self._ended = False
         self._start_ns = time.monotonic_ns()  # a request's compute time ends at its final
         self._last_message: pb.ExecuteResponse | None = None  # set when execute returned
         self._last: concurrent.futures.Future[pb.ExecuteResponse] = concurrent.futures.Future()
 
-    def emitter(
-        self, index: int, req: pb_utils.InferenceRequest
-    ) -> Callable[[pb_utils.InferenceResponse | None, bool], None]:
+    def sender(self, index: int, requested: list[str]) -> pb_utils.InferenceResponseSender:
+        """Request `index`'s response sender. It holds no reference to its
+        request (which holds it), so once the model has let go of both,
+        CPython frees it at once and `_released` ends a request the model can
+        no longer finish."""
+        instance = self._instance
+
         def emit(response: pb_utils.InferenceResponse | None, final: bool) -> None:
             part = pb.DecoupledPart(request_index=index, final=final)
             if response is not None:
                 part.has_response = True
-                part.response.CopyFrom(self._instance.request_outputs(req, response))
+                part.response.CopyFrom(instance.request_outputs(requested, response))
             self._send(part)
 
-        return emit
+        sender = pb_utils.InferenceResponseSender(emit)
+        weakref.finalize(sender, self._released, index).atexit = False
+        return sender
+
+    def _released(self, index: int) -> None:
+        """The sender of request `index` is gone: if it never sent the final
+        flag, nothing can now, so the request ends with an error. Triton 2.51
+        leaves such a request open for ever (checked: no answer, and the
+        server then cannot stop cleanly); a StageServe choice."""
+        with self._lock:
+            open_ = index in self._unfinished
+        if not open_:
+            return
+        message = (
+            f"Failed to process the request(s) for model '{self._instance.instance_name}', "
+            f"message: the response sender was released without sending "
+            f"TRITONSERVER_RESPONSE_COMPLETE_FINAL"
+        )
+        log.warning(
+            "python model released a response sender without the final flag",
+            extra={"instance": self._instance.instance_name, "request_index": index},
+        )
+        self._send(
+            pb.DecoupledPart(
+                request_index=index,
+                has_response=True,
+                response=pb.RequestOutputs(code=INTERNAL, message=message),
+                final=True,
+            )
+        )
 
     def _send(self, part: pb.DecoupledPart) -> None:
         with self._lock:
@@ -347,7 +384,8 @@ class _Senders:
                 part.compute_infer_ns = time.monotonic_ns() - self._start_ns
             if self._emit is not None:  # a thread-safe hand-off, it never blocks
                 self._emit(pb.ExecuteResponse(parts=[part], more=True))
-            ended = not self._unfinished and self._last_message is not None
+            ended = not self._unfinished and self._last_message is not None and not self._ended
+            self._ended = self._ended or ended  # the batch ends once, reentrant calls included
         # Cancelled when the scheduler's stream went away (the worker's wait
         # for it was cancelled): the model's send must not raise for that.
         if ended and self._last.set_running_or_notify_cancel():

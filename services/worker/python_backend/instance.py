@@ -357,22 +357,15 @@ class _Senders:
             open_ = index in self._unfinished
         if not open_:
             return
-        message = (
-            f"Failed to process the request(s) for model '{self._instance.instance_name}', "
-            f"message: the response sender was released without sending "
-            f"TRITONSERVER_RESPONSE_COMPLETE_FINAL"
-        )
         log.warning(
             "python model released a response sender without the final flag",
             extra={"instance": self._instance.instance_name, "request_index": index},
         )
-        self._send(
-            pb.DecoupledPart(
-                request_index=index,
-                has_response=True,
-                response=pb.RequestOutputs(code=INTERNAL, message=message),
-                final=True,
-            )
+        self.fail_unfinished(
+            f"Failed to process the request(s) for model '{self._instance.instance_name}', "
+            f"message: the response sender was released without sending "
+            f"TRITONSERVER_RESPONSE_COMPLETE_FINAL",
+            only=index,
         )
 
     def _send(self, part: pb.DecoupledPart) -> None:
@@ -391,9 +384,10 @@ class _Senders:
         if ended and self._last.set_running_or_notify_cancel():
             self._last.set_result(self._last_message)
 
-    def fail_unfinished(self, message: str) -> None:
+    def fail_unfinished(self, message: str, only: int | None = None) -> None:
+        """Every request still open (or just request `only`) ends INTERNAL."""
         with self._lock:
-            pending = sorted(self._unfinished)
+            pending = sorted(self._unfinished) if only is None else [only]
         for index in pending:
             self._send(
                 pb.DecoupledPart(

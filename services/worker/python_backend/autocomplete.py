@@ -1,23 +1,38 @@
 """Triton's auto-complete for Python models: the model's own
 `TritonPythonModel.auto_complete_config(auto_complete_model_config)`.
 
-The gateway calls this while it reads the repository (unless auto-complete
-is disabled), as Triton does at load: the model.py is imported, given the
-configuration as pb_utils.ModelConfig, and what it returns becomes the
+Whoever reads the repository (the gateway, unless auto-complete is disabled)
+calls `complete_python` at load, as Triton does: the model.py is imported, given
+the configuration as pb_utils.ModelConfig, and what it returns becomes the
 configuration (inputs, outputs, max_batch_size, dynamic batching, the
 transaction policy). Errors it raises make the model fail to load.
+
+The model.py runs in a short-lived child process (`python -m` this module),
+as Triton runs it in its stub process, never in the caller: its imports
+(torch, say) stay out of the gateway, and a model.py that exits, crashes or
+hangs at import fails its own load instead of taking the gateway down.
+The child is kept for the next model (see _Helper for the cost).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import select
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 from google.protobuf import json_format
 
-from services.worker.python_backend.loader import ModelImportError, import_model_file
-from stageserve import pb_utils
 from stageserve.config import DEFAULT_PYTHON_FILENAME, ConfigError
 from stageserve.generated import model_config_pb2 as mc
+
+# A model.py whose import or auto_complete_config takes longer fails its load.
+CHILD_TIMEOUT_S = 120.0
+# The folder that holds the `services` package, for the child's imports.
+_SOURCE_ROOT = str(Path(__file__).resolve().parents[3])
 
 
 def complete_python(config: mc.ModelConfig, model_dir, versions: list[int]) -> None:
@@ -32,26 +47,115 @@ def complete_python(config: mc.ModelConfig, model_dir, versions: list[int]) -> N
     )
     if model_file is None:
         return  # the repository reports the missing file
-    try:
-        module = import_model_file(model_file)
-    except ModelImportError as exc:
-        raise ConfigError(str(exc)) from exc
-    hook = getattr(module.TritonPythonModel, "auto_complete_config", None)
-    if hook is None:
-        return
     as_dict = json_format.MessageToDict(config, preserving_proto_field_name=True)
-    completed = pb_utils.ModelConfig(json.dumps(as_dict))
+    answer = _run_child(config.name, {"config": as_dict, "model_file": str(model_file)})
+    if "error" in answer:
+        raise ConfigError(answer["error"])
+    fresh = mc.ModelConfig()
     try:
-        result = hook(completed)
-        completed_dict = (result if result is not None else completed).as_dict()
-        fresh = mc.ModelConfig()
-        json_format.ParseDict(completed_dict, fresh)
+        json_format.ParseDict(answer["config"], fresh)
     except (ValueError, TypeError, json_format.ParseError) as exc:
         raise ConfigError(
             f"auto-complete of model '{config.name}' failed: {type(exc).__name__}: {exc}"
         ) from exc
-    except Exception as exc:  # the model's own code
-        raise ConfigError(
-            f"auto_complete_config of model '{config.name}' raised {type(exc).__name__}: {exc}"
-        ) from exc
     config.CopyFrom(fresh)
+
+
+class _Helper:
+    """The child process, kept for the next model: its interpreter start and
+    imports are paid once per process that reads the repository, not once per
+    model. A child that dies or times out is replaced at the next call.
+
+    Measured on the 2-core dev machine over the example repository's Python
+    models: the first one 113 ms (the child's start), each later one 1-2 ms;
+    in-process it was 9 ms for the first and 0.4-0.9 ms for the others."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+
+    def run(self, name: str, job: dict) -> dict:
+        with self._lock:
+            proc = self._proc
+            if proc is None or proc.poll() is not None:
+                proc = self._proc = self._start()
+            assert proc.stdin is not None and proc.stdout is not None
+            try:
+                proc.stdin.write(json.dumps(job) + "\n")
+                proc.stdin.flush()
+            except OSError:
+                pass  # it died: reported below
+            ready, _, _ = select.select([proc.stdout], [], [], CHILD_TIMEOUT_S)
+            line = proc.stdout.readline() if ready else ""
+            if line:
+                return json.loads(line)
+            self._proc = None
+            timed_out = proc.poll() is None
+            proc.kill()
+            status = proc.wait()
+        if timed_out:
+            raise ConfigError(
+                f"auto_complete_config of model '{name}' did not finish within "
+                f"{CHILD_TIMEOUT_S:g} s"
+            )
+        raise ConfigError(
+            f"auto_complete_config of model '{name}': its process ended with status "
+            f"{status} before answering"
+        )
+
+    @staticmethod
+    def _start() -> subprocess.Popen:
+        path = [_SOURCE_ROOT, os.environ.get("PYTHONPATH", "")]
+        return subprocess.Popen(
+            [sys.executable, "-m", __name__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)},
+        )
+
+
+_helper = _Helper()
+
+
+def _run_child(name: str, job: dict) -> dict:
+    return _helper.run(name, job)
+
+
+def _complete_in_this_process(job: dict) -> dict:
+    """The child's work: the answer as {"config": ...} or {"error": ...}."""
+    from services.worker.python_backend.loader import ModelImportError, import_model_file
+    from stageserve import pb_utils
+
+    name = job["config"].get("name", "")
+    try:
+        module = import_model_file(Path(job["model_file"]))
+    except ModelImportError as exc:
+        return {"error": str(exc)}
+    hook = getattr(module.TritonPythonModel, "auto_complete_config", None)
+    if hook is None:
+        return {"config": job["config"]}
+    completed = pb_utils.ModelConfig(json.dumps(job["config"]))
+    try:
+        result = hook(completed)
+        return {"config": (result if result is not None else completed).as_dict()}
+    except (ValueError, TypeError) as exc:
+        return {"error": f"auto-complete of model '{name}' failed: {type(exc).__name__}: {exc}"}
+    except Exception as exc:  # the model's own code
+        return {
+            "error": f"auto_complete_config of model '{name}' raised {type(exc).__name__}: {exc}"
+        }
+
+
+def _child_main() -> None:
+    """One answer line per job line, until stdin closes (its parent is gone)."""
+    # The answers go to the real stdout; whatever a model prints goes to stderr.
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    for line in sys.stdin:
+        answers.write(json.dumps(_complete_in_this_process(json.loads(line))) + "\n")
+        answers.flush()
+
+
+if __name__ == "__main__":
+    _child_main()

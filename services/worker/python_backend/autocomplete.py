@@ -22,6 +22,7 @@ import select
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from google.protobuf import json_format
@@ -85,8 +86,7 @@ class _Helper:
                 proc.stdin.flush()
             except OSError:
                 pass  # it died: reported below
-            ready, _, _ = select.select([proc.stdout], [], [], CHILD_TIMEOUT_S)
-            line = proc.stdout.readline() if ready else ""
+            line = _answer_line(proc)
             if line:
                 return json.loads(line)
             self._proc = None
@@ -113,6 +113,25 @@ class _Helper:
             text=True,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)},
         )
+
+
+def _answer_line(proc: subprocess.Popen) -> str:
+    """The child's next line; "" when it exited or CHILD_TIMEOUT_S passed.
+
+    Its exit is watched, not only its stdout's end of file: a process forked
+    by the caller meanwhile may hold the pipe's write end, and then no end of
+    file comes (a CI run waited the whole timeout for a child that had exited
+    at once)."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.05)
+        if ready:
+            return proc.stdout.readline()
+        if proc.poll() is not None:
+            ready, _, _ = select.select([proc.stdout], [], [], 0)
+            return proc.stdout.readline() if ready else ""
+    return ""
 
 
 _helper = _Helper()

@@ -8,8 +8,9 @@ import grpc
 class StageError(Exception):
     """An error answered to the client with Triton's gRPC status code.
 
-    `rejected`: a queue policy refused the request (a full queue): Triton
-    counts it under nv_inference_request_failure{reason="REJECTED"}.
+    `rejected`: a queue policy refused the request (a full queue, or its
+    queue timeout with timeout_action REJECT): Triton counts it under
+    nv_inference_request_failure{reason="REJECTED"}.
     """
 
     def __init__(self, code: grpc.StatusCode, message: str, *, rejected: bool = False) -> None:
@@ -36,6 +37,13 @@ def unavailable(message: str) -> StageError:
 
 def queue_full(message: str) -> StageError:
     """A request refused because its queue is full (UNAVAILABLE, as Triton)."""
+    return StageError(grpc.StatusCode.UNAVAILABLE, message, rejected=True)
+
+
+def queue_timeout(message: str) -> StageError:
+    """A request its queue policy's timeout (timeout_action REJECT) refused:
+    UNAVAILABLE and counted REJECTED, as Triton 2.51 does (checked: two timed
+    out requests gave nv_inference_request_failure{reason="REJECTED"} 2)."""
     return StageError(grpc.StatusCode.UNAVAILABLE, message, rejected=True)
 
 

@@ -67,7 +67,9 @@ def start_stack(
     autocomplete: AutoComplete = TRITON_DEFAULT,
     ratelimiter_args: tuple[str, ...] = (),
     repository_poll_secs: float = 15.0,
+    metrics_port: int = 0,
 ) -> RunningStack:
+    """metrics_port: the gateway's Triton /metrics (0: none)."""
     stack = Stack()
     try:
         s = start_services(
@@ -80,6 +82,7 @@ def start_stack(
             autocomplete=autocomplete,
             ratelimiter_args=ratelimiter_args,
             repository_poll_secs=repository_poll_secs,
+            metrics_port=metrics_port,
         )
     except BaseException:
         stack.stop()

@@ -35,7 +35,7 @@ from services.scheduler.decoupled import DecoupledBatch
 from services.scheduler.grant_pool import GrantPool, Held, Usable
 from services.scheduler.response_order import ResponseOrder
 from stageserve.config import ModelSpec
-from stageserve.errors import StageError, queue_full, unavailable
+from stageserve.errors import StageError, queue_full, queue_timeout, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.telemetry import (
     SCHEDULER_BATCH_SIZE,
@@ -227,7 +227,7 @@ class ModelQueue:
             q.respond(
                 error_response(
                     q.msg.id,
-                    unavailable(
+                    queue_timeout(
                         f"Request timeout expired: request to model '{self.model}' waited "
                         f"{waited_us} us in the queue"
                     ),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from stageserve.examples import write_identity
+from stageserve.net import free_port
 from tests.integration.helpers import (
     RPC_TIMEOUT_S,
     expect_error,
@@ -116,8 +118,16 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def qstack(repo: Path) -> Iterator[RunningStack]:
-    with stack_retrying(repo, control_mode="explicit", load_models=("*",)) as s:
+def metrics_port() -> int:
+    """The gateway's Triton /metrics."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def qstack(repo: Path, metrics_port: int) -> Iterator[RunningStack]:
+    with stack_retrying(
+        repo, control_mode="explicit", load_models=("*",), metrics_port=metrics_port
+    ) as s:
         c = s.client()
         # One request first: on a fresh gateway, concurrent first requests can
         # each open a scheduler stream and reach the scheduler out of order
@@ -169,6 +179,20 @@ class Outcome:
         for fragment in fragments:
             assert fragment.lower() in message.lower(), (fragment, message)
         return message
+
+
+def _rejected_count(metrics_port: int, model: str) -> float:
+    """nv_inference_request_failure{reason="REJECTED"} for `model`."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    for line in text.splitlines():
+        if (
+            line.startswith("nv_inference_request_failure{")
+            and f'model="{model}"' in line
+            and 'reason="REJECTED"' in line
+        ):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 class Calls:
@@ -279,10 +303,10 @@ def test_max_queue_size_rejects_overflow_with_unavailable(qstack: RunningStack) 
 
 
 def test_timeout_reject_answers_at_the_deadline_not_after_the_execution(
-    qstack: RunningStack,
+    qstack: RunningStack, metrics_port: int
 ) -> None:
     c = qstack.client()
-    fails0 = _fail_count(c, "reject")
+    fails0, rejected0 = _fail_count(c, "reject"), _rejected_count(metrics_port, "reject")
     _, calls = _blocked(qstack, "reject")
     blocker = calls.outcomes[0]
     victim = calls.send("victim")
@@ -290,11 +314,13 @@ def test_timeout_reject_answers_at_the_deadline_not_after_the_execution(
     # the blocker ran for 1 s, longer than the 200 ms queue timeout: the timeout
     # bounds the time in the queue only
     blocker.ok()
-    victim.rejected("timeout")
+    assert victim.rejected("timeout").startswith("Request timeout expired")  # Triton's text
     # 200 ms after it was queued; the blocker still had ~650 ms to run
     assert 0.195 <= victim.elapsed < 0.6, victim.elapsed
     assert victim.done < blocker.done
     assert _fail_count(c, "reject") - fails0 == 1
+    # Counted as Triton 2.51 counts a queue timeout (checked against it).
+    assert _rejected_count(metrics_port, "reject") - rejected0 == 1
 
 
 def test_timeout_override_without_default_timeout_is_ignored(qstack: RunningStack) -> None:

@@ -163,6 +163,9 @@ class ModelStateStore:
                             and (not match_files or current.files == files)
                         ):
                             return current.generation
+                    # Taken outside the transaction: a publish that loses the
+                    # race (WatchError) leaves a gap in the numbers, which is
+                    # harmless (generations need only be new and increasing).
                     generation = int(await self.redis.incr(keys.GENERATION_COUNTER))
                     pipe.multi()
                     pipe.delete(keys.model_errors(name))

@@ -78,7 +78,14 @@ from bench.references import (
 )
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-ALL_SERVERS = ("triton", "mlserver", "mlserver-proxy", "stageserve", "stageserve-python")
+ALL_SERVERS = (
+    "triton",
+    "mlserver",
+    "mlserver-proxy",
+    "stageserve",
+    "stageserve-python",
+    "stageserve-python-process",
+)
 DEFAULT_SERVERS = ("triton", "mlserver", "stageserve")
 REFERENCES = ("triton", "mlserver")  # the ratios' denominators
 OURS = "stageserve"
@@ -88,6 +95,7 @@ LABELS = {
     "mlserver-proxy": "MLServer+proxy",
     "stageserve": "StageServe",
     "stageserve-python": "StageServe+model.py",
+    "stageserve-python-process": "StageServe+model.py (stubs)",
 }
 
 
@@ -290,9 +298,10 @@ def proxy_overhead(points: Sequence[Point]) -> list[Ratio]:
     return ratios(points, ours="mlserver-proxy", references=("mlserver",))
 
 
-def python_ratios(points: Sequence[Point]) -> list[Ratio]:
-    """StageServe serving Triton's own model.py files over Triton serving them."""
-    return ratios(points, ours="stageserve-python", references=("triton",))
+def python_ratios(points: Sequence[Point], ours: str = "stageserve-python") -> list[Ratio]:
+    """StageServe serving Triton's own model.py files over Triton serving them
+    (ours: "stageserve-python-process" for a stub process per instance)."""
+    return ratios(points, ours=ours, references=("triton",))
 
 
 def _num(value: float | None, digits: int = 0) -> str:
@@ -490,6 +499,7 @@ def write_results(
     rs = ratios(points)
     proxy = proxy_overhead(points)
     python = python_ratios(points)
+    stubs = python_ratios(points, ours="stageserve-python-process")
     checks = target_checks(rs)
     files = {
         "points": out / "compare.csv",
@@ -508,6 +518,7 @@ def write_results(
             + ([format_targets(checks, markdown=True)] if checks else [])
             + ([format_ratios(proxy, markdown=True, ours_label="proxy")] if proxy else [])
             + ([format_ratios(python, markdown=True, ours_label="SS-py")] if python else [])
+            + ([format_ratios(stubs, markdown=True, ours_label="SS-stub")] if stubs else [])
         )
         + "\n"
     )
@@ -580,10 +591,12 @@ def _server_options(server: str, args: argparse.Namespace) -> tuple[str, dict]:
             "max_batch_time_s": args.mlserver_batch_time_ms / 1000,
             "config_rpc": "proxy" if server == "mlserver-proxy" else "inject",
         }
-    if server in ("stageserve", "stageserve-python"):
+    if server in ("stageserve", "stageserve-python", "stageserve-python-process"):
         options = {"instances": args.instances, "workers": args.stageserve_workers}
-        if server == "stageserve-python":
+        if server != "stageserve":
             options["python"] = True  # the model.py files Triton serves, unchanged
+        if server == "stageserve-python-process":
+            options["python_process"] = True  # each instance in its stub process
         return "stageserve", options
     raise ValueError(server)
 
@@ -875,6 +888,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if python:
         print("The same model.py files (StageServe+model.py / Triton):")
         print(format_ratios(python, ours_label="SS-py"))
+        print()
+    stubs = python_ratios(points, ours="stageserve-python-process")
+    if stubs:
+        print("The same model.py files, a stub process per instance (StageServe / Triton):")
+        print(format_ratios(stubs, ours_label="SS-stub"))
         print()
     files = write_results(args.out, measurements, meta, plot=not args.no_plot)
     print(f"total {meta['wall_s']:.0f}s; wrote " + ", ".join(str(p) for p in files.values()))

@@ -5,9 +5,9 @@ as they are fed:
 
 * in-process (what the worker does): N PythonInstances, each on its own
   thread, `execute_batch(ExecuteRequest)` called directly;
-* process per instance (the alternative, Triton's design): each instance in
-  its own process, the ExecuteRequest serialized over a pipe and the
-  ExecuteResponse back (the IPC a stub process costs).
+* process per instance (STAGESERVE_INSTANCE_PROCESS, Triton's design): the
+  worker's ProcessInstance, each instance in its stub process, the
+  ExecuteRequest's bytes over a socket and the ExecuteResponse's back.
 
 Models: `numpy` (execute does ~1 ms of numpy per request: three
 128x256 @ 256x256 layers with tanh, softmax) and `trivial` (returns its
@@ -21,7 +21,6 @@ input). Prints batches/s and CPU ms per batch (whole process tree) for each.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import tempfile
 import threading
@@ -31,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from services.worker.python_backend.instance import PythonInstance
+from services.worker.python_backend.process_instance import ProcessInstance
 from stageserve.config import parse_config_text, to_spec
 from stageserve.examples import python_config_text
 from stageserve.generated import stageserve_pb2 as pb
@@ -123,46 +123,49 @@ def in_process(path: Path, text: str, instances: int, seconds: float) -> tuple[i
     return sum(counts), _cpu() - cpu0
 
 
-def _serve(path: Path, text: str, index: int, conn) -> None:
-    model = _instance(path, text, index)
-    while (raw := conn.recv_bytes()) != b"":
-        resp = model.execute_batch(pb.ExecuteRequest.FromString(raw), None)
-        conn.send_bytes(resp.SerializeToString())
-
-
 def per_process(path: Path, text: str, instances: int, seconds: float) -> tuple[int, float]:
-    ctx = mp.get_context("spawn")
-    pipes, procs = [], []
-    for i in range(instances):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(path, text, i, child))
-        proc.start()
-        pipes.append(parent)
-        procs.append(proc)
+    """The worker's ProcessInstance: each instance in its stub process."""
+    spec = to_spec(parse_config_text(text))
+    models = [
+        ProcessInstance(
+            path, spec, "{}", instance_name=f"bench_{i}", kind="KIND_CPU", device_id=-1, version=1
+        )
+        for i in range(instances)
+    ]
     raw = _request()
-    for conn in pipes:  # warm: the import and initialize are not timed
-        conn.send_bytes(raw)
-        conn.recv_bytes()
+    for model in models:  # warm: the stub's start and initialize are not timed
+        model.execute_batch(pb.ExecuteRequest.FromString(raw), None)
     stop = time.monotonic() + seconds
     counts = [0] * instances
 
     def run(i: int) -> None:
         while time.monotonic() < stop:
-            pipes[i].send_bytes(raw)
-            pb.ExecuteResponse.FromString(pipes[i].recv_bytes())
+            req = pb.ExecuteRequest.FromString(raw)
+            resp = models[i].execute_batch(req, None)
+            resp.SerializeToString()
             counts[i] += 1
 
-    cpu0 = _cpu()
+    cpu0 = _cpu_tree([m._stub.proc.pid for m in models if m._stub is not None])
     threads = [threading.Thread(target=run, args=(i,)) for i in range(instances)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    for conn in pipes:
-        conn.send_bytes(b"")
-    for proc in procs:
-        proc.join()
-    return sum(counts), _cpu() - cpu0  # children's CPU counts once they are joined
+    cpu = _cpu_tree([m._stub.proc.pid for m in models if m._stub is not None]) - cpu0
+    for model in models:
+        model.close()
+    return sum(counts), cpu
+
+
+def _cpu_tree(pids: list[int]) -> float:
+    """This process's CPU seconds plus its live stubs' (from /proc)."""
+    total = _cpu()
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -741,6 +741,7 @@ class StageServeServer(RunningServer):
         device: str = "cpu",
         quiet: bool = True,
         python: bool = False,
+        python_process: bool = False,
     ) -> None:
         super().__init__()
         from stageserve.launcher import Stack, start_services
@@ -758,9 +759,18 @@ class StageServeServer(RunningServer):
         try:
             if self._logs:
                 self._logs.redirect_children()
+            # python_process: each Python instance in its stub process (the
+            # workers read it from their environment at start).
+            variable = "STAGESERVE_WORKER_PYTHON_INSTANCE_PROCESS"
+            before = os.environ.get(variable)
+            os.environ[variable] = "1" if python_process else (before or "0")
             try:
                 services = start_services(self.stack, repo, workers=workers, device=device)
             finally:
+                if before is None:
+                    del os.environ[variable]
+                else:
+                    os.environ[variable] = before
                 if self._logs:
                     self._logs.restore_stderr()
             self.url = services.gateway.address
@@ -773,7 +783,11 @@ class StageServeServer(RunningServer):
             raise
         self.notes = {"instances": str(instances), "workers": str(workers)}
         if python:
-            self.notes["backend"] = "python (the model.py files Triton gets, in the worker)"
+            self.notes["backend"] = (
+                "python (the model.py files Triton gets, a stub process per instance)"
+                if python_process
+                else "python (the model.py files Triton gets, in the worker)"
+            )
 
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.stack.children]

@@ -46,6 +46,11 @@ class WorkerSettings:
     # 0 keeps the library's default. OPENBLAS/MKL/OMP_NUM_THREADS set in the
     # worker's environment win.
     blas_threads: int = 1
+    # 1: every Python-backend model's instance runs in its own stub process,
+    # as in Triton (a model's parameter STAGESERVE_INSTANCE_PROCESS decides
+    # for that model). 0, the default: on a thread of the worker, which
+    # costs less per batch (python_backend/process_instance.py, docs/python_backend.md).
+    python_instance_process: int = 0
 
 
 @dataclass(frozen=True)

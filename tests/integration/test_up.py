@@ -17,19 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from stageserve.net import free_port
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); it is gone for our purpose.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+from tests.procs import alive
 
 
 def _start_up(repository: Path, stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, dict]:
@@ -90,9 +78,9 @@ def test_up_serves_and_ctrl_c_stops_every_process(example_repository: Path) -> N
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and any(_alive(p) for p in pids.values()):
+        while time.monotonic() < deadline and any(alive(p) for p in pids.values()):
             time.sleep(0.1)
-        assert not [n for n, p in pids.items() if _alive(p)]
+        assert not [n for n, p in pids.items() if alive(p)]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -106,9 +94,9 @@ def test_killed_launcher_leaves_no_orphans(example_repository: Path, tmp_path: P
     proc.kill()  # SIGKILL: no chance to clean up; children die with it
     proc.wait(10)
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and any(_alive(p) for p in pids.values()):
+    while time.monotonic() < deadline and any(alive(p) for p in pids.values()):
         time.sleep(0.1)
-    leftover = [n for n, p in pids.items() if _alive(p)]
+    leftover = [n for n, p in pids.items() if alive(p)]
     for name in leftover:  # where is it stuck? (service_runtime: SIGUSR1 dumps stacks)
         os.kill(pids[name], signal.SIGUSR1)
     time.sleep(1 if leftover else 0)

@@ -75,15 +75,22 @@ class BlsClient:
     # Called by pb_utils.InferenceRequest ------------------------------------
 
     def execute(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
+        return self.shape(self.responses(request, decoupled), decoupled)
+
+    def responses(
+        self, request: pb_utils.InferenceRequest, decoupled: bool
+    ) -> list[pb_utils.InferenceResponse]:
+        """Every response, waiting on this (non-loop) thread; also how a
+        model.py in a stub process is answered (process_instance.py)."""
         future = asyncio.run_coroutine_threadsafe(self.infer(request, decoupled), self.loop)
-        return self._shape(future.result(), decoupled)
+        return future.result()
 
     async def execute_async(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
         future = asyncio.run_coroutine_threadsafe(self.infer(request, decoupled), self.loop)
-        return self._shape(await asyncio.wrap_future(future), decoupled)
+        return self.shape(await asyncio.wrap_future(future), decoupled)
 
     @staticmethod
-    def _shape(responses: list[pb_utils.InferenceResponse], decoupled: bool) -> Any:
+    def shape(responses: list[pb_utils.InferenceResponse], decoupled: bool) -> Any:
         # exec(decoupled=True) gives an iterator of every response (collected
         # before it returns: not streamed into the caller yet), else the one.
         return iter(responses) if decoupled else responses[0]

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from services.worker.instances import HostedInstance, Placement
-from services.worker.python_backend.instance import PythonInstance, config_json
+from services.worker.python_backend.instance import PythonInstance, PythonModelError, config_json
+from services.worker.python_backend.process_instance import (
+    InstanceProcessError,
+    ProcessInstance,
+    runs_in_process,
+)
 from stageserve.config import InstanceGroup
 from stageserve.model_state import LoadedModel
 
@@ -14,11 +19,17 @@ def python_instances(
     groups: list[tuple[InstanceGroup, list[Placement]]],
     worker_id: str,
 ) -> list[HostedInstance]:
-    """One PythonInstance per placement, each initialized on its own thread.
+    """One instance per placement, each initialized on its own thread: a
+    PythonInstance on a worker thread, or a ProcessInstance (its stub
+    process) when the model runs a process per instance.
 
     Raises PythonModelError when model.py does not import or initialize fails.
     """
     path = model.path / str(version) / model.spec.model_filename
+    try:
+        kind = ProcessInstance if runs_in_process(model.spec) else PythonInstance
+    except InstanceProcessError as exc:
+        raise PythonModelError(str(exc)) from exc
     text = config_json(model.config)
     loaded: list[HostedInstance] = []
     for group, places in groups:
@@ -37,7 +48,7 @@ def python_instances(
             # keeps thread-bound state (an event loop, a CUDA context) finds it there.
             try:
                 hosted.backend = hosted.executor.submit(
-                    PythonInstance,
+                    kind,
                     path,
                     model.spec,
                     text,

@@ -1,0 +1,190 @@
+"""The stub process of one Python-backend instance (`python -m` this module).
+
+Started by process_instance.py when a model runs a process per instance.
+It hosts one PythonInstance exactly as the worker would in-process, and
+speaks to its worker over one socket (multiprocessing Connection, pickled
+tuples):
+
+    worker -> stub: ("init", InitArgs) once, then ("exec", batch_id, ExecuteRequest
+                    bytes), ("bls_result", call_id, ok, value), ("close",)
+    stub -> worker: ("ready",) or ("init_failed", message) once, then
+                    ("part", batch_id, ExecuteResponse bytes) for each decoupled
+                    message sent early, ("done", batch_id, ExecuteResponse bytes)
+                    for each batch's last message, ("bls", call_id, decoupled,
+                    request wire), ("closed",)
+
+The main thread only reads the socket; batches run on the instance's own
+thread (initialize ran there too), so a BLS call that waits in `execute` is
+answered while it waits. The stub exits at once when the socket closes: its
+worker is gone, and nothing it computes can be delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from services.worker.blas_threads import limit_blas_threads
+from services.worker.python_backend.bls_wire import (
+    request_to_wire,
+    responses_from_wire,
+)
+from services.worker.python_backend.instance import (
+    INTERNAL,
+    PythonInstance,
+    PythonModelError,
+    StillSending,
+)
+from services.worker.python_backend.loader import register_pb_utils
+from stageserve import pb_utils
+from stageserve.config import ModelSpec
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.logs import setup_logging
+from stageserve.settings import WORKER
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class InitArgs:
+    """What PythonInstance takes, sent once as the stub's first message."""
+
+    model_file: str
+    spec: ModelSpec
+    config_json: str
+    instance_name: str
+    kind: str
+    device_id: int
+    version: int
+
+
+class _Channel:
+    """The socket, written from several threads (instance, model's sender threads)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: tuple) -> None:
+        with self._lock:
+            self.conn.send(message)
+
+
+class _BlsProxy:
+    """pb_utils.InferenceRequest._bls in a stub: the call goes to the worker."""
+
+    def __init__(self, channel: _Channel) -> None:
+        self._channel = channel
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._waiting: dict[int, concurrent.futures.Future] = {}
+
+    def _call(
+        self, request: pb_utils.InferenceRequest, decoupled: bool
+    ) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        call_id = next(self._ids)
+        with self._lock:
+            self._waiting[call_id] = future
+        self._channel.send(("bls", call_id, decoupled, request_to_wire(request)))
+        return future
+
+    def execute(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
+        return _shape(self._call(request, decoupled).result(), decoupled)
+
+    async def execute_async(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
+        return _shape(await asyncio.wrap_future(self._call(request, decoupled)), decoupled)
+
+    def answered(self, call_id: int, ok: bool, value: Any) -> None:
+        with self._lock:
+            future = self._waiting.pop(call_id, None)
+        if future is None:
+            return
+        if ok:
+            future.set_result(responses_from_wire(value))
+        else:
+            future.set_exception(pb_utils.TritonModelException(value))
+
+
+def _shape(responses: list[pb_utils.InferenceResponse], decoupled: bool) -> Any:
+    return iter(responses) if decoupled else responses[0]
+
+
+def _run_batch(instance: PythonInstance, channel: _Channel, batch_id: int, raw: bytes) -> None:
+    def emit(message: pb.ExecuteResponse) -> None:
+        channel.send(("part", batch_id, message.SerializeToString()))
+
+    def done(message: pb.ExecuteResponse) -> None:
+        channel.send(("done", batch_id, message.SerializeToString()))
+
+    try:
+        result = instance.execute_batch(pb.ExecuteRequest.FromString(raw), emit)
+    except Exception as exc:  # a bug of ours, not the model's: answer, never hang
+        log.exception("stub execute failed", extra={"instance": instance.instance_name})
+        done(pb.ExecuteResponse(code=INTERNAL, message=f"stub execute failed: {exc}"))
+        return
+    if isinstance(result, StillSending):
+        result.last.add_done_callback(lambda f: done(f.result()))
+    else:
+        done(result)
+
+
+def serve(conn: Connection) -> None:
+    channel = _Channel(conn)
+    bls = _BlsProxy(channel)
+    pb_utils.InferenceRequest._bls = bls
+    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="instance")
+    kind, init = conn.recv()
+    assert kind == "init"
+    try:
+        instance = executor.submit(
+            PythonInstance,
+            Path(init.model_file),
+            init.spec,
+            init.config_json,
+            instance_name=init.instance_name,
+            kind=init.kind,
+            device_id=init.device_id,
+            version=init.version,
+        ).result()
+    except PythonModelError as exc:
+        channel.send(("init_failed", str(exc)))
+        return
+    channel.send(("ready",))
+    while True:
+        message = conn.recv()
+        if message[0] == "exec":
+            executor.submit(_run_batch, instance, channel, message[1], message[2])
+        elif message[0] == "bls_result":
+            bls.answered(*message[1:])
+        elif message[0] == "close":
+            executor.submit(instance.close).result()  # finalize, after the last batch
+            channel.send(("closed",))
+            return
+
+
+def main(argv: list[str]) -> None:
+    setup_logging("worker-stub")
+    limit_blas_threads(os.environ, WORKER.blas_threads)
+    register_pb_utils()
+    conn = Connection(int(argv[1]))
+    # EOFError / OSError: the worker is gone, nothing this process does can be delivered.
+    with contextlib.suppress(EOFError, OSError):
+        serve(conn)
+    # Threads the model started must not keep a stub alive without its worker.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

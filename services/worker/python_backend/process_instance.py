@@ -35,7 +35,6 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ from services.worker.python_backend.instance import (
     StillSending,
 )
 from services.worker.python_backend.stub import InitArgs
+from services.worker.python_backend.stub_wire import StubSocket
 from stageserve import pb_utils
 from stageserve.config import ModelSpec
 from stageserve.generated import stageserve_pb2 as pb
@@ -97,7 +97,7 @@ class _Batch:
 class _Stub:
     """One running stub process, its socket and the batches it executes."""
 
-    def __init__(self, owner: ProcessInstance, proc: subprocess.Popen, conn: Connection) -> None:
+    def __init__(self, owner: ProcessInstance, proc: subprocess.Popen, conn: StubSocket) -> None:
         self.owner = owner
         self.proc = proc
         self.conn = conn
@@ -170,7 +170,7 @@ class ProcessInstance:
             )
         finally:
             child.close()
-        stub = _Stub(self, proc, Connection(parent.detach()))
+        stub = _Stub(self, proc, StubSocket(parent))
         stub.send(("init", self._init))
         first = stub.recv()
         if first is None or first[0] != "ready":

@@ -2,8 +2,8 @@
 
 Started by process_instance.py when a model runs a process per instance.
 It hosts one PythonInstance exactly as the worker would in-process, and
-speaks to its worker over one socket (multiprocessing Connection, pickled
-tuples):
+speaks to its worker over one socket (stub_wire.py: tuples, the batches'
+bytes framed by hand, the rest pickled):
 
     worker -> stub: ("init", InitArgs) once, then ("exec", batch_id, ExecuteRequest
                     bytes), ("bls_result", call_id, ok, value), ("close",)
@@ -27,10 +27,10 @@ import contextlib
 import itertools
 import logging
 import os
+import socket
 import sys
 import threading
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from services.worker.python_backend.instance import (
     StillSending,
 )
 from services.worker.python_backend.loader import register_pb_utils
+from services.worker.python_backend.stub_wire import StubSocket
 from stageserve import pb_utils
 from stageserve.config import ModelSpec
 from stageserve.generated import stageserve_pb2 as pb
@@ -71,7 +72,7 @@ class InitArgs:
 class _Channel:
     """The socket, written from several threads (instance, model's sender threads)."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: StubSocket) -> None:
         self.conn = conn
         self._lock = threading.Lock()
 
@@ -139,7 +140,7 @@ def _run_batch(instance: PythonInstance, channel: _Channel, batch_id: int, raw: 
         done(result)
 
 
-def serve(conn: Connection) -> None:
+def serve(conn: StubSocket) -> None:
     channel = _Channel(conn)
     bls = _BlsProxy(channel)
     pb_utils.InferenceRequest._bls = bls
@@ -177,7 +178,7 @@ def main(argv: list[str]) -> None:
     setup_logging("worker-stub")
     limit_blas_threads(os.environ, WORKER.blas_threads)
     register_pb_utils()
-    conn = Connection(int(argv[1]))
+    conn = StubSocket(socket.socket(fileno=int(argv[1])))
     # EOFError / OSError: the worker is gone, nothing this process does can be delivered.
     with contextlib.suppress(EOFError, OSError):
         serve(conn)

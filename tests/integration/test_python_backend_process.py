@@ -23,9 +23,12 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from stageserve.examples import python_config_text, write_python_model
+from tests.integration.helpers import triton_grpc
 from tests.procs import alive, parent_pid
 from tests.stack import RunningStack, running_stack, wait_until
 
+# Triton 2.51's answer to each request a crashed stub held (checked below).
+UNHEALTHY = "Stub process '{}' is not healthy."
 PROCESS = '\nparameters { key: "STAGESERVE_INSTANCE_PROCESS" value { string_value: "%s" } }\n'
 
 # OUT = the pid of the process that ran execute; IN[0] < 0 kills that process.
@@ -177,7 +180,7 @@ def test_a_crash_fails_its_request_and_a_new_stub_serves(proc_stack: RunningStac
         with pytest.raises(InferenceServerException) as info:
             _infer(c, "py_crash", -1.0)
         assert info.value.status() == "StatusCode.INTERNAL"
-        assert info.value.message() == "Stub process 'py_crash_0_0' is not healthy."
+        assert info.value.message() == UNHEALTHY.format("py_crash_0_0")
         second = _infer(c, "py_crash", 2.0)  # at once: the stub restarted before it failed
         assert second != first and not alive(first)
         assert _lines(proc_stack.repository / "py_crash" / "initialized") == [first, second]
@@ -186,6 +189,25 @@ def test_a_crash_fails_its_request_and_a_new_stub_serves(proc_stack: RunningStac
         stats = c.get_inference_statistics("py_crash", as_json=True)["model_stats"][0]
         assert stats["inference_stats"]["fail"]["count"] == "1"
         assert stats["inference_stats"]["success"]["count"] == "2"
+
+
+def test_tritons_answer_to_a_crash_is_the_same(tmp_path: Path) -> None:
+    """Real Triton 2.51 on the same model.py: the crashing request's code and
+    message are ours; its next request fails the same way (Triton does not
+    restart the stub; StageServe does, see above: documented beyond Triton)."""
+    repository = tmp_path / "repository"
+    write_python_model(repository, "py_crash", PIDS, _pids_config("py_crash"))
+    extra = ("--exit-timeout-secs", "3")  # a crashed stub cannot finalize: don't wait 30 s
+    with (
+        triton_grpc(repository, tmp_path, ["py_crash"], *extra) as url,
+        grpcclient.InferenceServerClient(url) as c,
+    ):
+        assert _infer(c, "py_crash", 1.0) > 0
+        for value in (-1.0, 2.0):
+            with pytest.raises(InferenceServerException) as info:
+                _infer(c, "py_crash", value)
+            assert info.value.status() == "StatusCode.INTERNAL"
+            assert info.value.message() == UNHEALTHY.format("py_crash_0_0")
 
 
 def test_bls_from_a_stub_goes_through_the_worker(proc_stack: RunningStack) -> None:
@@ -232,7 +254,7 @@ def test_decoupled_stub_streams_and_a_crash_ends_the_stream_with_an_error(
         got = _stream(c, [3, 1])
         assert int(got[0].as_numpy("OUT")[0]) == 0
         assert isinstance(got[1], InferenceServerException)  # a stream error has no status
-        assert got[1].message() == "Stub process 'py_stream_proc_0_0' is not healthy."
+        assert got[1].message() == UNHEALTHY.format("py_stream_proc_0_0")
         assert len(_stream(c, [2, 0])) == 3  # served by the new stub
 
 

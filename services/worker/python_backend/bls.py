@@ -12,11 +12,20 @@ publishes its share to Redis like one more gateway.
 `exec()` runs on the calling instance's thread and waits there; the stream
 lives on the worker's event loop, which is why Python instances never run
 inline on that loop. `async_exec()` awaits from the instance's own loop.
+
+`exec(decoupled=True)` / `await async_exec(decoupled=True)` return, as in
+Triton 2.51 (checked), once the target's first response is in: an iterator
+(bls_wire.ResponseIterator) that the worker's loop feeds with each response
+as the scheduler link delivers it (`on_more`), so a BLS model forwarding a
+decoupled model's tokens sends each on at once. The loop only queues (never
+blocks); a caller that stops iterating early leaves the target to run to its
+end, as in Triton, and what still arrives is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from typing import Any
 
@@ -25,6 +34,7 @@ from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.shared_stats import SharedStats
 from services.gateway.statistics import StatsBook
 from services.gateway.validation import validate_infer
+from services.worker.python_backend.bls_wire import ResponseFeed, ResponseIterator
 from stageserve import pb_utils
 from stageserve.datatypes import from_numpy
 from stageserve.errors import StageError, code_from_int
@@ -53,6 +63,16 @@ def _error(code: int, message: str) -> pb_utils.InferenceResponse:
     )
 
 
+def _answer(
+    response: pb_utils.InferenceResponse, feed: ResponseFeed | None
+) -> list[pb_utils.InferenceResponse]:
+    """A call's last response: to its feed (a decoupled call), else as the list."""
+    if feed is None:
+        return [response]
+    feed.put(response, last=True)
+    return []
+
+
 class BlsClient:
     def __init__(
         self, scheduler_address: str, state: ModelStateStore, loop: asyncio.AbstractEventLoop
@@ -67,6 +87,7 @@ class BlsClient:
         self.recorder = RequestRecorder(self.stats)
         self.shared = SharedStats(state.redis, self.stats)
         self.shared.start()
+        self._streams: set[concurrent.futures.Future] = set()  # decoupled calls running
 
     def _generation_of(self, model: str) -> int:
         cached = self._models.get(model)
@@ -75,58 +96,89 @@ class BlsClient:
     # Called by pb_utils.InferenceRequest ------------------------------------
 
     def execute(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
-        return self.shape(self.responses(request, decoupled), decoupled)
+        if decoupled:
+            return self.stream(request).wait_first()
+        return self.responses(request, decoupled)[0]
 
     def responses(
         self, request: pb_utils.InferenceRequest, decoupled: bool
     ) -> list[pb_utils.InferenceResponse]:
         """Every response, waiting on this (non-loop) thread; also how a
-        model.py in a stub process is answered (process_instance.py)."""
+        model.py in a stub process is answered (process_instance.py), when
+        its call is not decoupled."""
         future = asyncio.run_coroutine_threadsafe(self.infer(request, decoupled), self.loop)
         return future.result()
 
-    async def execute_async(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
-        future = asyncio.run_coroutine_threadsafe(self.infer(request, decoupled), self.loop)
-        return self.shape(await asyncio.wrap_future(future), decoupled)
+    def stream(self, request: pb_utils.InferenceRequest) -> ResponseIterator:
+        """A decoupled call, at once: its iterator, fed from the worker's loop
+        as the responses arrive; also how a stub's decoupled call is answered."""
+        feed = ResponseFeed()
+        future = asyncio.run_coroutine_threadsafe(self._stream(request, feed), self.loop)
+        self._streams.add(future)  # a reference until it ends
+        future.add_done_callback(self._streams.discard)
+        return ResponseIterator(feed)
 
-    @staticmethod
-    def shape(responses: list[pb_utils.InferenceResponse], decoupled: bool) -> Any:
-        # exec(decoupled=True) gives an iterator of every response (collected
-        # before it returns: not streamed into the caller yet), else the one.
-        return iter(responses) if decoupled else responses[0]
+    async def execute_async(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
+        if decoupled:
+            return await self.stream(request).wait_first_async()
+        future = asyncio.run_coroutine_threadsafe(self.infer(request, decoupled), self.loop)
+        return (await asyncio.wrap_future(future))[0]
 
     # On the worker's loop ----------------------------------------------------
 
     async def infer(
-        self, request: pb_utils.InferenceRequest, decoupled: bool = False
+        self,
+        request: pb_utils.InferenceRequest,
+        decoupled: bool = False,
+        feed: ResponseFeed | None = None,
     ) -> list[pb_utils.InferenceResponse]:
         """The target's responses: one, or (a decoupled target) each it sent,
-        the final flag alone becoming an empty response, as in Triton."""
+        the final flag alone becoming an empty response, as in Triton. With a
+        feed (a decoupled call's), each goes there as it arrives instead, the
+        last one marked, and the list is empty."""
         try:
             loaded = await self._model(request.model_name())
             if loaded is None:
-                return [
-                    _error(5, f"Request for unknown model: '{request.model_name()}' is not found")
-                ]
+                return _answer(
+                    _error(5, f"Request for unknown model: '{request.model_name()}' is not found"),
+                    feed,
+                )
             if loaded.spec.decoupled and not decoupled:
-                return [
+                return _answer(
                     _error(
                         3,
                         f"model '{request.model_name()}' is decoupled: "
                         f"use exec(decoupled=True) / async_exec(decoupled=True)",
-                    )
-                ]
+                    ),
+                    feed,
+                )
             schedule = self._schedule_request(request, loaded)
         except StageError as err:
-            return [_error(err.code.value[0], err.message)]
+            return _answer(_error(err.code.value[0], err.message), feed)
         start = time.monotonic_ns()
         earlier: list[pb.ScheduleResponse] = []
+        on_more = (
+            earlier.append if feed is None else lambda more: feed.put(self._response(request, more))
+        )
         try:
-            resp = await self.link.schedule(schedule, on_more=earlier.append)
+            resp = await self.link.schedule(schedule, on_more=on_more)
         except StageError as err:
             resp = pb.ScheduleResponse(code=err.code.value[0], message=err.message)
         self._record(schedule, resp, time.monotonic_ns() - start)
+        if feed is not None:
+            return _answer(self._response(request, resp), feed)
         return [self._response(request, r) for r in (*earlier, resp)]
+
+    async def _stream(self, request: pb_utils.InferenceRequest, feed: ResponseFeed) -> None:
+        """A decoupled call; its iterator always ends: with the target's last
+        response, an error response, or the exception the call raised."""
+        try:
+            await self.infer(request, True, feed)
+        except asyncio.CancelledError:  # the worker stops: never leave the caller waiting
+            feed.put(_error(14, "BLS request cancelled: the worker is stopping"), last=True)
+            raise
+        except Exception as exc:  # raised to the caller, as a call without decoupled would
+            feed.fail(exc)
 
     @staticmethod
     def _response(

@@ -20,7 +20,11 @@ instances runs in parallel. What it costs: the stub's start at load (an
 interpreter and the model's imports) and a copy of every batch both ways.
 
 BLS calls made in a stub come to the worker (`("bls", ...)` messages) and go
-through the worker's one BLS client, as an in-process instance's do.
+through the worker's one BLS client, as an in-process instance's do. A
+decoupled call's responses go back one by one as they arrive
+(`("bls_part", ...)`, then `("bls_result", ...)` with the last), from a
+thread of their own: a long stream holds no thread other calls wait for,
+and the worker's loop never writes to the socket.
 """
 
 from __future__ import annotations
@@ -38,7 +42,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.worker.python_backend.bls_wire import request_from_wire, responses_to_wire
+from services.worker.python_backend.bls_wire import (
+    request_from_wire,
+    response_to_wire,
+    responses_to_wire,
+)
 from services.worker.python_backend.instance import (
     INTERNAL,
     Emit,
@@ -207,7 +215,15 @@ class ProcessInstance:
                 if batch is not None:
                     _resolve(batch, pb.ExecuteResponse.FromString(message[2]))
             elif kind == "bls":
-                self._bls_pool.submit(self._bls, stub, *message[1:])
+                if message[2]:  # decoupled: streams for as long as its target sends
+                    threading.Thread(
+                        target=self._bls_stream,
+                        args=(stub, message[1], message[3]),
+                        name=f"bls-stream-{self.instance_name}",
+                        daemon=True,
+                    ).start()
+                else:
+                    self._bls_pool.submit(self._bls, stub, *message[1:])
             elif kind == "closed":
                 stub.closed.set_result(None)
                 break
@@ -228,24 +244,37 @@ class ProcessInstance:
             batch.answer.set_result(StillSending(batch.last))
 
     def _bls(self, stub: _Stub, call_id: int, decoupled: bool, wire: dict) -> None:
-        client = pb_utils.InferenceRequest._bls
         try:
-            if client is None:
-                raise pb_utils.TritonModelException(
-                    "BLS requests can only be executed inside a model"
-                )
-            responses = client.responses(request_from_wire(wire), decoupled)
+            responses = _bls_client().responses(request_from_wire(wire), decoupled)
             answer: tuple = ("bls_result", call_id, True, responses_to_wire(responses))
-        except pb_utils.TritonModelException as exc:  # raised in the stub, as in-process
-            answer = ("bls_result", call_id, False, exc.message())
         except Exception as exc:  # answered, never left waiting
-            answer = ("bls_result", call_id, False, f"{type(exc).__name__}: {exc}")
+            answer = _bls_failure(call_id, exc)
+        with contextlib.suppress(OSError):  # the stub died meanwhile
+            stub.send(answer)
+
+    def _bls_stream(self, stub: _Stub, call_id: int, wire: dict) -> None:
+        """A decoupled call: each response to the stub as it arrives
+        ("bls_part"), the last one in the "bls_result" that ends the call."""
+        try:
+            responses = _bls_client().stream(request_from_wire(wire))
+            for response in responses:  # waits on this thread, never on the loop
+                if responses.finished:
+                    answer: tuple = ("bls_result", call_id, True, [response_to_wire(response)])
+                    break
+                stub.send(("bls_part", call_id, response_to_wire(response)))
+            else:
+                answer = ("bls_result", call_id, True, [])
+        except OSError:  # the stub died: the rest is dropped (the target runs to its end)
+            return
+        except Exception as exc:  # answered, never left waiting
+            answer = _bls_failure(call_id, exc)
         with contextlib.suppress(OSError):  # the stub died meanwhile
             stub.send(answer)
 
     def _gone(self, stub: _Stub) -> None:
         """The stub exited: every batch it held fails, and (unless the instance
-        is closing) a new stub starts now, as Triton restarts an unhealthy one."""
+        is closing) a new stub starts now (beyond Triton 2.51, which keeps
+        failing the instance until a reload)."""
         with stub.lock:
             stub.dead = True
             batches, stub.batches = stub.batches, {}
@@ -315,6 +344,21 @@ class ProcessInstance:
                 log.warning("python stub did not finalize", extra={"instance": self.instance_name})
             _stop(stub)
         self._bls_pool.shutdown(wait=False)
+
+
+def _bls_client() -> Any:
+    """The worker's BLS client (bls.py), as an in-process instance's exec() finds it."""
+    client = pb_utils.InferenceRequest._bls
+    if client is None:
+        raise pb_utils.TritonModelException("BLS requests can only be executed inside a model")
+    return client
+
+
+def _bls_failure(call_id: int, exc: Exception) -> tuple:
+    """The answer that makes exec() raise in the stub, as it would in-process."""
+    if isinstance(exc, pb_utils.TritonModelException):
+        return ("bls_result", call_id, False, exc.message())
+    return ("bls_result", call_id, False, f"{type(exc).__name__}: {exc}")
 
 
 def _resolve(batch: _Batch, message: pb.ExecuteResponse) -> None:

@@ -6,7 +6,13 @@ speaks to its worker over one socket (stub_wire.py: tuples, the batches'
 bytes framed by hand, the rest pickled):
 
     worker -> stub: ("init", InitArgs) once, then ("exec", batch_id, ExecuteRequest
-                    bytes), ("bls_result", call_id, ok, value), ("close",)
+                    bytes), ("bls_part", call_id, response wire) for each
+                    response of a decoupled BLS call as it arrives but its last,
+                    ("bls_result", call_id, ok, value) once per BLS call (ok:
+                    value is the list of its responses left: the one response,
+                    or a decoupled call's last one; else the message of the
+                    TritonModelException that exec(), or next() on a decoupled
+                    call's iterator, raises), ("close",)
     stub -> worker: ("ready",) or ("init_failed", message) once, then
                     ("part", batch_id, ExecuteResponse bytes) for each decoupled
                     message sent early, ("done", batch_id, ExecuteResponse bytes)
@@ -36,7 +42,10 @@ from typing import Any
 
 from services.worker.blas_threads import limit_blas_threads
 from services.worker.python_backend.bls_wire import (
+    ResponseFeed,
+    ResponseIterator,
     request_to_wire,
+    response_from_wire,
     responses_from_wire,
 )
 from services.worker.python_backend.instance import (
@@ -82,43 +91,71 @@ class _Channel:
 
 
 class _BlsProxy:
-    """pb_utils.InferenceRequest._bls in a stub: the call goes to the worker."""
+    """pb_utils.InferenceRequest._bls in a stub: the call goes to the worker.
+    A decoupled call's responses come one by one as they arrive ("bls_part")
+    into the iterator its exec() returned, as in-process."""
 
     def __init__(self, channel: _Channel) -> None:
         self._channel = channel
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._waiting: dict[int, concurrent.futures.Future] = {}
+        self._waiting: dict[int, concurrent.futures.Future | ResponseFeed] = {}
 
     def _call(
-        self, request: pb_utils.InferenceRequest, decoupled: bool
-    ) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        self, request: pb_utils.InferenceRequest, waiting: concurrent.futures.Future | ResponseFeed
+    ) -> None:
         call_id = next(self._ids)
         with self._lock:
-            self._waiting[call_id] = future
+            self._waiting[call_id] = waiting
+        decoupled = isinstance(waiting, ResponseFeed)
         self._channel.send(("bls", call_id, decoupled, request_to_wire(request)))
-        return future
+
+    def _stream(self, request: pb_utils.InferenceRequest) -> ResponseIterator:
+        feed = ResponseFeed()
+        responses = ResponseIterator(feed)
+        self._call(request, feed)
+        return responses
 
     def execute(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
-        return _shape(self._call(request, decoupled).result(), decoupled)
+        if decoupled:
+            return self._stream(request).wait_first()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._call(request, future)
+        return future.result()[0]
 
     async def execute_async(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
-        return _shape(await asyncio.wrap_future(self._call(request, decoupled)), decoupled)
+        if decoupled:
+            return await self._stream(request).wait_first_async()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._call(request, future)
+        return (await asyncio.wrap_future(future))[0]
+
+    def part(self, call_id: int, wire: dict) -> None:
+        with self._lock:
+            feed = self._waiting.get(call_id)
+        if isinstance(feed, ResponseFeed):
+            feed.put(response_from_wire(wire))
 
     def answered(self, call_id: int, ok: bool, value: Any) -> None:
         with self._lock:
-            future = self._waiting.pop(call_id, None)
-        if future is None:
+            waiting = self._waiting.pop(call_id, None)
+        if waiting is None:
             return
-        if ok:
-            future.set_result(responses_from_wire(value))
+        if isinstance(waiting, ResponseFeed):
+            if not ok:
+                waiting.fail(pb_utils.TritonModelException(value))
+                return
+            responses = responses_from_wire(value)
+            for response in responses[:-1]:
+                waiting.put(response)
+            if responses:
+                waiting.put(responses[-1], last=True)
+            else:  # ended without a last response: so does the iteration
+                waiting.end()
+        elif ok:
+            waiting.set_result(responses_from_wire(value))
         else:
-            future.set_exception(pb_utils.TritonModelException(value))
-
-
-def _shape(responses: list[pb_utils.InferenceResponse], decoupled: bool) -> Any:
-    return iter(responses) if decoupled else responses[0]
+            waiting.set_exception(pb_utils.TritonModelException(value))
 
 
 def _run_batch(instance: PythonInstance, channel: _Channel, batch_id: int, raw: bytes) -> None:
@@ -166,6 +203,8 @@ def serve(conn: StubSocket) -> None:
         message = conn.recv()
         if message[0] == "exec":
             executor.submit(_run_batch, instance, channel, message[1], message[2])
+        elif message[0] == "bls_part":
+            bls.part(message[1], message[2])
         elif message[0] == "bls_result":
             bls.answered(*message[1:])
         elif message[0] == "close":

@@ -1,0 +1,359 @@
+"""A decoupled BLS call streams into its caller (no stack): the iterator
+(bls_wire.ResponseIterator), the worker's BLS client feeding it from its loop
+(bls.py, with a fake scheduler link), and a model.py in a stub process
+(process_instance.py / stub.py, with a fake BLS client in the worker)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from services.worker.python_backend.bls import BlsClient
+from services.worker.python_backend.bls_wire import ResponseFeed, ResponseIterator
+from services.worker.python_backend.process_instance import ProcessInstance
+from stageserve import pb_utils
+from stageserve.config import parse_config_text, to_spec
+from stageserve.examples import python_config_text
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.tensors import numpy_to_raw, raw_to_numpy
+
+GAP_S = 0.3
+
+
+def _response(value: int) -> pb_utils.InferenceResponse:
+    return pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([value], np.int32))])
+
+
+def _value(response: pb_utils.InferenceResponse) -> int | None:
+    out = pb_utils.get_output_tensor_by_name(response, "OUT")
+    return None if out is None else int(out.as_numpy()[0])
+
+
+def _later(feed: ResponseFeed, *steps) -> threading.Thread:
+    """Feeds (delay_s, value or None for the final flag alone) from a thread."""
+
+    def run() -> None:
+        for i, (delay, value) in enumerate(steps):
+            time.sleep(delay)
+            last = i == len(steps) - 1
+            feed.put(pb_utils.InferenceResponse([]) if value is None else _response(value), last)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+# ------------------------------------------------------------ the iterator
+
+
+def test_iterator_yields_each_response_as_it_comes() -> None:
+    feed = ResponseFeed()
+    start = time.monotonic()
+    _later(feed, (GAP_S, 0), (GAP_S, 1), (0, None))
+    responses = ResponseIterator(feed).wait_first()  # exec() returns with the first
+    returned = time.monotonic() - start
+    got = [(time.monotonic() - start, _value(r)) for r in responses]
+    assert [v for _, v in got] == [0, 1, None]  # the final flag alone: an empty response
+    assert returned > GAP_S - 0.01  # not before the first response
+    assert got[1][0] - returned > GAP_S / 2  # nor with the second
+    assert responses.finished
+
+
+def test_iterator_restarts_once_finished_and_resumes_otherwise() -> None:
+    """As Triton 2.51's (checked): a second `for` over a finished iterator
+    yields every response again; next() on it stops; a partly read one resumes."""
+    feed = ResponseFeed()
+    for v in (0, 1):
+        feed.put(_response(v))
+    feed.put(_response(2), last=True)  # the final flag with the last response
+    responses = ResponseIterator(feed)
+    assert _value(next(responses)) == 0
+    assert [_value(r) for r in responses] == [1, 2]  # resumed
+    with pytest.raises(StopIteration):
+        next(responses)
+    assert [_value(r) for r in responses] == [0, 1, 2]  # again from the start
+
+
+def test_iterator_raises_what_the_call_raised() -> None:
+    feed = ResponseFeed()
+    feed.fail(pb_utils.TritonModelException("no client"))
+    with pytest.raises(pb_utils.TritonModelException, match="no client"):
+        ResponseIterator(feed).wait_first()  # exec() raises it
+    feed = ResponseFeed()
+    feed.put(_response(0))
+    feed.fail(ValueError("mid-stream"))
+    responses = ResponseIterator(feed).wait_first()
+    assert _value(next(responses)) == 0
+    with pytest.raises(ValueError, match="mid-stream"):
+        next(responses)
+    with pytest.raises(StopIteration):
+        next(responses)
+    feed = ResponseFeed()
+    feed.end()  # no response at all
+    assert list(ResponseIterator(feed).wait_first()) == []
+
+
+def test_an_iterator_dropped_early_drops_what_still_comes() -> None:
+    feed = ResponseFeed()
+    feed.put(_response(0))
+    responses = ResponseIterator(feed).wait_first()
+    assert _value(next(responses)) == 0
+    feed.put(_response(1))
+    del responses
+    gc.collect()
+    assert feed.abandoned
+    for v in range(2, 100):
+        feed.put(_response(v))  # never blocks, keeps nothing
+    feed.put(_response(100), last=True)
+    assert feed._queue.empty()
+
+
+def test_wait_first_async_never_blocks_its_loop() -> None:
+    async def main() -> tuple[int, list[int | None]]:
+        feed = ResponseFeed()
+        _later(feed, (GAP_S, 0), (0, None))
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        responses = await ResponseIterator(feed).wait_first_async()
+        ticker.cancel()
+        return ticks, [_value(r) for r in responses]
+
+    ticks, values = asyncio.run(main())
+    assert values == [0, None]
+    assert ticks > 5  # the loop ran while the first response was awaited
+
+
+def test_a_cancelled_async_caller_leaves_the_feed_working() -> None:
+    async def main() -> ResponseFeed:
+        feed = ResponseFeed()
+        waiter = asyncio.ensure_future(ResponseIterator(feed).wait_first_async())
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        return feed
+
+    feed = asyncio.run(main())
+    gc.collect()
+    feed.put(_response(0))  # no InvalidStateError
+    feed.put(_response(1), last=True)
+
+
+# ------------------------------------------------- the worker's BLS client
+
+
+class _FakeLink:
+    """SchedulerLink.schedule: the decoupled target's responses, GAP_S apart."""
+
+    def __init__(self, values: list[int], raise_at_end: Exception | None = None) -> None:
+        self.values = values
+        self.raise_at_end = raise_at_end
+
+    async def schedule(self, request, on_more=None) -> pb.ScheduleResponse:
+        for v in self.values:
+            resp = pb.ScheduleResponse(more=True)
+            resp.outputs.add(
+                name="OUT", datatype="INT32", shape=[1], raw=numpy_to_raw(np.array([v], np.int32))
+            )
+            on_more(resp)
+            await asyncio.sleep(GAP_S)
+        if self.raise_at_end is not None:
+            raise self.raise_at_end
+        return pb.ScheduleResponse(no_response=True)  # the final flag alone
+
+
+@pytest.fixture
+def client() -> Iterator[BlsClient]:
+    """A BlsClient on a loop of its own thread, its link and model lookups faked."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    c = BlsClient.__new__(BlsClient)
+    c.loop = loop
+    c._streams = set()
+    c.link = _FakeLink([0, 1])
+
+    async def model(name):
+        return SimpleNamespace(spec=SimpleNamespace(decoupled=True), generation=1)
+
+    c._model = model
+    c._schedule_request = lambda request, loaded: pb.ScheduleRequest(model="gen")
+    c._record = lambda *args: None
+    try:
+        yield c
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+def _request() -> pb_utils.InferenceRequest:
+    return pb_utils.InferenceRequest(model_name="gen", requested_output_names=["OUT"], inputs=[])
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_client_streams_from_its_loop(client: BlsClient, use_async: bool) -> None:
+    start = time.monotonic()
+    if use_async:
+        responses = asyncio.run(client.execute_async(_request(), True))
+    else:
+        responses = client.execute(_request(), True)
+    returned = time.monotonic() - start
+    got = [(time.monotonic() - start, _value(r)) for r in responses]
+    assert [v for _, v in got] == [0, 1, None]
+    assert returned < GAP_S / 2  # with the first response, not at the end
+    assert got[1][0] - got[0][0] > GAP_S / 2
+    assert wait_for(lambda: not client._streams)  # the call is gone once ended
+
+
+def test_client_call_raising_midstream_raises_in_the_caller(client: BlsClient) -> None:
+    client.link = _FakeLink([0], raise_at_end=RuntimeError("link broke"))
+    responses = client.execute(_request(), True)
+    assert _value(next(responses)) == 0
+    with pytest.raises(RuntimeError, match="link broke"):
+        next(responses)
+
+
+def test_client_stream_dropped_early_runs_to_its_end(client: BlsClient) -> None:
+    client.link = _FakeLink(list(range(5)))
+    responses = client.execute(_request(), True)
+    assert _value(next(responses)) == 0
+    feed = responses._feed
+    del responses
+    gc.collect()
+    assert feed.abandoned
+    assert wait_for(lambda: not client._streams, timeout_s=10)
+    assert feed._queue.empty()
+
+
+def test_client_not_decoupled_answers_the_one_response(client: BlsClient) -> None:
+    client.link = _FakeLink([])
+    response = client.execute(_request(), False)
+    assert response.error() is not None  # the target is decoupled: INVALID_ARG
+    assert response.error().code() == pb_utils.TritonError.INVALID_ARG
+
+
+def wait_for(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+# ------------------------------------------------------ a model.py in a stub
+
+# Calls "gen" with exec(decoupled=True) (IN[0] = 1: async_exec; 2: reads one
+# response, drops the iterator, then calls again and reads all). T: seconds
+# from the call when each response came, R: when exec returned, V: values.
+STUB_CALLER = """\
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        mode = int(pb_utils.get_input_tensor_by_name(requests[0], "IN").as_numpy()[0])
+        bls = pb_utils.InferenceRequest(model_name="gen", requested_output_names=["OUT"],
+                                        inputs=[])
+        if mode == 2:
+            first = bls.exec(decoupled=True)
+            next(first)
+            del first
+        start = time.monotonic()
+        responses = await bls.async_exec(decoupled=True) if mode == 1 else bls.exec(
+            decoupled=True)
+        returned = time.monotonic() - start
+        arrived, values = [], []
+        for r in responses:
+            arrived.append(time.monotonic() - start)
+            o = pb_utils.get_output_tensor_by_name(r, "OUT")
+            values.append(-1 if o is None else int(o.as_numpy()[0]))
+        return [pb_utils.InferenceResponse([
+            pb_utils.Tensor("T", np.array(arrived, np.float64)),
+            pb_utils.Tensor("R", np.array([returned], np.float64)),
+            pb_utils.Tensor("V", np.array(values, np.int64))])]
+"""
+
+
+class _FakeWorkerClient:
+    """pb_utils.InferenceRequest._bls in the worker: "gen" streams 0, 1, final."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def stream(self, request: pb_utils.InferenceRequest) -> ResponseIterator:
+        assert request.model_name() == "gen"
+        self.calls += 1
+        feed = ResponseFeed()
+        _later(feed, (0, 0), (GAP_S, 1), (0, None))
+        return ResponseIterator(feed)
+
+
+@pytest.fixture
+def stub_instance(tmp_path: Path) -> Iterator[tuple[ProcessInstance, _FakeWorkerClient]]:
+    text = python_config_text(
+        "caller",
+        [("IN", "INT32", (1,))],
+        [("T", "FP64", (-1,)), ("R", "FP64", (1,)), ("V", "INT64", (-1,))],
+        max_batch_size=0,
+    )
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "model.py").write_text(STUB_CALLER)
+    fake = _FakeWorkerClient()
+    saved, pb_utils.InferenceRequest._bls = pb_utils.InferenceRequest._bls, fake
+    inst = ProcessInstance(
+        tmp_path / "1" / "model.py",
+        to_spec(parse_config_text(text)),
+        "{}",
+        instance_name="caller_0_0",
+        kind="KIND_CPU",
+        device_id=-1,
+        version=1,
+    )
+    try:
+        yield inst, fake
+    finally:
+        inst.close()
+        pb_utils.InferenceRequest._bls = saved
+
+
+def _run(inst: ProcessInstance, mode: int) -> dict[str, list]:
+    req = pb.ExecuteRequest(request_batch_sizes=[1])
+    req.inputs.add(
+        name="IN", datatype="INT32", shape=[1], raw=numpy_to_raw(np.array([mode], np.int32))
+    )
+    req.requested.add()
+    resp = inst.execute_batch(req, None)
+    assert resp.code == 0, resp.message
+    return {
+        t.name: raw_to_numpy(t.raw, t.datatype, t.shape).tolist() for t in resp.results[0].outputs
+    }
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2], ids=["exec", "async_exec", "after_early_stop"])
+def test_stub_gets_each_response_as_it_comes(stub_instance, mode: int) -> None:
+    inst, fake = stub_instance
+    out = _run(inst, mode)
+    assert out["V"] == [0, 1, -1]
+    arrived, returned = out["T"], out["R"][0]
+    assert arrived[1] - arrived[0] > GAP_S / 2
+    assert returned < arrived[1] - GAP_S / 2
+    assert fake.calls == (2 if mode == 2 else 1)

@@ -32,6 +32,8 @@ from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, 
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.scheduler.hold_tuner import HoldTuner
+
 REJECT, DELAY = "REJECT", "DELAY"
 
 
@@ -234,6 +236,8 @@ class DynamicBatcher(Batcher):
     adaptive_delay_ns after its oldest request. Under load the batches grow,
     and with them the work shared per message on every hop; a lone request
     (concurrency 1) never waits, because one queued request never holds.
+    Whether the hold is on at all is decided epoch by epoch from the traffic
+    by the tuner (hold_tuner.py): off while requests arrive faster without it.
     """
 
     # Bounds on the gap after the last arrival that keeps a held batch open.
@@ -246,6 +250,7 @@ class DynamicBatcher(Batcher):
         preferred_batch_sizes: tuple[int, ...] = (),
         max_queue_delay_ns: int = 0,
         adaptive_delay_ns: int = 0,
+        hold_tuner: HoldTuner | None = None,
         **queue_options: Any,
     ) -> None:
         super().__init__(**queue_options)
@@ -255,6 +260,8 @@ class DynamicBatcher(Batcher):
         self.preferred = frozenset(preferred_batch_sizes)
         self.max_queue_delay_ns = max_queue_delay_ns
         self.adaptive_delay_ns = adaptive_delay_ns
+        # Whether holding pays is measured on the traffic (hold_tuner.py).
+        self.tuner = (hold_tuner or HoldTuner()) if adaptive_delay_ns else None
         self.last_arrival_ns: int | None = None
         self.mean_gap_ns = 0.0
 
@@ -264,10 +271,14 @@ class DynamicBatcher(Batcher):
             gap = max(0, request.enqueue_ns - self.last_arrival_ns)
             self.mean_gap_ns += self.GAP_WEIGHT * (gap - self.mean_gap_ns)
         self.last_arrival_ns = request.enqueue_ns
+        if self.tuner is not None:
+            self.tuner.arrived(request.enqueue_ns)
 
-    def _hold_until(self, count: int, oldest: int) -> int | None:
+    def _hold_until(self, count: int, oldest: int, now_ns: int) -> int | None:
         """Until when the adaptive hold keeps a ready batch of `count` open."""
         if not self.adaptive_delay_ns or count < 2 or self.last_arrival_ns is None:
+            return None
+        if self.tuner is not None and not self.tuner.hold_on(now_ns):
             return None
         gap = min(max(2 * self.mean_gap_ns, self.MIN_GAP_NS), self.adaptive_delay_ns)
         return min(oldest + self.adaptive_delay_ns, self.last_arrival_ns + int(gap))
@@ -301,7 +312,7 @@ class DynamicBatcher(Batcher):
             return Decision(self._take(best_preferred), None)
         deadline = oldest + self.max_queue_delay_ns
         if now_ns >= deadline:
-            hold = self._hold_until(count, oldest)
+            hold = self._hold_until(count, oldest, now_ns)
             if hold is not None and now_ns < hold:
                 return Decision(None, hold)
             return Decision(self._take(count), None)

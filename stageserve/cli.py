@@ -39,6 +39,13 @@ log = logging.getLogger("stageserve")
 DEFAULT_EXAMPLE_REPOSITORY = Path(".stageserve/example_repository")
 
 
+# The adaptive hold's cap, on by default (services/scheduler/hold_tuner.py):
+# with the tuner, two interleaved A/B rounds on the 2-core dev machine gave
+# +11-20% at concurrency 32-64 (identity, mlp), 0.98-1.03x at 1 and 8, and
+# 19% less CPU per inference at 64 (docs/benchmarks.md).
+ADAPTIVE_DELAY_US = 2000
+
+
 def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name, default)
 
@@ -171,9 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument(
         "--adaptive-batch-delay-us",
         type=int,
-        default=int(_env("STAGESERVE_ADAPTIVE_BATCH_DELAY_US") or 0),
-        help="beyond Triton: hold a dynamic batch open while requests keep arriving, at "
-        "most this long after its oldest (0: off, Triton's behaviour)",
+        default=int(_env("STAGESERVE_ADAPTIVE_BATCH_DELAY_US", str(ADAPTIVE_DELAY_US))),
+        help="beyond Triton: hold a dynamic batch open while requests keep arriving and "
+        "holding pays (tried on the traffic), at most this long after its oldest "
+        f"(default {ADAPTIVE_DELAY_US}; 0: off, Triton's batching exactly)",
     )
     _redis(sc)
     _common(sc)

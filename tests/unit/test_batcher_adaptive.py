@@ -92,6 +92,14 @@ def test_scheduler_flag_reaches_the_batcher(monkeypatch) -> None:
         ["scheduler", "--redis-url", "redis://h", "--adaptive-batch-delay-us", "700"]
     )
     assert args.adaptive_batch_delay_us == 700
+    monkeypatch.delenv("STAGESERVE_ADAPTIVE_BATCH_DELAY_US", raising=False)
+    default = build_parser().parse_args(["scheduler", "--redis-url", "redis://h"])
+    assert default.adaptive_batch_delay_us == 2000  # on by default (hold_tuner.py)
+    monkeypatch.setenv("STAGESERVE_ADAPTIVE_BATCH_DELAY_US", "0")
+    assert (
+        build_parser().parse_args(["scheduler", "--redis-url", "redis://h"]).adaptive_batch_delay_us
+        == 0
+    )
     monkeypatch.setenv("STAGESERVE_ADAPTIVE_BATCH_DELAY_US", "300")
     assert (
         build_parser().parse_args(["scheduler", "--redis-url", "redis://h"]).adaptive_batch_delay_us

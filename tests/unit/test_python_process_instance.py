@@ -13,8 +13,8 @@ import pytest
 from services.worker.python_backend.bls_wire import (
     request_from_wire,
     request_to_wire,
+    response_to_wire,
     responses_from_wire,
-    responses_to_wire,
 )
 from services.worker.python_backend.instance import PythonModelError, StillSending
 from services.worker.python_backend.process_instance import (
@@ -237,7 +237,7 @@ def test_bls_values_cross_the_process_boundary_unchanged() -> None:
             error=pb_utils.TritonError("no", pb_utils.TritonError.NOT_FOUND)
         ),
     ]
-    ok, err = responses_from_wire(responses_to_wire(responses))
+    ok, err = responses_from_wire([response_to_wire(r) for r in responses])
     assert ok.output_tensors()[0].as_numpy().tolist() == [b"a\x00b", b"\xff\xfe"]
     assert err.has_error() and err.error().code() == pb_utils.TritonError.NOT_FOUND
     assert err.error().message() == "no"

@@ -98,16 +98,13 @@ class BlsClient:
     def execute(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
         if decoupled:
             return self.stream(request).wait_first()
-        return self.responses(request, decoupled)[0]
+        return self.response(request)
 
-    def responses(
-        self, request: pb_utils.InferenceRequest, decoupled: bool
-    ) -> list[pb_utils.InferenceResponse]:
-        """Every response, waiting on this (non-loop) thread; also how a
-        model.py in a stub process is answered (process_instance.py), when
-        its call is not decoupled."""
-        future = asyncio.run_coroutine_threadsafe(self.infer(request, decoupled), self.loop)
-        return future.result()
+    def response(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
+        """A call that is not decoupled, waiting on this (non-loop) thread;
+        also how a model.py in a stub process is answered (process_instance.py)."""
+        future = asyncio.run_coroutine_threadsafe(self.infer(request), self.loop)
+        return future.result()[0]
 
     def stream(self, request: pb_utils.InferenceRequest) -> ResponseIterator:
         """A decoupled call, at once: its iterator, fed from the worker's loop

@@ -178,9 +178,5 @@ def response_from_wire(r: Wire) -> pb_utils.InferenceResponse:
     )
 
 
-def responses_to_wire(responses: list[pb_utils.InferenceResponse]) -> list[Wire]:
-    return [response_to_wire(r) for r in responses]
-
-
 def responses_from_wire(wire: list[Wire]) -> list[pb_utils.InferenceResponse]:
     return [response_from_wire(r) for r in wire]

@@ -27,7 +27,7 @@ def python_instances(
     """
     path = model.path / str(version) / model.spec.model_filename
     try:
-        kind = ProcessInstance if runs_in_process(model.spec) else PythonInstance
+        instance_class = ProcessInstance if runs_in_process(model.spec) else PythonInstance
     except InstanceProcessError as exc:
         raise PythonModelError(str(exc)) from exc
     text = config_json(model.config)
@@ -48,7 +48,7 @@ def python_instances(
             # keeps thread-bound state (an event loop, a CUDA context) finds it there.
             try:
                 hosted.backend = hosted.executor.submit(
-                    kind,
+                    instance_class,
                     path,
                     model.spec,
                     text,

@@ -45,7 +45,6 @@ from typing import Any
 from services.worker.python_backend.bls_wire import (
     request_from_wire,
     response_to_wire,
-    responses_to_wire,
 )
 from services.worker.python_backend.instance import (
     INTERNAL,
@@ -105,19 +104,16 @@ class _Batch:
 class _Stub:
     """One running stub process, its socket and the batches it executes."""
 
-    def __init__(self, owner: ProcessInstance, proc: subprocess.Popen, conn: StubSocket) -> None:
-        self.owner = owner
+    def __init__(self, proc: subprocess.Popen, conn: StubSocket) -> None:
         self.proc = proc
         self.conn = conn
-        self.send_lock = threading.Lock()
         self.lock = threading.Lock()
         self.batches: dict[int, _Batch] = {}
         self.dead = False
         self.closed: concurrent.futures.Future = concurrent.futures.Future()
 
     def send(self, message: tuple) -> None:
-        with self.send_lock:
-            self.conn.send(message)
+        self.conn.send(message)  # thread-safe (stub_wire.py)
 
     def recv(self) -> Any:
         """The next message, or None once the stub is gone."""
@@ -178,7 +174,7 @@ class ProcessInstance:
             )
         finally:
             child.close()
-        stub = _Stub(self, proc, StubSocket(parent))
+        stub = _Stub(proc, StubSocket(parent))
         stub.send(("init", self._init))
         first = stub.recv()
         if first is None or first[0] != "ready":
@@ -223,7 +219,7 @@ class ProcessInstance:
                         daemon=True,
                     ).start()
                 else:
-                    self._bls_pool.submit(self._bls, stub, *message[1:])
+                    self._bls_pool.submit(self._bls, stub, message[1], message[3])
             elif kind == "closed":
                 stub.closed.set_result(None)
                 break
@@ -243,10 +239,10 @@ class ProcessInstance:
             batch.last = concurrent.futures.Future()
             batch.answer.set_result(StillSending(batch.last))
 
-    def _bls(self, stub: _Stub, call_id: int, decoupled: bool, wire: dict) -> None:
+    def _bls(self, stub: _Stub, call_id: int, wire: dict) -> None:
         try:
-            responses = _bls_client().responses(request_from_wire(wire), decoupled)
-            answer: tuple = ("bls_result", call_id, True, responses_to_wire(responses))
+            response = _bls_client().response(request_from_wire(wire))
+            answer: tuple = ("bls_result", call_id, True, [response_to_wire(response)])
         except Exception as exc:  # answered, never left waiting
             answer = _bls_failure(call_id, exc)
         with contextlib.suppress(OSError):  # the stub died meanwhile

@@ -78,24 +78,12 @@ class InitArgs:
     version: int
 
 
-class _Channel:
-    """The socket, written from several threads (instance, model's sender threads)."""
-
-    def __init__(self, conn: StubSocket) -> None:
-        self.conn = conn
-        self._lock = threading.Lock()
-
-    def send(self, message: tuple) -> None:
-        with self._lock:
-            self.conn.send(message)
-
-
 class _BlsProxy:
     """pb_utils.InferenceRequest._bls in a stub: the call goes to the worker.
     A decoupled call's responses come one by one as they arrive ("bls_part")
     into the iterator its exec() returned, as in-process."""
 
-    def __init__(self, channel: _Channel) -> None:
+    def __init__(self, channel: StubSocket) -> None:
         self._channel = channel
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -158,7 +146,7 @@ class _BlsProxy:
             waiting.set_exception(pb_utils.TritonModelException(value))
 
 
-def _run_batch(instance: PythonInstance, channel: _Channel, batch_id: int, raw: bytes) -> None:
+def _run_batch(instance: PythonInstance, channel: StubSocket, batch_id: int, raw: bytes) -> None:
     def emit(message: pb.ExecuteResponse) -> None:
         channel.send(("part", batch_id, message.SerializeToString()))
 
@@ -177,12 +165,12 @@ def _run_batch(instance: PythonInstance, channel: _Channel, batch_id: int, raw: 
         done(result)
 
 
-def serve(conn: StubSocket) -> None:
-    channel = _Channel(conn)
+def serve(channel: StubSocket) -> None:
+    """channel.send may be called from any thread: the instance's, the model's own."""
     bls = _BlsProxy(channel)
     pb_utils.InferenceRequest._bls = bls
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="instance")
-    kind, init = conn.recv()
+    kind, init = channel.recv()
     assert kind == "init"
     try:
         instance = executor.submit(
@@ -200,7 +188,7 @@ def serve(conn: StubSocket) -> None:
         return
     channel.send(("ready",))
     while True:
-        message = conn.recv()
+        message = channel.recv()
         if message[0] == "exec":
             executor.submit(_run_batch, instance, channel, message[1], message[2])
         elif message[0] == "bls_part":

@@ -15,6 +15,7 @@ batch, collecting responses, BLS, response senders) hooks in through the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import struct
@@ -342,10 +343,29 @@ class InferenceRequest:
             raise TritonModelException("BLS requests can only be executed inside a model")
         return self._bls.execute(self, decoupled)
 
-    async def async_exec(self, decoupled: bool = False) -> Any:
+    def async_exec(self, decoupled: bool = False) -> asyncio.Future:
+        """Send this request now and return an asyncio Future (a Task) of the
+        running loop, as Triton 2.51's `run_in_executor` future: the request
+        is on its way before the caller awaits, so several calls made before
+        awaiting any run at once, and `asyncio.wait` / `gather` take them.
+        Awaited: what `exec(decoupled)` returns. Without a running loop (a
+        plain `def execute`), RuntimeError, as in Triton."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(
+                "no running event loop: async_exec() must be called from a coroutine "
+                "(an `async def execute`); use exec() otherwise"
+            ) from None
         if self._bls is None:
             raise TritonModelException("BLS requests can only be executed inside a model")
-        return await self._bls.execute_async(self, decoupled)
+        try:
+            answer = self._bls.execute_async(self, decoupled)  # sends it: no await needed
+        except Exception as exc:  # raised when awaited, as the call's own errors are
+            failed = loop.create_future()
+            failed.set_exception(exc)
+            return failed
+        return loop.create_task(answer)
 
 
 def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:

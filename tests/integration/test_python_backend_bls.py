@@ -115,6 +115,57 @@ class TritonPythonModel:
         return out
 """
 
+# The time its execute began (time.monotonic(): one clock for every process).
+STAMP = """\
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        now = time.monotonic()
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("T", np.array([now]))])
+                for _ in requests]
+"""
+
+# async_exec() as in Triton 2.51: sends py_stamp two requests and py_gen a
+# decoupled one, blocks its loop 0.5 s (no await), then awaits the three with
+# asyncio.wait. T: when py_stamp ran them, relative to when the caller began
+# to await (< 0: before); W: how long that await took; OUT: py_gen's outputs.
+ASYNC_CALLER = """\
+import asyncio
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "IN")
+        stamps = [pb_utils.InferenceRequest(model_name="py_stamp", requested_output_names=["T"],
+                                            inputs=[x]).async_exec() for _ in range(2)]
+        gen = pb_utils.InferenceRequest(model_name="py_gen", requested_output_names=["OUT"],
+                                        inputs=[x]).async_exec(decoupled=True)
+        time.sleep(0.5)
+        awaiting = time.monotonic()
+        done, pending = await asyncio.wait([*stamps, gen])
+        waited = time.monotonic() - awaiting
+        answers = await asyncio.gather(*stamps)
+        assert all(isinstance(a, pb_utils.InferenceResponse) for a in answers), answers
+        responses = gen.result()
+        assert type(responses).__name__ == "ResponseIterator", type(responses)
+        parts = [o.as_numpy() for r in responses for o in r.output_tensors()]
+        stamped = [pb_utils.get_output_tensor_by_name(a, "T").as_numpy()[0] for a in answers]
+        return [pb_utils.InferenceResponse([
+            pb_utils.Tensor("T", np.array(stamped) - awaiting),
+            pb_utils.Tensor("W", np.array([waited])),
+            pb_utils.Tensor("OUT", np.stack(parts))])]
+"""
+STUB = '\nparameters { key: "STAGESERVE_INSTANCE_PROCESS" value { string_value: "true" } }\n'
+
 
 @pytest.fixture(scope="module")
 def bls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
@@ -163,6 +214,22 @@ def bls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack
             max_batch_size=0,
         ),
     )
+    write_python_model(
+        root,
+        "py_stamp",
+        STAMP,
+        python_config_text(
+            "py_stamp", [("IN", "FP32", (4,))], [("T", "FP64", (1,))], max_batch_size=0
+        ),
+    )
+    for name, extra in (("py_async", ""), ("py_async_stub", STUB)):
+        config = python_config_text(
+            name,
+            [("IN", "FP32", (4,))],
+            [("T", "FP64", (2,)), ("W", "FP64", (1,)), ("OUT", "FP32", (3, 4))],
+            max_batch_size=0,
+        )
+        write_python_model(root, name, ASYNC_CALLER, config + extra)
     with running_stack(root) as s:
         yield s
 
@@ -240,3 +307,17 @@ def test_bls_to_decoupled_model(bls_stack: RunningStack) -> None:
             c.infer("py_gen_caller", [inp])
     assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert "exec(decoupled=True)" in info.value.message()
+
+
+@pytest.mark.parametrize("model", ["py_async", "py_async_stub"], ids=["in_process", "stub"])
+def test_async_exec_runs_before_the_caller_awaits(bls_stack: RunningStack, model: str) -> None:
+    """As Triton 2.51: async_exec() returns an asyncio Future already sent, so
+    requests made before awaiting run meanwhile, and asyncio.wait takes them."""
+    x = np.arange(4, dtype=np.float32)
+    inp = grpcclient.InferInput("IN", [4], "FP32")
+    inp.set_data_from_numpy(x)
+    with bls_stack.client() as c:
+        r = c.infer(model, [inp])
+    assert (r.as_numpy("T") < 0).all(), r.as_numpy("T")  # ran while the caller was blocked
+    assert r.as_numpy("W")[0] < 0.25  # every answer was in already
+    np.testing.assert_array_equal(r.as_numpy("OUT"), np.stack([x, x * 2, x * 3]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import numpy as np
@@ -49,6 +50,21 @@ def test_error_codes() -> None:
     assert resp.has_error() and resp.error() is err
     with pytest.raises(pb_utils.TritonModelException):
         pb_utils.InferenceResponse(error="not an error object")  # type: ignore[arg-type]
+
+
+def test_async_exec_needs_a_running_loop_and_a_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As Triton 2.51's (asyncio.get_running_loop() first): a plain `def
+    execute` calling async_exec() gets RuntimeError, not a coroutine."""
+    monkeypatch.setattr(pb_utils.InferenceRequest, "_bls", None)  # outside a worker
+    request = pb_utils.InferenceRequest(model_name="m", requested_output_names=["O"])
+    with pytest.raises(RuntimeError, match="no running event loop"):
+        request.async_exec()
+
+    async def in_a_loop() -> None:
+        with pytest.raises(pb_utils.TritonModelException, match="inside a model"):
+            request.async_exec()
+
+    asyncio.run(in_a_loop())
 
 
 def test_response_sender_final_flag_closes_it() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +20,8 @@ import pytest
 from services.worker.python_backend.bls import BlsClient
 from services.worker.python_backend.bls_wire import ResponseFeed, ResponseIterator
 from services.worker.python_backend.process_instance import ProcessInstance
+from services.worker.python_backend.stub import _BlsProxy
+from services.worker.python_backend.stub_wire import StubSocket
 from stageserve import pb_utils
 from stageserve.config import parse_config_text, to_spec
 from stageserve.examples import python_config_text
@@ -159,21 +162,36 @@ def test_a_cancelled_async_caller_leaves_the_feed_working() -> None:
 class _FakeLink:
     """SchedulerLink.schedule: the decoupled target's responses, GAP_S apart."""
 
-    def __init__(self, values: list[int], raise_at_end: Exception | None = None) -> None:
+    def __init__(
+        self,
+        values: list[int],
+        raise_at_end: Exception | None = None,
+        final: int | None = None,
+    ) -> None:
         self.values = values
         self.raise_at_end = raise_at_end
+        self.final = final  # the last response's OUT; None: the final flag alone
+        self.sent = 0  # requests received
 
     async def schedule(self, request, on_more=None) -> pb.ScheduleResponse:
+        self.sent += 1
         for v in self.values:
             resp = pb.ScheduleResponse(more=True)
-            resp.outputs.add(
-                name="OUT", datatype="INT32", shape=[1], raw=numpy_to_raw(np.array([v], np.int32))
-            )
+            _out(resp, v)
             on_more(resp)
             await asyncio.sleep(GAP_S)
         if self.raise_at_end is not None:
             raise self.raise_at_end
+        if self.final is not None:
+            return _out(pb.ScheduleResponse(), self.final)
         return pb.ScheduleResponse(no_response=True)  # the final flag alone
+
+
+def _out(resp: pb.ScheduleResponse, value: int) -> pb.ScheduleResponse:
+    resp.outputs.add(
+        name="OUT", datatype="INT32", shape=[1], raw=numpy_to_raw(np.array([value], np.int32))
+    )
+    return resp
 
 
 @pytest.fixture
@@ -247,6 +265,64 @@ def test_client_not_decoupled_answers_the_one_response(client: BlsClient) -> Non
     assert response.error().code() == pb_utils.TritonError.INVALID_ARG
 
 
+@pytest.mark.parametrize("decoupled", [False, True], ids=["one_response", "decoupled"])
+def test_async_exec_is_a_future_already_sent(client: BlsClient, decoupled: bool) -> None:
+    """pb_utils' async_exec() through the worker's BLS client, as Triton 2.51's:
+    an asyncio Future whose request is sent before the caller awaits (two sent
+    at once run together), that asyncio.wait takes, and that answers what
+    exec() answers."""
+    client.link = _FakeLink([0, 1] if decoupled else [], final=None if decoupled else 7)
+
+    async def model(name):
+        return SimpleNamespace(spec=SimpleNamespace(decoupled=decoupled), generation=1)
+
+    client._model = model
+
+    async def caller() -> list:
+        calls = [_request().async_exec(decoupled=decoupled) for _ in range(2)]
+        assert all(isinstance(c, asyncio.Future) for c in calls)
+        # Blocks this loop: only requests already sent can reach the link,
+        # and both are in flight together.
+        assert wait_for(lambda: client.link.sent == 2), client.link.sent
+        done, pending = await asyncio.wait(calls, timeout=5)
+        assert not pending
+        return [c.result() for c in calls]
+
+    saved, pb_utils.InferenceRequest._bls = pb_utils.InferenceRequest._bls, client
+    try:
+        answers = asyncio.run(caller())
+    finally:
+        pb_utils.InferenceRequest._bls = saved
+    expected = client.execute(_request(), decoupled)  # what exec() answers
+    for answer in answers:
+        assert type(answer) is type(expected)
+        if decoupled:
+            assert not hasattr(answer, "__aiter__")  # a plain iterator, as Triton's
+            assert [_value(r) for r in answer] == [_value(r) for r in expected] == [0, 1, None]
+        else:
+            assert _value(answer) == _value(expected) == 7
+
+
+def test_async_exec_that_cannot_be_sent_fails_when_awaited() -> None:
+    """A stub whose worker is gone: the call's error comes from the future."""
+    ours, theirs = socket.socketpair()
+    theirs.close()
+    proxy = _BlsProxy(StubSocket(ours))  # the stub's real one
+    saved, pb_utils.InferenceRequest._bls = pb_utils.InferenceRequest._bls, proxy
+
+    async def caller() -> None:
+        call = _request().async_exec()
+        assert isinstance(call, asyncio.Future)
+        with pytest.raises(OSError):
+            await call
+
+    try:
+        asyncio.run(caller())
+    finally:
+        pb_utils.InferenceRequest._bls = saved
+        ours.close()
+
+
 def wait_for(predicate, timeout_s: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -293,30 +369,86 @@ class TritonPythonModel:
 """
 
 
+# Calls "gen" twice with async_exec (IN[0] = 1: decoupled=True), blocks its
+# loop GAP_S, then awaits both with asyncio.wait. A: when it began to
+# await (time.monotonic(), one clock for every process), V: the values.
+PAIR_CALLER = f"""\
+import asyncio
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        decoupled = bool(pb_utils.get_input_tensor_by_name(requests[0], "IN").as_numpy()[0])
+        calls = [pb_utils.InferenceRequest(model_name="gen", requested_output_names=["OUT"],
+                                           inputs=[]).async_exec(decoupled=decoupled)
+                 for _ in range(2)]
+        assert all(isinstance(c, asyncio.Future) for c in calls), calls
+        time.sleep({GAP_S})  # no await: only calls already sent reach the worker
+        awaiting = time.monotonic()
+        done, pending = await asyncio.wait(calls)
+        values = []
+        for call in calls:
+            answer = call.result()
+            if decoupled:
+                assert type(answer).__name__ == "ResponseIterator", type(answer)
+                responses = list(answer)
+            else:
+                assert isinstance(answer, pb_utils.InferenceResponse), type(answer)
+                responses = [answer]
+            for r in responses:
+                o = pb_utils.get_output_tensor_by_name(r, "OUT")
+                values.append(-1 if o is None else int(o.as_numpy()[0]))
+        return [pb_utils.InferenceResponse([
+            pb_utils.Tensor("A", np.array([awaiting], np.float64)),
+            pb_utils.Tensor("V", np.array(values, np.int64))])]
+"""
+
+
 class _FakeWorkerClient:
-    """pb_utils.InferenceRequest._bls in the worker: "gen" streams 0, 1, final."""
+    """pb_utils.InferenceRequest._bls in the worker: "gen" streams 0, 1, final
+    (or, not decoupled, answers 7)."""
 
     def __init__(self) -> None:
         self.calls = 0
+        self.sent_at: list[float] = []  # time.monotonic() of each call's arrival
 
     def stream(self, request: pb_utils.InferenceRequest) -> ResponseIterator:
         assert request.model_name() == "gen"
         self.calls += 1
+        self.sent_at.append(time.monotonic())
         feed = ResponseFeed()
         _later(feed, (0, 0), (GAP_S, 1), (0, None))
         return ResponseIterator(feed)
 
+    def response(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
+        assert request.model_name() == "gen"
+        self.calls += 1
+        self.sent_at.append(time.monotonic())
+        return _response(7)
+
 
 @pytest.fixture
 def stub_instance(tmp_path: Path) -> Iterator[tuple[ProcessInstance, _FakeWorkerClient]]:
-    text = python_config_text(
-        "caller",
-        [("IN", "INT32", (1,))],
-        [("T", "FP64", (-1,)), ("R", "FP64", (1,)), ("V", "INT64", (-1,))],
-        max_batch_size=0,
+    yield from _stub_instance(
+        tmp_path, STUB_CALLER, [("T", "FP64", (-1,)), ("R", "FP64", (1,)), ("V", "INT64", (-1,))]
     )
+
+
+@pytest.fixture
+def stub_pair(tmp_path: Path) -> Iterator[tuple[ProcessInstance, _FakeWorkerClient]]:
+    yield from _stub_instance(tmp_path, PAIR_CALLER, [("A", "FP64", (1,)), ("V", "INT64", (-1,))])
+
+
+def _stub_instance(
+    tmp_path: Path, source: str, outputs: list
+) -> Iterator[tuple[ProcessInstance, _FakeWorkerClient]]:
+    text = python_config_text("caller", [("IN", "INT32", (1,))], outputs, max_batch_size=0)
     (tmp_path / "1").mkdir()
-    (tmp_path / "1" / "model.py").write_text(STUB_CALLER)
+    (tmp_path / "1" / "model.py").write_text(source)
     fake = _FakeWorkerClient()
     saved, pb_utils.InferenceRequest._bls = pb_utils.InferenceRequest._bls, fake
     inst = ProcessInstance(
@@ -357,3 +489,15 @@ def test_stub_gets_each_response_as_it_comes(stub_instance, mode: int) -> None:
     assert arrived[1] - arrived[0] > GAP_S / 2
     assert returned < arrived[1] - GAP_S / 2
     assert fake.calls == (2 if mode == 2 else 1)
+
+
+@pytest.mark.parametrize("decoupled", [False, True], ids=["one_response", "decoupled"])
+def test_stub_async_exec_sends_before_the_caller_awaits(stub_pair, decoupled: bool) -> None:
+    """In a stub process too: both calls reach the worker while the caller's
+    loop is still blocked, asyncio.wait takes them, the answers are exec()'s."""
+    inst, fake = stub_pair
+    out = _run(inst, int(decoupled))
+    assert out["V"] == ([0, 1, -1, 0, 1, -1] if decoupled else [7, 7])
+    assert fake.calls == 2
+    awaiting = out["A"][0]
+    assert all(t < awaiting for t in fake.sent_at), (fake.sent_at, awaiting)

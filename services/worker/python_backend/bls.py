@@ -11,7 +11,8 @@ publishes its share to Redis like one more gateway.
 
 `exec()` runs on the calling instance's thread and waits there; the stream
 lives on the worker's event loop, which is why Python instances never run
-inline on that loop. `async_exec()` awaits from the instance's own loop.
+inline on that loop. `async_exec()` sends the call at once too (an asyncio
+Task of the instance's own loop then awaits its answer, as Triton's future).
 
 `exec(decoupled=True)` / `await async_exec(decoupled=True)` return, as in
 Triton 2.51 (checked), once the target's first response is in: an iterator
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 from services.gateway.recorder import RequestRecorder
@@ -73,6 +75,11 @@ def _answer(
     return []
 
 
+async def _first(future: concurrent.futures.Future) -> pb_utils.InferenceResponse:
+    """The one response of a call that is not decoupled, awaited."""
+    return (await asyncio.wrap_future(future))[0]
+
+
 class BlsClient:
     def __init__(
         self, scheduler_address: str, state: ModelStateStore, loop: asyncio.AbstractEventLoop
@@ -115,11 +122,14 @@ class BlsClient:
         future.add_done_callback(self._streams.discard)
         return ResponseIterator(feed)
 
-    async def execute_async(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
+    def execute_async(
+        self, request: pb_utils.InferenceRequest, decoupled: bool
+    ) -> Coroutine[Any, Any, Any]:
+        """For async_exec(): sends the call now (on the worker's loop) and
+        returns what awaits its answer, without blocking the caller's loop."""
         if decoupled:
-            return await self.stream(request).wait_first_async()
-        future = asyncio.run_coroutine_threadsafe(self.infer(request, decoupled), self.loop)
-        return (await asyncio.wrap_future(future))[0]
+            return self.stream(request).wait_first_async()
+        return _first(asyncio.run_coroutine_threadsafe(self.infer(request), self.loop))
 
     # On the worker's loop ----------------------------------------------------
 

@@ -36,6 +36,7 @@ import os
 import socket
 import sys
 import threading
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,11 @@ class InitArgs:
     version: int
 
 
+async def _first(future: concurrent.futures.Future) -> pb_utils.InferenceResponse:
+    """The one response of a call that is not decoupled, awaited."""
+    return (await asyncio.wrap_future(future))[0]
+
+
 class _BlsProxy:
     """pb_utils.InferenceRequest._bls in a stub: the call goes to the worker.
     A decoupled call's responses come one by one as they arrive ("bls_part")
@@ -111,12 +117,16 @@ class _BlsProxy:
         self._call(request, future)
         return future.result()[0]
 
-    async def execute_async(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
+    def execute_async(
+        self, request: pb_utils.InferenceRequest, decoupled: bool
+    ) -> Coroutine[Any, Any, Any]:
+        """For async_exec(): sends the call to the worker now and returns
+        what awaits its answer."""
         if decoupled:
-            return await self._stream(request).wait_first_async()
+            return self._stream(request).wait_first_async()
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._call(request, future)
-        return (await asyncio.wrap_future(future))[0]
+        return _first(future)
 
     def part(self, call_id: int, wire: dict) -> None:
         with self._lock:

@@ -16,6 +16,14 @@ process on a free port, one variant at a time:
     backend). Requests carry an 8-byte id (plus a 4-byte length) and each
     stream write carries everything queued since the last one, as StageServe's
     gateway does.
+``relay``
+    ``forward`` with a third process in the middle, StageServe's shape
+    (gateway -> scheduler -> worker) with nothing in any stage: the front's
+    stream goes to a relay that passes every message, as bytes, over its own
+    stream to the echo, packing everything queued since its last write into
+    one message, and passes the echo's messages back unchanged. No stage
+    parses anything it does not have to, so this is the floor of a
+    three-process Python gRPC pipeline on this machine.
 ``sync-direct``
     like ``direct`` on the synchronous ``grpc.server`` with 8 worker threads.
 
@@ -33,6 +41,15 @@ stream message), while real Triton 2.51 served ``identity`` at 8,300-12,300
 infer/s (c=8-64) in the same week's ``bench.compare`` run. A pipeline whose
 every hop is a Python gRPC process therefore cannot reach Triton's throughput
 on 2 cores, whatever its scheduling does.
+
+The floor of StageServe's own shape, ``relay`` (three processes), at c=64 on
+the same machine (stop 20, one run): 2,510 infer/s and 578 us of CPU per
+request with every write going out at once (1.07 requests per message),
+against ``direct``'s 6,150 and 181 us. With the front holding its writes
+(``--front-hold-us``) 0.5 ms: 3,486 infer/s, 351 us (3.6 requests per
+message); 1.5 ms: 4,230 infer/s, 269 us (7.9). Fewer, fuller messages are
+what a pipeline of Python gRPC processes can still win; the gateway's write
+hold (stageserve/write_hold.py) came from these figures.
 
   python -m bench.ceiling [--concurrency 1 64] [--measurement-ms 3000] [--csv PATH]
 """
@@ -73,10 +90,13 @@ from stageserve.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "id16"
-VARIANTS = ("direct", "forward", "sync-direct")
+VARIANTS = ("direct", "forward", "relay", "sync-direct")
 ECHO_METHOD = f"/{ECHO_SERVICE}/Stream"  # bench.stream_vs_unary's echo server
 FRAME = struct.Struct("<QI")  # request id, payload length
 START_TIMEOUT_S = 20.0
+#: How long the front of forward/relay holds a stream write for more requests
+#: (--front-hold-us, passed to the child processes through their environment).
+FRONT_HOLD_ENV = "STAGESERVE_CEILING_FRONT_HOLD_US"
 STOP_TIMEOUT_S = 5.0
 
 # --------------------------------------------------------------------------- protocol
@@ -128,7 +148,8 @@ def echo_response(request: gs.ModelInferRequest, raw: bytes) -> gs.ModelInferRes
 class Forwarder:
     """One bidirectional stream to the echo process, multiplexed by request id."""
 
-    def __init__(self, channel: grpc.aio.Channel, counters: Counters) -> None:
+    def __init__(self, channel: grpc.aio.Channel, counters: Counters, hold_s: float = 0.0) -> None:
+        self._hold_s = hold_s
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._pending: dict[int, asyncio.Future[bytes]] = {}
         self._ids = itertools.count()
@@ -139,6 +160,8 @@ class Forwarder:
     async def _writes(self) -> AsyncIterator[bytes]:
         while True:
             frames = [await self._outbox.get()]
+            if self._hold_s:  # wait for more requests before writing (--front-hold-us)
+                await asyncio.sleep(self._hold_s)
             while not self._outbox.empty():
                 frames.append(self._outbox.get_nowait())
             self._counters.messages += 1
@@ -234,9 +257,47 @@ async def _serve_aio(port: int, backend: str | None) -> None:
     if backend is not None:
         channel = grpc.aio.insecure_channel(backend)
         await asyncio.wait_for(channel.channel_ready(), START_TIMEOUT_S)
-        forwarder = Forwarder(channel, counters)
+        hold_us = float(os.environ.get(FRONT_HOLD_ENV, "0"))
+        forwarder = Forwarder(channel, counters, hold_us / 1e6)
     server = grpc.aio.server()
     server.add_generic_rpc_handlers([_aio_handler(counters, forwarder)])
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+async def _serve_relay(port: int, backend: str) -> None:
+    """The middle of ``relay``: the front's stream messages to the echo and back, as bytes."""
+    channel = grpc.aio.insecure_channel(backend)
+    await asyncio.wait_for(channel.channel_ready(), START_TIMEOUT_S)
+
+    async def stream(request_iterator, context) -> AsyncIterator[bytes]:
+        outbox: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def writes() -> AsyncIterator[bytes]:
+            while True:
+                parts = [await outbox.get()]
+                while not outbox.empty():
+                    parts.append(outbox.get_nowait())
+                yield b"".join(parts)
+
+        async def intake() -> None:
+            async for message in request_iterator:
+                outbox.put_nowait(message)
+
+        call = channel.stream_stream(ECHO_METHOD)(writes())
+        reading = asyncio.create_task(intake())
+        try:
+            async for message in call:
+                yield message
+        finally:
+            reading.cancel()
+
+    server = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(stream)
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler(ECHO_SERVICE, {"Stream": handler})]
+    )
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
@@ -256,23 +317,29 @@ def _serve_sync(port: int) -> None:
 
 
 def serve(role: str, port: int, backend: str | None = None) -> None:
-    """Child-process entry: ``direct``/``forward`` (aio front), ``sync-direct`` or ``echo``."""
+    """Child-process entry: ``direct``/``forward`` (aio front), ``sync-direct``, ``relay``
+    (the middle process of the relay variant) or ``echo``."""
     if role == "sync-direct":
         _serve_sync(port)
     elif role == "echo":
         asyncio.run(_serve_echo(port))
+    elif role == "relay-middle":
+        assert backend is not None
+        asyncio.run(_serve_relay(port, backend))
     else:
-        asyncio.run(_serve_aio(port, backend if role == "forward" else None))
+        asyncio.run(_serve_aio(port, backend if role in ("forward", "relay") else None))
 
 
 @dataclass
 class Running:
-    """A started variant: its front (what perf_analyzer talks to) and, for forward, the echo."""
+    """A started variant: its front (what perf_analyzer talks to), for forward and relay the
+    echo, for relay the process in the middle."""
 
     variant: str
     url: str
     front: subprocess.Popen[bytes]
     backend: subprocess.Popen[bytes] | None = None
+    middle: subprocess.Popen[bytes] | None = None
 
 
 def _spawn(role: str, port: int, backend: str | None = None) -> subprocess.Popen[bytes]:
@@ -310,17 +377,23 @@ def start(variant: str) -> Running:
     """Start ``variant``'s process(es) on free loopback ports; ready when this returns."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
-    backend_proc = None
+    backend_proc = middle_proc = None
     backend = None
     try:
-        if variant == "forward":
+        if variant in ("forward", "relay"):
             backend = f"127.0.0.1:{free_port()}"
             backend_proc = _spawn("echo", int(backend.rsplit(":", 1)[1]))
             _wait_listening(backend_proc, backend)
+        if variant == "relay":
+            middle = f"127.0.0.1:{free_port()}"
+            middle_proc = _spawn("relay-middle", int(middle.rsplit(":", 1)[1]), backend)
+            _wait_listening(middle_proc, middle)
+            backend = middle
         url = f"127.0.0.1:{free_port()}"
         front = _spawn(variant, int(url.rsplit(":", 1)[1]), backend)
-        running = Running(variant, url, front, backend_proc)
+        running = Running(variant, url, front, backend_proc, middle_proc)
     except BaseException:
+        _stop_proc(middle_proc)
         _stop_proc(backend_proc)
         raise
     try:
@@ -332,11 +405,14 @@ def start(variant: str) -> Running:
 
 
 def stop(running: Running) -> None:
-    """Stop the front, then the echo: terminate, kill after a timeout."""
+    """Stop the front, the middle, then the echo: terminate, kill after a timeout."""
     try:
         _stop_proc(running.front)
     finally:
-        _stop_proc(running.backend)
+        try:
+            _stop_proc(running.middle)
+        finally:
+            _stop_proc(running.backend)
 
 
 # --------------------------------------------------------------------------- measuring
@@ -352,6 +428,12 @@ class Row:
     front_cpu_us: float
     backend_cpu_us: float | None = None
     requests_per_message: float | None = None
+    middle_cpu_us: float | None = None
+
+    @property
+    def total_cpu_us(self) -> float:
+        """Every server process's CPU per request (perf_analyzer not counted)."""
+        return self.front_cpu_us + (self.backend_cpu_us or 0.0) + (self.middle_cpu_us or 0.0)
 
 
 def _cpu_s(proc: subprocess.Popen[bytes] | None) -> float:
@@ -376,7 +458,7 @@ def read_counters(url: str) -> tuple[int, int, int]:
 
 def measure(running: Running, concurrency: int, measurement_ms: int, stability_pct: int) -> Row:
     n0, m0, f0 = read_counters(running.url)
-    front0, back0 = _cpu_s(running.front), _cpu_s(running.backend)
+    front0, back0, mid0 = _cpu_s(running.front), _cpu_s(running.backend), _cpu_s(running.middle)
     perf = run_perf(
         running.url,
         MODEL,
@@ -385,7 +467,7 @@ def measure(running: Running, concurrency: int, measurement_ms: int, stability_p
         stability_pct=stability_pct,
         extra_args=["--max-trials", "6"],
     )
-    front1, back1 = _cpu_s(running.front), _cpu_s(running.backend)
+    front1, back1, mid1 = _cpu_s(running.front), _cpu_s(running.backend), _cpu_s(running.middle)
     n1, m1, f1 = read_counters(running.url)
     requests = max(1, n1 - n0)
     forward = running.backend is not None
@@ -398,12 +480,13 @@ def measure(running: Running, concurrency: int, measurement_ms: int, stability_p
         front_cpu_us=(front1 - front0) / requests * 1e6,
         backend_cpu_us=(back1 - back0) / requests * 1e6 if forward else None,
         requests_per_message=(f1 - f0) / max(1, m1 - m0) if forward else None,
+        middle_cpu_us=(mid1 - mid0) / requests * 1e6 if running.middle is not None else None,
     )
 
 
 def format_table(rows: Sequence[Row]) -> str:
     header = ("variant", "conc", "infer/s", "p50 ms", "p99 ms", "front us/req",
-              "backend us/req", "req/msg")  # fmt: skip
+              "middle us/req", "backend us/req", "total us/req", "req/msg")  # fmt: skip
 
     def opt(value: float | None, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
@@ -416,7 +499,9 @@ def format_table(rows: Sequence[Row]) -> str:
             f"{r.p50_ms:.2f}",
             f"{r.p99_ms:.2f}",
             f"{r.front_cpu_us:.0f}",
+            opt(r.middle_cpu_us, ".0f"),
             opt(r.backend_cpu_us, ".0f"),
+            f"{r.total_cpu_us:.0f}",
             opt(r.requests_per_message, ".2f"),
         )
         for r in rows
@@ -441,13 +526,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--measurement-ms", type=int, default=3000)
     ap.add_argument("--stability-pct", type=int, default=30)
     ap.add_argument("--csv", default=None, help="also write the rows to this CSV file")
-    ap.add_argument("--serve", choices=[*VARIANTS, "echo"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--front-hold-us",
+        type=float,
+        default=0.0,
+        help="forward/relay: the front waits this long for more requests before each stream "
+        "write (coalescing at the cost of latency); 0 writes at once",
+    )
+    ap.add_argument("--serve", choices=[*VARIANTS, "echo", "relay-middle"], help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
     if ns.serve is not None:
         serve(ns.serve, ns.port, ns.backend)
         return 0
+    os.environ[FRONT_HOLD_ENV] = str(ns.front_hold_us)
     rows: list[Row] = []
     for variant in ns.variants:
         running = start(variant)

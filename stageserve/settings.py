@@ -107,6 +107,9 @@ class GatewaySettings:
     # Lease of that mark: a killed gateway's mark is gone after this, a
     # gateway stalled this long republishes (records Redis still holds are kept).
     publication_lease_ms: int = 3000
+    # Longest wait of a write on the stream to the scheduler for more requests,
+    # under load and while it pays (stageserve/write_hold.py); 0: write at once.
+    scheduler_link_hold_us: int = 2000
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@ its only implementation:
 Why streams and packing: one unary call per request cost 315/185 us of server
 CPU at 1/64 in flight against 114/81 us on a stream (bench.stream_vs_unary,
 stop 6); each stream message has a fixed cost on both ends, so carrying
-several requests in one message divides it between them.
+several requests in one message divides it between them. A link given a
+:class:`~stageserve.write_hold.WriteHold` also waits a little for more
+requests before a write, under load (write_hold.py has the rule and figures).
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ import asyncio
 import inspect
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
+
+from stageserve.write_hold import WriteHold
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +89,11 @@ class _Outbox(Generic[Req]):
         items, self.items = self.items, []
         return items
 
+    def drain(self) -> list[Req]:
+        """Everything queued now (maybe nothing), without waiting."""
+        items, self.items = self.items, []
+        return items
+
 
 class StreamLink(Generic[Req, Resp]):
     """The client end of one internal stream.
@@ -93,6 +103,7 @@ class StreamLink(Generic[Req, Resp]):
     ``unpack(message)`` lists a response message's responses. ``ready``, when
     given, is awaited before a stream opens (e.g. the channel connecting with
     a deadline); a failed attempt answers every call that waited for it.
+    ``hold``, when given, decides how long each write waits for more requests.
     """
 
     def __init__(
@@ -104,8 +115,10 @@ class StreamLink(Generic[Req, Resp]):
         unpack: Callable[[Any], Iterable[Resp]],
         on_break: BreakError,
         ready: Callable[[], Awaitable[None]] | None = None,
+        hold: WriteHold | None = None,
     ) -> None:
         self.name = name
+        self._hold = hold
         self._open_call = open_call
         self._pack = pack
         self._unpack = unpack
@@ -164,12 +177,28 @@ class StreamLink(Generic[Req, Resp]):
         async def messages() -> AsyncIterator[Any]:
             # Everything queued since the last write goes out as one message.
             while items := await outbox.take_all():
+                if self._hold is not None:
+                    items += await self._held(outbox, len(items))
                 yield pack(items)
 
         call = self._open_call(messages())
         self._outbox = outbox
         self._reader = asyncio.create_task(self._read(call, outbox))
         return outbox
+
+    async def _held(self, outbox: _Outbox[Req], queued: int) -> list[Req]:
+        """What else was queued while the hold kept the write back."""
+        hold = self._hold
+        assert hold is not None
+        first = time.monotonic_ns()
+        more: list[Req] = []
+        while True:
+            now = time.monotonic_ns()
+            at = hold.write_at(first, queued + len(more), len(self._pending), now)
+            if at is None or outbox.closed:
+                return more + outbox.drain()
+            await asyncio.sleep((at - now) / 1e9)
+            more += outbox.drain()
 
     def _fail_call(self, call_id: int, exc: Exception) -> None:
         """A `more` callback raised: that call fails with it; the stream and
@@ -247,6 +276,8 @@ class StreamLink(Generic[Req, Resp]):
         self._pending[request_id] = fut
         if on_more is not None:
             self._on_more[request_id] = on_more
+        if self._hold is not None:
+            self._hold.arrived(time.monotonic_ns(), len(self._pending))
         timer = None
         if timeout_s is not None:
             # A timer on the future, not asyncio.wait_for (which costs a task

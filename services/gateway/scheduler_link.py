@@ -19,12 +19,19 @@ from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.net import stage_channel
 from stageserve.settings import GATEWAY
 from stageserve.transport import StreamLink
+from stageserve.write_hold import WriteHold
 
 
 class SchedulerLink:
     def __init__(
-        self, address: str, connect_timeout_s: float = GATEWAY.scheduler_connect_timeout_s
+        self,
+        address: str,
+        connect_timeout_s: float = GATEWAY.scheduler_connect_timeout_s,
+        hold_us: int = 0,
     ) -> None:
+        """`hold_us` > 0: each write may wait up to that long for more requests
+        (stageserve/write_hold.py): the gateway's link, not a worker's BLS calls,
+        which a model's execute waits on."""
         self.address = address
         self.connect_timeout_s = connect_timeout_s
         self.channel = stage_channel(address)
@@ -36,6 +43,7 @@ class SchedulerLink:
             unpack=lambda message: message.responses,
             on_break=self._broken,
             ready=self._connected,
+            hold=WriteHold(hold_us * 1000) if hold_us > 0 else None,
         )
 
     async def _connected(self) -> None:

@@ -27,6 +27,7 @@ from stageserve.net import SERVER_OPTIONS, stage_channel
 from stageserve.redis_connect import connect
 from stageserve.security_options import Restriction, TlsOptions
 from stageserve.service_runtime import run_server
+from stageserve.settings import GATEWAY
 from stageserve.telemetry import serve_metrics
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ async def serve(
         control_mode,
         autocomplete=autocomplete,
     )
-    link = SchedulerLink(scheduler_address)
+    link = SchedulerLink(scheduler_address, hold_us=GATEWAY.scheduler_link_hold_us)
     dataplane = DataPlane(models, link)
     dataplane.shared = SharedStats(redis, dataplane.stats)
     dataplane.shared.start()

@@ -13,6 +13,7 @@ from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.net import free_port
 from stageserve.transport import StreamLink, _Outbox, serve_stream
+from stageserve.write_hold import WriteHold
 
 
 class Broken(Exception):
@@ -71,7 +72,7 @@ async def _server(servicer: Echo, port: int) -> grpc.aio.Server:
     return server
 
 
-def _link(channel: grpc.aio.Channel, ready=None) -> StreamLink:
+def _link(channel: grpc.aio.Channel, ready=None, hold: WriteHold | None = None) -> StreamLink:
     return StreamLink(
         name="test",
         open_call=pb_grpc.SchedulerStub(channel).Schedule,
@@ -79,6 +80,7 @@ def _link(channel: grpc.aio.Channel, ready=None) -> StreamLink:
         unpack=lambda message: message.responses,
         on_break=Broken,
         ready=ready,
+        hold=hold,
     )
 
 
@@ -114,6 +116,37 @@ async def test_many_calls_in_flight_are_matched_by_id_and_packed(port):
         # 200 calls queued in one loop turn travel in far fewer messages.
         assert servicer.messages_in < 20
         assert link.in_flight == 0
+        await link.close()
+    await server.stop(None)
+
+
+@in_loop
+async def test_a_write_hold_packs_requests_that_arrive_one_by_one(port):
+    servicer = Echo()
+    server = await _server(servicer, port)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        # At most 200 ms, and (a test with few calls) whatever the mean in flight.
+        link = _link(channel, hold=WriteHold(200_000_000, min_mean_in_flight=0))
+        # Alone on the stream, a call is written at once: answered long
+        # before the 200 ms the hold could wait.
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert (await link.call(_req("echo", "alone"))).message == "alone"
+        assert loop.time() - started < 0.1
+        assert servicer.messages_in == 1
+        # With a call in flight, calls arriving 5 ms apart wait for each
+        # other: one message carries them, though each came in its own turn.
+        never = asyncio.ensure_future(link.call(_req("never", "busy")))
+        await asyncio.sleep(0.05)
+        before = servicer.messages_in
+        calls = []
+        for i in range(5):
+            calls.append(asyncio.ensure_future(link.call(_req("echo", str(i)))))
+            await asyncio.sleep(0.005)
+        answers = await asyncio.gather(*calls)
+        assert [a.message for a in answers] == [str(i) for i in range(5)]
+        assert servicer.messages_in - before == 1
+        never.cancel()
         await link.close()
     await server.stop(None)
 

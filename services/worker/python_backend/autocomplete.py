@@ -16,6 +16,7 @@ The child is kept for the next model (see _Helper for the cost).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -32,6 +33,8 @@ from stageserve.generated import model_config_pb2 as mc
 
 # A model.py whose import or auto_complete_config takes longer fails its load.
 CHILD_TIMEOUT_S = 120.0
+# How long a child whose stdout ended may take to exit before it is killed.
+_EXIT_GRACE_S = 5.0
 # The folder that holds the `services` package, for the child's imports.
 _SOURCE_ROOT = str(Path(__file__).resolve().parents[3])
 
@@ -86,11 +89,17 @@ class _Helper:
                 proc.stdin.flush()
             except OSError:
                 pass  # it died: reported below
-            line = _answer_line(proc)
+            line, timed_out = _answer_line(proc)
             if line:
                 return json.loads(line)
             self._proc = None
-            timed_out = proc.poll() is None
+            if not timed_out:
+                # Its stdout ended, so it is exiting: the kernel closes a dying
+                # process's files before its parent can reap it, and poll()
+                # in that window said None (CI read that as "did not finish
+                # within 120 s" for a child that had exited at once).
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=_EXIT_GRACE_S)
             proc.kill()
             status = proc.wait()
         if timed_out:
@@ -115,8 +124,9 @@ class _Helper:
         )
 
 
-def _answer_line(proc: subprocess.Popen) -> str:
-    """The child's next line; "" when it exited or CHILD_TIMEOUT_S passed.
+def _answer_line(proc: subprocess.Popen) -> tuple[str, bool]:
+    """The child's next line ("" when it exited first) and whether
+    CHILD_TIMEOUT_S passed without either.
 
     Its exit is watched, not only its stdout's end of file: a process forked
     by the caller meanwhile may hold the pipe's write end, and then no end of
@@ -127,11 +137,11 @@ def _answer_line(proc: subprocess.Popen) -> str:
     while time.monotonic() < deadline:
         ready, _, _ = select.select([proc.stdout], [], [], 0.05)
         if ready:
-            return proc.stdout.readline()
+            return proc.stdout.readline(), False
         if proc.poll() is not None:
             ready, _, _ = select.select([proc.stdout], [], [], 0)
-            return proc.stdout.readline() if ready else ""
-    return ""
+            return (proc.stdout.readline() if ready else ""), False
+    return "", True
 
 
 _helper = _Helper()

@@ -5,8 +5,13 @@ The hot path is measured, not guessed: each stage process is sampled with
 line per distinct stack) for the whole measurement, and the summary prints,
 per stage, the frames with the most *self* samples (where the CPU is spent)
 and the share of samples *inside* a few frames we care about (grpc.aio's
-machinery, protobuf, our own modules). Idle threads are not sampled (py-spy's
-default), so the shares are of on-CPU time.
+machinery, protobuf, our own modules). py-spy is meant to skip idle threads,
+but on these machines its samples include threads blocked in a wait (the
+event loop's epoll, an executor thread's queue get): at c=1 those were 60-85%
+of every stage's samples, which made the shares say little. Stacks whose leaf
+is such a wait (IDLE_LEAVES) are counted apart and left out of the shares.
+A leaf `Thread.run (threading.py)` is a thread inside C code, mostly grpc's
+poller: its work and its own epoll wait look alike without ``--native``.
 
 py-spy is a development tool, not a dependency: ``pip install py-spy``.
 """
@@ -40,12 +45,33 @@ AREAS: tuple[tuple[str, str], ...] = (
 )
 
 
+#: Leaf frames that mean "blocked, waiting", not work: (function, file) pairs
+#: matched against py-spy's "function (file:line)" leaf; native frames too.
+IDLE_LEAVES: tuple[tuple[str, str], ...] = (
+    ("select", "selectors.py"),  # the asyncio loop's epoll
+    ("_worker", "concurrent/futures/thread.py"),  # an executor thread's queue get
+    ("wait", "threading.py"),
+    ("epoll_wait", ""),
+    ("poll", "libc.so"),
+    ("sem_wait", ""),
+    ("pthread_cond_wait", ""),
+    ("pthread_cond_timedwait", ""),
+)
+
+
+def is_idle(frame: str) -> bool:
+    function, _, where = frame.partition(" (")
+    name = function.rpartition(".")[2]  # "EpollSelector.select" -> "select"
+    return any(name == fn and (not file or file in where) for fn, file in IDLE_LEAVES)
+
+
 @dataclass
 class Profile:
     stage: str
-    samples: int
+    samples: int  # on CPU: idle samples left out
     self_frames: Counter[str]
     areas: Counter[str]
+    idle: int = 0  # samples of threads blocked in a wait (IDLE_LEAVES)
 
 
 def _frame_file(frame: str) -> str:
@@ -65,7 +91,7 @@ def parse_collapsed(lines: Iterable[str], stage: str) -> Profile:
     """A Profile from py-spy's raw (collapsed) output."""
     self_frames: Counter[str] = Counter()
     areas: Counter[str] = Counter()
-    samples = 0
+    samples = idle = 0
     for line in lines:
         line = line.rstrip("\n")
         if not line:
@@ -77,16 +103,22 @@ def parse_collapsed(lines: Iterable[str], stage: str) -> Profile:
             continue
         frames = stack.split(";")
         leaf = frames[-1]
+        if is_idle(leaf):
+            idle += count
+            continue
         samples += count
         self_frames[leaf] += count
         areas[area_of(leaf)] += count
-    return Profile(stage, samples, self_frames, areas)
+    return Profile(stage, samples, self_frames, areas, idle)
 
 
 def format_profile(profile: Profile, top: int = 12) -> str:
     if not profile.samples:
         return f"{profile.stage}: no samples"
-    out = [f"{profile.stage}: {profile.samples} samples on CPU"]
+    out = [
+        f"{profile.stage}: {profile.samples} samples on CPU ({profile.idle} blocked in a wait,"
+        " left out)"
+    ]
     out.append(
         "  by area (self): "
         + ", ".join(f"{area} {n / profile.samples:.0%}" for area, n in profile.areas.most_common())

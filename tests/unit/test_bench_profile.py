@@ -1,12 +1,14 @@
 """bench/profile.py: py-spy's collapsed stacks -> self time per frame and per area."""
 
-from bench.profile import area_of, format_profile, parse_collapsed
+from bench.profile import area_of, format_profile, is_idle, parse_collapsed
 
 RAW = [
     "<module> (x.py:1);run (asyncio/base_events.py:600);_run (grpc/_cython/cygrpc.pyx:10) 30\n",
     "<module> (x.py:1);infer (services/gateway/dataplane.py:120) 10\n",
     "<module> (x.py:1);infer (services/gateway/dataplane.py:120);"
     "SerializeToString (google/protobuf/message.py:5) 20\n",
+    "<module> (x.py:1);run_forever (asyncio/base_events.py:608);select (selectors.py:468) 500\n",
+    "_bootstrap (threading.py:1002);_worker (concurrent/futures/thread.py:81) 40\n",
     "\n",
     "garbage line without a count\n",
 ]
@@ -15,6 +17,7 @@ RAW = [
 def test_self_samples_go_to_the_leaf_frame_and_its_area():
     profile = parse_collapsed(RAW, "gateway")
     assert profile.samples == 60
+    assert profile.idle == 540  # the loop's epoll and an idle executor thread
     assert profile.self_frames["_run (grpc/_cython/cygrpc.pyx:10)"] == 30
     assert profile.self_frames["infer (services/gateway/dataplane.py:120)"] == 10
     assert profile.areas == {"grpc cython": 30, "protobuf": 20, "stageserve services": 10}
@@ -27,8 +30,17 @@ def test_area_of_unknown_file_is_other():
 
 def test_format_lists_areas_and_top_frames_as_shares():
     text = format_profile(parse_collapsed(RAW, "gateway"), top=2)
-    assert text.splitlines()[0] == "gateway: 60 samples on CPU"
+    assert text.splitlines()[0] == "gateway: 60 samples on CPU (540 blocked in a wait, left out)"
     assert "grpc cython 50%" in text
     assert "50.0%  _run (grpc/_cython/cygrpc.pyx:10)" in text
     assert "infer (services" not in text  # only the top 2 frames
     assert format_profile(parse_collapsed([], "worker")) == "worker: no samples"
+
+
+def test_waits_are_idle_work_is_not():
+    assert is_idle("EpollSelector.select (selectors.py:468)")
+    assert is_idle("epoll_wait (libc.so.6)")
+    assert is_idle("wait (threading.py:324)")
+    assert not is_idle("select_batch (services/scheduler/batcher.py:3)")
+    assert not is_idle("sendmsg (libc.so.6)")
+    assert not is_idle("run (asyncio/runners.py:118)")

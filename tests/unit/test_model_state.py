@@ -196,3 +196,29 @@ def test_draining_versions_are_published_and_ended_only_for_their_generation(red
         await events.aclose()
 
     run(redis_url, body)
+
+
+def test_loaded_decodes_a_record_again_only_when_it_changed(redis_url) -> None:
+    """A worker reads every record at each reconcile: an unchanged one comes
+    back as the object decoded before; any change, a draining-only one
+    (generation unchanged) included, and an unload are seen."""
+
+    async def body(store: ModelStateStore, r) -> None:
+        generation = await store.publish_loaded(_config(8), (2,), Path("/repo/m"), draining=(1,))
+        other = _config(4)
+        other.name = "n"
+        await store.publish_loaded(other, (1,), Path("/repo/n"))
+        first = await store.loaded()
+        again = await store.loaded()
+        assert set(first) == {"m", "n"}
+        assert again["m"] is first["m"] and again["n"] is first["n"]
+        assert await store.end_draining("m", generation)
+        ended = await store.loaded()
+        assert ended["m"] is not first["m"] and ended["m"].draining == ()
+        assert ended["m"].generation == generation and ended["n"] is first["n"]
+        await store.publish_unloaded("n")
+        assert set(await store.loaded()) == {"m"}
+        await store.publish_unloaded("m")
+        assert await store.loaded() == {}
+
+    run(redis_url, body)

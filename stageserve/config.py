@@ -50,6 +50,8 @@ class TensorSpec:
     allow_ragged_batch: bool = False
 
     def matches(self, shape: tuple[int, ...]) -> bool:
+        if shape == self.dims:  # the common case, without the loop below
+            return True
         return len(shape) == len(self.dims) and all(
             d == -1 or d == s for d, s in zip(self.dims, shape, strict=True)
         )
@@ -230,11 +232,19 @@ class ModelSpec:
         out.update({s.input_name: s.datatype.triton for s in self.sequence.states})
         return out
 
+    @cached_property  # the gateway looks up every input and output of every request
+    def _inputs_by_name(self) -> dict[str, TensorSpec]:
+        return {t.name: t for t in self.inputs}
+
+    @cached_property
+    def _outputs_by_name(self) -> dict[str, TensorSpec]:
+        return {t.name: t for t in self.outputs}
+
     def input(self, name: str) -> TensorSpec | None:
-        return next((t for t in self.inputs if t.name == name), None)
+        return self._inputs_by_name.get(name)
 
     def output(self, name: str) -> TensorSpec | None:
-        return next((t for t in self.outputs if t.name == name), None)
+        return self._outputs_by_name.get(name)
 
 
 def parse_config_text(text: str) -> mc.ModelConfig:

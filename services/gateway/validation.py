@@ -86,9 +86,14 @@ class SharedRef:
 ReadShared = Callable[[SharedRef], bytes]
 
 
+def uses_shared_memory(params) -> bool:
+    return "shared_memory_region" in params
+
+
 def shared_ref(params, what: str) -> SharedRef | None:
-    """Triton's shared_memory_region / _byte_size / _offset tensor parameters."""
-    if "shared_memory_region" not in params:
+    """Triton's shared_memory_region / _byte_size / _offset tensor parameters.
+    Callers test `uses_shared_memory` first: `what` is built only then."""
+    if not uses_shared_memory(params):
         return None
     region = params["shared_memory_region"]
     if region.WhichOneof("parameter_choice") != "string_param":
@@ -255,7 +260,8 @@ def validate_infer(
     shared = {
         t.name: ref
         for t in request.inputs
-        if (ref := shared_ref(t.parameters, f"input '{t.name}' of model '{model}'")) is not None
+        if uses_shared_memory(t.parameters)
+        and (ref := shared_ref(t.parameters, f"input '{t.name}' of model '{model}'")) is not None
     }
     wanted_raw = len(request.inputs) - len(shared)
     if use_raw and len(raw_input) != wanted_raw:
@@ -280,8 +286,8 @@ def validate_infer(
                 f"inference input '{name}' data-type is '{tensor.datatype}', but model "
                 f"'{model}' expects '{t.datatype.triton}'"
             )
-        shape = [int(d) for d in tensor.shape]
-        if any(d < 0 for d in shape):
+        shape = list(tensor.shape)  # int64s: Python ints already
+        if shape and min(shape) < 0:
             raise invalid(f"input '{name}' of model '{model}' has a negative dimension {shape}")
         if spec.batching:
             if not shape:
@@ -349,6 +355,8 @@ def validate_infer(
         if out.name in outputs:
             raise invalid(f"output '{out.name}' is requested twice for model '{model}'")
         outputs.append(out.name)
+        if not uses_shared_memory(out.parameters):
+            continue
         ref = shared_ref(out.parameters, f"output '{out.name}' of model '{model}'")
         if ref is not None:
             shared_outputs[out.name] = ref

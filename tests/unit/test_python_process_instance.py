@@ -3,6 +3,7 @@ stub process per instance, batches as ExecuteRequests, as the worker sends them.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from tests.procs import alive
 
 MODEL = """\
 import os
+import socket
 import threading
 import time
 
@@ -50,6 +52,19 @@ class TritonPythonModel:
             os._exit(3)
         if x[0, 0] == -2:
             raise ValueError("model says no")
+        if x[0, 0] == -4:  # its socket ends 0.3 s before its process does
+            for fd in range(3, 256):
+                try:
+                    s = socket.socket(fileno=fd)
+                except OSError:
+                    continue  # not a socket
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.detach()
+            time.sleep(0.3)
+            os._exit(3)
         if x[0, 0] == -3:  # BLS, with no BLS client in the worker (this test's process)
             pb_utils.InferenceRequest(model_name="m").exec()
         pid = np.full((x.shape[0], 1), os.getpid(), np.int64)
@@ -139,8 +154,11 @@ def test_batches_run_in_the_stub_and_model_errors_stay_batch_errors(tmp_path: Pa
     assert not alive(pid)
 
 
-def test_a_dead_stub_fails_its_batch_and_is_replaced(tmp_path: Path) -> None:
+def test_a_dead_stub_fails_its_batch_and_is_replaced(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     inst = _instance(tmp_path, MODEL)
+    caplog.set_level(logging.ERROR)
     try:
         first = _pid(inst.execute_batch(_batch(1.0), None))
         dead = inst.execute_batch(_batch(-1.0), None)
@@ -149,9 +167,19 @@ def test_a_dead_stub_fails_its_batch_and_is_replaced(tmp_path: Path) -> None:
         assert second != first and not alive(first)
         os.kill(second, 9)  # killed while idle: the next batch finds a new stub
         time.sleep(0.5)
-        assert _pid(inst.execute_batch(_batch(1.0), None)) not in (first, second)
+        third = _pid(inst.execute_batch(_batch(1.0), None))
+        assert third not in (first, second)
+        late = inst.execute_batch(_batch(-4.0), None)
+        assert (late.code, late.message) == (13, "Stub process 'm_0_0' is not healthy.")
+        assert _pid(inst.execute_batch(_batch(1.0), None)) != third
     finally:
         inst.close()
+    # The log says how each stub ended: its own exit status, even when its
+    # socket closed before it exited (a dying process's files close before
+    # it can be reaped; the -4 stub makes that window wide), not -9 from a
+    # kill of ours in that window.
+    died = [r.status for r in caplog.records if r.getMessage() == "python stub died"]
+    assert died == [3, -9, 0]  # 0: the stub ends itself when its socket does
 
 
 def test_a_stub_that_cannot_restart_fails_batches_until_it_can(tmp_path: Path) -> None:

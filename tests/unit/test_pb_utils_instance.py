@@ -3,7 +3,10 @@ split into requests, per-request results and errors, decoupled parts."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +18,7 @@ from services.worker.python_backend.instance import (
     StillSending,
     config_json,
 )
+from stageserve import pb_utils
 from stageserve.config import parse_config_text, to_spec
 from stageserve.examples import python_config_text
 from stageserve.generated import stageserve_pb2 as pb
@@ -210,3 +214,57 @@ def test_decoupled_send_after_the_worker_stopped_waiting(tmp_path: Path) -> None
     model["GO"].set()
     assert model["SENT"].wait(10)
     assert model["ERRORS"] == []
+
+
+# An `async def execute` that starts a BLS call with async_exec() and never
+# awaits it (the fake BLS client below never answers).
+FORGETS = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        pb_utils.InferenceRequest(
+            model_name="other", requested_output_names=[], inputs=[]
+        ).async_exec()
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.zeros((1, 2), np.float32))])
+            for _ in requests
+        ]
+"""
+
+
+class _SilentBls:
+    """A BLS client whose calls never answer."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def execute_async(self, request, decoupled: bool):
+        self.sent += 1
+
+        async def never() -> None:
+            await asyncio.sleep(3600)
+
+        return never()
+
+
+def test_an_unawaited_async_exec_is_cancelled_quietly_at_unload(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Triton's async_exec() future left pending at unload says nothing; an
+    asyncio Task would log "Task was destroyed but it is pending!" when the
+    instance's loop closes under it. Close cancels the tasks left on it."""
+    inst = _instance(tmp_path, FORGETS, max_batch_size=8)
+    bls = _SilentBls()
+    saved, pb_utils.InferenceRequest._bls = pb_utils.InferenceRequest._bls, bls
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    try:
+        resp = inst.execute_batch(_batch([np.ones((1, 2), np.float32)], [[]]), None)
+        assert resp.code == 0 and len(resp.results) == 1 and bls.sent == 1
+        inst.close()
+        gc.collect()
+    finally:
+        pb_utils.InferenceRequest._bls = saved
+    assert not [r for r in caplog.records if "destroyed" in r.getMessage()]

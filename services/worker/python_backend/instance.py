@@ -300,7 +300,21 @@ class PythonInstance:
             )
         finally:
             if self._loop is not None:
-                self._loop.close()
+                _close_loop(self._loop)
+
+
+def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Close an instance's loop as asyncio.run ends its own: the tasks still on
+    it (an async_exec() the model never awaited) are cancelled first, so
+    nothing logs "Task was destroyed but it is pending!" (Triton's pending
+    Future says nothing at unload either)."""
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
 
 
 class _Senders:

@@ -19,7 +19,6 @@ claims, state commits) around each execution.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -34,6 +33,7 @@ from services.scheduler.clients import Granted, RateLimiterClient, WorkerCallErr
 from services.scheduler.decoupled import DecoupledBatch
 from services.scheduler.grant_pool import GrantPool, Held, Usable
 from services.scheduler.response_order import ResponseOrder
+from services.scheduler.wakeup import Wakeup
 from stageserve.config import ModelSpec
 from stageserve.errors import StageError, queue_full, queue_timeout, unavailable
 from stageserve.generated import stageserve_pb2 as pb
@@ -151,12 +151,12 @@ class ModelQueue:
         self.ratelimiter = ratelimiter
         self.workers = workers
         self.executing = 0
-        self._arrived = asyncio.Event()
+        self._arrived = Wakeup()
         self._grant_event = asyncio.Event()
         self.grants: GrantPool[Granted] = GrantPool()
         self._acquiring: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._deadline_changed = asyncio.Event()
+        self._deadline_changed = Wakeup()
         self._order: ResponseOrder[tuple[Respond, pb.ScheduleResponse]] = ResponseOrder()
         v = str(version)
         self._depth_gauge = SCHEDULER_QUEUE_DEPTH.labels(model, v)
@@ -238,15 +238,13 @@ class ModelQueue:
     async def _expiry_loop(self) -> None:
         """Answer timed-out requests at their deadline, whatever is executing."""
         while True:
-            self._deadline_changed.clear()
             deadline = self.strategy.next_deadline()
             if deadline is None:
                 await self._deadline_changed.wait()
                 continue
             delay = (deadline - time.monotonic_ns()) / 1e9
             if delay > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._deadline_changed.wait(), delay)
+                await self._deadline_changed.wait(delay)
                 continue
             self._expire()
 
@@ -288,9 +286,7 @@ class ModelQueue:
             self.sequences.dropped(failed)
 
     async def _wait_arrival(self, timeout_s: float | None) -> None:
-        self._arrived.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._arrived.wait(), timeout_s)
+        await self._arrived.wait(timeout_s)
 
     # ---------------------------------------------------------------- grants
 

@@ -86,8 +86,7 @@ class _Outbox(Generic[Req]):
             self._wake = asyncio.get_running_loop().create_future()
             await self._wake
             self._wake = None
-        items, self.items = self.items, []
-        return items
+        return self.drain()
 
     def drain(self) -> list[Req]:
         """Everything queued now (maybe nothing), without waiting."""

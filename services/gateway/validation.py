@@ -86,15 +86,13 @@ class SharedRef:
 ReadShared = Callable[[SharedRef], bytes]
 
 
-def uses_shared_memory(params) -> bool:
-    return "shared_memory_region" in params
-
-
-def shared_ref(params, what: str) -> SharedRef | None:
-    """Triton's shared_memory_region / _byte_size / _offset tensor parameters.
-    Callers test `uses_shared_memory` first: `what` is built only then."""
-    if not uses_shared_memory(params):
+def shared_ref(params, kind: str, name: str, model: str) -> SharedRef | None:
+    """Triton's shared_memory_region / _byte_size / _offset parameters of
+    `kind` ("input" / "output") `name`. The error text is built only for a
+    tensor that has them (it was built for every tensor of every request)."""
+    if "shared_memory_region" not in params:
         return None
+    what = f"{kind} '{name}' of model '{model}'"
     region = params["shared_memory_region"]
     if region.WhichOneof("parameter_choice") != "string_param":
         raise invalid(f"invalid value type for 'shared_memory_region' of {what}: expected string")
@@ -260,8 +258,7 @@ def validate_infer(
     shared = {
         t.name: ref
         for t in request.inputs
-        if uses_shared_memory(t.parameters)
-        and (ref := shared_ref(t.parameters, f"input '{t.name}' of model '{model}'")) is not None
+        if (ref := shared_ref(t.parameters, "input", t.name, model)) is not None
     }
     wanted_raw = len(request.inputs) - len(shared)
     if use_raw and len(raw_input) != wanted_raw:
@@ -355,9 +352,7 @@ def validate_infer(
         if out.name in outputs:
             raise invalid(f"output '{out.name}' is requested twice for model '{model}'")
         outputs.append(out.name)
-        if not uses_shared_memory(out.parameters):
-            continue
-        ref = shared_ref(out.parameters, f"output '{out.name}' of model '{model}'")
+        ref = shared_ref(out.parameters, "output", out.name, model)
         if ref is not None:
             shared_outputs[out.name] = ref
 

@@ -72,6 +72,11 @@ _SOURCE_ROOT = str(Path(__file__).resolve().parents[3])
 _EXIT_POLL_S = 0.2
 # How long close() waits for finalize() in the stub before killing it.
 _CLOSE_TIMEOUT_S = 30.0
+# How long a stub whose socket ended gets to exit by itself before it is
+# killed. A dying process closes its files before it can be reaped; killing it
+# in that moment logged -9 (our kill) instead of its own status (CI, stop 21:
+# [3, -9, -9] for [3, -9, 0]). A stub that ends normally exits within ms.
+_EXIT_GRACE_S = 1.0
 
 
 class InstanceProcessError(ValueError):
@@ -274,19 +279,23 @@ class ProcessInstance:
         with stub.lock:
             stub.dead = True
             batches, stub.batches = stub.batches, {}
+        closing = self._closing  # as it was when the stub went, not after the grace
+        if not closing:
+            message = self._unhealthy()
+            for batch in batches.values():  # answered now, not after the grace
+                _fail(batch, message)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            stub.proc.wait(timeout=_EXIT_GRACE_S)
         _stop(stub)
         status = stub.proc.returncode
         if not stub.closed.done():
             stub.closed.set_result(None)
-        if self._closing:
+        if closing:
             return
-        message = self._unhealthy()
         log.error(
             "python stub died",
             extra={"instance": self.instance_name, "status": status, "batches": len(batches)},
         )
-        for batch in batches.values():
-            _fail(batch, message)
         try:
             self._current()
         except PythonModelError as exc:  # tried again at the next batch

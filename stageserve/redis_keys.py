@@ -34,6 +34,11 @@ Rate limiter registry and grants (ratelimiter only; see redis_scripts.py):
   ss:rl:res:override          hash  "name" / "name@device" -> --rate-limit-resource
   ss:rl:demand                zset  "{model}:{ver}" -> until when (ms) its last
                                     Acquire counts as waiting (priority picks)
+  ss:rl:waiting:{model}:{ver} set   rate limiter origins with an Acquire waiting on
+                                    the pool; PX WAITING_TTL_MS, refreshed per busy answer
+  ss:rl:waiting               set   the same for any pool (freed resources)
+  ss:rl:freed:{origin}        pub/sub channel: another rate limiter freed an
+                                    instance ("{model}:{ver}") or anything ("*")
 
 Sequence batcher (scheduler; see services/scheduler/sequence_store.py):
   ss:seq:{model}:{ver}:{cid}       hash  slot, st:{state} -> raw, sh:{state} -> shape;
@@ -75,3 +80,8 @@ def sequence_owner(owner: str) -> str:
 def model_stats(model: str, generation: int, version: int) -> str:
     """Every gateway's ModelStatistics of one model load and version."""
     return f"{PREFIX}stats:{model}:g{generation}:v{version}"
+
+
+def rl_freed_channel(prefix: str, origin: str) -> str:
+    """Where Redis tells one rate limiter process that another freed something."""
+    return f"{prefix}freed:{origin}"

@@ -183,11 +183,18 @@ return 1
 """
 )
 
-# ARGV: prefix, model, version, grant_id, now_ms, lease_ms, mode, demand_ttl_ms
-# -> nil if nothing can run now, -1 if no instance is registered, {-2, reason}
+# ARGV: prefix, model, version, grant_id, now_ms, lease_ms, mode, demand_ttl_ms,
+# origin, waiting_ttl_ms
+# -> nil if nothing can run now, -3 if this pool waits for another pool's
+#    lower scaled priority, -1 if no instance is registered, {-2, reason}
 #    if no instance can ever run (a resource need above its available count),
 #    else {iid, kind, device_id, worker_id, worker_address, holds resources
 #    0/1, priority}
+#
+# A busy answer (nil) adds `origin` (the asking rate limiter) to the waiting
+# sets of the pool and of any pool, so a release by another rate limiter
+# process tells it (see _NOTIFY). A -3 is not signalled by any release (the
+# other pool's demand just lapses): the asker looks again soon on its own.
 #
 # mode "off": one payload per free instance, resources ignored (the fast path;
 # grants may be reused by the scheduler).
@@ -202,8 +209,19 @@ return 1
 ACQUIRE = """
 local p, model, ver, gid = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local now, lease, mode, ttl = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])
+local origin, wttl = ARGV[9], tonumber(ARGV[10])
 local pk = model .. ':' .. ver
 local free = p .. 'free:' .. pk
+
+local function busy()
+  if origin and origin ~= '' then
+    for _, key in ipairs({p .. 'waiting:' .. pk, p .. 'waiting'}) do
+      redis.call('SADD', key, origin)
+      redis.call('PEXPIRE', key, wttl)
+    end
+  end
+  return nil
+end
 
 local function grant(iid, f, need)
   redis.call('HSET', p .. 'grant:' .. gid, 'instance', iid, 'model', model, 'version', ver,
@@ -217,7 +235,7 @@ if mode ~= 'execution_count' then
     local iid = redis.call('LPOP', free)
     if not iid then
       if redis.call('SCARD', p .. 'pool:' .. pk) == 0 then return -1 end
-      return nil
+      return busy()
     end
     local f = redis.call('HMGET', p .. 'inst:' .. iid, 'kind', 'device_id', 'worker_id',
       'worker_address', 'prio')
@@ -281,7 +299,7 @@ if not mine then
           .. ' are available'
       end
     end
-    if not over then return nil end
+    if not over then return busy() end
     reason = reason or over
   end
   return {-2, reason}
@@ -293,7 +311,7 @@ if #mine[3] > 0 then
     if other ~= pk then
       local theirs = best(other, {}, false)
       if theirs and theirs[2] < mine[2] and not best(other, taken, false) then
-        return nil  -- a pool with a lower scaled priority goes first
+        return -3  -- a pool with a lower scaled priority goes first
       end
     end
   end
@@ -306,36 +324,62 @@ local f = redis.call('HMGET', p .. 'inst:' .. mine[1], 'kind', 'device_id', 'wor
 return grant(mine[1], f, mine[4])
 """
 
-_RELEASE = """
+# Tells the rate limiters waiting on a pool (or, "*", on any pool: freed
+# resources or a removed worker change every pool's answer) that something
+# was freed, on their channel {prefix}freed:{origin}. The one that freed it
+# (`origin`) wakes its own waiters itself and is not told.
+_NOTIFY = """
+local function notify(p, origin, key, what)
+  for _, o in ipairs(redis.call('SMEMBERS', key)) do
+    if o ~= origin then redis.call('PUBLISH', p .. 'freed:' .. o, what) end
+  end
+end
+"""
+
+_RELEASE = (
+    _NOTIFY
+    + """
 -- 0: not held; 1: released; 2: released and it held resources
-local function release(p, gid, failed)
+local function release(p, gid, failed, origin)
   local g = redis.call('HMGET', p .. 'grant:' .. gid, 'model', 'version')
   local iid, took = end_grant(p, gid)
   if not iid then return 0 end
   local result = took and 2 or 1
   local wid = redis.call('HGET', p .. 'inst:' .. iid, 'worker_id')
   if not wid then return result end
+  local pk = g[1] .. ':' .. g[2]
   if failed then
     remove_worker(p, wid)
+    notify(p, origin, p .. 'waiting', '*')
   elseif redis.call('EXISTS', p .. 'worker:' .. wid) == 1 then
-    redis.call('RPUSH', p .. 'free:' .. g[1] .. ':' .. g[2], iid)
+    redis.call('RPUSH', p .. 'free:' .. pk, iid)
+    if took then
+      notify(p, origin, p .. 'waiting', '*')
+    else
+      notify(p, origin, p .. 'waiting:' .. pk, pk)
+    end
+  elseif took then
+    notify(p, origin, p .. 'waiting', '*')
   end
   return result
 end
 """
+)
 
-# ARGV: prefix, grant_id, failed ("1"/"0") -> 0 not held, 1 released,
+# ARGV: prefix, grant_id, failed ("1"/"0"), origin -> 0 not held, 1 released,
 # 2 released and resources went back
-RELEASE = _REMOVE_WORKER + _RELEASE + "return release(ARGV[1], ARGV[2], ARGV[3] == '1')\n"
+RELEASE = (
+    _REMOVE_WORKER + _RELEASE + "return release(ARGV[1], ARGV[2], ARGV[3] == '1', ARGV[4] or '')\n"
+)
 
-# ARGV: prefix, now_ms -> {expired grants released, dead workers removed}
+# ARGV: prefix, now_ms, origin -> {expired grants released, dead workers removed}
 SWEEP = (
     _REMOVE_WORKER
     + _RELEASE
     + """
-local p, now = ARGV[1], tonumber(ARGV[2])
+local p, now, origin = ARGV[1], tonumber(ARGV[2]), ARGV[3] or ''
 local expired = redis.call('ZRANGEBYSCORE', p .. 'grants', '-inf', now, 'LIMIT', 0, 256)
-for _, gid in ipairs(expired) do release(p, gid, false) end
+for _, gid in ipairs(expired) do release(p, gid, false, origin) end
 local dead = 0
 for _, wid in ipairs(redis.call('SMEMBERS', p .. 'workers')) do
   if redis.call('EXISTS', p .. 'worker:' .. wid) == 0 then
@@ -343,6 +387,7 @@ for _, wid in ipairs(redis.call('SMEMBERS', p .. 'workers')) do
     dead = dead + 1
   end
 end
+if dead > 0 then notify(p, origin, p .. 'waiting', '*') end
 return {#expired, dead}
 """
 )

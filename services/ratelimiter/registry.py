@@ -22,12 +22,33 @@ import redis.asyncio as aioredis
 from services.ratelimiter.options import OFF, RATE_LIMIT_MODES
 from stageserve import redis_keys as keys
 from stageserve import redis_scripts as scripts
+from stageserve.settings import RATELIMITER
 
 # How long an Acquire's demand counts when other pools weigh their scaled
 # priority against it: longer than the gap between a scheduler's release and
 # its next Acquire (a few ms), short enough that a pool whose traffic stopped
 # delays the others by at most this once.
 DEMAND_TTL_MS = 100
+# How long a busy answer keeps the asking rate limiter in the pool's waiting
+# set (refreshed by each busy answer): above the longest gap between two
+# looks of a waiting Acquire (RateLimiterSettings.acquire_poll_s).
+WAITING_TTL_MS = 2000
+
+
+@dataclass(frozen=True)
+class Busy:
+    """Nothing can run now; look again on a release signal or after `recheck_s`."""
+
+    recheck_s: float
+
+
+#: Every instance (or a resource it needs) is busy: a release signals it (the
+#: freeing process wakes its own waiters, Redis tells the other rate
+#: limiters), so the look-again period is only a safety net.
+BUSY = Busy(RATELIMITER.acquire_poll_s)
+#: A pool with a lower scaled priority goes first. Nothing signals the end of
+#: that wait (its demand lapses after DEMAND_TTL_MS): look again soon.
+DEFERRED = Busy(RATELIMITER.deferred_poll_s)
 
 
 @dataclass(frozen=True)
@@ -73,13 +94,22 @@ def now_ms() -> int:
 
 class RedisRegistry:
     def __init__(
-        self, redis: aioredis.Redis, prefix: str = keys.RL_PREFIX, mode: str = OFF
+        self,
+        redis: aioredis.Redis,
+        prefix: str = keys.RL_PREFIX,
+        mode: str = OFF,
+        origin: str | None = None,
     ) -> None:
         if mode not in RATE_LIMIT_MODES:
             raise ValueError(f"rate limit mode '{mode}' is not one of {RATE_LIMIT_MODES}")
         self.redis = redis
         self.prefix = prefix
         self.mode = mode
+        #: this rate limiter process, as the waiting sets and channels name it
+        self.origin = origin or uuid.uuid4().hex[:12]
+        #: where Redis tells this process that another one freed something
+        #: (message: "{model}:{version}", or "*" for any pool)
+        self.freed_channel = keys.rl_freed_channel(prefix, self.origin)
         self._set_overrides = redis.register_script(scripts.SET_OVERRIDES)
         self._register = redis.register_script(scripts.REGISTER)
         self._heartbeat = redis.register_script(scripts.HEARTBEAT)
@@ -128,11 +158,18 @@ class RedisRegistry:
 
     async def try_acquire(self, model: str, version: int, lease_ms: int) -> Grant | None:
         """A grant on a free instance, None if all are busy; NoInstances if none exist."""
+        got = await self.attempt(model, version, lease_ms)
+        return got if isinstance(got, Grant) else None
+
+    async def attempt(self, model: str, version: int, lease_ms: int) -> Grant | Busy:
+        """A grant on a free instance, else how to wait; NoInstances if none exist."""
         grant_id = uuid.uuid4().hex
         args = [self.prefix, model, version, grant_id, now_ms(), lease_ms, self.mode]
-        res = await self._acquire(args=[*args, DEMAND_TTL_MS])
+        res = await self._acquire(args=[*args, DEMAND_TTL_MS, self.origin, WAITING_TTL_MS])
         if res is None:
-            return None
+            return BUSY
+        if res == -3:
+            return DEFERRED
         if res == -1:
             raise NoInstances(f"no instance of model '{model}' version {version} is registered")
         if res[0] == -2:
@@ -147,7 +184,8 @@ class RedisRegistry:
 
     async def release(self, grant_id: str, failed: bool = False) -> bool:
         """Whether the grant was held (its resources, if any, went back)."""
-        return bool(await self._release(args=[self.prefix, grant_id, "1" if failed else "0"]))
+        failed_flag = "1" if failed else "0"
+        return bool(await self._release(args=[self.prefix, grant_id, failed_flag, self.origin]))
 
     async def renew(self, grant_ids: list[str], lease_ms: int) -> list[str]:
         """Extend held grants' leases; returns the ids that are no longer held."""
@@ -157,7 +195,7 @@ class RedisRegistry:
         return [g.decode() for g in lost]
 
     async def sweep(self) -> tuple[int, int]:
-        expired, dead = await self._sweep(args=[self.prefix, now_ms()])
+        expired, dead = await self._sweep(args=[self.prefix, now_ms(), self.origin])
         return int(expired), int(dead)
 
     async def instances(self, model: str = "", version: int = 0) -> list[Instance]:

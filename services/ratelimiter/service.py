@@ -181,18 +181,18 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
         while True:
             event = self.wakeups.event(model, version)
             try:
-                grant = await self.registry.try_acquire(model, version, lease_ms)
+                got = await self.registry.attempt(model, version, lease_ms)
             except NoInstances as exc:
                 return pb.AcquireResponse(granted=False, reason=str(exc))
-            if grant is not None:
-                return self._granted(grant)
+            if isinstance(got, Grant):
+                return self._granted(got)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return pb.AcquireResponse(
                     granted=False, reason="every instance (or a resource it needs) is busy"
                 )
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), min(remaining, RATELIMITER.acquire_poll_s))
+                await asyncio.wait_for(event.wait(), min(remaining, got.recheck_s))
 
     def _granted(self, grant: Grant) -> pb.AcquireResponse:
         inst = grant.instance
@@ -261,6 +261,36 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
                 stage_error(exc, "usage export")  # logged there
             await asyncio.sleep(period_s)
 
+    def freed(self, message: bytes) -> None:
+        """Another rate limiter freed an instance of a pool ("{model}:{version}")
+        or anything ("*"): its waiters here look again now."""
+        text = message.decode()
+        model, _, version = text.rpartition(":")
+        if text == "*" or not version.isdigit():
+            self.wakeups.wake_all()
+        else:
+            self.wakeups.wake(model, int(version))
+
+    async def follow_freed_forever(self) -> None:
+        """Wake waiters on what other rate limiter processes free (Redis pub/sub)."""
+        pubsub = self.registry.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            while True:
+                try:
+                    if not pubsub.subscribed:
+                        await pubsub.subscribe(self.registry.freed_channel)
+                        self.wakeups.wake_all()  # whatever was freed while unsubscribed
+                    message = await pubsub.get_message(timeout=None)
+                except Exception as exc:  # Redis away: the waiters poll meanwhile
+                    stage_error(exc, "freed subscription")  # logged there
+                    await pubsub.aclose()  # subscribes anew next round
+                    await asyncio.sleep(RATELIMITER.acquire_poll_s)
+                    continue
+                if message is not None and message["type"] == "message":
+                    self.freed(message["data"])
+        finally:
+            await pubsub.aclose()
+
     async def sweep_forever(self, period_s: float = RATELIMITER.sweep_s) -> None:
         """Release expired grants and forget dead workers."""
         while True:
@@ -298,6 +328,7 @@ async def serve(
     background = [
         asyncio.create_task(service.sweep_forever()),
         asyncio.create_task(service.export_usage_forever()),
+        asyncio.create_task(service.follow_freed_forever()),
     ]
     try:
         await run_server(server, listen, "ratelimiter")

@@ -251,9 +251,17 @@ def test_two_rate_limiters_share_one_set_of_counts(limited, repo):
     finished.sort(key=lambda x: x[1])
     assert finished[-1][1] - start >= 4 * DELAY_S * 0.95, finished
     assert min(gaps(finished)) >= 0.6 * DELAY_S, finished
-    for child in (gw2, sched2, rl2):
-        child.proc.terminate()
-        child.proc.wait(10)
+    # Each rate limiter follows its own release channel (a release by one
+    # wakes the other's waiting Acquire through Redis, not by its poll).
+    r = redis_client(limited.redis_url)
+    try:
+        assert len(r.pubsub_channels("ss:rl:freed:*")) == 2
+        for child in (gw2, sched2, rl2):
+            child.proc.terminate()
+            child.proc.wait(10)
+        assert wait_until(lambda: len(r.pubsub_channels("ss:rl:freed:*")) == 1, timeout_s=5)
+    finally:
+        r.close()
 
 
 # ------------------------------------------------------------- joining worker

@@ -274,17 +274,23 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
     async def follow_freed_forever(self) -> None:
         """Wake waiters on what other rate limiter processes free (Redis pub/sub)."""
         pubsub = self.registry.redis.pubsub(ignore_subscribe_messages=True)
+        failures = 0
         try:
             while True:
                 try:
                     if not pubsub.subscribed:
                         await pubsub.subscribe(self.registry.freed_channel)
                         self.wakeups.wake_all()  # whatever was freed while unsubscribed
+                        if failures:
+                            log.info("release signals followed again", extra={"tries": failures})
+                        failures = 0
                     message = await pubsub.get_message(timeout=None)
                 except Exception as exc:  # Redis away: the waiters poll meanwhile
-                    stage_error(exc, "freed subscription")  # logged there
+                    if not failures:  # once per outage, not once per try
+                        stage_error(exc, "freed subscription")  # logged there
+                    failures += 1
                     await pubsub.aclose()  # subscribes anew next round
-                    await asyncio.sleep(RATELIMITER.acquire_poll_s)
+                    await asyncio.sleep(min(RATELIMITER.acquire_poll_s * 2**failures, 5.0))
                     continue
                 if message is not None and message["type"] == "message":
                     self.freed(message["data"])

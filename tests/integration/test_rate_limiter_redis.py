@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 from tritonclient.utils import InferenceServerException
 
 from services.ratelimiter.errors import REDIS_UNAVAILABLE
@@ -119,3 +120,9 @@ def test_redis_down_is_unavailable_then_back(split: SplitStack) -> None:
         f"no success within {BACK_BOUND_S}s of Redis coming back"
     )
     print(f"serving again {time.monotonic() - back_at:.2f} s after Redis came back")
+    # and it follows its release channel again (services/ratelimiter/service.py)
+    r = redis.Redis(port=port, socket_timeout=5)
+    try:
+        assert wait_until(lambda: len(r.pubsub_channels("ss:rl:freed:*")) == 1, 10)
+    finally:
+        r.close()

@@ -336,6 +336,10 @@ local function notify(p, origin, key, what)
 end
 """
 
+# ARGV: prefix, origin: tell every other waiting rate limiter that the
+# registry changed (a worker registered or left through this one).
+NOTIFY_ALL = _NOTIFY + "notify(ARGV[1], ARGV[2], ARGV[1] .. 'waiting', '*')\nreturn 1\n"
+
 _RELEASE = (
     _NOTIFY
     + """

@@ -80,8 +80,8 @@ class SchedulerSettings:
 class RateLimiterSettings:
     # A waiting Acquire re-checks Redis at least this often. Releases wake it
     # at once (its own process's directly, another rate limiter's through
-    # Redis pub/sub), so this only bounds what nothing signals: a worker that
-    # registered through another rate limiter, a lost pub/sub message. It was
+    # Redis pub/sub; so are registrations), so this only bounds what nothing
+    # signals: a lost pub/sub message, Redis away. It was
     # 0.02 while cross-process releases were not signalled: those polls were
     # 22% of the rate limiter's samples at c=64 (stop 21 profile), an Acquire
     # that waits out its 500 ms behind a grant the scheduler reuses polling

@@ -118,6 +118,7 @@ class RedisRegistry:
         self._release = redis.register_script(scripts.RELEASE)
         self._sweep = redis.register_script(scripts.SWEEP)
         self._renew = redis.register_script(scripts.RENEW)
+        self._notify_all = redis.register_script(scripts.NOTIFY_ALL)
         self._overrides: dict[str, int] = {}
 
     async def register(
@@ -139,7 +140,9 @@ class RedisRegistry:
                 inst.priority,
                 res,
             ]
-        return int(await self._register(args=args))
+        added = int(await self._register(args=args))
+        await self._registry_changed()
+        return added
 
     async def set_overrides(self, overrides: dict[str, int]) -> None:
         """The --rate-limit-resource counts ("name" or "name@device" -> count).
@@ -154,7 +157,14 @@ class RedisRegistry:
         return bool(await self._heartbeat(args=[self.prefix, worker_id, lease_ms]))
 
     async def deregister(self, worker_id: str) -> int:
-        return int(await self._deregister(args=[self.prefix, worker_id]))
+        removed = int(await self._deregister(args=[self.prefix, worker_id]))
+        await self._registry_changed()
+        return removed
+
+    async def _registry_changed(self) -> None:
+        """Other rate limiters' waiting Acquires look again (new instances, or
+        none left: NoInstances). Rare (registrations), so its own round trip."""
+        await self._notify_all(args=[self.prefix, self.origin])
 
     async def try_acquire(self, model: str, version: int, lease_ms: int) -> Grant | None:
         """A grant on a free instance, None if all are busy; NoInstances if none exist."""

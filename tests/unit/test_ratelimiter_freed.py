@@ -199,3 +199,22 @@ def test_a_waiting_acquire_is_granted_when_another_rate_limiter_releases(redis_u
             await asyncio.gather(follow, return_exceptions=True)
 
     run(redis_url, body)
+
+
+def test_a_worker_registering_or_leaving_through_another_rate_limiter_is_announced(redis_url):
+    async def body(a, b, r):
+        await a.register("w1", "addr-w1", [inst("i1")], LONG)
+        pubsub = await listening(r, a.freed_channel, b.freed_channel)
+        held = await a.attempt("m", 1, LONG)
+        assert await b.attempt("m", 1, LONG) is BUSY
+        w2 = Instance("i2", "m", 1, "KIND_CPU", -1, "w2", "addr-w2")
+        await a.register("w2", "addr-w2", [w2], LONG)  # a second instance of m
+        assert await messages(pubsub) == [(P + "freed:B", "*")]
+        assert isinstance(await b.attempt("m", 1, LONG), Grant)
+        assert await b.attempt("m", 1, LONG) is BUSY
+        await a.deregister("w1")  # B may now get NoInstances or another instance
+        assert await messages(pubsub) == [(P + "freed:B", "*")]
+        await a.release(held.grant_id)
+        await pubsub.aclose()
+
+    run(redis_url, body)

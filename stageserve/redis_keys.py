@@ -34,9 +34,9 @@ Rate limiter registry and grants (ratelimiter only; see redis_scripts.py):
   ss:rl:res:override          hash  "name" / "name@device" -> --rate-limit-resource
   ss:rl:demand                zset  "{model}:{ver}" -> until when (ms) its last
                                     Acquire counts as waiting (priority picks)
-  ss:rl:waiting:{model}:{ver} set   rate limiter origins with an Acquire waiting on
-                                    the pool; PX WAITING_TTL_MS, refreshed per busy answer
-  ss:rl:waiting               set   the same for any pool (freed resources)
+  ss:rl:waiting:{model}:{ver} zset  rate limiter origin -> until when (ms) its last
+                                    busy answer on the pool counts (WAITING_TTL_MS)
+  ss:rl:waiting               zset  the same for any pool (freed resources)
   ss:rl:freed:{origin}        pub/sub channel: another rate limiter freed an
                                     instance ("{model}:{ver}") or anything ("*")
 

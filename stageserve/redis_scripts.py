@@ -216,7 +216,7 @@ local free = p .. 'free:' .. pk
 local function busy()
   if origin and origin ~= '' then
     for _, key in ipairs({p .. 'waiting:' .. pk, p .. 'waiting'}) do
-      redis.call('SADD', key, origin)
+      redis.call('ZADD', key, now + wttl, origin)
       redis.call('PEXPIRE', key, wttl)
     end
   end
@@ -327,24 +327,30 @@ return grant(mine[1], f, mine[4])
 # Tells the rate limiters waiting on a pool (or, "*", on any pool: freed
 # resources or a removed worker change every pool's answer) that something
 # was freed, on their channel {prefix}freed:{origin}. The one that freed it
-# (`origin`) wakes its own waiters itself and is not told.
+# (`origin`) wakes its own waiters itself and is not told. A waiting set is
+# a zset origin -> until when (ms) its last busy answer counts, so a rate
+# limiter that stopped waiting (or exited: each start has a new origin) is
+# dropped after WAITING_TTL_MS even while others keep the set alive.
 _NOTIFY = """
-local function notify(p, origin, key, what)
-  for _, o in ipairs(redis.call('SMEMBERS', key)) do
+local function notify(p, origin, key, what, now)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  for _, o in ipairs(redis.call('ZRANGE', key, 0, -1)) do
     if o ~= origin then redis.call('PUBLISH', p .. 'freed:' .. o, what) end
   end
 end
 """
 
-# ARGV: prefix, origin: tell every other waiting rate limiter that the
-# registry changed (a worker registered or left through this one).
-NOTIFY_ALL = _NOTIFY + "notify(ARGV[1], ARGV[2], ARGV[1] .. 'waiting', '*')\nreturn 1\n"
+# ARGV: prefix, origin, now_ms: tell every other waiting rate limiter that
+# the registry changed (a worker registered or left through this one).
+NOTIFY_ALL = (
+    _NOTIFY + "notify(ARGV[1], ARGV[2], ARGV[1] .. 'waiting', '*', tonumber(ARGV[3]))\nreturn 1\n"
+)
 
 _RELEASE = (
     _NOTIFY
     + """
 -- 0: not held; 1: released; 2: released and it held resources
-local function release(p, gid, failed, origin)
+local function release(p, gid, failed, origin, now)
   local g = redis.call('HMGET', p .. 'grant:' .. gid, 'model', 'version')
   local iid, took = end_grant(p, gid)
   if not iid then return 0 end
@@ -354,26 +360,28 @@ local function release(p, gid, failed, origin)
   local pk = g[1] .. ':' .. g[2]
   if failed then
     remove_worker(p, wid)
-    notify(p, origin, p .. 'waiting', '*')
+    notify(p, origin, p .. 'waiting', '*', now)
   elseif redis.call('EXISTS', p .. 'worker:' .. wid) == 1 then
     redis.call('RPUSH', p .. 'free:' .. pk, iid)
     if took then
-      notify(p, origin, p .. 'waiting', '*')
+      notify(p, origin, p .. 'waiting', '*', now)
     else
-      notify(p, origin, p .. 'waiting:' .. pk, pk)
+      notify(p, origin, p .. 'waiting:' .. pk, pk, now)
     end
   elseif took then
-    notify(p, origin, p .. 'waiting', '*')
+    notify(p, origin, p .. 'waiting', '*', now)
   end
   return result
 end
 """
 )
 
-# ARGV: prefix, grant_id, failed ("1"/"0"), origin -> 0 not held, 1 released,
-# 2 released and resources went back
+# ARGV: prefix, grant_id, failed ("1"/"0"), origin, now_ms -> 0 not held,
+# 1 released, 2 released and resources went back
 RELEASE = (
-    _REMOVE_WORKER + _RELEASE + "return release(ARGV[1], ARGV[2], ARGV[3] == '1', ARGV[4] or '')\n"
+    _REMOVE_WORKER
+    + _RELEASE
+    + "return release(ARGV[1], ARGV[2], ARGV[3] == '1', ARGV[4] or '', tonumber(ARGV[5]) or 0)\n"
 )
 
 # ARGV: prefix, now_ms, origin -> {expired grants released, dead workers removed}
@@ -383,7 +391,7 @@ SWEEP = (
     + """
 local p, now, origin = ARGV[1], tonumber(ARGV[2]), ARGV[3] or ''
 local expired = redis.call('ZRANGEBYSCORE', p .. 'grants', '-inf', now, 'LIMIT', 0, 256)
-for _, gid in ipairs(expired) do release(p, gid, false, origin) end
+for _, gid in ipairs(expired) do release(p, gid, false, origin, now) end
 local dead = 0
 for _, wid in ipairs(redis.call('SMEMBERS', p .. 'workers')) do
   if redis.call('EXISTS', p .. 'worker:' .. wid) == 0 then
@@ -391,7 +399,7 @@ for _, wid in ipairs(redis.call('SMEMBERS', p .. 'workers')) do
     dead = dead + 1
   end
 end
-if dead > 0 then notify(p, origin, p .. 'waiting', '*') end
+if dead > 0 then notify(p, origin, p .. 'waiting', '*', now) end
 return {#expired, dead}
 """
 )

@@ -99,6 +99,7 @@ class RedisRegistry:
         prefix: str = keys.RL_PREFIX,
         mode: str = OFF,
         origin: str | None = None,
+        waiting_ttl_ms: int = WAITING_TTL_MS,
     ) -> None:
         if mode not in RATE_LIMIT_MODES:
             raise ValueError(f"rate limit mode '{mode}' is not one of {RATE_LIMIT_MODES}")
@@ -107,6 +108,7 @@ class RedisRegistry:
         self.mode = mode
         #: this rate limiter process, as the waiting sets and channels name it
         self.origin = origin or uuid.uuid4().hex[:12]
+        self.waiting_ttl_ms = waiting_ttl_ms
         #: where Redis tells this process that another one freed something
         #: (message: "{model}:{version}", or "*" for any pool)
         self.freed_channel = keys.rl_freed_channel(prefix, self.origin)
@@ -164,7 +166,7 @@ class RedisRegistry:
     async def _registry_changed(self) -> None:
         """Other rate limiters' waiting Acquires look again (new instances, or
         none left: NoInstances). Rare (registrations), so its own round trip."""
-        await self._notify_all(args=[self.prefix, self.origin])
+        await self._notify_all(args=[self.prefix, self.origin, now_ms()])
 
     async def try_acquire(self, model: str, version: int, lease_ms: int) -> Grant | None:
         """A grant on a free instance, None if all are busy; NoInstances if none exist."""
@@ -175,7 +177,7 @@ class RedisRegistry:
         """A grant on a free instance, else how to wait; NoInstances if none exist."""
         grant_id = uuid.uuid4().hex
         args = [self.prefix, model, version, grant_id, now_ms(), lease_ms, self.mode]
-        res = await self._acquire(args=[*args, DEMAND_TTL_MS, self.origin, WAITING_TTL_MS])
+        res = await self._acquire(args=[*args, DEMAND_TTL_MS, self.origin, self.waiting_ttl_ms])
         if res is None:
             return BUSY
         if res == -3:
@@ -195,7 +197,8 @@ class RedisRegistry:
     async def release(self, grant_id: str, failed: bool = False) -> bool:
         """Whether the grant was held (its resources, if any, went back)."""
         failed_flag = "1" if failed else "0"
-        return bool(await self._release(args=[self.prefix, grant_id, failed_flag, self.origin]))
+        args = [self.prefix, grant_id, failed_flag, self.origin, now_ms()]
+        return bool(await self._release(args=args))
 
     async def renew(self, grant_ids: list[str], lease_ms: int) -> list[str]:
         """Extend held grants' leases; returns the ids that are no longer held."""

@@ -73,7 +73,7 @@ def test_a_release_tells_the_other_waiting_rate_limiter_only(redis_url):
         held = await a.attempt("m", 1, LONG)
         assert isinstance(held, Grant)
         assert await b.attempt("m", 1, LONG) is BUSY  # B waits on pool m:1
-        assert {x.decode() for x in await r.smembers(P + "waiting:m:1")} == {"B"}
+        assert [x.decode() for x in await r.zrange(P + "waiting:m:1", 0, -1)] == ["B"]
         assert 0 < await r.pttl(P + "waiting:m:1") <= 2000
         await a.release(held.grant_id)
         assert await messages(pubsub) == [(P + "freed:B", "m:1")]
@@ -215,6 +215,26 @@ def test_a_worker_registering_or_leaving_through_another_rate_limiter_is_announc
         await a.deregister("w1")  # B may now get NoInstances or another instance
         assert await messages(pubsub) == [(P + "freed:B", "*")]
         await a.release(held.grant_id)
+        await pubsub.aclose()
+
+    run(redis_url, body)
+
+
+def test_a_rate_limiter_that_stopped_waiting_is_dropped_while_others_wait(redis_url):
+    """A waiting set kept alive by one rate limiter does not keep telling
+    another that asked long ago (or exited: each start is a new origin)."""
+
+    async def body(a, b, r):
+        c = RedisRegistry(r, P, origin="C", waiting_ttl_ms=100)
+        await a.register("w1", "addr-w1", [inst("i1")], LONG)
+        pubsub = await listening(r, b.freed_channel, c.freed_channel)
+        held = await a.attempt("m", 1, LONG)
+        assert await c.attempt("m", 1, LONG) is BUSY  # counts for 100 ms
+        await asyncio.sleep(0.15)
+        assert await b.attempt("m", 1, LONG) is BUSY  # counts for 2 s
+        await a.release(held.grant_id)
+        assert await messages(pubsub) == [(P + "freed:B", "m:1")]
+        assert [x.decode() for x in await r.zrange(P + "waiting:m:1", 0, -1)] == ["B"]
         await pubsub.aclose()
 
     run(redis_url, body)

@@ -168,11 +168,6 @@ class RedisRegistry:
         none left: NoInstances). Rare (registrations), so its own round trip."""
         await self._notify_all(args=[self.prefix, self.origin, now_ms()])
 
-    async def try_acquire(self, model: str, version: int, lease_ms: int) -> Grant | None:
-        """A grant on a free instance, None if all are busy; NoInstances if none exist."""
-        got = await self.attempt(model, version, lease_ms)
-        return got if isinstance(got, Grant) else None
-
     async def attempt(self, model: str, version: int, lease_ms: int) -> Grant | Busy:
         """A grant on a free instance, else how to wait; NoInstances if none exist."""
         grant_id = uuid.uuid4().hex

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 
 from services.ratelimiter.options import EXECUTION_COUNT, OFF, parse_resource_flag
 from services.ratelimiter.registry import Instance, NeverRunnable, RedisRegistry, Resource
+from tests.unit.registry_grants import try_acquire
 
 P = "test:rlres:"
 LONG = 60_000
@@ -73,13 +74,13 @@ def test_two_models_sharing_a_count_1_resource_take_turns(redis_url):
     async def body(reg, r):
         await register(reg, "w1", inst("a", "A", R1), inst("b", "B", R1))
         assert await counts(reg) == {"R1@w1/-1": (0, 1)}
-        ga = await reg.try_acquire("A", 1, LONG)
+        ga = await try_acquire(reg, "A", 1, LONG)
         assert ga is not None and ga.holds_resources
         assert await counts(reg) == {"R1@w1/-1": (1, 1)}
-        assert await reg.try_acquire("B", 1, LONG) is None  # B's instance is free, R1 is not
+        assert await try_acquire(reg, "B", 1, LONG) is None  # B's instance is free, R1 is not
         await reg.release(ga.grant_id)
         assert await counts(reg) == {"R1@w1/-1": (0, 1)}
-        gb = await reg.try_acquire("B", 1, LONG)
+        gb = await try_acquire(reg, "B", 1, LONG)
         assert gb is not None
         await check_counts(reg, r)
 
@@ -96,14 +97,14 @@ def test_default_count_is_the_largest_any_instance_asks_for(redis_url):
             inst("b2", "B", Resource("R", 1)),
         )
         assert await counts(reg) == {"R@w1/-1": (0, 3)}
-        g1 = await reg.try_acquire("B", 1, LONG)
-        g2 = await reg.try_acquire("B", 1, LONG)
+        g1 = await try_acquire(reg, "B", 1, LONG)
+        g2 = await try_acquire(reg, "B", 1, LONG)
         assert g1 and g2  # 1 + 1 <= 3: both B instances run at once
-        assert await reg.try_acquire("A", 1, LONG) is None  # A needs 3, 1 left
+        assert await try_acquire(reg, "A", 1, LONG) is None  # A needs 3, 1 left
         await reg.release(g1.grant_id)
-        assert await reg.try_acquire("A", 1, LONG) is None  # 2 left
+        assert await try_acquire(reg, "A", 1, LONG) is None  # 2 left
         await reg.release(g2.grant_id)
-        assert await reg.try_acquire("A", 1, LONG) is not None
+        assert await try_acquire(reg, "A", 1, LONG) is not None
         await check_counts(reg, r)
 
     run(redis_url, body)
@@ -112,10 +113,10 @@ def test_default_count_is_the_largest_any_instance_asks_for(redis_url):
 def test_off_mode_ignores_resources(redis_url):
     async def body(reg, r):
         await register(reg, "w1", inst("a", "A", R1), inst("b", "B", R1))
-        ga = await reg.try_acquire("A", 1, LONG)
-        gb = await reg.try_acquire("B", 1, LONG)
+        ga = await try_acquire(reg, "A", 1, LONG)
+        gb = await try_acquire(reg, "B", 1, LONG)
         assert ga and gb and not ga.holds_resources and not gb.holds_resources
-        assert await reg.try_acquire("A", 1, LONG) is None  # still one payload per instance
+        assert await try_acquire(reg, "A", 1, LONG) is None  # still one payload per instance
         assert await counts(reg) == {"R1@w1/-1": (0, 1)}
 
     run(redis_url, body, mode=OFF)
@@ -129,8 +130,8 @@ def test_per_device_resources_count_per_device_global_ones_once(redis_url):
         await register(reg, "w2", inst("a2", "A", R1, worker="w2", device=0))
         await register(reg, "w1", inst("a1", "A", R1, worker="w1", device=0))
         # two devices (one per worker): two payloads at once
-        x = await reg.try_acquire("A", 1, LONG)
-        y = await reg.try_acquire("A", 1, LONG)
+        x = await try_acquire(reg, "A", 1, LONG)
+        y = await try_acquire(reg, "A", 1, LONG)
         assert x and y and x.instance.worker_id != y.instance.worker_id
         assert await counts(reg) == {"R1@w1/0": (1, 1), "R1@w2/0": (1, 1)}
         await reg.release(x.grant_id)
@@ -138,9 +139,9 @@ def test_per_device_resources_count_per_device_global_ones_once(redis_url):
         # the same instances needing a global resource: one at a time overall
         await register(reg, "w1", inst("g1", "G", g_r, worker="w1", device=0))
         await register(reg, "w2", inst("g2", "G", g_r, worker="w2", device=0))
-        x = await reg.try_acquire("G", 1, LONG)
+        x = await try_acquire(reg, "G", 1, LONG)
         assert x is not None
-        assert await reg.try_acquire("G", 1, LONG) is None
+        assert await try_acquire(reg, "G", 1, LONG) is None
         assert (await counts(reg))["G@global"] == (1, 1)
         await reg.release(x.grant_id)
         await check_counts(reg, r)
@@ -165,8 +166,8 @@ def test_overrides_any_device_then_one_device_and_too_small(redis_url):
         await register(reg, "w1", inst("a", "A", R1, device=0), inst("b", "B", R1, device=0))
         await reg.set_overrides(dict([parse_resource_flag("R1:2")]))
         assert await counts(reg) == {"R1@w1/0": (0, 2)}
-        ga = await reg.try_acquire("A", 1, LONG)
-        gb = await reg.try_acquire("B", 1, LONG)
+        ga = await try_acquire(reg, "A", 1, LONG)
+        gb = await try_acquire(reg, "B", 1, LONG)
         assert ga and gb  # 2 available: both run
         await reg.release(ga.grant_id)
         await reg.release(gb.grant_id)
@@ -174,7 +175,7 @@ def test_overrides_any_device_then_one_device_and_too_small(redis_url):
         assert await counts(reg) == {"R1@w1/0": (0, 3)}  # the device's own override wins
         await reg.set_overrides({"R1": 0})
         with pytest.raises(NeverRunnable, match="resource R1 needs 1 but only 0"):
-            await reg.try_acquire("A", 1, LONG)
+            await try_acquire(reg, "A", 1, LONG)
 
     run(redis_url, body)
 
@@ -199,7 +200,7 @@ def test_priorities_1_and_4_give_triton_pick_ratio(redis_url):
             order = ["A", "B"] if rng.random() < 0.5 else ["B", "A"]
             got = None
             for model in order + order:  # the deferring one asks again after
-                got = await reg.try_acquire(model, 1, LONG)
+                got = await try_acquire(reg, model, 1, LONG)
                 if got is not None:
                     break
             assert got is not None
@@ -221,10 +222,10 @@ def test_a_pool_waiting_for_a_busy_resource_blocks_no_other(redis_url):
             inst("b", "B", s, priority=4),
             inst("b2", "B", s, R1, priority=4),
         )
-        hold = await reg.try_acquire("C", 1, LONG)  # R1 busy
-        assert await reg.try_acquire("A", 1, LONG) is None  # A waits (and asks again)
-        assert await reg.try_acquire("A", 1, LONG) is None
-        gb = await reg.try_acquire("B", 1, LONG)  # S is free: B runs, A does not hold it up
+        hold = await try_acquire(reg, "C", 1, LONG)  # R1 busy
+        assert await try_acquire(reg, "A", 1, LONG) is None  # A waits (and asks again)
+        assert await try_acquire(reg, "A", 1, LONG) is None
+        gb = await try_acquire(reg, "B", 1, LONG)  # S is free: B runs, A does not hold it up
         assert gb is not None and gb.instance.instance_id == "b"
         await reg.release(hold.grant_id)
         await reg.release(gb.grant_id)
@@ -237,15 +238,15 @@ def test_expired_grant_and_dead_worker_give_resources_back(redis_url):
     async def body(reg, r):
         await register(reg, "w1", inst("a", "A", R1), inst("b", "B", R1))
         await register(reg, "w2", inst("x", "X", Resource("G", 1, True)), lease_ms=80)
-        short = await reg.try_acquire("A", 1, 50)  # a scheduler that died holding it
-        gx = await reg.try_acquire("X", 1, LONG)  # on a worker that dies
+        short = await try_acquire(reg, "A", 1, 50)  # a scheduler that died holding it
+        gx = await try_acquire(reg, "X", 1, LONG)  # on a worker that dies
         assert short and gx
         await asyncio.sleep(0.12)
         assert await reg.sweep() == (1, 1)
         assert (await counts(reg))["R1@w1/-1"] == (0, 1)
         assert "G@global" not in await r.hgetall(P + "res:cap")
         assert await r.hget(P + "res:held", "G@global") is None  # forgotten with its worker
-        assert await reg.try_acquire("B", 1, LONG) is not None
+        assert await try_acquire(reg, "B", 1, LONG) is not None
         await check_counts(reg, r)
 
     run(redis_url, body)
@@ -254,7 +255,7 @@ def test_expired_grant_and_dead_worker_give_resources_back(redis_url):
 def test_failed_release_removes_the_worker_and_its_holdings(redis_url):
     async def body(reg, r):
         await register(reg, "w1", inst("a", "A", R1), inst("b", "B", R1))
-        g = await reg.try_acquire("A", 1, LONG)
+        g = await try_acquire(reg, "A", 1, LONG)
         await reg.release(g.grant_id, failed=True)
         assert await counts(reg) == {}  # the worker and its resources are gone
         await check_counts(reg, r)
@@ -277,7 +278,7 @@ def test_random_operations_keep_counts_exact(redis_url):
         for _ in range(300):
             op = rng.random()
             if op < 0.5:
-                g = await reg.try_acquire(rng.choice("ABC"), 1, LONG)
+                g = await try_acquire(reg, rng.choice("ABC"), 1, LONG)
                 if g is not None:
                     held.append(g)
             elif op < 0.9 and held:
@@ -336,14 +337,14 @@ def test_a_new_instance_starts_at_the_lowest_scaled_count_not_zero(redis_url):
     async def body(reg, r):
         await register(reg, "w1", inst("a", "A", R1))
         for _ in range(50):
-            g = await reg.try_acquire("A", 1, LONG)
+            g = await try_acquire(reg, "A", 1, LONG)
             await reg.release(g.grant_id)
         await register(reg, "w1", inst("a", "A", R1), inst("b", "B", R1, priority=2))
         assert int(await r.hget(P + "inst:b", "execs")) == 25  # 50 x 1 / priority 2
         picks: Counter[str] = Counter()
         for _ in range(30):
             for model in ("B", "A", "B", "A"):
-                g = await reg.try_acquire(model, 1, LONG)
+                g = await try_acquire(reg, model, 1, LONG)
                 if g is not None:
                     break
             picks[g.instance.model] += 1

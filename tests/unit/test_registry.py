@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 
 from services.ratelimiter.registry import Grant, Instance, NoInstances, RedisRegistry
 from stageserve import redis_keys
+from tests.unit.registry_grants import try_acquire
 
 P = "test:rl:"  # a prefix of our own; the default one is checked once below
 LONG = 60_000  # ms: a lease that does not run out during a test
@@ -105,7 +106,7 @@ def test_n_instances_n_grants_then_busy_then_release(redis_url):
     async def body(reg, r):
         assert await register(reg, "w1", "a", "b", "c") == 3
         await check_invariants(r)
-        grants = [await reg.try_acquire("m", 1, LONG) for _ in range(3)]
+        grants = [await try_acquire(reg, "m", 1, LONG) for _ in range(3)]
         assert all(isinstance(g, Grant) for g in grants)
         assert sorted(g.instance.instance_id for g in grants) == ["a", "b", "c"]
         assert len({g.grant_id for g in grants}) == 3
@@ -113,12 +114,12 @@ def test_n_instances_n_grants_then_busy_then_release(redis_url):
         assert g0.instance.model == "m" and g0.instance.version == 1
         assert g0.instance.worker_id == "w1" and g0.instance.worker_address == "addr-w1"
         assert g0.instance.kind == "KIND_CPU" and g0.instance.device_id == -1
-        assert await reg.try_acquire("m", 1, LONG) is None  # all busy, not NoInstances
+        assert await try_acquire(reg, "m", 1, LONG) is None  # all busy, not NoInstances
         await check_invariants(r)
         assert await reg.release(grants[1].grant_id) is True
-        again = await reg.try_acquire("m", 1, LONG)
+        again = await try_acquire(reg, "m", 1, LONG)
         assert again.instance.instance_id == grants[1].instance.instance_id
-        assert await reg.try_acquire("m", 1, LONG) is None
+        assert await try_acquire(reg, "m", 1, LONG) is None
         await check_invariants(r)
         for g in (grants[0], grants[2], again):
             assert await reg.release(g.grant_id)
@@ -143,7 +144,7 @@ def test_default_prefix_is_the_documented_one(redis_url):
             )
             == 6
         )
-        g = await reg.try_acquire("m", 1, LONG)
+        g = await try_acquire(reg, "m", 1, LONG)
         assert await r.hget(f"ss:rl:grant:{g.grant_id}", "instance") == b"a"
         assert await r.zscore("ss:rl:grants", g.grant_id) is not None
         await check_invariants(r, prefix="ss:rl:")
@@ -155,7 +156,7 @@ def test_grant_lease_deadline_in_zset(redis_url):
     async def body(reg, r):
         await register(reg, "w1", "a")
         before = int(time.time() * 1000)
-        g = await reg.try_acquire("m", 1, 5_000)
+        g = await try_acquire(reg, "m", 1, 5_000)
         score = await r.zscore(P + "grants", g.grant_id)
         assert before + 5_000 <= score <= int(time.time() * 1000) + 5_000
 
@@ -170,12 +171,12 @@ def test_models_and_versions_are_separate_pools(redis_url):
             [inst("a1", model="a"), inst("a2", model="a", version=2), inst("b1", model="b")],
             LONG,
         )
-        assert (await reg.try_acquire("a", 1, LONG)).instance.instance_id == "a1"
-        assert await reg.try_acquire("a", 1, LONG) is None
-        assert (await reg.try_acquire("a", 2, LONG)).instance.instance_id == "a2"
-        assert (await reg.try_acquire("b", 1, LONG)).instance.instance_id == "b1"
+        assert (await try_acquire(reg, "a", 1, LONG)).instance.instance_id == "a1"
+        assert await try_acquire(reg, "a", 1, LONG) is None
+        assert (await try_acquire(reg, "a", 2, LONG)).instance.instance_id == "a2"
+        assert (await try_acquire(reg, "b", 1, LONG)).instance.instance_id == "b1"
         with pytest.raises(NoInstances):
-            await reg.try_acquire("b", 2, LONG)
+            await try_acquire(reg, "b", 2, LONG)
         await check_invariants(r)
 
     run(redis_url, body)
@@ -184,12 +185,12 @@ def test_models_and_versions_are_separate_pools(redis_url):
 def test_unknown_model_raises_no_instances(redis_url):
     async def body(reg, r):
         with pytest.raises(NoInstances, match="'ghost'"):
-            await reg.try_acquire("ghost", 1, LONG)
+            await try_acquire(reg, "ghost", 1, LONG)
         await register(reg, "w1", "a")
         with pytest.raises(NoInstances):
-            await reg.try_acquire("ghost", 1, LONG)
+            await try_acquire(reg, "ghost", 1, LONG)
         with pytest.raises(NoInstances, match="version 3"):
-            await reg.try_acquire("m", 3, LONG)
+            await try_acquire(reg, "m", 3, LONG)
         assert await r.zcard(P + "grants") == 0
 
     run(redis_url, body)
@@ -199,9 +200,9 @@ def test_multiple_workers_share_a_pool(redis_url):
     async def body(reg, r):
         await register(reg, "w1", "a")
         await register(reg, "w2", "b")
-        got = {(await reg.try_acquire("m", 1, LONG)).instance.worker_id for _ in range(2)}
+        got = {(await try_acquire(reg, "m", 1, LONG)).instance.worker_id for _ in range(2)}
         assert got == {"w1", "w2"}
-        assert await reg.try_acquire("m", 1, LONG) is None
+        assert await try_acquire(reg, "m", 1, LONG) is None
         await check_invariants(r)
 
     run(redis_url, body)
@@ -218,7 +219,7 @@ def test_instances_and_busy_listing(redis_url):
         assert [i.instance_id for i in await reg.instances("m", 1)] == ["a", "b"]
         assert await reg.instances("m", 2) == []
         assert await reg.busy_instance_ids() == []
-        g = await reg.try_acquire("other", 2, LONG)
+        g = await try_acquire(reg, "other", 2, LONG)
         assert await reg.busy_instance_ids() == ["c"]
         await reg.release(g.grant_id)
         assert await reg.busy_instance_ids() == []
@@ -232,7 +233,7 @@ def test_instances_and_busy_listing(redis_url):
 def test_reregister_same_set_adds_nothing(redis_url):
     async def body(reg, r):
         assert await register(reg, "w1", "a", "b") == 2
-        g = await reg.try_acquire("m", 1, LONG)
+        g = await try_acquire(reg, "m", 1, LONG)
         assert await register(reg, "w1", "a", "b") == 0
         assert await register(reg, "w1", "b", "a") == 0
         assert await free_list(r) == [x for x in ("a", "b") if x != g.instance.instance_id]
@@ -247,7 +248,7 @@ def test_reregister_same_set_adds_nothing(redis_url):
 def test_reregister_smaller_set_removes_instances(redis_url):
     async def body(reg, r):
         await register(reg, "w1", "a", "b", "c")
-        g = await reg.try_acquire("m", 1, LONG)
+        g = await try_acquire(reg, "m", 1, LONG)
         busy = g.instance.instance_id
         keep = next(i for i in "abc" if i != busy)
         assert await register(reg, "w1", keep) == 0
@@ -270,7 +271,7 @@ def test_reregister_with_nothing_keeps_worker_but_no_instances(redis_url):
         await register(reg, "w1", "a")
         assert await register(reg, "w1") == 0
         with pytest.raises(NoInstances):
-            await reg.try_acquire("m", 1, LONG)
+            await try_acquire(reg, "m", 1, LONG)
         assert await reg.heartbeat("w1", LONG)
         await check_invariants(r)
 
@@ -282,16 +283,16 @@ def test_removed_busy_instance_readded_then_old_grant_released(redis_url):
 
     async def body(reg, r):
         await register(reg, "w1", "a")
-        old = await reg.try_acquire("m", 1, LONG)
+        old = await try_acquire(reg, "m", 1, LONG)
         await register(reg, "w1")  # unloaded while its payload still runs
         assert await register(reg, "w1", "a") == 1  # loaded again, same id
         await check_invariants(r)
         await reg.release(old.grant_id)  # the old payload finishes
         assert await free_list(r) == ["a"]
         await check_invariants(r)
-        g1 = await reg.try_acquire("m", 1, LONG)
+        g1 = await try_acquire(reg, "m", 1, LONG)
         assert g1 is not None
-        assert await reg.try_acquire("m", 1, LONG) is None  # never handed out twice
+        assert await try_acquire(reg, "m", 1, LONG) is None  # never handed out twice
 
     run(redis_url, body)
 
@@ -312,7 +313,7 @@ def test_deregister_removes_everything(redis_url):
     async def body(reg, r):
         await register(reg, "w1", "a", "b")
         await register(reg, "w2", "c")
-        g = await reg.try_acquire("m", 1, LONG)
+        g = await try_acquire(reg, "m", 1, LONG)
         assert await reg.deregister("w1") == 2
         assert await reg.deregister("w1") == 0
         assert not await r.exists(
@@ -338,7 +339,7 @@ def test_heartbeat_keeps_worker(redis_url):
             await asyncio.sleep(0.1)
             assert await reg.heartbeat("w1", 300) is True
         assert await reg.sweep() == (0, 0)
-        assert (await reg.try_acquire("m", 1, LONG)).instance.instance_id == "a"
+        assert (await try_acquire(reg, "m", 1, LONG)).instance.instance_id == "a"
         assert 0 < await r.pttl(P + "worker:w1") <= 300
 
     run(redis_url, body)
@@ -363,7 +364,7 @@ def test_expired_worker_removed_by_sweep_and_never_granted(redis_url):
         assert {w.decode() for w in await r.smembers(P + "workers")} == {"live"}
         assert not await r.exists(P + "inst:d1", P + "inst:d2", P + "worker:dead:insts")
         for _ in range(3):
-            g = await reg.try_acquire("m", 1, LONG)
+            g = await try_acquire(reg, "m", 1, LONG)
             if g is not None:
                 assert g.instance.worker_id == "live"
         assert await reg.sweep() == (0, 0)
@@ -376,10 +377,10 @@ def test_expired_worker_not_granted_even_before_sweep(redis_url):
     async def body(reg, r):
         await register(reg, "dead", "d1", lease_ms=50)
         await asyncio.sleep(0.1)
-        assert await reg.try_acquire("m", 1, LONG) is None  # stale entry skipped
+        assert await try_acquire(reg, "m", 1, LONG) is None  # stale entry skipped
         assert await reg.sweep() == (0, 1)
         with pytest.raises(NoInstances):
-            await reg.try_acquire("m", 1, LONG)
+            await try_acquire(reg, "m", 1, LONG)
 
     run(redis_url, body)
 
@@ -390,15 +391,15 @@ def test_worker_back_after_lease_lapsed_gets_its_instances_back(redis_url):
 
     async def body(reg, r):
         await register(reg, "w1", "a", "b", lease_ms=50)
-        g = await reg.try_acquire("m", 1, LONG)  # one payload in flight across the lapse
+        g = await try_acquire(reg, "m", 1, LONG)  # one payload in flight across the lapse
         await asyncio.sleep(0.1)
-        assert await reg.try_acquire("m", 1, LONG) is None
+        assert await try_acquire(reg, "m", 1, LONG) is None
         assert await reg.heartbeat("w1", 50) is False
         await register(reg, "w1", "a", "b")
         await check_invariants(r)
         await reg.release(g.grant_id)  # the old payload's release frees nothing twice
         await check_invariants(r)
-        got = [await reg.try_acquire("m", 1, LONG) for _ in range(3)]
+        got = [await try_acquire(reg, "m", 1, LONG) for _ in range(3)]
         assert sorted(x.instance.instance_id for x in got[:2]) == ["a", "b"]
         assert got[2] is None
         await check_invariants(r)
@@ -409,8 +410,8 @@ def test_worker_back_after_lease_lapsed_gets_its_instances_back(redis_url):
 def test_expired_grant_released_by_sweep_exactly_once(redis_url):
     async def body(reg, r):
         await register(reg, "w1", "a", "b")
-        short = await reg.try_acquire("m", 1, 50)
-        long_ = await reg.try_acquire("m", 1, LONG)
+        short = await try_acquire(reg, "m", 1, 50)
+        long_ = await try_acquire(reg, "m", 1, LONG)
         await asyncio.sleep(0.1)
         assert await reg.sweep() == (1, 0)
         assert await free_list(r) == [short.instance.instance_id]
@@ -421,7 +422,7 @@ def test_expired_grant_released_by_sweep_exactly_once(redis_url):
         assert await reg.release(short.grant_id) is False
         assert await free_list(r) == [short.instance.instance_id]
         # the instance is handed out again; the stale release still does nothing
-        again = await reg.try_acquire("m", 1, LONG)
+        again = await try_acquire(reg, "m", 1, LONG)
         assert again.instance.instance_id == short.instance.instance_id
         assert await reg.release(short.grant_id) is False
         assert await free_list(r) == []
@@ -441,7 +442,7 @@ def test_release_failed_removes_whole_worker(redis_url):
     async def body(reg, r):
         await register(reg, "bad", "x1", "x2")
         await register(reg, "good", "g1")
-        grants = [await reg.try_acquire("m", 1, LONG) for _ in range(3)]
+        grants = [await try_acquire(reg, "m", 1, LONG) for _ in range(3)]
         by_iid = {g.instance.instance_id: g for g in grants}
         assert set(by_iid) == {"x1", "x2", "g1"}
         assert await reg.release(by_iid["x1"].grant_id, failed=True) is True
@@ -463,7 +464,7 @@ def test_release_failed_removes_whole_worker(redis_url):
 def test_double_release_is_harmless(redis_url):
     async def body(reg, r):
         await register(reg, "w1", "a")
-        g = await reg.try_acquire("m", 1, LONG)
+        g = await try_acquire(reg, "m", 1, LONG)
         assert await reg.release(g.grant_id) is True
         assert await reg.release(g.grant_id) is False
         assert await reg.release(g.grant_id, failed=True) is False  # no worker removed
@@ -478,7 +479,7 @@ def test_double_release_is_harmless(redis_url):
 def test_release_after_deregister(redis_url):
     async def body(reg, r):
         await register(reg, "w1", "a")
-        g = await reg.try_acquire("m", 1, LONG)
+        g = await try_acquire(reg, "m", 1, LONG)
         await reg.deregister("w1")
         await reg.release(g.grant_id)
         assert await free_list(r) == []
@@ -523,7 +524,7 @@ def test_random_sequences_never_leak_or_duplicate(redis_url):
                 )
             elif op == "acquire":
                 try:
-                    g = await reg.try_acquire("m", rng.choice([1, 2]), LONG)
+                    g = await try_acquire(reg, "m", rng.choice([1, 2]), LONG)
                 except NoInstances:
                     g = None
                 if g is not None:

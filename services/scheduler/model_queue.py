@@ -13,24 +13,26 @@ are kept for reuse and when they go back: grant_pool.py) and the response
 order (preserve_ordering: response_order.py). The rate limiter is asked
 only for instances beyond those the pool holds. A sequence model adds the
 sequences' Redis adapter (sequence_queue.SequenceIO: backlog listing,
-claims, state commits) around each execution.
+claims, state commits) around each execution. Running a formed batch on
+its instance and answering its requests is batch_run.py's; the queue keeps
+what happens around it: the grant, the strategy's bookkeeping, ordering.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from typing import TYPE_CHECKING
 
 import grpc
 from redis.exceptions import RedisError
 
+from services.scheduler.batch_run import BatchRun, RunState
 from services.scheduler.batch_strategy import Queued, QueueStrategy, Respond, Strategy
 from services.scheduler.batcher import QueueFull
-from services.scheduler.clients import Granted, RateLimiterClient, WorkerCallError, WorkerClients
-from services.scheduler.decoupled import DecoupledBatch
+from services.scheduler.clients import Granted, RateLimiterClient, WorkerClients
+from services.scheduler.execute_request import error_response
 from services.scheduler.grant_pool import GrantPool, Held, Usable
 from services.scheduler.response_order import ResponseOrder
 from services.scheduler.wakeup import Wakeup
@@ -48,81 +50,6 @@ if TYPE_CHECKING:
     from services.scheduler.sequence_queue import SequenceIO
 
 log = logging.getLogger(__name__)
-
-_NONE_HIDDEN: frozenset[str] = frozenset()  # outputs a batch keeps from its answers
-
-
-def error_response(request_id: int, err: StageError) -> pb.ScheduleResponse:
-    return pb.ScheduleResponse(
-        id=request_id, code=err.code.value[0], message=err.message, rejected=err.rejected
-    )
-
-
-def build_execute_request(
-    instance_id: str,
-    batch: list[Queued],
-    batching: bool,
-    ragged: frozenset[str] = frozenset(),
-    request_info: bool = False,
-) -> pb.ExecuteRequest:
-    """Concatenate each input's raw bytes across the batch (batch dim is outermost).
-
-    A ragged input becomes one 1-D tensor of all the requests' elements (what
-    Triton's ONNX Runtime backend feeds such an input), with the requests' own
-    shapes alongside; the bytes are still only concatenated, never decoded."""
-    first = batch[0].msg
-    req = pb.ExecuteRequest(instance_id=instance_id)
-    for i, t in enumerate(first.inputs):
-        if t.name in ragged:
-            req.inputs.append(_ragged_input(req, t, [q.msg.inputs[i] for q in batch]))
-            continue
-        if len(batch) == 1:
-            req.inputs.append(t)
-            continue
-        total = sum(q.msg.inputs[i].shape[0] for q in batch)
-        req.inputs.append(
-            pb.Tensor(
-                name=t.name,
-                datatype=t.datatype,
-                shape=[total, *t.shape[1:]],
-                raw=b"".join(q.msg.inputs[i].raw for q in batch),
-            )
-        )
-    req.request_batch_sizes.extend(q.msg.batch_size if batching else 1 for q in batch)
-    for q in batch:
-        req.requested.add(names=q.msg.outputs)
-        if request_info:  # only Python models read them (InferenceRequest)
-            add_request_info(req, q.msg)
-    return req
-
-
-def add_request_info(req: pb.ExecuteRequest, msg: pb.ScheduleRequest | None) -> None:
-    """A request's metadata for pb_utils.InferenceRequest; None: a padding row,
-    which Triton 2.51 gives correlation id 0, flags 0 and no request id."""
-    if msg is None:
-        req.request_info.add(padding=True)
-        return
-    req.request_info.add(
-        request_id=msg.request_id,
-        correlation_id=msg.sequence_id,
-        correlation_id_str=msg.sequence_id_str,
-        # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1, _END = 2
-        flags=int(msg.sequence_start) | (int(msg.sequence_end) << 1),
-        parameters_json=msg.parameters_json,
-    )
-
-
-def _ragged_input(req: pb.ExecuteRequest, first: pb.Tensor, parts: list[pb.Tensor]) -> pb.Tensor:
-    """One ragged input across the batch; records each request's shape in req."""
-    shapes = req.ragged_shapes.add(input=first.name, rank=len(first.shape))
-    for t in parts:
-        shapes.dims.extend(t.shape)
-    return pb.Tensor(
-        name=first.name,
-        datatype=first.datatype,
-        shape=[sum(math.prod(t.shape) for t in parts)],
-        raw=parts[0].raw if len(parts) == 1 else b"".join(t.raw for t in parts),
-    )
 
 
 class ModelQueue:
@@ -160,8 +87,15 @@ class ModelQueue:
         self._order: ResponseOrder[tuple[Respond, pb.ScheduleResponse]] = ResponseOrder()
         v = str(version)
         self._depth_gauge = SCHEDULER_QUEUE_DEPTH.labels(model, v)
-        self._batch_hist = SCHEDULER_BATCH_SIZE.labels(model, v)
         self._labels = model_labels(model, version)
+        self._run = BatchRun(
+            model,
+            workers,
+            sequences,
+            self._deliver,
+            self._requeue,
+            SCHEDULER_BATCH_SIZE.labels(model, v),
+        )
         if sequences is not None:
             sequences.bind(self._changed)
         self._expiry_task = asyncio.create_task(self._expiry_loop())
@@ -394,9 +328,13 @@ class ModelQueue:
             await self._wait_arrival(max(0.0, (decision.wake_at_ns - time.monotonic_ns()) / 1e9))
 
     async def _guarded(self, batch: list[Queued], held: Held[Granted]) -> None:
-        """Run a batch; a bug in one batch answers its requests, never hangs them."""
+        """Run a batch; a bug in one batch answers its requests, never hangs them.
+        However it ended, the strategy hears of it and the grant goes back."""
+        state = RunState()
         try:
-            await self._execute(batch, held)
+            await self._run.run(
+                self.spec, batch, held.grant, state, lambda: self._give_back(held, False)
+            )
         except RedisError as exc:  # Redis down or restarting: the client may retry
             log.warning("batch failed: Redis unavailable", extra={"error": repr(exc)})
             err = unavailable(f"model '{self.model}': the state store is unavailable, retry")
@@ -407,135 +345,16 @@ class ModelQueue:
             err = StageError(grpc.StatusCode.INTERNAL, f"scheduler error: {exc}")
             for q in batch:  # the gateway ignores a second answer to one request
                 q.respond(error_response(q.msg.id, err))
+        finally:
+            self.strategy.finished(batch, time.monotonic_ns())
+            self.executing -= 1
+            if not state.grant_returned:
+                self._give_back(held, state.failed_instance)
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _execute(self, batch: list[Queued], held: Held[Granted]) -> None:
-        grant = held.grant
-        spec = self.spec
-        sequences = self.sequences
-        failed_instance: bool | None = False
-        job = None
-        # Before the try: a sequence batch can end before it is built (nothing
-        # claimable, Redis down) and the finally reads it.
-        decoupled: DecoupledBatch | None = None
-        # A decoupled sequence batch's final answers, held until its commit:
-        # "state first, answers second", as for any sequence batch.
-        finals: list[tuple[Queued, pb.ScheduleResponse]] = []
-        try:
-            compute_start = time.monotonic_ns()
-            if sequences is None:
-                rows: list[Queued | None] = batch  # type: ignore[assignment]
-                hidden = _NONE_HIDDEN
-                request = build_execute_request(
-                    grant.instance_id,
-                    batch,
-                    spec.batching,
-                    spec.ragged_inputs,
-                    request_info=spec.backend == "python",
-                )
-            else:  # claims the sequences in Redis; some may wait or be refused
-                job = await sequences.prepare(batch, grant.instance_id)
-                if job is None:
-                    return
-                rows, hidden, request = job.rows, job.hidden, job.request
-                compute_start = time.monotonic_ns()
-            if spec.decoupled:
-                decoupled = DecoupledBatch(
-                    rows,
-                    compute_start,
-                    sum(request.request_batch_sizes),
-                    # A sequence's finals wait for its commit (below).
-                    self._deliver if job is None else lambda q, r: finals.append((q, r)),
-                    # execute returned: the instance is free, its senders go
-                    # on. A sequence batch keeps its instance to its last
-                    # final, so its next request runs after this one ended.
-                    on_returned=(lambda: self._give_back(held, False)) if job is None else None,
-                )
-            try:
-                resp = await self.workers.execute(
-                    grant.worker_address, request, decoupled.on_part if decoupled else None
-                )
-            except WorkerCallError as exc:
-                err, failed_instance = self._execution_error(exc, grant)
-                ran = decoupled is not None and (decoupled.sent_any or decoupled.returned)
-                if failed_instance is None and not ran and self._requeue(batch):
-                    return  # the instance was unloaded (a reload): run elsewhere
-                if decoupled is not None:
-                    decoupled.finish(err)
-                if job is not None:  # a failed execution leaves the states as they were
-                    await job.settle_failed()
-                if decoupled is not None:
-                    self._deliver_all(finals)
-                    return
-                for q in rows:
-                    if q is not None:
-                        self._deliver(q, error_response(q.msg.id, err))
-                return
-            if decoupled is not None:
-                decoupled.finish(None)
-                if job is not None:  # a decoupled model's states: not supported (config.py)
-                    await job.commit(None)
-                self._deliver_all(finals)
-                return
-            if job is not None:
-                # State first, answers second: a client that sends its next
-                # request the moment it has this answer must find the new
-                # state in Redis.
-                await job.commit(resp)
-            self._answer(rows, hidden, request, resp, compute_start)
-        finally:
-            if job is not None:
-                job.close()
-            self.strategy.finished(batch, time.monotonic_ns())
-            self.executing -= 1
-            if decoupled is None or not decoupled.returned or job is not None:
-                self._give_back(held, failed_instance)
-
-    def _deliver_all(self, answers: list[tuple[Queued, pb.ScheduleResponse]]) -> None:
-        for q, response in answers:
-            self._deliver(q, response)
-
-    def _answer(
-        self,
-        rows: list[Queued | None],
-        hidden: frozenset[str],
-        request: pb.ExecuteRequest,
-        resp: pb.ExecuteResponse,
-        compute_start: int,
-    ) -> None:
-        """Each request's outputs (less `hidden` ones) or its own error; None
-        rows are padding."""
-        total = sum(request.request_batch_sizes)
-        self._batch_hist.observe(total)
-        leader = True
-        for q, result in zip(rows, resp.results, strict=True):
-            if q is None:
-                continue
-            timing = pb.Timing(
-                queue_ns=compute_start - q.enqueue_ns,
-                compute_input_ns=resp.compute_input_ns,
-                compute_infer_ns=resp.compute_infer_ns,
-                compute_output_ns=resp.compute_output_ns,
-                batch_size=total,
-                batch_leader=leader,
-            )
-            leader = False
-            if result.code:  # a per-request error (a Python model's response)
-                self._deliver(
-                    q,
-                    pb.ScheduleResponse(
-                        id=q.msg.id, code=result.code, message=result.message, timing=timing
-                    ),
-                )
-                continue
-            outputs = result.outputs
-            if hidden:
-                outputs = [t for t in outputs if t.name not in hidden]
-            self._deliver(q, pb.ScheduleResponse(id=q.msg.id, outputs=outputs, timing=timing))
 
     def _requeue(self, batch: list[Queued]) -> bool:
         """Put a batch whose instance went away back at the head of the queue."""
@@ -544,25 +363,3 @@ class ModelQueue:
         self._depth_changed()
         self._arrived.set()
         return True
-
-    def _execution_error(
-        self, exc: WorkerCallError, grant: Granted
-    ) -> tuple[StageError, bool | None]:
-        """The clients' error, and whether the instance failed (None: it is gone,
-        release the grant without blaming the worker)."""
-        code = exc.code
-        if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT):
-            return StageError(code, exc.details or "model execution failed"), False
-        if code == grpc.StatusCode.NOT_FOUND:  # the instance was unloaded meanwhile
-            return unavailable(f"model '{self.model}' instance went away: {exc.details}"), None
-        log.warning(
-            "worker failed during execution",
-            extra={"model": self.model, "instance": grant.instance_id, "code": code.name},
-        )
-        return (
-            unavailable(
-                f"worker {grant.worker_address} failed while executing model '{self.model}' "
-                f"(instance {grant.instance_id}): {code.name}: {exc.details}"
-            ),
-            True,
-        )

@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from services.scheduler.batch_strategy import Queued
-from services.scheduler.model_queue import ModelQueue, add_request_info, error_response
+from services.scheduler.execute_request import add_request_info, error_response
+from services.scheduler.model_queue import ModelQueue
 from services.scheduler.sequence_store import (
     UNKNOWN,
     WAIT,

@@ -9,7 +9,8 @@ import grpc
 
 from services.scheduler.clients import RateLimiterClient, WorkerClients
 from services.scheduler.ensemble import check_step_input, run_ensemble
-from services.scheduler.model_queue import ModelQueue, error_response
+from services.scheduler.execute_request import error_response
+from services.scheduler.model_queue import ModelQueue
 from services.scheduler.sequence_queue import make_sequence_queue
 from stageserve.errors import StageError, internal, unavailable
 from stageserve.generated import stageserve_pb2 as pb

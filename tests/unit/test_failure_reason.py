@@ -8,7 +8,7 @@ import grpc
 
 from services.gateway.recorder import RequestRecorder, failure_reason
 from services.gateway.statistics import StatsBook
-from services.scheduler.model_queue import error_response
+from services.scheduler.execute_request import error_response
 from stageserve.errors import StageError, queue_full, unavailable
 from stageserve.telemetry import TritonMetrics, model_labels
 

@@ -12,7 +12,7 @@ import pytest
 from services.scheduler.batch_strategy import Queued
 from services.scheduler.batch_strategy import shape_key as msg_shape_key
 from services.scheduler.batcher import DynamicBatcher, Pending, shape_key
-from services.scheduler.model_queue import build_execute_request
+from services.scheduler.execute_request import build_execute_request
 from services.worker.batch_io import (
     BatchIOError,
     batch_input_array,

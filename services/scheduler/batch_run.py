@@ -1,0 +1,228 @@
+"""One formed batch on its instance: the worker call and every request's answer.
+
+ModelQueue (model_queue.py) forms a batch on a held grant and hands it
+here. A run builds the worker's request (for a sequence model, after the
+sequences' adapter claimed the batch in Redis), calls the worker, and
+answers each request: its outputs, its own error (a Python model's
+response), or the batch's error mapped to Triton's status code. A
+decoupled model's responses are forwarded as the worker streams them
+(decoupled.py). What the queue must know afterwards, however the run ended
+(an exception included), is in the RunState it passed in: whether the
+instance failed, and whether the grant already went back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from services.scheduler.batch_strategy import Queued
+from services.scheduler.clients import Granted, WorkerCallError, WorkerClients
+from services.scheduler.decoupled import DecoupledBatch
+from services.scheduler.execute_request import build_execute_request, error_response
+from stageserve.config import ModelSpec
+from stageserve.errors import StageError, unavailable
+from stageserve.generated import stageserve_pb2 as pb
+
+if TYPE_CHECKING:
+    from services.scheduler.sequence_queue import SequenceIO
+
+log = logging.getLogger(__name__)
+
+_NONE_HIDDEN: frozenset[str] = frozenset()  # outputs a batch keeps from its answers
+
+Deliver = Callable[[Queued, pb.ScheduleResponse], None]
+
+
+@dataclass
+class RunState:
+    """What a batch's run tells its queue, even when it ends by an exception."""
+
+    # False: the instance is fine; True: it failed (release the grant as
+    # failed); None: it went away (release without blaming the worker).
+    failed_instance: bool | None = False
+    # A decoupled batch handed its grant back when execute returned (its
+    # responses may still be coming): the queue must not give it back again.
+    grant_returned: bool = False
+
+
+class BatchRun:
+    """Runs the batches of one model version (one per ModelQueue).
+
+    `deliver` answers a request (the queue's, which keeps preserve_ordering);
+    `requeue` puts a batch whose instance went away back at the head of the
+    queue, False when it cannot; `batch_sizes` observes each batch's size."""
+
+    def __init__(
+        self,
+        model: str,
+        workers: WorkerClients,
+        sequences: SequenceIO | None,
+        deliver: Deliver,
+        requeue: Callable[[list[Queued]], bool],
+        batch_sizes: Any,
+    ) -> None:
+        self.model = model
+        self.workers = workers
+        self.sequences = sequences
+        self.deliver = deliver
+        self.requeue = requeue
+        self.batch_sizes = batch_sizes
+
+    async def run(
+        self,
+        spec: ModelSpec,
+        batch: list[Queued],
+        grant: Granted,
+        state: RunState,
+        give_back: Callable[[], None],
+    ) -> None:
+        """Execute `batch` on `grant`'s instance and answer it. `give_back`
+        returns the grant early (a decoupled batch whose execute returned);
+        otherwise the queue returns it once this ends."""
+        job = None
+        # Before the try: a sequence batch can end before it is built (nothing
+        # claimable, Redis down) and the finally reads it.
+        decoupled: DecoupledBatch | None = None
+        # A decoupled sequence batch's final answers, held until its commit:
+        # "state first, answers second", as for any sequence batch.
+        finals: list[tuple[Queued, pb.ScheduleResponse]] = []
+        try:
+            compute_start = time.monotonic_ns()
+            if self.sequences is None:
+                rows: list[Queued | None] = batch  # type: ignore[assignment]
+                hidden = _NONE_HIDDEN
+                request = build_execute_request(
+                    grant.instance_id,
+                    batch,
+                    spec.batching,
+                    spec.ragged_inputs,
+                    request_info=spec.backend == "python",
+                )
+            else:  # claims the sequences in Redis; some may wait or be refused
+                job = await self.sequences.prepare(batch, grant.instance_id)
+                if job is None:
+                    return
+                rows, hidden, request = job.rows, job.hidden, job.request
+                compute_start = time.monotonic_ns()
+            if spec.decoupled:
+
+                def returned() -> None:
+                    state.grant_returned = True
+                    give_back()
+
+                decoupled = DecoupledBatch(
+                    rows,
+                    compute_start,
+                    sum(request.request_batch_sizes),
+                    # A sequence's finals wait for its commit (below).
+                    self.deliver if job is None else lambda q, r: finals.append((q, r)),
+                    # execute returned: the instance is free, its senders go
+                    # on. A sequence batch keeps its instance to its last
+                    # final, so its next request runs after this one ended.
+                    on_returned=returned if job is None else None,
+                )
+            try:
+                resp = await self.workers.execute(
+                    grant.worker_address, request, decoupled.on_part if decoupled else None
+                )
+            except WorkerCallError as exc:
+                err, state.failed_instance = self._execution_error(exc, grant)
+                ran = decoupled is not None and (decoupled.sent_any or decoupled.returned)
+                if state.failed_instance is None and not ran and self.requeue(batch):
+                    return  # the instance was unloaded (a reload): run elsewhere
+                if decoupled is not None:
+                    decoupled.finish(err)
+                if job is not None:  # a failed execution leaves the states as they were
+                    await job.settle_failed()
+                if decoupled is not None:
+                    self._deliver_all(finals)
+                    return
+                for q in rows:
+                    if q is not None:
+                        self.deliver(q, error_response(q.msg.id, err))
+                return
+            if decoupled is not None:
+                decoupled.finish(None)
+                if job is not None:  # a decoupled model's states: not supported (config.py)
+                    await job.commit(None)
+                self._deliver_all(finals)
+                return
+            if job is not None:
+                # State first, answers second: a client that sends its next
+                # request the moment it has this answer must find the new
+                # state in Redis.
+                await job.commit(resp)
+            self._answer(rows, hidden, request, resp, compute_start)
+        finally:
+            if job is not None:
+                job.close()
+
+    def _deliver_all(self, answers: list[tuple[Queued, pb.ScheduleResponse]]) -> None:
+        for q, response in answers:
+            self.deliver(q, response)
+
+    def _answer(
+        self,
+        rows: list[Queued | None],
+        hidden: frozenset[str],
+        request: pb.ExecuteRequest,
+        resp: pb.ExecuteResponse,
+        compute_start: int,
+    ) -> None:
+        """Each request's outputs (less `hidden` ones) or its own error; None
+        rows are padding."""
+        total = sum(request.request_batch_sizes)
+        self.batch_sizes.observe(total)
+        leader = True
+        for q, result in zip(rows, resp.results, strict=True):
+            if q is None:
+                continue
+            timing = pb.Timing(
+                queue_ns=compute_start - q.enqueue_ns,
+                compute_input_ns=resp.compute_input_ns,
+                compute_infer_ns=resp.compute_infer_ns,
+                compute_output_ns=resp.compute_output_ns,
+                batch_size=total,
+                batch_leader=leader,
+            )
+            leader = False
+            if result.code:  # a per-request error (a Python model's response)
+                self.deliver(
+                    q,
+                    pb.ScheduleResponse(
+                        id=q.msg.id, code=result.code, message=result.message, timing=timing
+                    ),
+                )
+                continue
+            outputs = result.outputs
+            if hidden:
+                outputs = [t for t in outputs if t.name not in hidden]
+            self.deliver(q, pb.ScheduleResponse(id=q.msg.id, outputs=outputs, timing=timing))
+
+    def _execution_error(
+        self, exc: WorkerCallError, grant: Granted
+    ) -> tuple[StageError, bool | None]:
+        """The clients' error, and whether the instance failed (None: it is gone,
+        release the grant without blaming the worker)."""
+        code = exc.code
+        if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT):
+            return StageError(code, exc.details or "model execution failed"), False
+        if code == grpc.StatusCode.NOT_FOUND:  # the instance was unloaded meanwhile
+            return unavailable(f"model '{self.model}' instance went away: {exc.details}"), None
+        log.warning(
+            "worker failed during execution",
+            extra={"model": self.model, "instance": grant.instance_id, "code": code.name},
+        )
+        return (
+            unavailable(
+                f"worker {grant.worker_address} failed while executing model '{self.model}' "
+                f"(instance {grant.instance_id}): {code.name}: {exc.details}"
+            ),
+            True,
+        )

@@ -1,0 +1,90 @@
+"""The protobuf a batch travels in: pure builders, no I/O.
+
+`build_execute_request` turns a formed batch into the worker's
+ExecuteRequest (inputs concatenated as bytes, never decoded);
+`error_response` is a request's answer when it fails anywhere in the
+scheduler. Used by the batch run (batch_run.py), the sequences' adapter
+(sequence_queue.py, which builds its own requests with state rows) and the
+service.
+"""
+
+from __future__ import annotations
+
+import math
+
+from services.scheduler.batch_strategy import Queued
+from stageserve.errors import StageError
+from stageserve.generated import stageserve_pb2 as pb
+
+
+def error_response(request_id: int, err: StageError) -> pb.ScheduleResponse:
+    return pb.ScheduleResponse(
+        id=request_id, code=err.code.value[0], message=err.message, rejected=err.rejected
+    )
+
+
+def build_execute_request(
+    instance_id: str,
+    batch: list[Queued],
+    batching: bool,
+    ragged: frozenset[str] = frozenset(),
+    request_info: bool = False,
+) -> pb.ExecuteRequest:
+    """Concatenate each input's raw bytes across the batch (batch dim is outermost).
+
+    A ragged input becomes one 1-D tensor of all the requests' elements (what
+    Triton's ONNX Runtime backend feeds such an input), with the requests' own
+    shapes alongside; the bytes are still only concatenated, never decoded."""
+    first = batch[0].msg
+    req = pb.ExecuteRequest(instance_id=instance_id)
+    for i, t in enumerate(first.inputs):
+        if t.name in ragged:
+            req.inputs.append(_ragged_input(req, t, [q.msg.inputs[i] for q in batch]))
+            continue
+        if len(batch) == 1:
+            req.inputs.append(t)
+            continue
+        total = sum(q.msg.inputs[i].shape[0] for q in batch)
+        req.inputs.append(
+            pb.Tensor(
+                name=t.name,
+                datatype=t.datatype,
+                shape=[total, *t.shape[1:]],
+                raw=b"".join(q.msg.inputs[i].raw for q in batch),
+            )
+        )
+    req.request_batch_sizes.extend(q.msg.batch_size if batching else 1 for q in batch)
+    for q in batch:
+        req.requested.add(names=q.msg.outputs)
+        if request_info:  # only Python models read them (InferenceRequest)
+            add_request_info(req, q.msg)
+    return req
+
+
+def add_request_info(req: pb.ExecuteRequest, msg: pb.ScheduleRequest | None) -> None:
+    """A request's metadata for pb_utils.InferenceRequest; None: a padding row,
+    which Triton 2.51 gives correlation id 0, flags 0 and no request id."""
+    if msg is None:
+        req.request_info.add(padding=True)
+        return
+    req.request_info.add(
+        request_id=msg.request_id,
+        correlation_id=msg.sequence_id,
+        correlation_id_str=msg.sequence_id_str,
+        # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1, _END = 2
+        flags=int(msg.sequence_start) | (int(msg.sequence_end) << 1),
+        parameters_json=msg.parameters_json,
+    )
+
+
+def _ragged_input(req: pb.ExecuteRequest, first: pb.Tensor, parts: list[pb.Tensor]) -> pb.Tensor:
+    """One ragged input across the batch; records each request's shape in req."""
+    shapes = req.ragged_shapes.add(input=first.name, rank=len(first.shape))
+    for t in parts:
+        shapes.dims.extend(t.shape)
+    return pb.Tensor(
+        name=first.name,
+        datatype=first.datatype,
+        shape=[sum(math.prod(t.shape) for t in parts)],
+        raw=parts[0].raw if len(parts) == 1 else b"".join(t.raw for t in parts),
+    )

@@ -328,6 +328,7 @@ async def serve_stream(
     pack: Callable[[list[Any]], Any] | None = None,
     concurrent: bool = False,
     on_error: Callable[[Any, Exception], Any] | None = None,
+    on_message_end: Callable[[], None] | None = None,
 ) -> AsyncIterator[Any]:
     """The server end of a stream: an async generator to return from the RPC.
 
@@ -339,6 +340,8 @@ async def serve_stream(
     with ``on_error(request, exc)`` (logged) and the stream goes on. With
     ``pack``, every response queued since the last write goes out in one
     message; without it each response is its own message.
+    ``on_message_end`` runs after the handlers of each incoming message were
+    called (also when one raised or the stream ended mid-message).
     """
     outbox: _Outbox[Any] = _Outbox()
     respond = outbox.put
@@ -360,21 +363,25 @@ async def serve_stream(
     async def read() -> None:
         try:
             async for message in request_iterator:
-                for request in unpack(message):
-                    try:
-                        work = handle(request, respond)
-                        if work is None:
-                            continue
-                        if concurrent:
-                            task = asyncio.ensure_future(guarded(request, work))
-                            tasks.add(task)
-                            task.add_done_callback(tasks.discard)
-                        elif inspect.isawaitable(work):
-                            await work
-                    except asyncio.CancelledError:
-                        raise
-                    except Exception as exc:  # one bad request must not end the stream
-                        failed(request, exc)
+                try:
+                    for request in unpack(message):
+                        try:
+                            work = handle(request, respond)
+                            if work is None:
+                                continue
+                            if concurrent:
+                                task = asyncio.ensure_future(guarded(request, work))
+                                tasks.add(task)
+                                task.add_done_callback(tasks.discard)
+                            elif inspect.isawaitable(work):
+                                await work
+                        except asyncio.CancelledError:
+                            raise
+                        except Exception as exc:  # one bad request must not end the stream
+                            failed(request, exc)
+                finally:
+                    if on_message_end is not None:
+                        on_message_end()
             if concurrent:
                 while tasks:  # the peer half-closed: answer what it sent
                     await asyncio.gather(*list(tasks), return_exceptions=True)

@@ -96,7 +96,11 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             self.queues[key] = queue
         return queue
 
-    async def _submit(self, msg: pb.ScheduleRequest, respond) -> None:
+    async def _submit(
+        self, msg: pb.ScheduleRequest, respond, woken: set[ModelQueue] | None = None
+    ) -> None:
+        """`woken`: the queues this message submitted to without waking them
+        (ModelQueue.wake() once the message's requests are all in)."""
         cached = self.models.get(msg.model)
         if cached is None or cached.generation != msg.config_generation:
             cached = await self._model(msg.model, msg.config_generation)
@@ -109,7 +113,12 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         if cached.spec.steps:
             self._spawn(self._run_ensemble(msg, cached, respond))
             return
-        self._queue(cached, msg.version).submit(msg, respond)
+        queue = self._queue(cached, msg.version)
+        if woken is None:
+            queue.submit(msg, respond)
+            return
+        queue.submit(msg, respond, wake=False)
+        woken.add(queue)
 
     async def _run_ensemble(self, msg: pb.ScheduleRequest, loaded: LoadedModel, respond) -> None:
         try:
@@ -157,13 +166,23 @@ class SchedulerService(pb_grpc.SchedulerServicer):
 
     async def Schedule(self, request_iterator, context: grpc.aio.ServicerContext):
         """One gateway's (or worker's BLS) stream: requests are submitted in
-        arrival order; answers go back as they come, packed per write."""
+        arrival order; answers go back as they come, packed per write. The
+        queues a message reached are woken once, after its last request, so
+        an idle queue forms one batch of them all (ModelQueue.wake)."""
+        woken: set[ModelQueue] = set()
+
+        def wake_all() -> None:
+            for queue in woken:
+                queue.wake()
+            woken.clear()
+
         async for message in serve_stream(
             request_iterator,
             unpack=_requests_of,
-            handle=self._submit,
+            handle=lambda msg, respond: self._submit(msg, respond, woken),
             pack=_pack_responses,
             on_error=_scheduler_error,
+            on_message_end=wake_all,
         ):
             yield message
 

@@ -31,6 +31,7 @@ class Echo(pb_grpc.SchedulerServicer):
         self.messages_in = 0
         self.requests_in = 0
         self.handled: list[str] = []
+        self.message_ends: list[int] = []  # len(handled) at each message's end
 
     def _unpack(self, message: pb.ScheduleBatch):
         self.messages_in += 1
@@ -60,6 +61,7 @@ class Echo(pb_grpc.SchedulerServicer):
             on_error=lambda request, exc: pb.ScheduleResponse(
                 id=request.id, code=13, message=f"failed: {type(exc).__name__}"
             ),
+            on_message_end=lambda: self.message_ends.append(len(self.handled)),
         ):
             yield message
 
@@ -206,6 +208,24 @@ async def test_a_raising_handler_is_answered_and_the_stream_goes_on(port):
         assert "secret" not in failed.message
         assert ok.message == "x"
         assert (await link.call(_req("echo", "y"))).message == "y"
+        await link.close()
+    await server.stop(None)
+
+
+@in_loop
+async def test_on_message_end_runs_once_per_message_after_all_its_handlers(port):
+    servicer = Echo(concurrent=False)
+    server = await _server(servicer, port)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        link = _link(channel)
+        await link.call(_req("echo", "first"))  # a message of one
+        # Queued in one turn: one message of three, one of whose handlers raises.
+        answers = await asyncio.gather(
+            link.call(_req("echo", "a")), link.call(_req("boom", "b")), link.call(_req("echo", "c"))
+        )
+        assert [a.code for a in answers] == [0, 13, 0]
+        assert servicer.messages_in == 2
+        assert servicer.message_ends == [1, 4]  # after the 1st handler, then after the 4th
         await link.close()
     await server.stop(None)
 

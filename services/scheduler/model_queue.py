@@ -281,13 +281,18 @@ class ModelQueue:
             self._acquiring = None
             self._grant_event.set()
 
+    def _take_held(self) -> Held[Granted] | None:
+        """A usable held grant, if any; unusable ones met on the way go back."""
+        held, releases = self.grants.take(self._usable)
+        for grant, failed in releases:
+            self._spawn(self.ratelimiter.release(grant.grant_id, failed=failed))
+        return held
+
     async def _next_grant(self) -> Held[Granted] | None:
         """A held grant if there is one, else wait for a batch to finish or the
         rate limiter to grant another instance. None once the queue emptied."""
         while True:
-            held, releases = self.grants.take(self._usable)
-            for grant, failed in releases:
-                self._spawn(self.ratelimiter.release(grant.grant_id, failed=failed))
+            held = self._take_held()
             if held is not None:
                 return held
             if not self.strategy.has_work(time.monotonic_ns()):
@@ -339,9 +344,7 @@ class ModelQueue:
 
     def _dispatch_at_once(self) -> bool:
         """A batch started from wake(); False: none could start here."""
-        held, releases = self.grants.take(self._usable)
-        for grant, failed in releases:
-            self._spawn(self.ratelimiter.release(grant.grant_id, failed=failed))
+        held = self._take_held()
         if held is None:
             return False
         self._expire()

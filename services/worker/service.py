@@ -180,9 +180,16 @@ class WorkerService(pb_grpc.WorkerServicer):
         thread, or inline when short) and are answered as they finish, packed
         per write."""
         loop = asyncio.get_running_loop()
+        # Batches of this stream handed to a task that has not started yet:
+        # they count as executing for the inline policy (nothing runs on the
+        # loop while another batch waits to reach its thread), as they did
+        # when every batch had its task. Per stream: a task cancelled before
+        # it started ends with its stream.
+        starting = 0
 
         def handle(request: pb.ExecuteRequest, respond) -> Awaitable[None] | None:
-            answer = self._run_inline(request)
+            nonlocal starting
+            answer = None if starting else self._run_inline(request)
             if answer is not None:
                 respond(answer)
                 return None
@@ -193,8 +200,11 @@ class WorkerService(pb_grpc.WorkerServicer):
                 loop.call_soon_threadsafe(respond, part)
 
             async def run() -> None:
+                nonlocal starting
+                starting -= 1
                 respond(await self._run(request, emit))
 
+            starting += 1
             return run()
 
         async for message in serve_stream(

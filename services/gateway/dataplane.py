@@ -59,7 +59,7 @@ class DataPlane:
         self.stats = StatsBook(self._generation_of)
         self.recorder = RequestRecorder(self.stats)
         self.shared: SharedStats | None = None  # set by the server: fleet-wide totals
-        self._inflight_gauges: dict[str, object] = {}
+        self._inflight_watched: set[str] = set()
         self.ready = False
         self.shm = SystemSharedMemory()
         self.overrides = OverrideArea()  # RepositoryModelLoad's config/file overrides
@@ -136,8 +136,8 @@ class DataPlane:
         entry, version = self.models.resolve(request.model_name, request.model_version)
         spec = entry.spec
         assert spec is not None
-        inflight = self._inflight(entry.name)
-        inflight.inc()
+        if entry.name not in self._inflight_watched:
+            self._watch_inflight(entry.name)
         self.models.begin(entry, version)
         held: dict[str, Region] = {}  # output -> its region, released when the request ends
         scheduled = False
@@ -192,7 +192,6 @@ class DataPlane:
             for region in held.values():
                 self.shm.release(region)
             self.models.end(entry, version)
-            inflight.dec()
         self.recorder.success(
             entry.name, version, time.monotonic_ns() - start, validated.batch_size, resp.timing
         )
@@ -216,11 +215,11 @@ class DataPlane:
                     st.model, st.version, st.duration_ns, st.batch_size, st.timing
                 )
 
-    def _inflight(self, model: str):
-        gauge = self._inflight_gauges.get(model)
-        if gauge is None:
-            gauge = self._inflight_gauges[model] = GATEWAY_INFLIGHT.labels(model)
-        return gauge
+    def _watch_inflight(self, model: str) -> None:
+        """The in-flight gauge reads ModelManager's count (begin/end) at scrape
+        time: no lock taken twice per request (Gauge.inc/dec, 0.8 us)."""
+        self._inflight_watched.add(model)
+        GATEWAY_INFLIGHT.labels(model).set_function(lambda: self.models.in_flight(model))
 
     # ----------------------------------------------------- system shared memory
 

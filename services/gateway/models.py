@@ -82,36 +82,41 @@ class ModelManager:
     # ----------------------------------------------------------------- lookup
 
     def resolve(self, name: str, version: str) -> tuple[ModelEntry, int]:
-        """The entry and version a request addresses, or Triton's error."""
+        """The entry and version a request addresses, or Triton's error.
+
+        Once per request: the name is escaped for a message (printable, 0.6-1.5
+        us) only on the error paths."""
         entry = self.entries.get(name)
-        name = printable(name)  # as messages show it (a 64 KiB name would not fit a trailer)
         if entry is None or not entry.versions:
+            shown = printable(name)  # as messages show it (a 64 KiB name would not fit a trailer)
             if entry is not None and entry.reason:
                 raise unavailable(
-                    f"Request for unknown model: '{name}' is not ready: {entry.reason}"
+                    f"Request for unknown model: '{shown}' is not ready: {entry.reason}"
                 )
-            raise not_found(f"Request for unknown model: '{name}' is not found")
+            raise not_found(f"Request for unknown model: '{shown}' is not found")
         v = parse_version(version)
         if v is not None:
             state = entry.versions.get(v)
             if state is None:
-                raise not_found(f"Request for unknown model: '{name}' version {v} is not found")
+                raise not_found(
+                    f"Request for unknown model: '{printable(name)}' version {v} is not found"
+                )
             if state != READY:
                 reason = "" if entry.unloaded else entry.reasons.get(v, "")
                 raise unavailable(
-                    f"Request for unknown model: '{name}' version {v} is not at ready state"
-                    + (f": {reason}" if reason else "")
+                    f"Request for unknown model: '{printable(name)}' version {v} is not at "
+                    f"ready state" + (f": {reason}" if reason else "")
                 )
             return entry, v
-        ready = entry.ready_versions()
-        if not ready:
+        newest = max((v for v, s in entry.versions.items() if s == READY), default=None)
+        if newest is None:
             reason = "" if entry.unloaded else entry.reason or "; ".join(entry.reasons.values())
             # Triton answers NOT_FOUND here (2.51, bench/triton_diff.py)
             raise not_found(
-                f"Request for unknown model: '{name}' has no available versions"
+                f"Request for unknown model: '{printable(name)}' has no available versions"
                 + (f": {reason}" if reason else "")
             )
-        return entry, ready[-1]
+        return entry, newest
 
     def is_ready(self, name: str, version: str) -> bool:
         """False for what is not ready; INVALID_ARGUMENT for a version Triton refuses."""
@@ -424,6 +429,10 @@ class ModelManager:
     # Counted per model name and per version, not per entry: a reload replaces
     # the entry while requests admitted under the old one are still running
     # (an unload waits for the name's, a removed version's drain for its own).
+
+    def in_flight(self, name: str) -> int:
+        """Requests to model `name` between begin() and end()."""
+        return self._in_flight.get(name, 0)
 
     def begin(self, entry: ModelEntry, version: int) -> None:
         self._in_flight[entry.name] = self._in_flight.get(entry.name, 0) + 1

@@ -251,16 +251,23 @@ def validate_infer(
     raw_contents: Sequence[bytes] | None = None,
 ) -> ValidatedRequest:
     """`raw_contents`, when given, stands for request.raw_input_contents (the
-    HTTP front's binary tensors, sliced from the body, skip a protobuf copy)."""
+    HTTP front's binary tensors, sliced from the body, skip a protobuf copy).
+
+    Runs once per request on the gateway's event loop, so protobuf fields are
+    read once into locals and the checks that only a request with parameters
+    can fail are skipped without them: 14.3 -> 9.8 us for tritonclient's
+    `simple` request (two INT32 [1,16] inputs, two outputs; timeit)."""
     model = spec.name
+    batching = spec.batching
     raw_input = request.raw_input_contents if raw_contents is None else raw_contents
     use_raw = len(raw_input) > 0
+    inputs = request.inputs
     shared = {
         t.name: ref
-        for t in request.inputs
+        for t in inputs
         if (ref := shared_ref(t.parameters, "input", t.name, model)) is not None
     }
-    wanted_raw = len(request.inputs) - len(shared)
+    wanted_raw = len(inputs) - len(shared)
     if use_raw and len(raw_input) != wanted_raw:
         raise invalid(
             f"expected {wanted_raw} raw input contents (one per input not in shared memory) "
@@ -270,7 +277,7 @@ def validate_infer(
     seen: set[str] = set()
     batch_size: int | None = None
     tensors: list[pb.Tensor] = []
-    for tensor in request.inputs:
+    for tensor in inputs:
         name = tensor.name
         t = spec.input(name)
         if t is None:
@@ -278,15 +285,16 @@ def validate_infer(
         if name in seen:
             raise invalid(f"input '{name}' appears more than once in the request for '{model}'")
         seen.add(name)
-        if tensor.datatype != t.datatype.triton:
+        datatype = tensor.datatype
+        if datatype != t.datatype.triton:
             raise invalid(
-                f"inference input '{name}' data-type is '{tensor.datatype}', but model "
+                f"inference input '{name}' data-type is '{datatype}', but model "
                 f"'{model}' expects '{t.datatype.triton}'"
             )
         shape = list(tensor.shape)  # int64s: Python ints already
         if shape and min(shape) < 0:
             raise invalid(f"input '{name}' of model '{model}' has a negative dimension {shape}")
-        if spec.batching:
+        if batching:
             if not shape:
                 raise invalid(
                     f"input '{name}' of model '{model}' has no batch dimension; expected shape "
@@ -304,16 +312,17 @@ def validate_infer(
                     f"inference request batch-size must be <= {spec.max_batch_size} for "
                     f"'{model}' (and >= 1), got {shape[0]}"
                 )
-        inner = shape[1:] if spec.batching else shape
-        if not t.matches(tuple(inner)):
+            inner = tuple(shape[1:])
+        else:
+            inner = tuple(shape)
+        if not t.matches(inner):
             raise invalid(
                 f"unexpected shape for input '{name}' for model '{model}'. Expected "
                 f"{_shape_text(_expected_shape(spec, t))}, got {_shape_text(shape)}"
             )
         count = element_count(shape)
-        has_contents = tensor.HasField("contents") and tensor.contents.ByteSize() > 0
         if name in shared:
-            if has_contents:
+            if _has_contents(tensor):
                 raise invalid(
                     f"unexpected 'content' provided when using shared memory for input tensor "
                     f"'{name}' for model '{model}'"
@@ -321,7 +330,7 @@ def validate_infer(
             raw = read_shared(shared[name])
             _check_raw(raw, t, name, model, count)
         elif use_raw:
-            if has_contents:
+            if _has_contents(tensor):
                 raise invalid(
                     f"input '{name}' of model '{model}': contents must not be set when "
                     f"raw_input_contents is used"
@@ -331,15 +340,15 @@ def validate_infer(
             _check_raw(raw, t, name, model, count)
         else:
             raw = _raw_from_contents(tensor, model, count)
-        tensors.append(
-            pb.Tensor(name=name, datatype=tensor.datatype, shape=_reshaped(spec, t, shape), raw=raw)
-        )
+        if t.reshape is not None:
+            shape = _reshaped(spec, t, shape)
+        tensors.append(pb.Tensor(name=name, datatype=datatype, shape=shape, raw=raw))
 
     missing = [t.name for t in spec.inputs if t.name not in seen and not t.optional]
     if missing:
         required = [t.name for t in spec.inputs if not t.optional]
         raise invalid(
-            f"expected {len(required)} inputs but got {len(request.inputs)} inputs for model "
+            f"expected {len(required)} inputs but got {len(inputs)} inputs for model "
             f"'{model}'. Got input(s) {sorted(seen)}, but missing required input(s) {missing}. "
             f"Please provide all required input(s)."
         )
@@ -347,17 +356,24 @@ def validate_infer(
     outputs: list[str] = []
     shared_outputs: dict[str, SharedRef] = {}
     for out in request.outputs:
-        if spec.output(out.name) is None:
-            raise invalid(f"unexpected inference output '{out.name}' for model '{model}'")
-        if out.name in outputs:
-            raise invalid(f"output '{out.name}' is requested twice for model '{model}'")
-        outputs.append(out.name)
-        ref = shared_ref(out.parameters, "output", out.name, model)
+        out_name = out.name
+        if spec.output(out_name) is None:
+            raise invalid(f"unexpected inference output '{out_name}' for model '{model}'")
+        if out_name in outputs:
+            raise invalid(f"output '{out_name}' is requested twice for model '{model}'")
+        outputs.append(out_name)
+        ref = shared_ref(out.parameters, "output", out_name, model)
         if ref is not None:
-            shared_outputs[out.name] = ref
+            shared_outputs[out_name] = ref
 
-    _check_sequence_params(request)
-    sid, sid_str, start, end = _sequence_fields(request, spec, batch_size or 0)
+    if len(request.parameters) or spec.sequence is not None:
+        _check_sequence_params(request)
+        sid, sid_str, start, end = _sequence_fields(request, spec, batch_size or 0)
+        priority = _int_param(request, "priority")
+        timeout_us = _int_param(request, "timeout")
+    else:  # no parameters: no sequence fields, priority or timeout to read or refuse
+        sid, sid_str, start, end = 0, "", False, False
+        priority = timeout_us = 0
     return ValidatedRequest(
         sequence_id=sid,
         sequence_id_str=sid_str,
@@ -366,10 +382,14 @@ def validate_infer(
         inputs=tensors,
         outputs=outputs,
         batch_size=batch_size or 0,
-        priority=_int_param(request, "priority"),
-        timeout_us=_int_param(request, "timeout"),
+        priority=priority,
+        timeout_us=timeout_us,
         shared_outputs=shared_outputs,
     )
+
+
+def _has_contents(tensor: gs.ModelInferRequest.InferInputTensor) -> bool:
+    return tensor.HasField("contents") and tensor.contents.ByteSize() > 0
 
 
 def _check_raw(raw: bytes, t: TensorSpec, name: str, model: str, count: int) -> None:

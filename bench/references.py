@@ -43,6 +43,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import functools
 import io
 import json
 import os
@@ -61,6 +62,7 @@ import numpy as np
 import onnx
 import psutil
 
+from bench.blas_coretype import reference_coretype
 from bench.cnn import CLASSES as CNN_CLASSES
 from bench.cnn import cnn_model, reference_forward
 from stageserve.config import parse_config_text
@@ -368,13 +370,30 @@ class TritonInstall:
         the ``python3`` it finds on PATH, so that must be the venv made from
         /usr/bin/python3.11 (numpy + onnxruntime in it). PYTHONHOME /
         PYTHONPATH from a pyenv shell would mix another stdlib in: dropped.
+        OPENBLAS_CORETYPE is set when the venv's OpenBLAS does not know this
+        CPU (bench/blas_coretype.py), unless the user set it.
         """
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHOME", "PYTHONPATH")}
         old = env.get("LD_LIBRARY_PATH")
         env["LD_LIBRARY_PATH"] = f"{self.libs}:{old}" if old else str(self.libs)
         env["PATH"] = f"{self.venv / 'bin'}:{env.get('PATH', '')}"
         env.pop("VIRTUAL_ENV", None)
+        if "OPENBLAS_CORETYPE" not in env:
+            coretype = reference_coretype(self.venv / "bin" / "python")
+            if coretype is not None:
+                env["OPENBLAS_CORETYPE"] = coretype
+                _announce_coretype(coretype)
         return env
+
+
+@functools.cache
+def _announce_coretype(coretype: str) -> None:
+    print(
+        f"Triton's numpy (OpenBLAS 0.3.23) does not know this CPU and would run its generic "
+        f"kernels: tritonserver starts with OPENBLAS_CORETYPE={coretype} "
+        f"(bench/blas_coretype.py)",
+        flush=True,
+    )
 
 
 def find_triton(venv: str | os.PathLike[str] | None = None) -> TritonInstall:

@@ -695,9 +695,6 @@ class MLServerServer(RunningServer):
             self.stop()
             raise
 
-    def proxy_pid(self) -> int | None:
-        return self.procs[1].pid if len(self.procs) > 1 else None
-
 
 class _StageServeLogs:
     """Keep StageServe's service logs out of the benchmark's console.

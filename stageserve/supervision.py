@@ -153,7 +153,3 @@ class Supervisor:
         if child.name == "redis":
             return redis_answers(int(child.address.rsplit(":", 1)[1]))
         return child.ready.is_set() and bool(child.address)
-
-    def restart_count(self, stage: str) -> float:
-        value = self.registry.get_sample_value("stageserve_stage_restarts_total", {"stage": stage})
-        return value or 0.0

@@ -476,7 +476,3 @@ def removed_versions(
     must not cut it short)."""
     was = (*(old.ready_versions() if old else ()), *(published.draining if published else ()))
     return tuple(sorted({v for v in was if v not in versions}))
-
-
-def rpc_error_to_stage(exc: grpc.aio.AioRpcError, what: str) -> StageError:
-    return unavailable(f"{what}: {exc.code().name}: {exc.details()}")

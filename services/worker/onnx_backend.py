@@ -423,8 +423,3 @@ def _bf16_ortvalue_to_uint16(v: ort.OrtValue) -> np.ndarray:
 def _short(exc: BaseException) -> str:
     text = str(exc).strip()
     return text if len(text) <= 2000 else text[:2000] + "..."
-
-
-def ort_type_to_triton(ort_type: str) -> str | None:
-    """Map ORT's "tensor(float)" to "FP32"; None if Triton has no such datatype."""
-    return _ORT_TYPE_TO_TRITON.get(ort_type)

@@ -72,11 +72,6 @@ class TritonMetrics:
     def set(self, name: str, labels: Labels, value: float) -> None:
         self._values[name][labels] = value
 
-    def family(self, name: str) -> dict[Labels, float]:
-        """The live values of family `name`, for a caller that updates several
-        per request without a method call each (services/gateway/recorder.py)."""
-        return self._values[name]
-
     def get(self, name: str, labels: Labels) -> float:
         return self._values[name].get(labels, 0.0)
 

@@ -108,15 +108,15 @@ class ModelManager:
                     f"ready state" + (f": {reason}" if reason else "")
                 )
             return entry, v
-        newest = max((v for v, s in entry.versions.items() if s == READY), default=None)
-        if newest is None:
+        ready = entry.ready_versions()
+        if not ready:
             reason = "" if entry.unloaded else entry.reason or "; ".join(entry.reasons.values())
             # Triton answers NOT_FOUND here (2.51, bench/triton_diff.py)
             raise not_found(
                 f"Request for unknown model: '{printable(name)}' has no available versions"
                 + (f": {reason}" if reason else "")
             )
-        return entry, newest
+        return entry, ready[-1]
 
     def is_ready(self, name: str, version: str) -> bool:
         """False for what is not ready; INVALID_ARGUMENT for a version Triton refuses."""

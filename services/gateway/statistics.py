@@ -54,32 +54,19 @@ class ModelVersionStats:
     batches: dict[int, BatchStats] = field(default_factory=dict)
 
     def record_success(self, request_ns: int, batch_size: int, timing: pb.Timing) -> None:
-        # Once per request on the gateway's loop: the Duration fields are added
-        # in place, not through Duration.add (3.7 -> 2.1 us, timeit).
-        queue_ns = timing.queue_ns
-        input_ns = timing.compute_input_ns
-        infer_ns = timing.compute_infer_ns
-        output_ns = timing.compute_output_ns
-        for d, ns in (
-            (self.success, request_ns),
-            (self.queue, queue_ns),
-            (self.compute_input, input_ns),
-            (self.compute_infer, infer_ns),
-            (self.compute_output, output_ns),
-        ):
-            d.count += 1
-            if ns > 0:
-                d.ns += ns
+        self.success.add(request_ns)
+        self.queue.add(timing.queue_ns)
+        self.compute_input.add(timing.compute_input_ns)
+        self.compute_infer.add(timing.compute_infer_ns)
+        self.compute_output.add(timing.compute_output_ns)
         self.inference_count += max(batch_size, 1)
-        self.last_inference_ms = time.time_ns() // 1_000_000
+        self.last_inference_ms = int(time.time() * 1000)
         if timing.batch_leader:
             self.execution_count += 1
-            b = self.batches.get(timing.batch_size)
-            if b is None:
-                b = self.batches[timing.batch_size] = BatchStats()
-            b.compute_input.add(input_ns)
-            b.compute_infer.add(infer_ns)
-            b.compute_output.add(output_ns)
+            b = self.batches.setdefault(int(timing.batch_size), BatchStats())
+            b.compute_input.add(timing.compute_input_ns)
+            b.compute_infer.add(timing.compute_infer_ns)
+            b.compute_output.add(timing.compute_output_ns)
 
     def record_failure(self, request_ns: int) -> None:
         self.fail.add(request_ns)

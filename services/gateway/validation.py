@@ -254,9 +254,8 @@ def validate_infer(
     HTTP front's binary tensors, sliced from the body, skip a protobuf copy).
 
     Runs once per request on the gateway's event loop, so protobuf fields are
-    read once into locals and the checks that only a request with parameters
-    can fail are skipped without them: 14.3 -> 9.8 us for tritonclient's
-    `simple` request (two INT32 [1,16] inputs, two outputs; timeit)."""
+    read once into locals: 14.3 -> 12.5 us for tritonclient's `simple`
+    request (two INT32 [1,16] inputs, two outputs; timeit)."""
     model = spec.name
     batching = spec.batching
     raw_input = request.raw_input_contents if raw_contents is None else raw_contents
@@ -340,9 +339,9 @@ def validate_infer(
             _check_raw(raw, t, name, model, count)
         else:
             raw = _raw_from_contents(tensor, model, count)
-        if t.reshape is not None:
-            shape = _reshaped(spec, t, shape)
-        tensors.append(pb.Tensor(name=name, datatype=datatype, shape=shape, raw=raw))
+        tensors.append(
+            pb.Tensor(name=name, datatype=datatype, shape=_reshaped(spec, t, shape), raw=raw)
+        )
 
     missing = [t.name for t in spec.inputs if t.name not in seen and not t.optional]
     if missing:
@@ -366,14 +365,8 @@ def validate_infer(
         if ref is not None:
             shared_outputs[out_name] = ref
 
-    if len(request.parameters) or spec.sequence is not None:
-        _check_sequence_params(request)
-        sid, sid_str, start, end = _sequence_fields(request, spec, batch_size or 0)
-        priority = _int_param(request, "priority")
-        timeout_us = _int_param(request, "timeout")
-    else:  # no parameters: no sequence fields, priority or timeout to read or refuse
-        sid, sid_str, start, end = 0, "", False, False
-        priority = timeout_us = 0
+    _check_sequence_params(request)
+    sid, sid_str, start, end = _sequence_fields(request, spec, batch_size or 0)
     return ValidatedRequest(
         sequence_id=sid,
         sequence_id_str=sid_str,
@@ -382,8 +375,8 @@ def validate_infer(
         inputs=tensors,
         outputs=outputs,
         batch_size=batch_size or 0,
-        priority=priority,
-        timeout_us=timeout_us,
+        priority=_int_param(request, "priority"),
+        timeout_us=_int_param(request, "timeout"),
         shared_outputs=shared_outputs,
     )
 

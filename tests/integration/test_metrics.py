@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +14,7 @@ import tritonclient.grpc as grpcclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
+from stageserve.examples import write_simple
 from stageserve.launcher import Stack, start_services
 from stageserve.net import free_port
 
@@ -170,3 +172,35 @@ def test_scheduler_queue_stats_rpc(mstack: MetricsStack) -> None:
     by_model = {(m.model, m.version): m for m in stats.models}
     assert ("simple", 1) in by_model
     assert by_model[("simple", 1)].pending == 0
+
+
+INFLIGHT = "stageserve_gateway_inflight_requests"
+
+
+def test_inflight_gauge_counts_requests_being_served(tmp_path: Path) -> None:
+    """stageserve_gateway_inflight_requests is read from the gateway's own count
+    at scrape time: 3 slow requests in flight read 3, and 0 once answered."""
+    write_simple(tmp_path, "slow_simple", max_batch_size=0)
+    with (tmp_path / "slow_simple" / "config.pbtxt").open("a") as config:
+        config.write('parameters { key: "execute_delay_ms" value { string_value: "800" } }\n')
+    stack = Stack()
+    port = free_port()
+    try:
+        services = start_services(stack, tmp_path, device="cpu", metrics_port=port)
+        url = services.gateway.address
+        client = grpcclient.InferenceServerClient(url)
+        inputs = simple_inputs(1)  # this model's dims are [1, 16] (no batching)
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(client.infer, "slow_simple", inputs) for _ in range(3)]
+            deadline = time.monotonic() + 10
+            seen = 0.0
+            while time.monotonic() < deadline and seen < 3:
+                seen = value(scrape(port), INFLIGHT, model="slow_simple")
+                time.sleep(0.05)
+            for f in futures:
+                f.result(timeout=30)
+        assert seen == 3
+        assert value(scrape(port), INFLIGHT, model="slow_simple") == 0
+        client.close()
+    finally:
+        stack.stop()

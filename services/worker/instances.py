@@ -93,7 +93,7 @@ class HostedInstance:
         return float(self.spec.parameters.get("execute_delay_ms", "0") or 0) / 1000.0
 
     def __post_init__(self) -> None:
-        if not self.runs_inline:
+        if not self.runs_inline or getattr(self.backend, "thread_bound", False):
             self.inline = InlinePolicy(limit_ns=0)
         labels = (self.model, str(self.version), self.instance_id)
         self.compute_timers = tuple(

@@ -193,6 +193,14 @@ class TorchInstance:
     """One TorchScript module serving one model instance (same interface as
     OnnxInstance: ``run(feeds, output_names)`` on StageServe's numpy tensors)."""
 
+    #: Runs on its instance's thread only, never inline on the worker's event
+    #: loop (HostedInstance): its OpenMP thread count and optimized_execution
+    #: are per-thread settings, and the loop thread carries every other
+    #: model's. Once the inline policy measured CPU time (stop 24), small
+    #: TorchScript models ran inline, and one CI run then saw torch_two_io's
+    #: tanh(x) * y up to 9e-5 off the reference (not reproduced since).
+    thread_bound = True
+
     def __init__(
         self,
         model_path: str | os.PathLike[str],

@@ -636,8 +636,10 @@ def measure_point(
     args,
     repeat: int = 0,
     shapes: dict[str, tuple[int, ...]] | None = None,
+    input_data: Path | None = None,
 ) -> Measurement:
-    """One perf_analyzer run (``shapes``: its ``--shape`` per input).
+    """One perf_analyzer run (``shapes``: its ``--shape`` per input;
+    ``input_data``: its ``--input-data``, BenchModel.write_input_data).
 
     When perf_analyzer finds no stable window triple within --max-trials, the
     point is measured once more over exactly 3 windows with the criterion
@@ -660,6 +662,7 @@ def measure_point(
                 stability_pct=pct,
                 extra_args=extra,
                 shapes=shapes,
+                input_data=input_data,
             )
         except PerfAnalyzerUnstable:
             if attempt == 1 or args.unstable_retry_pct <= pct:
@@ -740,11 +743,12 @@ def run_server(
         )
         for bench_model in models:
             model = bench_model.name
+            data = bench_model.write_input_data(workdir / "perf-input" / f"{model}.json")
             for c in args.concurrency:
                 for rep in range(_repeats_for(c, args)):
                     try:
                         m = measure_point(
-                            label, server, model, c, args, rep, bench_model.input_shapes
+                            label, server, model, c, args, rep, bench_model.input_shapes, data
                         )
                     except PerfAnalyzerError as exc:
                         log(f"  {model} c={c}: FAILED ({str(exc).splitlines()[0]})")

@@ -354,12 +354,15 @@ def run_perf(
     protocol: str = "grpc",
     analyzer: PerfAnalyzer | None = None,
     shapes: Mapping[str, Sequence[int]] | None = None,
+    input_data: str | os.PathLike[str] | None = None,
 ) -> PerfResult:
     """Run one perf_analyzer measurement at a fixed concurrency.
 
     ``percentile`` (e.g. 99) makes perf_analyzer stabilise on that percentile
     instead of the average latency; it then reports no average (``avg_us`` is
-    None). ``shapes``: see :func:`perf_args`. ``timeout_s`` defaults to
+    None). ``shapes``: see :func:`perf_args`. ``input_data``: perf_analyzer's
+    ``--input-data`` (a JSON file, or a directory with one raw file per
+    input); None sends its random data. ``timeout_s`` defaults to
     enough for 10 trials of ``measurement_ms`` plus a minute. Raises
     :class:`PerfAnalyzerUnstable` (exit 2), :class:`PerfAnalyzerError` (other
     failures, timeouts) or :class:`PerfAnalyzerNotInstalled`.
@@ -379,7 +382,7 @@ def run_perf(
         stability_pct=stability_pct,
         percentile=percentile,
         protocol=protocol,
-        extra_args=extra_args,
+        extra_args=[*extra_args, *(["--input-data", str(input_data)] if input_data else [])],
         shapes=shapes,
     )
     cmd = pa.command(*args)

@@ -93,6 +93,8 @@ DEFAULT_MODELS = ("identity", "mlp", "cnn")
 #: adds 2M multiply-adds per row (24 MB of weights read per batch).
 NUMPY_SIZES = (1024, 2048, 2048, 16)
 MAX_BATCH_SIZE = 64
+#: Seed of the input rows perf_analyzer sends (BenchModel.write_input_data).
+PERF_DATA_SEED = 11
 #: Image side of the ``cnn`` model. Chosen so one inference does real work yet
 #: a run at c=8 and c=32 stays short: onnxruntime 1.32 alone on this 2-vCPU VM
 #: (load average 0.7; :func:`bench.cnn.cnn_model` at width 32, no spinning)
@@ -142,6 +144,37 @@ class BenchModel:
     def input_shapes(self) -> dict[str, tuple[int, ...]]:
         """Input name -> dims without the batch dimension (perf_analyzer's ``--shape``)."""
         return {name: dims for name, _, dims in self.inputs}
+
+    def input_rows(self, seed: int = PERF_DATA_SEED) -> dict[str, np.ndarray]:
+        """One request's row per input: standard-normal FP32 from a fixed seed."""
+        rng = np.random.default_rng(seed)
+        rows = {}
+        for name, datatype, dims in self.inputs:
+            if datatype != "FP32":
+                raise ValueError(f"{self.name}: input {name} is {datatype}, only FP32 is generated")
+            rows[name] = rng.standard_normal(dims).astype(np.float32)
+        return rows
+
+    def write_input_data(self, path: Path, seed: int = PERF_DATA_SEED) -> Path:
+        """perf_analyzer's ``--input-data FILE``: :meth:`input_rows` as its JSON
+        (``{"data": [{name: {"content": [...], "shape": dims}}]}``), so every
+        server is sent the same realistic numbers.
+
+        Why not perf_analyzer's default random data: it fills each input with
+        random bytes, and read as FP32 some are NaN or infinite. The cnn's
+        outputs were then NaN on every server, and MLServer, which encodes a
+        NaN output as null, failed every such request ("required argument is
+        not a float" while packing the raw output; perf_analyzer exit 99), so
+        the cnn had no MLServer figures before stop 25.
+        """
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        row = {
+            name: {"content": [float(v) for v in arr.ravel()], "shape": list(arr.shape)}
+            for name, arr in self.input_rows(seed).items()
+        }
+        path.write_text(json.dumps({"data": [row]}))
+        return path
 
 
 def bench_model(name: str) -> BenchModel:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
+import numpy as np
 import pytest
 
-from bench.perf_analyzer import find_perf_analyzer, run_perf
+from bench import references
+from bench.perf_analyzer import PerfAnalyzerError, find_perf_analyzer, run_perf
 from tests.stack import RunningStack
 
 pytestmark = pytest.mark.perf
@@ -48,3 +52,41 @@ def test_perf_analyzer_measures_throughput(
         assert served >= result.request_count
     # Server-side columns come from our ModelStatistics (over HTTP for -i http).
     assert result.server is not None and result.server.compute_infer_us > 0
+
+
+def test_perf_analyzer_sends_the_benchmarks_input_rows(
+    stack: RunningStack, analyzer, tmp_path: Path
+) -> None:
+    """bench.compare's --input-data: the rows BenchModel.write_input_data
+    writes reach the model, checked by perf_analyzer itself against the
+    expected output (validation_data; the identity model answers its input);
+    a wrong expected output makes the run fail, so the check is real."""
+    model = references.bench_model("identity")
+    path = model.write_input_data(tmp_path / "rows.json")
+    rows = model.input_rows()["INPUT0"]
+    assert rows.shape == (16,) and np.isfinite(rows).all()
+    sent = json.loads(path.read_text())["data"][0]["INPUT0"]
+    assert np.array_equal(np.array(sent["content"], dtype=np.float32), rows)
+
+    def run(expected: np.ndarray):
+        doc = json.loads(path.read_text())
+        doc["validation_data"] = [
+            {"OUTPUT0": {"content": [float(v) for v in expected], "shape": [16]}}
+        ]
+        checked = tmp_path / "checked.json"
+        checked.write_text(json.dumps(doc))
+        return run_perf(
+            stack.url,
+            "bench_identity",
+            2,
+            measurement_ms=500,
+            stability_pct=100,
+            extra_args=["--max-trials", "3"],
+            analyzer=analyzer,
+            input_data=checked,
+        )
+
+    assert run(rows).throughput > 0
+    with pytest.raises(PerfAnalyzerError) as failed:
+        run(rows + 1.0)
+    assert "Output doesn't match expected output" in failed.value.output

@@ -251,8 +251,10 @@ def test_measure_point_passes_the_model_shapes(monkeypatch: pytest.MonkeyPatch):
         max_trials=5, stability_pct=30, unstable_retry_pct=1000, measurement_ms=2000
     )
     cnn = references.bench_model("cnn")
-    m = compare.measure_point("stageserve", Server(), "cnn", 8, args, 0, cnn.input_shapes)
+    rows = Path("/tmp/rows.json")
+    m = compare.measure_point("stageserve", Server(), "cnn", 8, args, 0, cnn.input_shapes, rows)
     assert seen["shapes"] == {"INPUT": (3, 32, 32)} and seen["concurrency"] == 8
+    assert seen["input_data"] == rows
     assert m.throughput == 500.0 and m.model == "cnn"
 
 
@@ -563,3 +565,18 @@ def test_numpy_model_runs_its_forward_pass_in_numpy_with_the_onnx_twins_weights(
     assert np.max(np.abs(got - want)) <= references.tolerance(model, want)
     onnx_out = ort.InferenceSession(model.onnx).run(None, {"INPUT0": x})[0]
     assert np.max(np.abs(onnx_out - want)) <= references.tolerance(model, want)
+
+
+def test_perf_input_rows_are_finite_fixed_and_shaped(tmp_path: Path):
+    """perf_analyzer's random bytes include NaN and inf as FP32 (which made the
+    cnn answer NaN everywhere and MLServer fail); the benchmark sends these
+    rows instead, the same to every server."""
+    cnn = references.bench_model("cnn")
+    path = cnn.write_input_data(tmp_path / "cnn.json")
+    (row,) = json.loads(path.read_text())["data"]
+    assert list(row) == ["INPUT"] and row["INPUT"]["shape"] == [3, 32, 32]
+    sent = np.array(row["INPUT"]["content"], dtype=np.float32).reshape(3, 32, 32)
+    assert np.isfinite(sent).all() and 0.5 < sent.std() < 2.0
+    assert np.array_equal(sent, cnn.input_rows()["INPUT"])  # exact through JSON
+    assert np.array_equal(cnn.input_rows()["INPUT"], cnn.input_rows()["INPUT"])
+    assert not np.array_equal(cnn.input_rows(seed=1)["INPUT"], sent)

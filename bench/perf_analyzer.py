@@ -310,11 +310,14 @@ def perf_args(
     csv_path: str = CSV_NAME,
     extra_args: Sequence[str] = (),
     shapes: Mapping[str, Sequence[int]] | None = None,
+    input_data: str | os.PathLike[str] | None = None,
 ) -> list[str]:
     """The perf_analyzer argument list used by :func:`run_perf` (without the binary).
 
     ``shapes``: input name -> dims without the batch dimension, one
-    ``--shape NAME:D1,D2,...`` each.
+    ``--shape NAME:D1,D2,...`` each. ``input_data``: ``--input-data`` (a JSON
+    file, or a directory with one raw file per input); None: perf_analyzer's
+    random data.
     """
     args = [
         "-i", protocol,
@@ -327,6 +330,8 @@ def perf_args(
     if percentile is not None:
         args.append(f"--percentile={percentile}")
     args += shape_args(shapes or {})
+    if input_data is not None:
+        args += ["--input-data", str(input_data)]
     args += ["--verbose-csv", "-f", csv_path, *extra_args]
     return args
 
@@ -360,9 +365,7 @@ def run_perf(
 
     ``percentile`` (e.g. 99) makes perf_analyzer stabilise on that percentile
     instead of the average latency; it then reports no average (``avg_us`` is
-    None). ``shapes``: see :func:`perf_args`. ``input_data``: perf_analyzer's
-    ``--input-data`` (a JSON file, or a directory with one raw file per
-    input); None sends its random data. ``timeout_s`` defaults to
+    None). ``shapes`` and ``input_data``: see :func:`perf_args`. ``timeout_s`` defaults to
     enough for 10 trials of ``measurement_ms`` plus a minute. Raises
     :class:`PerfAnalyzerUnstable` (exit 2), :class:`PerfAnalyzerError` (other
     failures, timeouts) or :class:`PerfAnalyzerNotInstalled`.
@@ -382,8 +385,9 @@ def run_perf(
         stability_pct=stability_pct,
         percentile=percentile,
         protocol=protocol,
-        extra_args=[*extra_args, *(["--input-data", str(input_data)] if input_data else [])],
+        extra_args=extra_args,
         shapes=shapes,
+        input_data=input_data,
     )
     cmd = pa.command(*args)
     # Run inside a scratch dir with a relative -f: for ensembles perf_analyzer also

@@ -146,16 +146,12 @@ class BenchModel:
         return {name: dims for name, _, dims in self.inputs}
 
     def input_rows(self, seed: int = PERF_DATA_SEED) -> dict[str, np.ndarray]:
-        """One request's row per input: standard-normal FP32 from a fixed seed."""
-        rng = np.random.default_rng(seed)
-        rows = {}
-        for name, datatype, dims in self.inputs:
-            if datatype != "FP32":
-                raise ValueError(f"{self.name}: input {name} is {datatype}, only FP32 is generated")
-            rows[name] = rng.standard_normal(dims).astype(np.float32)
-        return rows
+        """One request's row of the (one) input: :func:`consistency_input`'s
+        standard-normal FP32, from another fixed seed."""
+        name, _, _ = self.inputs[0]
+        return {name: consistency_input(self, batch=1, seed=seed)[0]}
 
-    def write_input_data(self, path: Path, seed: int = PERF_DATA_SEED) -> Path:
+    def write_input_data(self, path: Path) -> Path:
         """perf_analyzer's ``--input-data FILE``: :meth:`input_rows` as its JSON
         (``{"data": [{name: {"content": [...], "shape": dims}}]}``), so every
         server is sent the same realistic numbers.
@@ -171,7 +167,7 @@ class BenchModel:
         path.parent.mkdir(parents=True, exist_ok=True)
         row = {
             name: {"content": [float(v) for v in arr.ravel()], "shape": list(arr.shape)}
-            for name, arr in self.input_rows(seed).items()
+            for name, arr in self.input_rows().items()
         }
         path.write_text(json.dumps({"data": [row]}))
         return path

@@ -6,7 +6,7 @@ conventions; parameters and a missing config refused with the reason."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -118,8 +118,30 @@ def test_mlp_matches_torch_forward_under_concurrency(torch_stack: RunningStack) 
     assert max(sizes) > 4, f"no batch joined two requests: batch sizes {sizes}"
 
 
+#: The two_io reference is the model's own arithmetic in float64 (the
+#: TorchScript file's weight buffer, read but not run). Running the module
+#: in this process instead was flaky: stop 25's CI saw that in-process
+#: forward() give tanh(x) * y up to 5.4e-5 off (errors of both signs, up to
+#: 5e-5 relative, like a low-order tanh approximation) while the server's
+#: answer agreed with float64 math to 1e-7; the cause in the test process was
+#: not found (no CPU fuser: this torch has no LLVM; ATen's tanh, vectorised or
+#: scalar, is within 3e-8 here). 1e-4 still fails any wrong input or output
+#: mapping, whose errors are of order 1.
+TWO_IO_ATOL = 1e-4
+
+
+def _two_io_reference(repo: Path) -> Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, ...]]:
+    weight = _reference(repo, "torch_two_io").weight.numpy().astype(np.float64)
+
+    def forward(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x64, y64 = x.astype(np.float64), y.astype(np.float64)
+        return x64 @ weight + y64, np.tanh(x64) * y64
+
+    return forward
+
+
 def test_two_inputs_by_argument_name_two_outputs_by_index(torch_stack: RunningStack) -> None:
-    model = _reference(torch_stack.repository, "torch_two_io")
+    forward = _two_io_reference(torch_stack.repository)
     config = torch_stack.client().get_model_config("torch_two_io").config
     assert config.backend == "pytorch" and config.platform == "pytorch_libtorch"
 
@@ -136,11 +158,12 @@ def test_two_inputs_by_argument_name_two_outputs_by_index(torch_stack: RunningSt
             if seed % 2:
                 wanted.append(grpcclient.InferRequestedOutput("OUTPUT__0"))
             r = c.infer("torch_two_io", inputs, outputs=wanted, client_timeout=RPC_TIMEOUT_S)
-            with torch.inference_mode():
-                out0, out1 = model(torch.from_numpy(x), torch.from_numpy(y))
-            np.testing.assert_allclose(r.as_numpy("OUTPUT__1"), out1.numpy(), rtol=0, atol=1e-5)
+            out0, out1 = forward(x, y)
+            got1 = r.as_numpy("OUTPUT__1")
+            assert got1.dtype == np.float32 and got1.shape == (n, 16)
+            np.testing.assert_allclose(got1, out1, rtol=0, atol=TWO_IO_ATOL)
             if seed % 2:
-                np.testing.assert_allclose(r.as_numpy("OUTPUT__0"), out0.numpy(), rtol=0, atol=1e-5)
+                np.testing.assert_allclose(r.as_numpy("OUTPUT__0"), out0, rtol=0, atol=TWO_IO_ATOL)
             else:
                 assert r.as_numpy("OUTPUT__0") is None
 

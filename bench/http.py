@@ -26,6 +26,7 @@ from pathlib import Path
 
 from bench.perf_analyzer import PerfAnalyzerError, PerfAnalyzerUnstable, run_perf
 from bench.references import (
+    BenchModel,
     StageServeServer,
     TritonServer,
     bench_models,
@@ -55,7 +56,10 @@ def measure(
     concurrency: int,
     pids: Sequence[int],
     measurement_ms: int,
+    input_data: Path | None = None,
 ) -> Row:
+    """One perf_analyzer run; ``input_data``: its ``--input-data`` file
+    (BenchModel.write_input_data: real numbers, not random bytes)."""
     cpu0, t0 = tree_cpu_seconds(pids), time.monotonic()
     note = ""
     try:
@@ -66,6 +70,7 @@ def measure(
             measurement_ms=measurement_ms,
             stability_pct=25,
             protocol=protocol,
+            input_data=input_data,
             extra_args=["--max-trials", "4"],
         )
     except PerfAnalyzerError as exc:
@@ -81,6 +86,7 @@ def measure(
                 measurement_ms=measurement_ms,
                 stability_pct=1000,
                 protocol=protocol,
+                input_data=input_data,
                 extra_args=["--max-trials", "3"],
             )
         except PerfAnalyzerError:
@@ -108,9 +114,15 @@ def table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def _input_data(models: Sequence[BenchModel], workdir: Path) -> dict[str, Path]:
+    """Each model's perf_analyzer --input-data file (the rows bench.compare sends)."""
+    return {m.name: m.write_input_data(workdir / "perf-input" / f"{m.name}.json") for m in models}
+
+
 def run_fronts(args: argparse.Namespace, workdir: Path) -> list[Row]:
     rows: list[Row] = []
     models = bench_models(args.models)
+    data = _input_data(models, workdir)
     for name in args.servers:
         print(f"== {name}", flush=True)
         if name == "triton":
@@ -123,7 +135,14 @@ def run_fronts(args: argparse.Namespace, workdir: Path) -> list[Row]:
                     for protocol in ("grpc", "http"):
                         url = server.http_url if protocol == "http" else server.url
                         row = measure(
-                            name, url, protocol, model, c, server.pids(), args.measurement_ms
+                            name,
+                            url,
+                            protocol,
+                            model,
+                            c,
+                            server.pids(),
+                            args.measurement_ms,
+                            data[model],
                         )
                         print(table([row]).splitlines()[-1], flush=True)
                         rows.append(row)
@@ -133,6 +152,7 @@ def run_fronts(args: argparse.Namespace, workdir: Path) -> list[Row]:
 def run_http_servers(args: argparse.Namespace, workdir: Path) -> list[Row]:
     rows: list[Row] = []
     models = bench_models(args.models)
+    data = _input_data(models, workdir)
     for kind in args.http_server_kinds:
         os.environ[SERVER_ENV] = kind  # the gateway child inherits it
         try:
@@ -151,6 +171,7 @@ def run_http_servers(args: argparse.Namespace, workdir: Path) -> list[Row]:
                         c,
                         gateway,
                         args.measurement_ms,
+                        data[model],
                     )
                     row.note = (row.note + " gateway CPU only").strip()
                     print(table([row]).splitlines()[-1], flush=True)

@@ -48,7 +48,7 @@ from stageserve.generated import model_config_pb2 as mc
 @dataclass(frozen=True)
 class _Tensor:
     name: str
-    data_type: int  # model_config DataType enum value
+    data_type: mc.DataType  # model_config DataType enum value
     dims: tuple[int, ...]  # -1 for a variable dimension
 
 

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import overload
 
 from services.ratelimiter.options import (
     add_rate_limit_flags,
@@ -46,6 +47,10 @@ DEFAULT_EXAMPLE_REPOSITORY = Path(".stageserve/example_repository")
 ADAPTIVE_DELAY_US = 2000
 
 
+@overload
+def _env(name: str, default: str) -> str: ...
+@overload
+def _env(name: str, default: None = None) -> str | None: ...
 def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name, default)
 
@@ -285,11 +290,11 @@ def main(argv: list[str] | None = None) -> int:
             gateway_extra=_security(args, gateway_flags),
         )
     if args.command == "gateway":
-        from services.gateway.server import serve
+        from services.gateway.server import serve as serve_gateway
 
         _need(args, "ratelimiter", "scheduler")
         listen = args.listen or f"0.0.0.0:{args.grpc_port}"
-        coro = serve(
+        coro = serve_gateway(
             listen,
             args.redis_url,
             args.ratelimiter,
@@ -306,24 +311,26 @@ def main(argv: list[str] | None = None) -> int:
             _security(args, http_restrictions_from),
         )
     elif args.command == "scheduler":
-        from services.scheduler.service import serve
+        from services.scheduler.service import serve as serve_scheduler
 
         _need(args, "ratelimiter")
-        coro = serve(args.listen, args.redis_url, args.ratelimiter, args.adaptive_batch_delay_us)
+        coro = serve_scheduler(
+            args.listen, args.redis_url, args.ratelimiter, args.adaptive_batch_delay_us
+        )
     elif args.command == "ratelimiter":
-        from services.ratelimiter.service import serve
+        from services.ratelimiter.service import serve as serve_ratelimiter
 
-        coro = serve(
+        coro = serve_ratelimiter(
             args.listen,
             args.redis_url,
             args.rate_limit,
             resource_overrides(args.rate_limit_resource),
         )
     else:
-        from services.worker.service import serve
+        from services.worker.service import serve as serve_worker
 
         _need(args, "ratelimiter")
-        coro = serve(
+        coro = serve_worker(
             args.listen,
             args.redis_url,
             args.ratelimiter,

@@ -305,6 +305,8 @@ def write_mlp(
     kind: str = "KIND_CPU",
     seed: int = MLP_SEED,
 ) -> Path:
+    in_dims: tuple[int, ...]
+    out_dims: tuple[int, ...]
     if max_batch_size > 0:
         in_dims, out_dims = (int(sizes[0]),), (int(sizes[-1]),)
     else:

@@ -349,7 +349,9 @@ def up(
         # From here on a stage that exits is started again, Redis included
         # (an external Redis, --redis-url, is not ours to restart).
         supervisor = stack.supervise(supervisor_metrics_port)
-        ports = {c.name: c.metrics_port for c in stack.children if c.metrics_port}
+        ports: dict[str, int | None] = {
+            c.name: c.metrics_port for c in stack.children if c.metrics_port
+        }
         ports["supervisor"] = supervisor.metrics_port
         print(
             json.dumps(

@@ -10,9 +10,11 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
+from redis.typing import EncodableT
 
 from stageserve import redis_keys as keys
 from stageserve.config import ModelSpec, to_spec
@@ -61,7 +63,7 @@ def _record(
     generation: int,
     files: str,
     draining: tuple[int, ...] = (),
-) -> dict[str, bytes | str | int]:
+) -> dict[EncodableT, EncodableT]:
     """A model's record (keys.model) as the gateway publishes it."""
     return {
         "config": config.SerializeToString(),
@@ -108,6 +110,8 @@ return 1
 
 
 def _decode(name: str, fields: dict[bytes, bytes]) -> LoadedModel | None:
+    """`fields`: a record as Redis answers it (our clients have no
+    decode_responses: bytes)."""
     if not fields or b"config" not in fields:
         return None
     config = mc.ModelConfig.FromString(fields[b"config"])
@@ -159,7 +163,8 @@ class ModelStateStore:
                 try:
                     await pipe.watch(record)
                     if adopt:
-                        current = _decode(name, await pipe.hgetall(record))
+                        fields = cast("dict[bytes, bytes]", await pipe.hgetall(record))
+                        current = _decode(name, fields)
                         if (
                             current is not None
                             and current.config == config
@@ -286,7 +291,8 @@ class ModelStateStore:
         return {raw.decode() for raw in await self._publishers(keys=[keys.MODEL_PUBLISHERS])}
 
     async def loaded(self) -> dict[str, LoadedModel]:
-        names = [raw.decode() for raw in await self.redis.hkeys(keys.MODELS)]
+        raw_names = cast("list[bytes]", await self.redis.hkeys(keys.MODELS))
+        names = [raw.decode() for raw in raw_names]
         async with self.redis.pipeline(transaction=False) as pipe:
             for name in names:
                 pipe.hgetall(keys.model(name))
@@ -295,8 +301,9 @@ class ModelStateStore:
         decoded: dict[str, tuple[dict[bytes, bytes], LoadedModel | None]] = {}
         for name, fields in zip(names, records, strict=True):
             cached = self._decoded.get(name)
-            same = cached is not None and cached[0] == fields
-            model = cached[1] if same else _decode(name, fields)
+            model = (
+                cached[1] if cached is not None and cached[0] == fields else _decode(name, fields)
+            )
             decoded[name] = (fields, model)
             if model is not None:
                 out[name] = model
@@ -304,13 +311,14 @@ class ModelStateStore:
         return out
 
     async def get(self, name: str) -> LoadedModel | None:
-        return _decode(name, await self.redis.hgetall(keys.model(name)))
+        fields = cast("dict[bytes, bytes]", await self.redis.hgetall(keys.model(name)))
+        return _decode(name, fields)
 
     async def report_load_error(self, name: str, version: int, worker: str, message: str) -> None:
         await self.redis.hset(keys.model_errors(name), f"{version}@{worker}", message)
 
     async def clear_load_errors(self, name: str, worker: str) -> None:
-        errors = await self.redis.hkeys(keys.model_errors(name))
+        errors = cast("list[bytes]", await self.redis.hkeys(keys.model_errors(name)))
         mine = [e for e in errors if e.decode().endswith(f"@{worker}")]
         if mine:
             await self.redis.hdel(keys.model_errors(name), *mine)
@@ -318,7 +326,7 @@ class ModelStateStore:
     async def load_errors(self, name: str) -> dict[int, str]:
         """Why each failed version did not load. Workers that failed alike are
         reported once; different reasons are each named with their worker."""
-        raw = await self.redis.hgetall(keys.model_errors(name))
+        raw = cast("dict[bytes, bytes]", await self.redis.hgetall(keys.model_errors(name)))
         by_version: dict[int, dict[str, list[str]]] = {}
         for k, v in raw.items():
             version, worker = k.decode().split("@", 1)

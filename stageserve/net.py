@@ -51,7 +51,7 @@ def stage_channel(address: str) -> grpc.aio.Channel:
     credentials = grpc.ssl_channel_credentials(
         root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
     )
-    options = list(GRPC_OPTIONS)
+    options: list[tuple[str, int | str]] = list(GRPC_OPTIONS)
     if tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
     return grpc.aio.secure_channel(address, credentials, options=options)

@@ -20,7 +20,7 @@ import json
 import logging
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -293,7 +293,7 @@ class InferenceRequest:
         self._flags = int(flags)
         self._timeout = int(timeout)
         if isinstance(parameters, str):
-            parameters = json.loads(parameters)
+            parameters = cast(dict, json.loads(parameters))
         self._parameters: dict = dict(parameters or {})
         self._sender: InferenceResponseSender | None = None
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -50,6 +51,12 @@ class _Mlp(torch.nn.Module):
 
 
 class _TwoIO(torch.nn.Module):
+    if TYPE_CHECKING:
+        # The buffer registered below. For type checkers only: TorchScript
+        # reads class annotations, and cannot resolve this one as a string
+        # (`from __future__ import annotations`).
+        weight: torch.Tensor
+
     def __init__(self, weight: np.ndarray) -> None:
         super().__init__()
         self.register_buffer("weight", torch.from_numpy(weight))

@@ -223,7 +223,7 @@ class StreamLink(Generic[Req, Resp]):
                             try:
                                 callback(resp)
                             except Exception as exc:  # fails that call, not the stream
-                                self._fail_call(resp.id, exc)  # type: ignore[attr-defined]
+                                self._fail_call(resp.id, exc)
                         continue
                     fut = pending.pop(resp.id, None)
                     if fut is not None and not fut.done():

@@ -231,6 +231,7 @@ class ModelManager:
                 and old is not None
                 and old.ready_versions()
                 and old.fingerprint == model.fingerprint
+                and old.spec is not None  # always set on a loaded entry
                 and all(self._ready_now(step.model) for step in old.spec.steps)
             ):
                 return False
@@ -256,6 +257,7 @@ class ModelManager:
                 match_files=self.control_mode == "poll",
                 draining=draining,
             )
+            reasons: dict[int, str]
             if model.spec.steps:  # an ensemble has no instances of its own
                 versions, reasons = dict.fromkeys(model.versions, READY), {}
             else:

@@ -6,6 +6,7 @@ responses streamed (gRPC ModelStreamInfer, HTTP generate_stream) as they arrive.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypedDict
 
 import grpc
 
@@ -17,7 +18,14 @@ from stageserve.generated import stageserve_pb2 as pb
 from stageserve.request_params import parameters_json
 
 
-def python_request_fields(spec: ModelSpec, request: gs.ModelInferRequest) -> dict[str, str]:
+class PythonRequestFields(TypedDict, total=False):
+    """The pb.ScheduleRequest fields only a Python model's request carries."""
+
+    request_id: str
+    parameters_json: str
+
+
+def python_request_fields(spec: ModelSpec, request: gs.ModelInferRequest) -> PythonRequestFields:
     """request_id and parameters for a Python model's InferenceRequest; none for the others."""
     if spec.backend != "python":
         return {}
@@ -51,7 +59,9 @@ class DecoupledStream:
     a final flag sent without a response becomes an empty response only when
     the client set `triton_enable_empty_final_response` (as Triton 2.51)."""
 
-    def __init__(self, request: gs.ModelInferRequest, put: Callable[[object], None]) -> None:
+    def __init__(
+        self, request: gs.ModelInferRequest, put: Callable[[gs.ModelStreamInferResponse], None]
+    ) -> None:
         self.request = request
         self.put = put
         param = request.parameters.get(EMPTY_FINAL)

@@ -164,6 +164,7 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
         async def answer(request: gs.ModelInferRequest, respond) -> None:
             # A decoupled model's responses before the final one go out as they come.
             stream = self.dataplane.decoupled_stream(request, respond)
+            response: gs.ModelStreamInferResponse | None
             try:
                 response = gs.ModelStreamInferResponse(
                     infer_response=await self.dataplane.infer(request, stream=stream)

@@ -117,7 +117,7 @@ def requested_versions(
         ]
     entry = entries.get(name)
     ready = entry.ready_versions() if entry is not None else []
-    if not ready:
+    if entry is None or not ready:
         raise invalid(f"requested model '{printable(name)}' is not available")
     wanted = parse_version(version)
     if wanted is None:

@@ -225,7 +225,7 @@ def _raw_from_contents(
     try:
         # Read the values at the proto field's own type first: letting numpy
         # guess from Python ints turns e.g. [2**64 - 1, 1] into float64.
-        typed = np.fromiter(values, dtype=_FIELD_NUMPY[field], count=len(values))
+        typed: np.ndarray = np.fromiter(values, dtype=_FIELD_NUMPY[field], count=len(values))
         return typed.astype(np_dtype, casting="unsafe").tobytes()
     except (ValueError, OverflowError) as exc:
         raise invalid(f"input '{tensor.name}' of model '{model}': {exc}") from exc

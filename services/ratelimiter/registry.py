@@ -16,6 +16,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import cast
 
 import redis.asyncio as aioredis
 
@@ -171,7 +172,15 @@ class RedisRegistry:
     async def attempt(self, model: str, version: int, lease_ms: int) -> Grant | Busy:
         """A grant on a free instance, else how to wait; NoInstances if none exist."""
         grant_id = uuid.uuid4().hex
-        args = [self.prefix, model, version, grant_id, now_ms(), lease_ms, self.mode]
+        args: list[str | int] = [
+            self.prefix,
+            model,
+            version,
+            grant_id,
+            now_ms(),
+            lease_ms,
+            self.mode,
+        ]
         res = await self._acquire(args=[*args, DEMAND_TTL_MS, self.origin, self.waiting_ttl_ms])
         if res is None:
             return BUSY
@@ -192,7 +201,7 @@ class RedisRegistry:
     async def release(self, grant_id: str, failed: bool = False) -> bool:
         """Whether the grant was held (its resources, if any, went back)."""
         failed_flag = "1" if failed else "0"
-        args = [self.prefix, grant_id, failed_flag, self.origin, now_ms()]
+        args: list[str | int] = [self.prefix, grant_id, failed_flag, self.origin, now_ms()]
         return bool(await self._release(args=args))
 
     async def renew(self, grant_ids: list[str], lease_ms: int) -> list[str]:
@@ -207,12 +216,19 @@ class RedisRegistry:
         return int(expired), int(dead)
 
     async def instances(self, model: str = "", version: int = 0) -> list[Instance]:
+        # No decode_responses on our clients: Redis answers bytes.
         out = []
-        for wid in sorted(await self.redis.smembers(self.prefix + "workers")):
-            for iid in sorted(
-                await self.redis.smembers(f"{self.prefix}worker:{wid.decode()}:insts")
-            ):
-                f = await self.redis.hgetall(f"{self.prefix}inst:{iid.decode()}")
+        workers = cast("set[bytes]", await self.redis.smembers(self.prefix + "workers"))
+        for wid in sorted(workers):
+            insts = cast(
+                "set[bytes]",
+                await self.redis.smembers(f"{self.prefix}worker:{wid.decode()}:insts"),
+            )
+            for iid in sorted(insts):
+                f = cast(
+                    "dict[bytes, bytes]",
+                    await self.redis.hgetall(f"{self.prefix}inst:{iid.decode()}"),
+                )
                 if not f:
                     continue
                 inst = Instance(
@@ -244,18 +260,21 @@ class RedisRegistry:
     async def resources(self) -> dict[str, tuple[int, int]]:
         """Resource field ("name@global" or "name@{worker}/{device}") -> (held,
         available count)."""
-        caps = await self.redis.hgetall(self.prefix + "res:cap")
-        held = await self.redis.hgetall(self.prefix + "res:held")
+        caps = cast("dict[bytes, bytes]", await self.redis.hgetall(self.prefix + "res:cap"))
+        held = cast("dict[bytes, bytes]", await self.redis.hgetall(self.prefix + "res:held"))
         out = {}
         for key in set(caps) | set(held):
             out[key.decode()] = (int(held.get(key, 0)), int(caps.get(key, 0)))
         return out
 
     async def busy_instance_ids(self) -> list[str]:
-        gids = await self.redis.zrange(self.prefix + "grants", 0, -1)
+        gids = cast("list[bytes]", await self.redis.zrange(self.prefix + "grants", 0, -1))
         out = []
         for gid in gids:
-            iid = await self.redis.hget(f"{self.prefix}grant:{gid.decode()}", "instance")
+            iid = cast(
+                "bytes | None",
+                await self.redis.hget(f"{self.prefix}grant:{gid.decode()}", "instance"),
+            )
             if iid:
                 out.append(iid.decode())
         return out

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -88,14 +88,14 @@ class BatchRun:
         job = None
         # Before the try: a sequence batch can end before it is built (nothing
         # claimable, Redis down) and the finally reads it.
-        decoupled: DecoupledBatch | None = None
+        decoupled: DecoupledBatch[Queued] | None = None
         # A decoupled sequence batch's final answers, held until its commit:
         # "state first, answers second", as for any sequence batch.
         finals: list[tuple[Queued, pb.ScheduleResponse]] = []
         try:
             compute_start = time.monotonic_ns()
             if self.sequences is None:
-                rows: list[Queued | None] = batch  # type: ignore[assignment]
+                rows: Sequence[Queued | None] = batch
                 hidden = _NONE_HIDDEN
                 request = build_execute_request(
                     grant.instance_id,
@@ -169,7 +169,7 @@ class BatchRun:
 
     def _answer(
         self,
-        rows: list[Queued | None],
+        rows: Sequence[Queued | None],
         hidden: frozenset[str],
         request: pb.ExecuteRequest,
         resp: pb.ExecuteResponse,

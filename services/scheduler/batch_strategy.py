@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 from services.scheduler.batcher import (
     Batcher,
@@ -75,7 +75,7 @@ class Strategy(Protocol):
         (a retry or an idle-out coming due); None: only those wake it."""
         ...
 
-    def next_batch(self, now_ns: int) -> Decision:
+    def next_batch(self, now_ns: int) -> Decision[Queued]:
         """Decision.batch holds Queued requests (not batcher entries)."""
         ...
 
@@ -162,12 +162,12 @@ class QueueStrategy:
     def wake_at_ns(self, now_ns: int) -> int | None:
         return None
 
-    def next_batch(self, now_ns: int) -> Decision:
+    def next_batch(self, now_ns: int) -> Decision[Queued]:
         decision = self.batcher.next_batch(now_ns)
         batch: list = decision.batch or []
         for i, p in enumerate(batch):  # in place: no new list per batch
             batch[i] = p.payload
-        return decision
+        return cast("Decision[Queued]", decision)  # its entries are now their requests
 
     def finished(self, batch: list[Queued], now_ns: int) -> None:
         pass

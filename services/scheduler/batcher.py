@@ -30,11 +30,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from services.scheduler.hold_tuner import HoldTuner
 
 REJECT, DELAY = "REJECT", "DELAY"
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,10 @@ class Pending:
 
 
 @dataclass(frozen=True)
-class Decision:
-    batch: list[Pending] | None  # send this now
+class Decision(Generic[T]):
+    """A batcher's Decision holds Pending entries; a strategy's, their Queued requests."""
+
+    batch: list[T] | None  # send this now
     wake_at_ns: int | None  # else: ask again at this time (None: nothing queued)
 
 
@@ -203,7 +207,7 @@ class Batcher:
 
     # --------------------------------------------------------------- batches
 
-    def next_batch(self, now_ns: int) -> Decision:
+    def next_batch(self, now_ns: int) -> Decision[Pending]:
         raise NotImplementedError
 
     def _take(self, n: int) -> list[Pending]:
@@ -220,7 +224,7 @@ class Batcher:
 class DefaultBatcher(Batcher):
     """Triton's default scheduler: one request per execution."""
 
-    def next_batch(self, now_ns: int) -> Decision:
+    def next_batch(self, now_ns: int) -> Decision[Pending]:
         if not self._size:
             return Decision(None, None)
         return Decision(self._take(1), None)
@@ -283,7 +287,7 @@ class DynamicBatcher(Batcher):
         gap = min(max(2 * self.mean_gap_ns, self.MIN_GAP_NS), self.adaptive_delay_ns)
         return min(oldest + self.adaptive_delay_ns, self.last_arrival_ns + int(gap))
 
-    def next_batch(self, now_ns: int) -> Decision:
+    def next_batch(self, now_ns: int) -> Decision[Pending]:
         if not self._size:
             return Decision(None, None)
         ordered = self._ordered()

@@ -16,7 +16,7 @@ batch keeps forwarding the parts still to come.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from stageserve.errors import StageError
 from stageserve.generated import stageserve_pb2 as pb
@@ -29,21 +29,24 @@ class _Queued(Protocol):
     def respond(self, response: pb.ScheduleResponse) -> None: ...
 
 
+Q = TypeVar("Q", bound=_Queued)
+
+
 def _respond(q: _Queued, response: pb.ScheduleResponse) -> None:
     q.respond(response)
 
 
-class DecoupledBatch:
+class DecoupledBatch(Generic[Q]):
     """`deliver` sends each request's final answer (the queue's, which keeps
     preserve_ordering); earlier responses go straight to the request;
     `on_returned` runs once, when the worker says execute returned."""
 
     def __init__(
         self,
-        batch: Sequence[_Queued | None],
+        batch: Sequence[Q | None],
         compute_start_ns: int,
         total: int,
-        deliver: Callable[[_Queued, pb.ScheduleResponse], None] = _respond,
+        deliver: Callable[[Q, pb.ScheduleResponse], None] = _respond,
         on_returned: Callable[[], None] | None = None,
     ) -> None:
         self.batch = batch

@@ -27,10 +27,13 @@ import contextlib
 import itertools
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
+from redis.typing import EncodableT
 
 from stageserve import redis_keys as keys
 from stageserve import redis_scripts as scripts
@@ -121,7 +124,9 @@ class SequenceStore:
                 await pipe.execute()
 
     async def backlog(self, cid: str) -> list[str]:
-        return [e.decode() for e in await self.redis.lrange(self.prefix + cid + ":q", 0, -1)]
+        # No decode_responses on our clients: Redis answers bytes.
+        entries = cast("list[bytes]", await self.redis.lrange(self.prefix + cid + ":q", 0, -1))
+        return [e.decode() for e in entries]
 
     # ------------------------------------------------------------ execution
 
@@ -158,7 +163,7 @@ class SequenceStore:
         return out
 
     async def commit(
-        self, results: list[tuple[str, str, bool, dict[str, StateUpdate] | None]]
+        self, results: Sequence[tuple[str, str, bool, dict[str, StateUpdate] | None]]
     ) -> None:
         """After execution: keep each sequence's new states (None: unchanged),
         end the ones whose request had END, and take each entry off its
@@ -170,7 +175,7 @@ class SequenceStore:
                     self._open.pop(cid, None)
                     pipe.delete(key)
                 elif states:
-                    mapping: dict[str, bytes | str] = {}
+                    mapping: dict[EncodableT, EncodableT] = {}
                     for name, update in states.items():
                         mapping[f"st:{name}"] = update.raw
                         mapping[f"sh:{name}"] = ",".join(str(d) for d in update.shape)

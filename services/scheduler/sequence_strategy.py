@@ -128,7 +128,7 @@ class SequenceStrategy:
                 times.append(max(expiry, now) + 0.001)
         return round(min(times) * 1e9) if times else None
 
-    def next_batch(self, now_ns: int) -> Decision:
+    def next_batch(self, now_ns: int) -> Decision[Queued]:
         eligible = self._eligible(now_ns)
         if not eligible:
             return Decision(None, None)
@@ -200,7 +200,7 @@ class SequenceStrategy:
         return None
 
     def drain(self) -> list[Queued]:
-        out = []
+        out: list[Queued] = []
         for cid in list(self.backlogs):
             if cid in self.running:
                 continue

@@ -387,8 +387,9 @@ def _bytes_to_str_array(name: str, arr: np.ndarray, encoding: str, note: str) ->
             # a str element (direct callers) is its UTF-8 bytes
             flat_out[i] = (x.encode("utf-8") if isinstance(x, str) else bytes(x)).decode(encoding)
         except (UnicodeDecodeError, TypeError) as exc:
+            reason = exc.reason if isinstance(exc, UnicodeDecodeError) else str(exc)
             raise InvalidInputError(
-                f"BYTES input '{name}' element {i} is not valid UTF-8 ({exc.reason}); this "
+                f"BYTES input '{name}' element {i} is not valid UTF-8 ({reason}); this "
                 f"model reads string content ({note}) and ONNX Runtime's Python API passes "
                 "strings to it as UTF-8 text, so StageServe cannot give it arbitrary bytes"
             ) from None

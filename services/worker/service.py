@@ -15,6 +15,7 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from typing import cast
 
 import grpc
 import redis.asyncio as aioredis
@@ -138,13 +139,15 @@ class WorkerService(pb_grpc.WorkerServicer):
         executing = True
         try:
             loop = asyncio.get_running_loop()
-            resp = await loop.run_in_executor(inst.executor, inst.execute, request, emit)
-            if isinstance(resp, StillSending):
+            ran = await loop.run_in_executor(inst.executor, inst.execute, request, emit)
+            if isinstance(ran, StillSending):
                 # A decoupled execute returned: its instance thread is
                 # free, the model's senders still answer this batch.
                 self._executing -= 1
                 executing = False
-                resp = await asyncio.wrap_future(resp.last)
+                resp = await asyncio.wrap_future(ran.last)
+            else:
+                resp = ran
         except Exception as exc:
             return _failed(inst, request, exc)
         finally:
@@ -167,13 +170,14 @@ class WorkerService(pb_grpc.WorkerServicer):
         inst.in_flight += 1
         self._executing += 1
         try:
-            resp = inst.execute(request)
+            # Never StillSending: Python models do not run inline (HostedInstance.runs_inline).
+            resp = cast("pb.ExecuteResponse", inst.execute(request))
         except Exception as exc:
             return _failed(inst, request, exc)
         finally:
             inst.in_flight -= 1
             self._executing -= 1
-        return _answered(inst, request, resp)  # type: ignore[arg-type]
+        return _answered(inst, request, resp)
 
     async def ExecuteStream(self, request_iterator, context):
         """Batches from one scheduler run concurrently (each on its instance's

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -176,7 +177,9 @@ async def warm_up(
     if not requests:
         return
     loop = asyncio.get_running_loop()
-    stats = await loop.run_in_executor(instance.executor, run_warmup, instance.execute, requests)
+    # Never StillSending: a decoupled model with model_warmup does not load (worker_glue).
+    execute = cast("Callable[[pb.ExecuteRequest], pb.ExecuteResponse]", instance.execute)
+    stats = await loop.run_in_executor(instance.executor, run_warmup, execute, requests)
     key = keys.model_stats(instance.model, instance.generation, instance.version)
     data = stats.to_pb(instance.model, instance.version).SerializeToString()
     try:

@@ -85,7 +85,7 @@ class Response:
         self,
         status: int = 200,
         body: bytes = b"",
-        headers: list[tuple[bytes, bytes]] = (),
+        headers: Sequence[tuple[bytes, bytes]] = (),
         stream: AsyncIterator[bytes] | None = None,
     ) -> None:
         self.status = status
@@ -103,7 +103,8 @@ def error_response(status: int, message: str) -> Response:
     return json_response({"error": message}, status)
 
 
-Handler = Callable[["Request"], Awaitable[Response]]
+# Called with the request, then the route's path arguments (model, version, ...).
+Handler = Callable[..., Awaitable[Response]]
 
 
 def path_segments(raw_path: bytes | None, path: str) -> list[str]:
@@ -355,6 +356,7 @@ class HttpFront:
         stream = self.dp.decoupled_stream(infer, events.put_nowait)
 
         async def run() -> None:
+            out: gs.ModelStreamInferResponse | None
             try:
                 out = gs.ModelStreamInferResponse(
                     infer_response=await self.dp.infer(infer, stream=stream)
@@ -380,7 +382,7 @@ class HttpFront:
             raise first
 
         async def body() -> AsyncIterator[bytes]:
-            item = first
+            item: gs.ModelStreamInferResponse | StageError | None = first
             try:
                 while item is not None:
                     yield _sse_event(item)
@@ -454,8 +456,10 @@ def unsupported_error(what: str) -> StageError:
     return StageError(grpc.StatusCode.UNIMPLEMENTED, f"{what} is not supported by StageServe")
 
 
-_COMPRESSORS = {"gzip": gzip.compress, "deflate": zlib.compress}  # deflate = zlib format
-_DECOMPRESSORS = {b"gzip": gzip.decompress, b"deflate": zlib.decompress}
+_BodyCoding = Callable[[bytes], bytes]
+# deflate = zlib format
+_COMPRESSORS: dict[str, _BodyCoding] = {"gzip": gzip.compress, "deflate": zlib.compress}
+_DECOMPRESSORS: dict[bytes, _BodyCoding] = {b"gzip": gzip.decompress, b"deflate": zlib.decompress}
 
 
 def _decompressed(request: Request) -> bytes:

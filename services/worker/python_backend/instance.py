@@ -23,7 +23,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -243,7 +243,7 @@ class PythonInstance:
             out.results.append(self.request_outputs(req.requested_output_names(), resp))
         return out
 
-    def request_outputs(self, requested: list[str], resp: Any) -> pb.RequestOutputs:
+    def request_outputs(self, requested: Collection[str], resp: Any) -> pb.RequestOutputs:
         """One response as the request's outputs (only the `requested` ones), or its error."""
         if not isinstance(resp, pb_utils.InferenceResponse):
             return pb.RequestOutputs(
@@ -344,7 +344,7 @@ class _Senders:
         self._last_message: pb.ExecuteResponse | None = None  # set when execute returned
         self._last: concurrent.futures.Future[pb.ExecuteResponse] = concurrent.futures.Future()
 
-    def sender(self, index: int, requested: list[str]) -> pb_utils.InferenceResponseSender:
+    def sender(self, index: int, requested: Collection[str]) -> pb_utils.InferenceResponseSender:
         """Request `index`'s response sender. It holds no reference to its
         request (which holds it), so once the model has let go of both,
         CPython frees it at once and `_released` ends a request the model can
@@ -396,6 +396,7 @@ class _Senders:
         # Cancelled when the scheduler's stream went away (the worker's wait
         # for it was cancelled): the model's send must not raise for that.
         if ended and self._last.set_running_or_notify_cancel():
+            assert self._last_message is not None  # ended: execute returned it
             self._last.set_result(self._last_message)
 
     def fail_unfinished(self, message: str, only: int | None = None) -> None:

@@ -70,9 +70,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent import futures
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import psutil
+from google.protobuf.message import Message
 
 from bench.perf_analyzer import (
     PerfAnalyzerError,
@@ -188,9 +190,11 @@ class Forwarder:
 
 
 SERVICE_NAME = gs.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+#: Unary methods: name -> (request type, callable).
+Methods = dict[str, tuple[type[Message], Callable[..., Any]]]
 
 
-def _answers(counters: Counters) -> dict[str, tuple[type, Callable]]:
+def _answers(counters: Counters) -> Methods:
     """What perf_analyzer calls besides ModelInfer: method -> (request type, answer)."""
     return {
         "ServerLive": (gs.ServerLiveRequest, lambda r: gs.ServerLiveResponse(live=True)),
@@ -205,7 +209,7 @@ def _answers(counters: Counters) -> dict[str, tuple[type, Callable]]:
     }
 
 
-def _handler(methods: dict[str, tuple[type, Callable]]) -> grpc.GenericRpcHandler:
+def _handler(methods: Methods) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(
         SERVICE_NAME,
         {
@@ -243,7 +247,9 @@ def _sync_handler(counters: Counters) -> grpc.GenericRpcHandler:
         counters.answered()
         return echo_response(request, request.raw_input_contents[0])
 
-    methods = {name: (t, lambda r, c, fn=fn: fn(r)) for name, (t, fn) in _answers(counters).items()}
+    methods: Methods = {
+        name: (t, lambda r, c, fn=fn: fn(r)) for name, (t, fn) in _answers(counters).items()
+    }
     methods["ModelInfer"] = (gs.ModelInferRequest, infer)
     return _handler(methods)
 

@@ -142,7 +142,9 @@ def reference_forward(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
         args = [values[name] for name in node.input]
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "Conv":
-            out = _conv2d(*args, stride=attrs["strides"][0], pad=attrs["pads"][0])
+            out = _conv2d(
+                args[0], args[1], args[2], stride=attrs["strides"][0], pad=attrs["pads"][0]
+            )
         elif node.op_type == "Relu":
             out = np.maximum(args[0], 0.0)
         elif node.op_type == "Add":

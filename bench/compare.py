@@ -387,12 +387,12 @@ def format_ratios(rs: Sequence[Ratio], markdown: bool = False, ours_label: str =
     for (model, conc), per_ref in by_key.items():
         row = [model, str(conc)]
         for ref in refs:
-            r = per_ref.get(ref)
+            ratio = per_ref.get(ref)
             row += [
-                _ratio(r.throughput if r else None),
-                _ratio(r.p50 if r else None),
-                _ratio(r.p99 if r else None),
-                _ratio(r.per_core if r else None),
+                _ratio(ratio.throughput if ratio else None),
+                _ratio(ratio.p50 if ratio else None),
+                _ratio(ratio.p99 if ratio else None),
+                _ratio(ratio.per_core if ratio else None),
             ]
         rows.append(row)
     return _grid(header, rows, markdown, left=2)

@@ -35,12 +35,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from bench.__main__ import measure
 from bench.cnn import write_cnn
 from bench.perf_analyzer import find_perf_analyzer, text_table
+from services.worker.backends import TensorBackend
 from services.worker.instances import default_intra_op_threads
 from services.worker.onnx_backend import OnnxInstance
 from services.worker.service import detect_gpu
@@ -61,8 +63,9 @@ def backend_alone(
 ) -> AloneResult:
     """Images/s of back-to-back runs at one batch size, warmed up first, through
     the worker's own backend for the file (ONNX Runtime or TorchScript)."""
-    io = {"input_types": {"INPUT": "FP32"}, "output_types": {"OUTPUT": "FP32"}}
+    io: dict[str, Any] = {"input_types": {"INPUT": "FP32"}, "output_types": {"OUTPUT": "FP32"}}
     threads = default_intra_op_threads(1)
+    backend: TensorBackend
     if model_file.suffix == ".pt":
         from services.worker.torch_backend import TorchInstance
 
@@ -124,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         stack = Stack()
         try:
-            services = start_services(stack, repository, device=device)
-            point = measure(services.gateway.address, stack, "cnn", concurrency, args)
+            running = start_services(stack, repository, device=device)
+            point = measure(running.gateway.address, stack, "cnn", concurrency, args)
         finally:
             stack.stop()
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from bench.perf_analyzer import PerfAnalyzerError, PerfAnalyzerUnstable, run_perf
 from bench.references import (
     BenchModel,
+    RunningServer,
     StageServeServer,
     TritonServer,
     bench_models,
@@ -125,6 +126,7 @@ def run_fronts(args: argparse.Namespace, workdir: Path) -> list[Row]:
     data = _input_data(models, workdir)
     for name in args.servers:
         print(f"== {name}", flush=True)
+        server: RunningServer
         if name == "triton":
             server = TritonServer(workdir / name, models, http=True)
         else:

@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -110,7 +111,8 @@ def in_process(path: Path, text: str, instances: int, seconds: float) -> tuple[i
     def run(i: int) -> None:
         while time.monotonic() < stop:
             req = pb.ExecuteRequest.FromString(raw)
-            resp = models[i].execute_batch(req, None)
+            # Not decoupled: never StillSending.
+            resp = cast("pb.ExecuteResponse", models[i].execute_batch(req, None))
             resp.SerializeToString()
             counts[i] += 1
 
@@ -141,7 +143,8 @@ def per_process(path: Path, text: str, instances: int, seconds: float) -> tuple[
     def run(i: int) -> None:
         while time.monotonic() < stop:
             req = pb.ExecuteRequest.FromString(raw)
-            resp = models[i].execute_batch(req, None)
+            # Not decoupled: never StillSending.
+            resp = cast("pb.ExecuteResponse", models[i].execute_batch(req, None))
             resp.SerializeToString()
             counts[i] += 1
 

@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 import tritonclient.grpc as grpcclient
@@ -82,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stack = Stack()
         try:
             # (no keyword when off: the bench also runs on trees older than the flag)
-            extra = (
+            extra: dict[str, Any] = (
                 {"ratelimiter_args": ["--rate-limit", args.rate_limit]}
                 if args.rate_limit != "off"
                 else {}

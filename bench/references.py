@@ -57,6 +57,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NoReturn, Protocol, TextIO
 
 import numpy as np
 import onnx
@@ -267,7 +268,7 @@ def write_triton_repository(root: Path, models: Sequence[BenchModel], instances:
         model_dir = write_model(root, m.name, m.onnx, triton_config_text(m, instances))
         if m.name == "numpy":  # execute in numpy, with the ONNX twin's weights
             shutil.copyfile(BENCH_DIR / "numpy_model.py", model_dir / "1" / "model.py")
-            arrays = {}
+            arrays: dict[str, Any] = {}  # Any: savez's keywords include allow_pickle
             for i, (w, b) in enumerate(mlp_weights(NUMPY_SIZES)):
                 arrays[f"W{i}"], arrays[f"B{i}"] = w, b
             np.savez(model_dir / "1" / "weights.npz", **arrays)
@@ -508,7 +509,7 @@ def wait_ready(
             for p in procs:
                 if p.poll() is not None:
                     raise ServerStartError(
-                        f"process {p.args[0] if isinstance(p.args, list) else p.args} exited "
+                        f"process {p.args[0] if isinstance(p.args, list) else p.args!s} exited "
                         f"with {p.returncode}\n{_tail(log)}"
                     )
             with contextlib.suppress(InferenceServerException):
@@ -737,7 +738,7 @@ class _StageServeLogs:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._saved_fd: int | None = None
-        self._real_stdout = None
+        self._real_stdout: TextIO | None = None
 
     def redirect_children(self) -> None:
         sys.stderr.flush()
@@ -927,6 +928,12 @@ def check_consistency(
 # --------------------------------------------------------------------------- ModelConfig proxy
 
 
+class _ServicerContext(Protocol):
+    """The part of ``grpc.aio.ServicerContext`` the proxy uses (grpc has no types)."""
+
+    async def abort(self, code: Any, details: str) -> NoReturn: ...
+
+
 async def serve_proxy(listen: str, upstream: str, configs: dict[str, bytes]) -> None:
     """gRPC proxy: answers ModelConfig from ``configs``, forwards every other RPC as bytes.
 
@@ -946,7 +953,7 @@ async def serve_proxy(listen: str, upstream: str, configs: dict[str, bytes]) -> 
             (k, v) for k, v in context.invocation_metadata() if not k.startswith((":", "grpc-"))
         )
 
-    async def model_config(request: bytes, context) -> bytes:
+    async def model_config(request: bytes, context: _ServicerContext) -> bytes:
         name = gs.ModelConfigRequest.FromString(request).name
         if name not in configs:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"Request for unknown model: '{name}'")
@@ -955,7 +962,7 @@ async def serve_proxy(listen: str, upstream: str, configs: dict[str, bytes]) -> 
     def unary(method: str):
         call = channel.unary_unary(method)
 
-        async def handler(request: bytes, context) -> bytes:
+        async def handler(request: bytes, context: _ServicerContext) -> bytes:
             try:
                 return await call(request, metadata=forward_metadata(context))
             except grpc.aio.AioRpcError as exc:

@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not ready.wait(20):
             raise RuntimeError("echo server did not start")
+        assert server.pid is not None  # set by start()
         asyncio.run(_run(port, server.pid, args.inflight, args.seconds))
     finally:
         server.kill()

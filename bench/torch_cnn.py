@@ -71,6 +71,7 @@ def _convs(model: onnx.ModelProto, weights: dict[str, np.ndarray]) -> list[torch
         conv = torch.nn.Conv2d(
             c_in, c_out, kernel, stride=attrs["strides"][0], padding=attrs["pads"][0]
         )
+        assert conv.bias is not None  # Conv2d has a bias by default
         with torch.no_grad():
             conv.weight.copy_(torch.from_numpy(w))
             conv.bias.copy_(torch.from_numpy(b))

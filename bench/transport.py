@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not ready.wait(20):
             raise RuntimeError("echo server did not start")
+        assert server.pid is not None  # set by start()
         for _ in range(args.rounds):
             for inflight in args.inflight:
                 before = list(counters)

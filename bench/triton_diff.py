@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -133,7 +133,7 @@ class StageServe(Server):
 
 # --------------------------------------------------------------------------- steps
 
-Client = grpcclient.InferenceServerClient
+Client: TypeAlias = grpcclient.InferenceServerClient  # untyped library: Any
 Observation = tuple[str, Any]
 
 

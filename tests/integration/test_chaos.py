@@ -27,12 +27,15 @@ def test_every_stage_killed_heals_without_hangs_wrong_answers_or_leaks(
     )
     print("\n" + table(results))
     assert [r.stage for r in results] == list(STAGES)
+    first_audit = results[0].audit
+    assert first_audit is not None, results[0].stage
     for r in results:
         assert r.hung == 0, (r.stage, r.errors)
         assert r.wrong == 0, r.stage
         assert r.python_text == 0, r.stage
-        assert r.audit is not None and r.leaked == 0, (r.stage, r.audit.problems)
+        assert r.audit is not None, r.stage
+        assert r.leaked == 0, (r.stage, r.audit.problems)
         assert r.ok > 0, r.stage
         assert r.full_s is not None and r.full_s <= HEAL_BOUND_S, (r.stage, r.full_s)
         # Every registered instance came back (the worker's after its restart).
-        assert r.audit.instances == results[0].audit.instances > 0
+        assert r.audit.instances == first_audit.instances > 0

@@ -257,7 +257,8 @@ def test_file_override_paths_stay_inside_the_model_folder(
 
 def test_malformed_overrides_are_refused_with_triton_reasons(hostile: RunningStack) -> None:
     c = hostile.client()
-    cases = [
+    # load_model's keyword arguments (config=, files=) -> a piece of the reason
+    cases: list[tuple[dict[str, str | dict[str, bytes]], str]] = [
         ({"files": {"file:1/model.onnx": b"x"}}, "'config' must be specified"),
         ({"config": "{not json"}, "Invalid config override"),
         ({"config": json.dumps({"no_such_field": 1})}, "Invalid config override"),

@@ -293,7 +293,8 @@ def test_generate_stream_on_a_decoupled_model_sends_each_response_as_an_event(
         conn.request("POST", "/v2/models/py_stream/generate_stream", body=body)
         resp = conn.getresponse()
         assert resp.status == 200
-        assert resp.getheader("content-type").startswith("text/event-stream")
+        content_type = resp.getheader("content-type")
+        assert content_type is not None and content_type.startswith("text/event-stream")
         events, arrived = [], []
         start = time.monotonic()
         while line := resp.readline():
@@ -373,10 +374,17 @@ def _error(status: int, raw: bytes) -> tuple[int, str]:
     return status, json.loads(raw)["error"]
 
 
+#: (method, path, body) or (method, path, body, headers): request()'s arguments
+_RequestArgs = (
+    tuple[str, str, bytes | dict | None]
+    | tuple[str, str, bytes | dict | None, dict[str, str] | None]
+)
+
+
 def test_error_statuses(stack: RunningStack) -> None:
     path = "/v2/models/simple/infer"
     good = {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32", "data": A.ravel().tolist()}
-    cases = [
+    cases: list[tuple[_RequestArgs, int, str]] = [
         # (method, path, body, headers) -> status, a piece of the message
         # Triton answers 500 for a body that does not parse (measured on 2.51).
         (("POST", path, b"{not json", None), 500, "failed to parse the request JSON"),
@@ -440,7 +448,7 @@ def test_same_answers_on_both_fronts(stack: RunningStack, model: str) -> None:
             for t in getattr(grpc_meta, kind)
         ]
     rng = np.random.default_rng(11)
-    tensors = {}
+    tensors: dict[str, np.ndarray] = {}
     for spec in meta["inputs"]:
         shape = [2 if d == -1 else int(d) for d in spec["shape"]]
         if spec["datatype"] == "INT32":

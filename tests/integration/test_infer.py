@@ -102,7 +102,7 @@ DTYPES = {
 @pytest.mark.parametrize("datatype", sorted(DTYPES))
 def test_identity_round_trip_every_numeric_datatype(stack: RunningStack, datatype: str) -> None:
     rng = np.random.default_rng(42)
-    dtype = np.dtype(DTYPES[datatype])
+    dtype: np.dtype = np.dtype(DTYPES[datatype])
     if dtype == np.bool_:
         data = rng.integers(0, 2, size=(3, 7)).astype(bool)
     elif dtype.kind in "iu":

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import redis
@@ -233,7 +234,11 @@ def test_two_gateways_reload_a_changed_model_once_in_flight_finishes_on_old(two_
         try:
             results[url] = infer_simple(c, model="versioned").get_response().model_version
         except Exception as exc:
-            results[url] = f"{exc.status()}: {exc.message()}" if hasattr(exc, "status") else exc
+            if hasattr(exc, "status"):  # an InferenceServerException
+                err = cast(InferenceServerException, exc)
+                results[url] = f"{err.status()}: {err.message()}"
+            else:
+                results[url] = exc
         finally:
             c.close()
 

@@ -9,6 +9,7 @@ import json
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypedDict
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from stageserve.examples import (
+    TensorSpec,
     mlp_reference,
     mlp_weights,
     python_config_text,
@@ -25,6 +27,14 @@ from stageserve.examples import (
     write_python_model,
 )
 from tests.stack import RunningStack, running_stack, wait_until
+
+
+class TensorIO(TypedDict):
+    """The inputs= and outputs= of a config_text call."""
+
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
 
 # OUT = IN + 1 per request; N = how many requests execute() received together;
 # MOST = the most instances that ever executed at once.
@@ -369,7 +379,7 @@ class TritonPythonModel:
 def test_load_failure_and_finalize_on_unload(tmp_path) -> None:
     """initialize raising makes the load fail with its reason; unloading a model
     runs finalize() (explicit model control)."""
-    io = {"inputs": [("IN", "FP32", (2,))], "outputs": [("IN", "FP32", (2,))]}
+    io: TensorIO = {"inputs": [("IN", "FP32", (2,))], "outputs": [("IN", "FP32", (2,))]}
     write_python_model(
         tmp_path, "py_final", FINALIZING, python_config_text("py_final", **io, max_batch_size=4)
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypedDict
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from stageserve.examples import (
+    TensorSpec,
     mlp_reference,
     mlp_weights,
     python_config_text,
@@ -21,6 +23,14 @@ from stageserve.examples import (
     write_python_model,
 )
 from tests.stack import RunningStack, running_stack, wait_until
+
+
+class TensorIO(TypedDict):
+    """The inputs= and outputs= of a config_text call."""
+
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
 
 # The batched target: OUT = IN * 3, N = how many requests its execute() got.
 COUNT = """\
@@ -170,7 +180,7 @@ STUB = '\nparameters { key: "STAGESERVE_INSTANCE_PROCESS" value { string_value: 
 @pytest.fixture(scope="module")
 def bls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     root = tmp_path_factory.mktemp("bls_repository")
-    io = dict(
+    io = TensorIO(
         inputs=[("IN", "FP32", (4,))],
         outputs=[("OUT", "FP32", (4,)), ("N", "INT32", (1,))],
     )

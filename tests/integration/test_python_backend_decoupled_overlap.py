@@ -133,7 +133,7 @@ class _Stream:
         self.client.async_stream_infer(MODEL, [inp], enable_empty_final_response=True)
 
     def until_final(self, timeout_s: float = 20.0) -> list[tuple[float, int | str | None, bool]]:
-        out = []
+        out: list[tuple[float, int | str | None, bool]] = []
         while not out or not out[-1][2]:
             out.append(self.answers.get(timeout=timeout_s))
         return out

@@ -161,9 +161,14 @@ class Outcome:
     finished: threading.Event = field(default_factory=threading.Event)
 
     @property
+    def done_at(self) -> float:
+        """When it was answered; it must have been."""
+        assert self.done is not None, f"{self.tag}: no answer"
+        return self.done
+
+    @property
     def elapsed(self) -> float:
-        assert self.done is not None
-        return self.done - self.sent
+        return self.done_at - self.sent
 
     def ok(self) -> None:
         """It succeeded and got its own data back."""
@@ -228,7 +233,7 @@ class Calls:
             assert o.finished.wait(RPC_TIMEOUT_S + 5), f"{o.tag}: no answer"
 
     def completion_order(self) -> list[str]:
-        return [o.tag for o in sorted(self.outcomes, key=lambda o: o.done)]
+        return [o.tag for o in sorted(self.outcomes, key=lambda o: o.done_at)]
 
 
 def _blocked(qstack: RunningStack, model: str) -> tuple[grpcclient.InferenceServerClient, Calls]:
@@ -291,7 +296,7 @@ def test_max_queue_size_rejects_overflow_with_unavailable(qstack: RunningStack) 
         assert "full" in message, message
         assert "bounded" in message, message
         # answered at once, not after the blocker finished
-        assert o.done < blocker.done, (o.tag, o.elapsed)
+        assert o.done_at < blocker.done_at, (o.tag, o.elapsed)
     # the model still serves
     r = c.infer("bounded", [_input(np.ones((1, 3), np.float32))], client_timeout=RPC_TIMEOUT_S)
     np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), np.ones((1, 3), np.float32))
@@ -317,7 +322,7 @@ def test_timeout_reject_answers_at_the_deadline_not_after_the_execution(
     assert victim.rejected("timeout").startswith("Request timeout expired")  # Triton's text
     # 200 ms after it was queued; the blocker still had ~650 ms to run
     assert 0.195 <= victim.elapsed < 0.6, victim.elapsed
-    assert victim.done < blocker.done
+    assert victim.done_at < blocker.done_at
     assert _fail_count(c, "reject") - fails0 == 1
     # Counted as Triton 2.51 counts a queue timeout (checked against it).
     assert _rejected_count(metrics_port, "reject") - rejected0 == 1
@@ -335,7 +340,7 @@ def test_timeout_override_without_default_timeout_is_ignored(qstack: RunningStac
     blocker.ok()
     timed.ok()
     patient.ok()
-    assert timed.done > blocker.done and patient.done > blocker.done
+    assert timed.done_at > blocker.done_at and patient.done_at > blocker.done_at
 
 
 def test_timeout_override_is_ignored_when_not_allowed(qstack: RunningStack) -> None:
@@ -361,7 +366,7 @@ def test_timeout_override_can_shorten_but_not_extend_the_default(qstack: Running
     long.rejected("timeout")
     assert 0.095 <= short.elapsed < 0.28, short.elapsed
     assert 0.295 <= long.elapsed < 0.6, long.elapsed  # the 300 ms default, not 10 s
-    assert short.done < long.done < blocker.done
+    assert short.done_at < long.done_at < blocker.done_at
 
 
 def test_timeout_delay_puts_expired_requests_behind_live_ones(qstack: RunningStack) -> None:
@@ -374,9 +379,9 @@ def test_timeout_delay_puts_expired_requests_behind_live_ones(qstack: RunningSta
     calls.wait()
     for o in calls.outcomes:
         o.ok()  # DELAY never rejects
-    assert all(o.done > blocker.done for o in expired + live)
+    assert all(o.done_at > blocker.done_at for o in expired + live)
     # the live ones (queued later) ran first, the expired ones after them
-    assert max(o.done for o in live) < min(o.done for o in expired), calls.completion_order()
+    assert max(o.done_at for o in live) < min(o.done_at for o in expired), calls.completion_order()
 
 
 # ------------------------------------------------------------------ preserve_ordering
@@ -404,6 +409,7 @@ def _stream(c: grpcclient.InferenceServerClient, model: str, arrays: list[np.nda
     ids = []
     for result, error in got:
         assert error is None, error
+        assert result is not None
         rid = result.get_response().id
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), arrays[int(rid)])
         ids.append(rid)
@@ -457,7 +463,7 @@ def test_requests_of_different_shapes_never_share_a_batch(qstack: RunningStack) 
     # blocker, [a1 a2 a3], [b1 b2], [a4]: a batch ends at the first other shape
     assert after.execution_count - before.execution_count == 4
     assert _batch_counts(after) - _batch_counts(before) == Counter({1: 2, 3: 1, 2: 1})
-    done = {o.tag: o.done for o in calls.outcomes}
+    done = {o.tag: o.done_at for o in calls.outcomes}
     assert done["a1"] == pytest.approx(done["a3"], abs=0.15)
     assert done["a3"] < done["b1"] < done["a4"]
 

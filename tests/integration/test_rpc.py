@@ -349,15 +349,15 @@ def test_typed_int_contents_simple(stack: RunningStack) -> None:
     request.id = "typed-1"
     response = raw_infer(stack.url, request)
     assert response.id == "typed-1"
-    np.testing.assert_array_equal(output_array(response, "OUTPUT0", np.int32), a + b)
-    np.testing.assert_array_equal(output_array(response, "OUTPUT1", np.int32), a - b)
+    np.testing.assert_array_equal(output_array(response, "OUTPUT0", np.dtype(np.int32)), a + b)
+    np.testing.assert_array_equal(output_array(response, "OUTPUT1", np.dtype(np.int32)), a - b)
 
 
 def test_typed_fp32_contents_mlp_matches_raw(stack: RunningStack) -> None:
     x = np.random.default_rng(11).standard_normal((3, 256)).astype(np.float32)
     request = raw_request("mlp", [("INPUT0", "FP32", [3, 256])])
     request.inputs[0].contents.fp32_contents.extend(x.ravel().tolist())
-    typed = output_array(raw_infer(stack.url, request), "OUTPUT0", np.float32)
+    typed = output_array(raw_infer(stack.url, request), "OUTPUT0", np.dtype(np.float32))
 
     inp = grpcclient.InferInput("INPUT0", [3, 256], "FP32")
     inp.set_data_from_numpy(x)
@@ -387,5 +387,5 @@ def test_typed_contents_requested_output_subset(stack: RunningStack) -> None:
     response = raw_infer(stack.url, request)
     assert [o.name for o in response.outputs] == ["OUTPUT1"]
     np.testing.assert_array_equal(
-        output_array(response, "OUTPUT1", np.int32), (np.arange(16) - 1).reshape(1, 16)
+        output_array(response, "OUTPUT1", np.dtype(np.int32)), (np.arange(16) - 1).reshape(1, 16)
     )

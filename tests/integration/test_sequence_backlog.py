@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -45,7 +46,8 @@ def test_backlog_orders_a_sequence_across_schedulers(tmp_path: Path) -> None:
             assert wait_until(lambda: r.llen(key) == 1, interval_s=0.01)
             second = pool.submit(send, client_b, "acc", 3, 4242)
             assert wait_until(lambda: r.llen(key) == 2, interval_s=0.01)
-            entries = [e.decode() for e in r.lrange(key, 0, -1)]
+            # a client without decode_responses: bytes
+            entries = [e.decode() for e in cast("list[bytes]", r.lrange(key, 0, -1))]
             owners = {e.split(":")[0] for e in entries}
             assert len(owners) == 2, entries  # one entry per scheduler, A's first
             assert not first.done() and not second.done()

@@ -8,12 +8,14 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 import pytest
 import torch
 
 from stageserve.examples import (
+    TensorSpec,
     config_text,
     python_config_text,
     simple_model,
@@ -23,7 +25,15 @@ from stageserve.examples import (
 from tests.integration.helpers import infer_simple, stack_retrying
 from tests.stack import RunningStack
 
-SIMPLE_IO = dict(
+
+class TensorIO(TypedDict):
+    """The inputs= and outputs= of a config_text call."""
+
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
+
+SIMPLE_IO = TensorIO(
     inputs=[("INPUT0", "INT32", (16,)), ("INPUT1", "INT32", (16,))],
     outputs=[("OUTPUT0", "INT32", (16,)), ("OUTPUT1", "INT32", (16,))],
 )
@@ -81,7 +91,7 @@ def _py_warmup(source: str) -> str:
 
 
 def _python_models(root: Path) -> None:
-    io = dict(inputs=[("IN", "FP32", (4,))], outputs=[("OUT", "FP32", (4,))])
+    io = TensorIO(inputs=[("IN", "FP32", (4,))], outputs=[("OUT", "FP32", (4,))])
     text = python_config_text(
         "warm_py", **io, max_batch_size=8, dynamic_batching=True, instance_count=2
     )

@@ -80,9 +80,12 @@ def _run(
     def deliver(q: Queued, response: pb.ScheduleResponse) -> None:
         answers.setdefault(q.msg.id, []).append(response)
 
+    def respond_to(q: Queued) -> Callable[[pb.ScheduleResponse], None]:
+        return lambda r: answers.setdefault(q.msg.id, []).append(r)
+
     batch = [_q(i + 1) for i in range(batch_size)]
     for q in batch:  # a decoupled model's earlier responses go straight to the request
-        q.respond = lambda r, q=q: answers.setdefault(q.msg.id, []).append(r)
+        q.respond = respond_to(q)
     run = BatchRun("m", Worker(answer), None, deliver, requeue, hist)  # type: ignore[arg-type]
     state = RunState()
     asyncio.run(run.run(spec or _spec(), batch, GRANT, state, lambda: events.append("given back")))

@@ -12,7 +12,7 @@ try:
     from hypothesis import given, settings
     from hypothesis import strategies as st
 except ImportError:  # pragma: no cover - hypothesis is optional
-    given = None
+    given = None  # type: ignore[assignment]  # the property test is left out then
 
 MS = 1_000_000  # ns
 

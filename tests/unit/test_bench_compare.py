@@ -8,6 +8,7 @@ import io
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -233,7 +234,7 @@ def test_target_checks_without_a_figure_or_a_run():
 
 
 def test_measure_point_passes_the_model_shapes(monkeypatch: pytest.MonkeyPatch):
-    seen = {}
+    seen: dict[str, Any] = {}
 
     def fake_run_perf(url, model, concurrency, **kw):
         seen.update(kw, url=url, model=model, concurrency=concurrency)
@@ -557,9 +558,12 @@ def test_numpy_model_runs_its_forward_pass_in_numpy_with_the_onnx_twins_weights(
         for part in (x[:3], x[3:])
     ]
     responses = instance.execute(requests)
-    got = np.concatenate(
-        [pb_utils.get_output_tensor_by_name(r, "OUTPUT0").as_numpy() for r in responses]
-    )
+    outputs = []
+    for r in responses:
+        out = pb_utils.get_output_tensor_by_name(r, "OUTPUT0")
+        assert out is not None
+        outputs.append(out.as_numpy())
+    got = np.concatenate(outputs)
     want = references.expected_output(model, x)
     assert got.shape == want.shape == (5, references.NUMPY_SIZES[-1])
     assert np.max(np.abs(got - want)) <= references.tolerance(model, want)

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import cast
 
+from services.gateway.dataplane import DataPlane
 from services.gateway.http.app import API_GROUP, HttpFront
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.security_options import GROUPS, parse_http_restriction
 
 
 class FakePlane:
+    """The two calls the health and metadata endpoints make; cast to DataPlane."""
+
     def server_ready(self) -> bool:
         return True
 
@@ -39,7 +43,9 @@ def _call(app: HttpFront, path: str, headers: dict[str, str] | None = None) -> t
 
 
 def test_a_restricted_api_needs_its_header_and_answers_tritons_403() -> None:
-    app = HttpFront(FakePlane(), [parse_http_restriction("health:admin-key=s3cret")])
+    app = HttpFront(
+        cast(DataPlane, FakePlane()), [parse_http_restriction("health:admin-key=s3cret")]
+    )
     assert _call(app, "/v2/health/ready") == (
         403,
         {"error": "This API is restricted, expecting header 'admin-key'"},
@@ -50,7 +56,7 @@ def test_a_restricted_api_needs_its_header_and_answers_tritons_403() -> None:
 
 
 def test_no_restriction_changes_nothing() -> None:
-    app = HttpFront(FakePlane())
+    app = HttpFront(cast(DataPlane, FakePlane()))
     assert _call(app, "/v2/health/ready")[0] == 200
 
 

@@ -84,6 +84,7 @@ def test_a_fast_model_stays_inline_on_a_host_that_takes_its_core(tmp_path: Path)
         helper.wait(10)
         os.kill(os.getpid(), signal.SIGCONT)
         inst.close()
+    assert isinstance(response, pb.ExecuteResponse)
     assert len(response.results) == 5
     # The premise: in wall time these executions looked slow...
     mean_wall = sum(walls) / len(walls)

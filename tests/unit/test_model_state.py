@@ -39,6 +39,7 @@ def test_restore_puts_back_the_serving_record_and_tells_the_workers(redis_url) -
     async def body(store: ModelStateStore, r) -> None:
         await store.publish_loaded(_config(8), (1,), Path("/repo/m"))
         serving = await store.get("m")
+        assert serving is not None
         failed = await store.publish_loaded(_config(4), (1, 2), Path("/repo/m"))
         events = r.pubsub()
         await events.subscribe(keys.MODEL_EVENTS)
@@ -58,10 +59,12 @@ def test_restore_never_overwrites_a_later_load(redis_url) -> None:
     async def body(store: ModelStateStore, r) -> None:
         await store.publish_loaded(_config(8), (1,), Path("/repo/m"))
         serving = await store.get("m")
+        assert serving is not None
         failed = await store.publish_loaded(_config(4), (1,), Path("/repo/m"))
         later = await store.publish_loaded(_config(2), (1,), Path("/repo/m"))  # another gateway
         assert not await store.restore(serving, failed)
         current = await store.get("m")
+        assert current is not None
         assert current.generation == later and current.config.max_batch_size == 2
 
     run(redis_url, body)
@@ -71,6 +74,7 @@ def test_restore_after_an_unload_does_not_bring_the_model_back(redis_url) -> Non
     async def body(store: ModelStateStore, r) -> None:
         await store.publish_loaded(_config(8), (1,), Path("/repo/m"))
         serving = await store.get("m")
+        assert serving is not None
         failed = await store.publish_loaded(_config(4), (1,), Path("/repo/m"))
         await store.publish_unloaded("m")
         assert not await store.restore(serving, failed)
@@ -121,6 +125,7 @@ def test_republish_writes_back_only_what_redis_lost(redis_url) -> None:
     async def body(store: ModelStateStore, r) -> None:
         generation = await store.publish_loaded(_config(8), (1,), Path("/repo/m"))
         served = await store.get("m")
+        assert served is not None
         await r.flushdb()
         events = r.pubsub()
         await events.subscribe(keys.MODEL_EVENTS)
@@ -133,8 +138,9 @@ def test_republish_writes_back_only_what_redis_lost(redis_url) -> None:
         # A record Redis holds (a later load by another gateway) is kept.
         newer = await store.publish_loaded(_config(4), (1, 2), Path("/repo/m"))
         await store.republish(served.config, served.versions, served.path, generation, served.files)
-        assert (await store.get("m")).generation == newer
-        assert (await store.get("m")).versions == (1, 2)
+        newest = await store.get("m")
+        assert newest is not None and newest.generation == newer
+        assert newest.versions == (1, 2)
         await events.aclose()
 
     run(redis_url, body)
@@ -150,7 +156,8 @@ def test_adopt_takes_a_record_of_the_same_load_and_publishes_a_changed_one(redis
             _config(8), (1,), path, "files-a", adopt=True, match_files=True
         )
         assert same == first and int(await r.get(keys.GENERATION_COUNTER)) == first
-        assert (await store.get("m")).files == "files-a"
+        adopted = await store.get("m")
+        assert adopted is not None and adopted.files == "files-a"
         # A model file rewritten: same config, new digest, reloaded when files count.
         assert await store.publish_loaded(_config(8), (1,), path, "files-b", adopt=True) == first
         rewritten = await store.publish_loaded(
@@ -183,13 +190,19 @@ def test_draining_versions_are_published_and_ended_only_for_their_generation(red
         assert loaded.served_versions == (2, 1)
         later = await store.publish_loaded(_config(4), (3,), Path("/repo/m"), draining=(1, 2))
         assert not await store.end_draining("m", first)  # a later load owns the record
-        assert (await store.get("m")).draining == (1, 2)
+        kept = await store.get("m")
+        assert kept is not None and kept.draining == (1, 2)
         events = r.pubsub()
         await events.subscribe(keys.MODEL_EVENTS)
         await events.get_message(timeout=1)  # the subscribe confirmation
         assert await store.end_draining("m", later)
         ended = await store.get("m")
-        assert ended.draining == () and ended.versions == (3,) and ended.generation == later
+        assert (
+            ended is not None
+            and ended.draining == ()
+            and ended.versions == (3,)
+            and ended.generation == later
+        )
         message = await events.get_message(timeout=1)
         assert message is not None and message["data"] == b"m"
         assert not await store.end_draining("m", later)  # nothing left to end

@@ -83,7 +83,7 @@ def test_an_owned_area_is_removed_on_close(repo: Path) -> None:
 @pytest.mark.parametrize(
     ("parameters", "reason"),
     [
-        (params(**{"1/model.onnx": b"x"}), "'config' must be specified"),
+        (params(None, **{"1/model.onnx": b"x"}), "'config' must be specified"),
         (params("{", **{}), "Invalid config override"),
         (params(json.dumps({"name": "other"})), "directory name must equal model name"),
         (params("{}", **{"../x": b"x"}), "must stay within model directory"),

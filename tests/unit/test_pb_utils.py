@@ -38,7 +38,8 @@ def test_tensor_and_lookups() -> None:
     resp = pb_utils.InferenceResponse([t])
     assert pb_utils.get_output_tensor_by_name(resp, "X") is t and not resp.has_error()
     config = {"input": [{"name": "X"}], "output": [{"name": "O", "data_type": "TYPE_FP32"}]}
-    assert pb_utils.get_output_config_by_name(config, "O")["data_type"] == "TYPE_FP32"
+    out = pb_utils.get_output_config_by_name(config, "O")
+    assert out is not None and out["data_type"] == "TYPE_FP32"
     assert pb_utils.get_input_config_by_name(config, "Z") is None
 
 

@@ -138,6 +138,7 @@ def test_batch_split_per_request(tmp_path: Path) -> None:
     b = np.full((3, 2), 2, np.float32)
     c = np.full((1, 2), -1, np.float32)
     resp = inst.execute_batch(_batch([a, b, c], [[], ["OUT"], []]), None)
+    assert isinstance(resp, pb.ExecuteResponse)
     assert resp.code == 0 and len(resp.results) == 3
     first = {t.name: raw_to_numpy(t.raw, t.datatype, t.shape) for t in resp.results[0].outputs}
     np.testing.assert_array_equal(first["OUT"], a * 2)
@@ -151,6 +152,7 @@ def test_wrong_number_of_responses(tmp_path: Path) -> None:
     inst = _instance(tmp_path, SOURCE, max_batch_size=8)
     a = np.ones((1, 2), np.float32)
     resp = inst.execute_batch(_batch([a, a], [[], []], ids=["short", ""]), None)
+    assert isinstance(resp, pb.ExecuteResponse)
     assert resp.code == 13
     assert "InferenceRequest(s) size is:2, and InferenceResponse(s) size is:1" in resp.message
 
@@ -160,6 +162,7 @@ def test_decoupled_parts_then_end(tmp_path: Path) -> None:
     parts: list[pb.ExecuteResponse] = []
     req = _one_request()
     resp = inst.execute_batch(req, parts.append)
+    assert isinstance(resp, pb.ExecuteResponse)
     assert resp.code == 0 and not resp.more
     assert all(p.more for p in parts)
     flat = [(q.request_index, q.has_response, q.final) for p in parts for q in p.parts]
@@ -262,6 +265,7 @@ def test_an_unawaited_async_exec_is_cancelled_quietly_at_unload(
     caplog.set_level(logging.ERROR, logger="asyncio")
     try:
         resp = inst.execute_batch(_batch([np.ones((1, 2), np.float32)], [[]]), None)
+        assert isinstance(resp, pb.ExecuteResponse)
         assert resp.code == 0 and len(resp.results) == 1 and bls.sent == 1
         inst.close()
         gc.collect()

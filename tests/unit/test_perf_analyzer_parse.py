@@ -592,7 +592,8 @@ class _TinyServer:
         self.shapes: list[tuple[int, ...]] = []
         tiny = self
 
-        class Servicer(pbg.GRPCInferenceServiceServicer):
+        # pbg is only known at run time (importorskip): no static base class
+        class Servicer(pbg.GRPCInferenceServiceServicer):  # type: ignore[name-defined]
             def ServerLive(self, request, context):
                 return pb.ServerLiveResponse(live=True)
 

@@ -62,6 +62,7 @@ def test_completed_in_another_process_whatever_the_model_prints(tmp_path: Path) 
     folder = _model(tmp_path, "auto")
     m = read_model(tmp_path, "auto")
     assert m.ok, m.error
+    assert m.config is not None
     assert m.config.max_batch_size == 8 and [t.name for t in m.config.input] == ["IN"]
     assert int((folder / "1" / "pid").read_text()) != os.getpid()
 

@@ -203,14 +203,17 @@ def client() -> Iterator[BlsClient]:
     c = BlsClient.__new__(BlsClient)
     c.loop = loop
     c._streams = set()
-    c.link = _FakeLink([0, 1])
+    c.link = _FakeLink([0, 1])  # type: ignore[assignment]  # fake
 
     async def model(name):
         return SimpleNamespace(spec=SimpleNamespace(decoupled=True), generation=1)
 
-    c._model = model
-    c._schedule_request = lambda request, loaded: pb.ScheduleRequest(model="gen")
-    c._record = lambda *args: None
+    # Faked methods: no model repository or recorder behind this client.
+    c._model = model  # type: ignore[method-assign]
+    c._schedule_request = (  # type: ignore[method-assign]
+        lambda request, loaded: pb.ScheduleRequest(model="gen")
+    )
+    c._record = lambda *args: None  # type: ignore[method-assign]
     try:
         yield c
     finally:
@@ -239,7 +242,8 @@ def test_client_streams_from_its_loop(client: BlsClient, use_async: bool) -> Non
 
 
 def test_client_call_raising_midstream_raises_in_the_caller(client: BlsClient) -> None:
-    client.link = _FakeLink([0], raise_at_end=RuntimeError("link broke"))
+    link = _FakeLink([0], raise_at_end=RuntimeError("link broke"))
+    client.link = link  # type: ignore[assignment]  # fake
     responses = client.execute(_request(), True)
     assert _value(next(responses)) == 0
     with pytest.raises(RuntimeError, match="link broke"):
@@ -247,7 +251,7 @@ def test_client_call_raising_midstream_raises_in_the_caller(client: BlsClient) -
 
 
 def test_client_stream_dropped_early_runs_to_its_end(client: BlsClient) -> None:
-    client.link = _FakeLink(list(range(5)))
+    client.link = _FakeLink(list(range(5)))  # type: ignore[assignment]  # fake
     responses = client.execute(_request(), True)
     assert _value(next(responses)) == 0
     feed = responses._feed
@@ -259,7 +263,7 @@ def test_client_stream_dropped_early_runs_to_its_end(client: BlsClient) -> None:
 
 
 def test_client_not_decoupled_answers_the_one_response(client: BlsClient) -> None:
-    client.link = _FakeLink([])
+    client.link = _FakeLink([])  # type: ignore[assignment]  # fake
     response = client.execute(_request(), False)
     assert response.error() is not None  # the target is decoupled: INVALID_ARG
     assert response.error().code() == pb_utils.TritonError.INVALID_ARG
@@ -271,19 +275,20 @@ def test_async_exec_is_a_future_already_sent(client: BlsClient, decoupled: bool)
     an asyncio Future whose request is sent before the caller awaits (two sent
     at once run together), that asyncio.wait takes, and that answers what
     exec() answers."""
-    client.link = _FakeLink([0, 1] if decoupled else [], final=None if decoupled else 7)
+    link = _FakeLink([0, 1] if decoupled else [], final=None if decoupled else 7)
+    client.link = link  # type: ignore[assignment]  # fake
 
     async def model(name):
         return SimpleNamespace(spec=SimpleNamespace(decoupled=decoupled), generation=1)
 
-    client._model = model
+    client._model = model  # type: ignore[method-assign]  # a faked model lookup
 
     async def caller() -> list:
         calls = [_request().async_exec(decoupled=decoupled) for _ in range(2)]
         assert all(isinstance(c, asyncio.Future) for c in calls)
         # Blocks this loop: only requests already sent can reach the link,
         # and both are in flight together.
-        assert wait_for(lambda: client.link.sent == 2), client.link.sent
+        assert wait_for(lambda: link.sent == 2), link.sent
         done, pending = await asyncio.wait(calls, timeout=5)
         assert not pending
         return [c.result() for c in calls]
@@ -474,6 +479,7 @@ def _run(inst: ProcessInstance, mode: int) -> dict[str, list]:
     )
     req.requested.add()
     resp = inst.execute_batch(req, None)
+    assert isinstance(resp, pb.ExecuteResponse)  # not decoupled: answered on return
     assert resp.code == 0, resp.message
     return {
         t.name: raw_to_numpy(t.raw, t.datatype, t.shape).tolist() for t in resp.results[0].outputs

@@ -126,7 +126,14 @@ def _batch(value: float, requests: int = 1) -> pb.ExecuteRequest:
     return req
 
 
-def _pid(resp: pb.ExecuteResponse) -> int:
+def _done(result: pb.ExecuteResponse | StillSending) -> pb.ExecuteResponse:
+    """A non-decoupled model's batch: answered when execute_batch returns."""
+    assert isinstance(result, pb.ExecuteResponse)
+    return result
+
+
+def _pid(resp: pb.ExecuteResponse | StillSending) -> int:
+    resp = _done(resp)
     t = resp.results[0].outputs[0]
     return int(raw_to_numpy(t.raw, t.datatype, t.shape)[0, 0])
 
@@ -134,16 +141,17 @@ def _pid(resp: pb.ExecuteResponse) -> int:
 def test_batches_run_in_the_stub_and_model_errors_stay_batch_errors(tmp_path: Path) -> None:
     inst = _instance(tmp_path, MODEL)
     try:
-        resp = inst.execute_batch(_batch(1.0, requests=3), None)
+        resp = _done(inst.execute_batch(_batch(1.0, requests=3), None))
         assert resp.code == 0 and len(resp.results) == 3
         pid = _pid(resp)
         assert pid != os.getpid() and alive(pid)
-        failed = inst.execute_batch(_batch(-2.0), None)
+        failed = _done(inst.execute_batch(_batch(-2.0), None))
         assert failed.code == 13
         assert failed.message == (
             "Failed to process the request(s) for model 'm_0_0', message: ValueError: model says no"
         )
-        bls = inst.execute_batch(_batch(-3.0), None)  # no BLS client: exec() raises, as in-process
+        # no BLS client: exec() raises, as in-process
+        bls = _done(inst.execute_batch(_batch(-3.0), None))
         assert bls.code == 13
         assert bls.message.endswith(
             "message: TritonModelException: BLS requests can only be executed inside a model"
@@ -161,7 +169,7 @@ def test_a_dead_stub_fails_its_batch_and_is_replaced(
     caplog.set_level(logging.ERROR)
     try:
         first = _pid(inst.execute_batch(_batch(1.0), None))
-        dead = inst.execute_batch(_batch(-1.0), None)
+        dead = _done(inst.execute_batch(_batch(-1.0), None))
         assert (dead.code, dead.message) == (13, "Stub process 'm_0_0' is not healthy.")
         second = _pid(inst.execute_batch(_batch(1.0), None))
         assert second != first and not alive(first)
@@ -169,7 +177,7 @@ def test_a_dead_stub_fails_its_batch_and_is_replaced(
         time.sleep(0.5)
         third = _pid(inst.execute_batch(_batch(1.0), None))
         assert third not in (first, second)
-        late = inst.execute_batch(_batch(-4.0), None)
+        late = _done(inst.execute_batch(_batch(-4.0), None))
         assert (late.code, late.message) == (13, "Stub process 'm_0_0' is not healthy.")
         assert _pid(inst.execute_batch(_batch(1.0), None)) != third
     finally:
@@ -178,7 +186,11 @@ def test_a_dead_stub_fails_its_batch_and_is_replaced(
     # socket closed before it exited (a dying process's files close before
     # it can be reaped; the -4 stub makes that window wide), not -9 from a
     # kill of ours in that window.
-    died = [r.status for r in caplog.records if r.getMessage() == "python stub died"]
+    died = [
+        r.status  # type: ignore[attr-defined]  # set by the log call's extra=
+        for r in caplog.records
+        if r.getMessage() == "python stub died"
+    ]
     assert died == [3, -9, 0]  # 0: the stub ends itself when its socket does
 
 
@@ -186,14 +198,14 @@ def test_a_stub_that_cannot_restart_fails_batches_until_it_can(tmp_path: Path) -
     inst = _instance(tmp_path, MODEL)
     try:
         (tmp_path / "refuse").write_text("")
-        dead = inst.execute_batch(_batch(-1.0), None)
+        dead = _done(inst.execute_batch(_batch(-1.0), None))
         assert dead.message == "Stub process 'm_0_0' is not healthy."
-        again = inst.execute_batch(_batch(1.0), None)
+        again = _done(inst.execute_batch(_batch(1.0), None))
         assert again.code == 13
         assert again.message.startswith("Stub process 'm_0_0' is not healthy: it could not")
         assert "RuntimeError: refused" in again.message
         (tmp_path / "refuse").unlink()
-        assert inst.execute_batch(_batch(1.0), None).code == 0
+        assert _done(inst.execute_batch(_batch(1.0), None)).code == 0
     finally:
         inst.close()
 
@@ -267,5 +279,7 @@ def test_bls_values_cross_the_process_boundary_unchanged() -> None:
     ]
     ok, err = responses_from_wire([response_to_wire(r) for r in responses])
     assert ok.output_tensors()[0].as_numpy().tolist() == [b"a\x00b", b"\xff\xfe"]
-    assert err.has_error() and err.error().code() == pb_utils.TritonError.NOT_FOUND
-    assert err.error().message() == "no"
+    error = err.error()
+    assert err.has_error() and error is not None
+    assert error.code() == pb_utils.TritonError.NOT_FOUND
+    assert error.message() == "no"

@@ -4,6 +4,7 @@ different-length requests through the worker's real ONNX Runtime instance."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -72,7 +73,8 @@ def test_example_config_parses_into_the_ragged_spec(tmp_path: Path) -> None:
     examples.write_ragged_sum(tmp_path)
     spec = to_spec(read_config(tmp_path / "ragged_sum"))
     assert spec.ragged_inputs == {"INPUT"}
-    assert spec.input("INPUT").allow_ragged_batch
+    ragged_input = spec.input("INPUT")
+    assert ragged_input is not None and ragged_input.allow_ragged_batch
     int32 = from_triton("INT32")
     assert spec.batch_inputs == (
         BatchInputSpec("BATCH_ITEM_SHAPE_FLATTEN", ("ITEM_LENGTHS",), int32, "INPUT"),
@@ -190,21 +192,27 @@ def _pending(tag: str, shapes: list[tuple[str, list[int]]], ragged: set[str], t:
     )
 
 
+def _taken(b: DynamicBatcher) -> list[object]:
+    """The payloads of the batch the batcher sends now; there must be one."""
+    batch = b.next_batch(0).batch
+    assert batch is not None
+    return [p.payload for p in batch]
+
+
 def test_dynamic_batcher_batches_different_lengths_of_a_ragged_input() -> None:
     b = DynamicBatcher(8)
     for i, length in enumerate([3, 1, 7, 2]):
         b.add(_pending(f"r{i}", [("X", [1, length])], {"X"}))
-    decision = b.next_batch(0)
-    assert [p.payload for p in decision.batch] == ["r0", "r1", "r2", "r3"]
+    assert _taken(b) == ["r0", "r1", "r2", "r3"]
 
 
 def test_dynamic_batcher_keeps_different_shapes_apart_without_ragged() -> None:
     b = DynamicBatcher(8)
     for i, length in enumerate([3, 3, 7, 3]):
         b.add(_pending(f"r{i}", [("X", [1, length])], set()))
-    assert [p.payload for p in b.next_batch(0).batch] == ["r0", "r1"]
-    assert [p.payload for p in b.next_batch(0).batch] == ["r2"]
-    assert [p.payload for p in b.next_batch(0).batch] == ["r3"]
+    assert _taken(b) == ["r0", "r1"]
+    assert _taken(b) == ["r2"]
+    assert _taken(b) == ["r3"]
 
 
 def test_dynamic_batcher_splits_ragged_requests_on_a_non_ragged_input() -> None:
@@ -212,16 +220,16 @@ def test_dynamic_batcher_splits_ragged_requests_on_a_non_ragged_input() -> None:
     shapes = [[3, 2], [5, 2], [1, 4], [2, 4]]  # (ragged X length, fixed-rank Y length)
     for i, (x, y) in enumerate(shapes):
         b.add(_pending(f"r{i}", [("X", [1, x]), ("Y", [1, y])], {"X"}))
-    assert [p.payload for p in b.next_batch(0).batch] == ["r0", "r1"]
-    assert [p.payload for p in b.next_batch(0).batch] == ["r2", "r3"]
+    assert _taken(b) == ["r0", "r1"]
+    assert _taken(b) == ["r2", "r3"]
 
 
 def test_ragged_batch_still_respects_max_batch_size() -> None:
     b = DynamicBatcher(4)
     for i, (bs, length) in enumerate([(2, 3), (1, 9), (2, 1)]):
         b.add(_pending(f"r{i}", [("X", [bs, length])], {"X"}))
-    assert [p.payload for p in b.next_batch(0).batch] == ["r0", "r1"]
-    assert [p.payload for p in b.next_batch(0).batch] == ["r2"]
+    assert _taken(b) == ["r0", "r1"]
+    assert _taken(b) == ["r2"]
 
 
 # =================================================== scheduler's ExecuteRequest
@@ -362,7 +370,7 @@ def test_scatter_cuts_consecutive_pieces() -> None:
 
 
 @pytest.fixture(scope="module")
-def ragged_instance(tmp_path_factory: pytest.TempPathFactory) -> HostedInstance:
+def ragged_instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostedInstance]:
     root = tmp_path_factory.mktemp("ragged")
     examples.write_ragged_sum(root)
     spec = to_spec(read_config(root / "ragged_sum"))
@@ -388,6 +396,7 @@ def _run_batch(inst: HostedInstance, arrays: list[np.ndarray], outputs=()) -> li
         batch.append(_queued(msg))
     request = build_execute_request("inst", batch, True, inst.spec.ragged_inputs)
     response = inst.execute(request)
+    assert isinstance(response, pb.ExecuteResponse)  # not decoupled: one response
     return [
         {t.name: raw_to_numpy(t.raw, t.datatype, t.shape) for t in r.outputs}
         for r in response.results

@@ -29,7 +29,7 @@ from stageserve.tensors import (
 try:
     import ml_dtypes
 except ImportError:  # pragma: no cover
-    ml_dtypes = None
+    ml_dtypes = None  # type: ignore[assignment]  # tests skip without it
 
 FIXED = [
     "BOOL",

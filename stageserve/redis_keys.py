@@ -13,7 +13,7 @@ Model state (written by the gateway, read by scheduler and worker):
                                     workers unload nothing while a gateway they
                                     saw has no mark (services/worker/publishers.py)
 
-Statistics shared by the gateways (services/gateway/shared_stats.py):
+Statistics shared by the gateways (stageserve/shared_stats.py):
   ss:stats:{model}:g{gen}:v{ver}  hash  gateway id -> serialized ModelStatistics
 
 Rate limiter registry and grants (ratelimiter only; see redis_scripts.py):

@@ -25,17 +25,17 @@ from services.gateway.python_models import (
     python_request_fields,
     stream_partials,
 )
-from services.gateway.recorder import RequestRecorder
-from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.shared_memory import Region, SystemSharedMemory
-from services.gateway.shared_stats import SharedStats
-from services.gateway.statistics import StatsBook, requested_versions
-from services.gateway.validation import SharedRef, validate_infer
 from stageserve import __version__
 from stageserve.errors import StageError, code_from_int, invalid, unavailable
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve.recorder import RequestRecorder
+from stageserve.scheduler_link import SchedulerLink
+from stageserve.shared_stats import SharedStats
+from stageserve.statistics import StatsBook, requested_versions
 from stageserve.telemetry import GATEWAY_INFLIGHT
+from stageserve.validation import SharedRef, validate_infer
 
 log = logging.getLogger(__name__)
 

@@ -15,19 +15,19 @@ from services.gateway.http.server import HttpServer, http_server
 from services.gateway.models import ModelManager
 from services.gateway.poller import RepositoryPoller
 from services.gateway.republish import Republisher
-from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.security import RestrictedProtocols, server_credentials
 from services.gateway.service import InferenceService
-from services.gateway.shared_stats import SharedStats
 from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
 from stageserve.net import SERVER_OPTIONS, stage_channel
 from stageserve.redis_connect import connect
+from stageserve.scheduler_link import SchedulerLink
 from stageserve.security_options import Restriction, TlsOptions
 from stageserve.service_runtime import run_server
 from stageserve.settings import GATEWAY
+from stageserve.shared_stats import SharedStats
 from stageserve.telemetry import serve_metrics
 
 log = logging.getLogger(__name__)

@@ -40,14 +40,15 @@ from typing import cast
 import numpy as np
 import redis.asyncio as aioredis
 
-# The gateway's statistics bookkeeping (pure) and key lifetime: warmup figures
-# join the gateways' shares in the same Redis hash, so they are kept alike.
-from services.gateway.shared_stats import KEEP_MS
-from services.gateway.statistics import ModelVersionStats
 from services.worker.instances import HostedInstance
 from stageserve import redis_keys as keys
 from stageserve.config import ModelSpec, WarmupInput, WarmupSpec
 from stageserve.generated import stageserve_pb2 as pb
+
+# Statistics bookkeeping (pure) and key lifetime shared with the gateways:
+# warmup figures join the gateways' shares in the same Redis hash, so they are kept alike.
+from stageserve.shared_stats import KEEP_MS
+from stageserve.statistics import ModelVersionStats
 from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
 
 log = logging.getLogger(__name__)
@@ -172,7 +173,7 @@ async def warm_up(
     """Run the warmup samples on the instance's own thread (where its backend
     keeps per-thread settings such as torch's thread count), then add their
     statistics to the model load's shared ModelStatistics, which every
-    gateway sums (services/gateway/shared_stats.py), before the instance
+    gateway sums (stageserve/shared_stats.py), before the instance
     registers: the first ModelStatistics after READY includes them."""
     if not requests:
         return

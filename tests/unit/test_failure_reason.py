@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import grpc
 
-from services.gateway.recorder import RequestRecorder, failure_reason
-from services.gateway.statistics import StatsBook
 from services.scheduler.execute_request import error_response
 from stageserve.errors import StageError, queue_full, unavailable
+from stageserve.recorder import RequestRecorder, failure_reason
+from stageserve.statistics import StatsBook
 from stageserve.telemetry import TritonMetrics, model_labels
 
 

@@ -12,9 +12,9 @@ from prometheus_client import REGISTRY, CollectorRegistry, Histogram, generate_l
 
 from services.gateway.dataplane import DataPlane
 from services.gateway.models import ModelEntry, ModelManager
-from services.gateway.recorder import RequestRecorder
-from services.gateway.statistics import StatsBook
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve.recorder import RequestRecorder
+from stageserve.statistics import StatsBook
 from stageserve.telemetry import LATENCY_BUCKETS, LoopHistogram, TritonMetrics, model_labels
 
 _names = itertools.count()

@@ -1,12 +1,12 @@
-"""services/gateway/statistics.py: Triton's ModelStatistics bookkeeping."""
+"""stageserve/statistics.py: Triton's ModelStatistics bookkeeping."""
 
 from __future__ import annotations
 
 import time
 
-from services.gateway.statistics import Duration, ModelVersionStats, StatsBook, merge
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve.statistics import Duration, ModelVersionStats, StatsBook, merge
 
 
 def timing(batch_size, leader, queue=10, cin=20, cinfer=30, cout=40):

@@ -1,4 +1,4 @@
-"""services/gateway/validation.py: every refusal and every accepted request shape.
+"""stageserve/validation.py: every refusal and every accepted request shape.
 
 Our generated modules live in a private descriptor pool; tritonclient is not
 imported here on purpose.
@@ -12,10 +12,10 @@ import grpc
 import numpy as np
 import pytest
 
-from services.gateway.validation import CONTENTS_FIELD, ValidatedRequest, validate_infer
 from stageserve.config import parse_config_text, to_spec
 from stageserve.errors import StageError
 from stageserve.generated import grpc_service_pb2 as gs
+from stageserve.validation import CONTENTS_FIELD, ValidatedRequest, validate_infer
 
 MODEL = "vmodel"
 

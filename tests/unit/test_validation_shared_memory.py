@@ -1,4 +1,4 @@
-"""services/gateway/validation.py with inputs and outputs in shared memory:
+"""stageserve/validation.py with inputs and outputs in shared memory:
 parameter parsing, raw_input_contents alignment, Triton's refusals."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import grpc
 import numpy as np
 import pytest
 
-from services.gateway.validation import SharedRef, validate_infer
 from stageserve.config import parse_config_text, to_spec
 from stageserve.errors import StageError
 from stageserve.generated import grpc_service_pb2 as gs
+from stageserve.validation import SharedRef, validate_infer
 
 SPEC = to_spec(
     parse_config_text(

@@ -31,11 +31,6 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from services.gateway.recorder import RequestRecorder
-from services.gateway.scheduler_link import SchedulerLink
-from services.gateway.shared_stats import SharedStats
-from services.gateway.statistics import StatsBook
-from services.gateway.validation import validate_infer
 from services.worker.python_backend.bls_wire import ResponseFeed, ResponseIterator
 from stageserve import pb_utils
 from stageserve.datatypes import from_numpy
@@ -43,8 +38,13 @@ from stageserve.errors import StageError, code_from_int
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.model_state import LoadedModel, ModelStateStore
+from stageserve.recorder import RequestRecorder
+from stageserve.scheduler_link import SchedulerLink
 from stageserve.settings import WORKER
+from stageserve.shared_stats import SharedStats
+from stageserve.statistics import StatsBook
 from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
+from stageserve.validation import validate_infer
 
 # grpc.StatusCode value -> pb_utils.TritonError code (the inverse of Triton's mapping).
 _TRITON_CODES = {

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import grpc
 
-from services.gateway.statistics import StatsBook
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve.statistics import StatsBook
 from stageserve.telemetry import (
     REQUEST_DURATION,
     TRITON,

@@ -19,10 +19,10 @@ import uuid
 
 import redis.asyncio as aioredis
 
-from services.gateway.statistics import StatsBook, merge
 from stageserve import redis_keys as keys
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.settings import GATEWAY
+from stageserve.statistics import StatsBook, merge
 
 log = logging.getLogger(__name__)
 

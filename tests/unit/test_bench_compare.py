@@ -535,8 +535,8 @@ def test_numpy_model_runs_its_forward_pass_in_numpy_with_the_onnx_twins_weights(
     plus weights.npz, ONNX servers the same network as ONNX; all answer alike."""
     import onnxruntime as ort
 
+    from services.worker.python_backend import pb_utils
     from services.worker.python_backend.loader import import_model_file
-    from stageserve import pb_utils
 
     (model,) = references.bench_models(["numpy"])
     assert model.inputs == (("INPUT0", "FP32", (references.NUMPY_SIZES[0],)),)

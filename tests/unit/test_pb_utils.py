@@ -1,4 +1,4 @@
-"""stageserve.pb_utils: the triton_python_backend_utils surface a model.py uses."""
+"""python_backend/pb_utils.py: the triton_python_backend_utils surface a model.py uses."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from stageserve import pb_utils
+from services.worker.python_backend import pb_utils
 
 
 def test_bytes_serialization_round_trip_is_exact() -> None:

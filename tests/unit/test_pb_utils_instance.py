@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from services.worker.python_backend import pb_utils
 from services.worker.python_backend.instance import (
     PythonInstance,
     PythonModelError,
     StillSending,
     config_json,
 )
-from stageserve import pb_utils
 from stageserve.config import parse_config_text, to_spec
 from stageserve.examples import python_config_text
 from stageserve.generated import stageserve_pb2 as pb

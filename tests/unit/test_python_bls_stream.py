@@ -17,12 +17,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from services.worker.python_backend import pb_utils
 from services.worker.python_backend.bls import BlsClient
 from services.worker.python_backend.bls_wire import ResponseFeed, ResponseIterator
 from services.worker.python_backend.process_instance import ProcessInstance
 from services.worker.python_backend.stub import _BlsProxy
 from services.worker.python_backend.stub_wire import StubSocket
-from stageserve import pb_utils
 from stageserve.config import parse_config_text, to_spec
 from stageserve.examples import python_config_text
 from stageserve.generated import stageserve_pb2 as pb

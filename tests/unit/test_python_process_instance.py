@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from services.worker.python_backend import pb_utils
 from services.worker.python_backend.bls_wire import (
     request_from_wire,
     request_to_wire,
@@ -23,7 +24,6 @@ from services.worker.python_backend.process_instance import (
     ProcessInstance,
     runs_in_process,
 )
-from stageserve import pb_utils
 from stageserve.config import parse_config_text, to_spec
 from stageserve.examples import python_config_text
 from stageserve.generated import stageserve_pb2 as pb

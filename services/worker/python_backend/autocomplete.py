@@ -153,8 +153,8 @@ def _run_child(name: str, job: dict) -> dict:
 
 def _complete_in_this_process(job: dict) -> dict:
     """The child's work: the answer as {"config": ...} or {"error": ...}."""
+    from services.worker.python_backend import pb_utils
     from services.worker.python_backend.loader import ModelImportError, import_model_file
-    from stageserve import pb_utils
 
     name = job["config"].get("name", "")
     try:

@@ -31,8 +31,8 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+from services.worker.python_backend import pb_utils
 from services.worker.python_backend.bls_wire import ResponseFeed, ResponseIterator
-from stageserve import pb_utils
 from stageserve.datatypes import from_numpy
 from stageserve.errors import StageError, code_from_int
 from stageserve.generated import grpc_service_pb2 as gs

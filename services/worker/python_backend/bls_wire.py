@@ -21,7 +21,7 @@ import contextlib
 import queue
 from typing import Any
 
-from stageserve import pb_utils
+from services.worker.python_backend import pb_utils
 
 Wire = dict[str, Any]
 _END = object()

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from services.worker.python_backend import pb_utils
 from services.worker.python_backend.loader import ModelImportError, import_model_file
-from stageserve import pb_utils
 from stageserve.config import ModelSpec
 from stageserve.datatypes import from_numpy
 from stageserve.generated import stageserve_pb2 as pb

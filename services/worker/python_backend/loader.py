@@ -1,7 +1,7 @@
 """Import a Triton model.py, once per instance, with pb_utils importable.
 
 `triton_python_backend_utils` is registered in sys.modules as StageServe's
-stageserve/pb_utils.py rather than shipped as a top-level module: a real
+pb_utils.py (beside this file) rather than shipped as a top-level module: a real
 Triton install in the same environment keeps its own file, and a model.py
 imported here always gets ours. Each instance imports its own copy of the
 model.py module, as each Triton instance has its own stub process: module
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from stageserve import pb_utils
+from services.worker.python_backend import pb_utils
 
 PB_UTILS_NAME = "triton_python_backend_utils"
 _serial = itertools.count(1)

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.worker.python_backend import pb_utils
 from services.worker.python_backend.bls_wire import (
     request_from_wire,
     response_to_wire,
@@ -54,7 +55,6 @@ from services.worker.python_backend.instance import (
 )
 from services.worker.python_backend.stub import InitArgs
 from services.worker.python_backend.stub_wire import StubSocket
-from stageserve import pb_utils
 from stageserve.config import ModelSpec
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.settings import WORKER

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from services.worker.blas_threads import limit_blas_threads
+from services.worker.python_backend import pb_utils
 from services.worker.python_backend.bls_wire import (
     ResponseFeed,
     ResponseIterator,
@@ -57,7 +58,6 @@ from services.worker.python_backend.instance import (
 )
 from services.worker.python_backend.loader import register_pb_utils
 from services.worker.python_backend.stub_wire import StubSocket
-from stageserve import pb_utils
 from stageserve.config import ModelSpec
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.logs import setup_logging

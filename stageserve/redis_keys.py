@@ -16,7 +16,7 @@ Model state (written by the gateway, read by scheduler and worker):
 Statistics shared by the gateways (stageserve/shared_stats.py):
   ss:stats:{model}:g{gen}:v{ver}  hash  gateway id -> serialized ModelStatistics
 
-Rate limiter registry and grants (ratelimiter only; see redis_scripts.py):
+Rate limiter registry and grants (ratelimiter only; see services/ratelimiter/lua.py):
   ss:rl:workers               set   worker ids
   ss:rl:worker:{wid}          str   worker address; PX lease = liveness
   ss:rl:worker:{wid}:insts    set   instance ids of that worker

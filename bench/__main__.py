@@ -24,8 +24,8 @@ import psutil
 
 from bench.perf_analyzer import PerfResult, find_perf_analyzer, run_perf
 from bench.profile import Recorder, format_profile
-from stageserve.examples import build_example_repository
 from stageserve.launcher import Stack, start_services
+from stageserve_tools.examples import build_example_repository
 
 STAGES = ("gateway", "scheduler", "ratelimiter", "worker", "redis")
 

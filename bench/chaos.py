@@ -38,8 +38,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from bench.chaos_audit import Audit, audit_redis
-from stageserve.examples import build_example_repository
 from stageserve.launcher import Stack, start_services
+from stageserve_tools.examples import build_example_repository
 
 STAGES = ("worker-0", "scheduler", "ratelimiter", "gateway", "redis")
 HUNG_S = 10.0  # a call with no answer by then is hung (the client's deadline)

@@ -18,7 +18,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from stageserve.datatypes import from_triton
-from stageserve.examples import _value_info, config_text, make_model, write_model
+from stageserve_tools.examples import _value_info, config_text, make_model, write_model
 
 CLASSES = 10
 SEED = 7

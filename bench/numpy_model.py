@@ -2,7 +2,7 @@
 
 Not imported by StageServe: :mod:`bench.references` copies this file as
 ``<repository>/numpy/1/model.py`` next to ``weights.npz`` (the layers of
-:func:`stageserve.examples.mlp_weights` at :data:`bench.references.NUMPY_SIZES`)
+:func:`stageserve_tools.examples.mlp_weights` at :data:`bench.references.NUMPY_SIZES`)
 for the servers that run Python-backend models: real Triton (in its stub
 process) and StageServe (in the worker process). ONNX servers get the same
 network as ONNX (``model.onnx``), so every server answers the same numbers.

@@ -33,9 +33,9 @@ import numpy as np
 from services.worker.python_backend.instance import PythonInstance
 from services.worker.python_backend.process_instance import ProcessInstance
 from stageserve.config import parse_config_text, to_spec
-from stageserve.examples import python_config_text
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.tensors import numpy_to_raw
+from stageserve_tools.examples import python_config_text
 
 SOURCES = {
     "numpy": """\

@@ -25,8 +25,8 @@ import psutil
 import tritonclient.grpc as grpcclient
 
 from bench.perf_analyzer import PerfAnalyzerUnstable, run_perf
-from stageserve.examples import write_simple
 from stageserve.launcher import Stack, start_services
+from stageserve_tools.examples import write_simple
 
 RESOURCE_BLOCK = """
 instance_group [

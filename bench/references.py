@@ -1,12 +1,12 @@
 """The reference servers StageServe is measured against, started and stopped by code.
 
 Three servers, one at a time, each serving the SAME models (same ONNX bytes,
-same weights), built by :mod:`stageserve.examples` and :mod:`bench.cnn`:
+same weights), built by :mod:`stageserve_tools.examples` and :mod:`bench.cnn`:
 
 ``identity``
     FP32 ``INPUT0`` -> ``OUTPUT0``, dims ``[16]``.
 ``mlp``
-    256 -> 1024 -> 1024 -> 10 classifier (:func:`stageserve.examples.mlp_model`).
+    256 -> 1024 -> 1024 -> 10 classifier (:func:`stageserve_tools.examples.mlp_model`).
 ``cnn``
     the ResNet-style CNN of :func:`bench.cnn.cnn_model` (width 32), FP32
     ``INPUT`` ``[3, 32, 32]`` -> ``OUTPUT`` ``[10]``: a compute-bound model
@@ -30,7 +30,7 @@ no spin-waiting).
   instead puts :func:`serve_proxy` (a byte-for-byte gRPC forwarder that
   answers ``ModelConfig`` itself) in front of an unmodified MLServer.
 * **stageserve** -- :func:`stageserve.launcher.start_services` on a
-  repository written with :mod:`stageserve.examples`.
+  repository written with :mod:`stageserve_tools.examples`.
 
 ``python -m bench.references SERVER`` starts one server on free ports, runs the
 consistency check and waits (Ctrl-C stops it) -- handy for poking at it with
@@ -67,7 +67,8 @@ from bench.blas_coretype import reference_coretype
 from bench.cnn import CLASSES as CNN_CLASSES
 from bench.cnn import cnn_model, reference_forward
 from stageserve.config import parse_config_text
-from stageserve.examples import (
+from stageserve.net import free_port
+from stageserve_tools.examples import (
     config_text,
     identity_model,
     mlp_model,
@@ -75,7 +76,6 @@ from stageserve.examples import (
     mlp_weights,
     write_model,
 )
-from stageserve.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = Path(__file__).resolve().parent

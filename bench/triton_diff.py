@@ -45,7 +45,7 @@ from bench.references import (
     triton_config_text,
     wait_ready,
 )
-from stageserve.examples import write_model
+from stageserve_tools.examples import write_model
 
 RPC_TIMEOUT_S = 30.0
 SETTLE_S = 10.0

@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "exec":  # PDEATHSIG survives exec: redis-server dies with us too
         os.execv(args.argv[0], args.argv)
     if args.command == "make-examples":
-        from stageserve.examples import build_example_repository
+        from stageserve_tools.examples import build_example_repository
 
         names = build_example_repository(args.directory)
         print(f"wrote {len(names)} models to {args.directory}")
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
 
         repository = args.model_repository
         if repository is None:
-            from stageserve.examples import build_example_repository
+            from stageserve_tools.examples import build_example_repository
 
             repository = DEFAULT_EXAMPLE_REPOSITORY.resolve()
             build_example_repository(repository)

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from stageserve.examples import build_example_repository
 from stageserve.launcher import Stack
+from stageserve_tools.examples import build_example_repository
 from tests.stack import RunningStack, running_stack
 
 

@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from stageserve.autocomplete_options import AutoComplete
-from stageserve.examples import identity_model
+from stageserve_tools.examples import identity_model
 from tests.integration.helpers import RPC_TIMEOUT_S, stack_retrying
 
 

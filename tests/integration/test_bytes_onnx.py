@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from stageserve.examples import config_text, write_identity, write_model
+from stageserve_tools.examples import config_text, write_identity, write_model
 from tests.integration.helpers import RPC_TIMEOUT_S, stack_retrying, tensor_input
 from tests.stack import RunningStack
 from tests.unit.test_onnx_strings import ODD, concat_constant_model

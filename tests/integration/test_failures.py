@@ -17,7 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from stageserve.examples import write_mlp, write_simple
+from stageserve_tools.examples import write_mlp, write_simple
 from tests.integration.helpers import (
     RPC_TIMEOUT_S,
     infer_simple,

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from stageserve.examples import mlp_reference, mlp_weights, write_mlp
 from stageserve.gpus import gpu_count
 from stageserve.launcher import Stack, start_services
-from stageserve.torch_examples import write_torch_mlp
+from stageserve_tools.examples import mlp_reference, mlp_weights, write_mlp
+from stageserve_tools.torch_examples import write_torch_mlp
 from tests.integration.helpers import RPC_TIMEOUT_S, tensor_input
 
 pytestmark = pytest.mark.gpu

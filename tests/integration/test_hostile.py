@@ -21,7 +21,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from stageserve.examples import write_simple
+from stageserve_tools.examples import write_simple
 from tests.integration.helpers import infer_simple, simple_inputs, stack_retrying
 from tests.stack import RunningStack
 

@@ -147,7 +147,7 @@ def test_mlp_classifier_probabilities(stack: RunningStack) -> None:
     probs = stack.client().infer("mlp", [inp]).as_numpy("OUTPUT0")
     assert probs.shape == (4, 10)
     np.testing.assert_allclose(probs.sum(axis=1), np.ones(4), rtol=1e-5)
-    from stageserve.examples import mlp_reference, mlp_weights
+    from stageserve_tools.examples import mlp_reference, mlp_weights
 
     np.testing.assert_allclose(probs, mlp_reference(x, mlp_weights()), rtol=1e-4, atol=1e-6)
 

@@ -14,9 +14,9 @@ import tritonclient.grpc as grpcclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from stageserve.examples import write_simple
 from stageserve.launcher import Stack, start_services
 from stageserve.net import free_port
+from stageserve_tools.examples import write_simple
 
 
 class MetricsStack:

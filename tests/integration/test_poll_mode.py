@@ -20,7 +20,7 @@ from tritonclient.utils import InferenceServerException
 
 from services.gateway.poller import diff, snapshot
 from stageserve import redis_keys as keys
-from stageserve.examples import write_simple
+from stageserve_tools.examples import write_simple
 from tests.integration.helpers import (
     client,
     infer_simple,

@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from stageserve.examples import write_simple
+from stageserve_tools.examples import write_simple
 from tests.integration.helpers import infer_simple, stack_retrying
 from tests.stack import RunningStack
 

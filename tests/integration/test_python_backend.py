@@ -16,7 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from stageserve.examples import (
+from stageserve_tools.examples import (
     TensorSpec,
     mlp_reference,
     mlp_weights,

@@ -21,7 +21,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from bench.references import wait_ready
-from stageserve.examples import python_config_text, write_python_model
+from stageserve_tools.examples import python_config_text, write_python_model
 from tests.integration.helpers import triton_grpc
 from tests.stack import running_stack
 

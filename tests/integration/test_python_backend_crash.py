@@ -9,7 +9,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from stageserve.examples import python_config_text, write_python_model
+from stageserve_tools.examples import python_config_text, write_python_model
 from tests.stack import running_stack, wait_until
 
 CRASHER = """\

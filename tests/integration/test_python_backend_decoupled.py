@@ -13,7 +13,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from stageserve.examples import (
+from stageserve_tools.examples import (
     ensemble_config,
     python_config_text,
     write_py_stream,

@@ -25,7 +25,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from bench.references import wait_ready
-from stageserve.examples import python_config_text, write_python_model
+from stageserve_tools.examples import python_config_text, write_python_model
 from tests.integration.helpers import registered_instances, triton_grpc, worker_id
 from tests.stack import running_stack, wait_until
 

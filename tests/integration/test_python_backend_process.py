@@ -22,7 +22,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from stageserve.examples import python_config_text, write_python_model
+from stageserve_tools.examples import python_config_text, write_python_model
 from tests.integration.helpers import triton_grpc
 from tests.procs import alive, parent_pid
 from tests.stack import RunningStack, running_stack, wait_until

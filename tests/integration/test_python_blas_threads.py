@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from stageserve.examples import python_config_text, write_python_model
+from stageserve_tools.examples import python_config_text, write_python_model
 from tests.stack import running_stack
 
 # THREADS: what numpy's BLAS pools report inside execute (the largest, if several).

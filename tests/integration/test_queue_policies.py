@@ -29,8 +29,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from stageserve.examples import write_identity
 from stageserve.net import free_port
+from stageserve_tools.examples import write_identity
 from tests.integration.helpers import (
     RPC_TIMEOUT_S,
     expect_error,

@@ -20,7 +20,12 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from stageserve.examples import ragged_sum_config, ragged_sum_model, write_model, write_ragged_sum
+from stageserve_tools.examples import (
+    ragged_sum_config,
+    ragged_sum_model,
+    write_model,
+    write_ragged_sum,
+)
 from tests.integration.helpers import (
     RPC_TIMEOUT_S,
     expect_error,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from stageserve.examples import write_simple
+from stageserve_tools.examples import write_simple
 from tests.integration.helpers import (
     client,
     infer_simple,

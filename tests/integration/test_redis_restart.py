@@ -23,8 +23,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from stageserve import redis_keys as keys
-from stageserve.examples import write_accumulator, write_simple
 from stageserve.launcher import redis_answers
+from stageserve_tools.examples import write_accumulator, write_simple
 from tests.integration.helpers import (
     infer_simple,
     model_stats,

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stageserve.examples import config_text, write_model
+from stageserve_tools.examples import config_text, write_model
 from tests.integration.helpers import (
     RPC_TIMEOUT_S,
     registered_instances,

@@ -26,7 +26,8 @@ from onnx import TensorProto, helper, numpy_helper
 from tritonclient.utils import InferenceServerException
 
 from stageserve import redis_keys as keys
-from stageserve.examples import (
+from stageserve.generated import model_config_pb2 as mc
+from stageserve_tools.examples import (
     config_text,
     make_model,
     write_identity,
@@ -34,7 +35,6 @@ from stageserve.examples import (
     write_model,
     write_simple,
 )
-from stageserve.generated import model_config_pb2 as mc
 from tests.integration.helpers import (
     RPC_TIMEOUT_S,
     expect_error,

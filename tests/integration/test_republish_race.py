@@ -24,8 +24,8 @@ import pytest
 import redis
 
 from stageserve import redis_keys as keys
-from stageserve.examples import write_simple
 from stageserve.settings import WORKER
+from stageserve_tools.examples import write_simple
 from tests.integration.helpers import infer_simple, registered_instances, two_paths
 from tests.stack import wait_until
 

@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from stageserve.examples import ALL_DATATYPES
+from stageserve_tools.examples import ALL_DATATYPES
 from tests.integration.helpers import (
     RPC_TIMEOUT_S,
     expect_error,

@@ -15,8 +15,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from stageserve.examples import write_simple
 from stageserve.launcher import Stack, start_services
+from stageserve_tools.examples import write_simple
 from tests.integration.helpers import infer_simple, make_certs
 
 TIMEOUT_S = 10.0

@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from services.scheduler.sequence_store import OWNER_TTL_MS
-from stageserve.examples import write_accumulator, write_history
+from stageserve_tools.examples import write_accumulator, write_history
 from tests.integration.helpers import two_paths
 from tests.integration.test_sequences import send
 from tests.stack import RunningStack, running_stack, wait_until

@@ -16,8 +16,8 @@ import redis
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from stageserve.examples import write_accumulator
 from stageserve.generated import grpc_service_pb2 as gs
+from stageserve_tools.examples import write_accumulator
 from tests.integration.helpers import two_paths
 from tests.stack import RunningStack, running_stack, wait_until
 
@@ -220,7 +220,7 @@ def test_initial_state_from_data_file(tmp_path: Path) -> None:
     import onnx
     from onnx import helper
 
-    from stageserve.examples import make_model, write_model
+    from stageserve_tools.examples import make_model, write_model
 
     i32 = onnx.TensorProto.INT32
     vi = [helper.make_tensor_value_info(n, i32, ["batch", 1]) for n in ("INPUT", "STATE_IN")]

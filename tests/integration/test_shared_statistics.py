@@ -10,7 +10,7 @@ import redis
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from stageserve.examples import write_simple
+from stageserve_tools.examples import write_simple
 from tests.integration.helpers import infer_simple, two_paths
 from tests.stack import wait_until
 

@@ -17,9 +17,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stageserve.examples import write_simple
 from stageserve.launcher import Stack, StackServices, start_services
 from stageserve.stage_tls import ENV_CA, ENV_CERT, ENV_KEY
+from stageserve_tools.examples import write_simple
 from tests.integration.helpers import infer_simple, make_certs
 
 TIMEOUT_S = 10.0

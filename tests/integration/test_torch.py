@@ -15,7 +15,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 
-from stageserve.torch_examples import write_torch_mlp, write_torch_two_io
+from stageserve_tools.torch_examples import write_torch_mlp, write_torch_two_io
 from tests.integration.helpers import RPC_TIMEOUT_S, stack_retrying, tensor_input
 from tests.stack import RunningStack
 

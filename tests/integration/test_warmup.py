@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from stageserve.examples import (
+from stageserve_tools.examples import (
     TensorSpec,
     config_text,
     python_config_text,

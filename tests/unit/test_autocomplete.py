@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from stageserve.autocomplete_options import AutoComplete
-from stageserve.examples import identity_model, mlp_model
 from stageserve.generated import model_config_pb2 as mc
 from stageserve.repository import read_model
+from stageserve_tools.examples import identity_model, mlp_model
 
 
 def _repo(root: Path, name: str, model, config: str | None = None) -> Path:

@@ -17,9 +17,9 @@ from bench import compare, mlserver_boot, references
 from bench.cnn import cnn_model
 from bench.compare import Measurement, Point
 from stageserve.config import parse_config_text, to_spec
-from stageserve.examples import identity_model, mlp_model
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import model_config_pb2 as mc
+from stageserve_tools.examples import identity_model, mlp_model
 
 # --------------------------------------------------------------------------- results
 

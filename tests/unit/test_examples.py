@@ -11,10 +11,10 @@ import onnx
 import pytest
 
 from services.worker.onnx_backend import BackendError, OnnxInstance
-from stageserve import examples
 from stageserve.config import parse_config_text, to_spec
 from stageserve.datatypes import from_triton
 from stageserve.tensors import numpy_to_raw, raw_to_numpy
+from stageserve_tools import examples
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ EXPECTED_MODELS = {
     *(f"identity_{d.lower()}" for d in examples.ALL_DATATYPES),
     *PYTHON_MODELS,
     "ensemble_py_mlp",
-    "torch_mlp",  # TorchScript (stageserve.torch_examples; torch is a test dependency)
+    "torch_mlp",  # TorchScript (stageserve_tools.torch_examples; torch is a test dependency)
     "torch_two_io",
 }
 # Ensembles have a config and an empty version folder, no model file.
@@ -110,7 +110,7 @@ def test_write_model_versions(tmp_path: Path) -> None:
 def test_main_cli(tmp_path: Path) -> None:
     out = tmp_path / "cli_repo"
     proc = subprocess.run(
-        [sys.executable, "-m", "stageserve.examples", str(out)],
+        [sys.executable, "-m", "stageserve_tools.examples", str(out)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

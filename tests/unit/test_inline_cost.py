@@ -17,9 +17,9 @@ import pytest
 from services.worker.inline_policy import INLINE_LIMIT_NS
 from services.worker.instances import HostedInstance, Placement
 from services.worker.onnx_backend import OnnxInstance
-from stageserve import examples
 from stageserve.config import read_config, to_spec
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve_tools import examples
 
 
 def _simple(root: Path, extra: str = "") -> HostedInstance:
@@ -120,7 +120,7 @@ def test_a_torchscript_instance_stays_on_its_own_thread(tmp_path: Path) -> None:
     """torch's thread settings are per thread: however fast, never inline."""
     pytest.importorskip("torch")
     from services.worker.backends import create_backend
-    from stageserve.torch_examples import write_torch_two_io
+    from stageserve_tools.torch_examples import write_torch_two_io
 
     write_torch_two_io(tmp_path)
     spec = to_spec(read_config(tmp_path / "torch_two_io"))

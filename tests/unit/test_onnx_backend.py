@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from services.worker.onnx_backend import BackendError, OnnxInstance, parse_device
-from stageserve import examples
+from stageserve_tools import examples
 
 I32 = {"INPUT0": "INT32", "INPUT1": "INT32"}
 O32 = {"OUTPUT0": "INT32", "OUTPUT1": "INT32"}

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from services.worker.onnx_backend import InvalidInputError, OnnxInstance
 from services.worker.onnx_strings import bytes_transparent
-from stageserve.examples import identity_model, make_model
+from stageserve_tools.examples import identity_model, make_model
 
 STR = TensorProto.STRING
 ODD = [b"", b"a\x00b", b"\xff\xfe", b"\x80", "é".encode(), b"\x00"]

@@ -11,8 +11,8 @@ import pytest
 
 from services.gateway.overrides import OverrideArea
 from stageserve.errors import StageError
-from stageserve.examples import write_simple
 from stageserve.generated import grpc_service_pb2 as gs
+from stageserve_tools.examples import write_simple
 
 
 def params(config: str | None = None, **files: bytes) -> dict[str, gs.ModelRepositoryParameter]:

@@ -20,9 +20,9 @@ from services.worker.python_backend.instance import (
     config_json,
 )
 from stageserve.config import parse_config_text, to_spec
-from stageserve.examples import python_config_text
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.tensors import numpy_to_raw, raw_to_numpy
+from stageserve_tools.examples import python_config_text
 
 SOURCE = """\
 import numpy as np

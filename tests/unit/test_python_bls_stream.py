@@ -24,9 +24,9 @@ from services.worker.python_backend.process_instance import ProcessInstance
 from services.worker.python_backend.stub import _BlsProxy
 from services.worker.python_backend.stub_wire import StubSocket
 from stageserve.config import parse_config_text, to_spec
-from stageserve.examples import python_config_text
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.tensors import numpy_to_raw, raw_to_numpy
+from stageserve_tools.examples import python_config_text
 
 GAP_S = 0.3
 

@@ -25,9 +25,9 @@ from services.worker.python_backend.process_instance import (
     runs_in_process,
 )
 from stageserve.config import parse_config_text, to_spec
-from stageserve.examples import python_config_text
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.tensors import numpy_to_raw, raw_to_numpy
+from stageserve_tools.examples import python_config_text
 from tests.procs import alive
 
 MODEL = """\

@@ -23,7 +23,6 @@ from services.worker.batch_io import (
 )
 from services.worker.instances import HostedInstance, Placement
 from services.worker.onnx_backend import OnnxInstance
-from stageserve import examples
 from stageserve.config import (
     BATCH_INPUT_KINDS,
     BatchInputSpec,
@@ -37,6 +36,7 @@ from stageserve.config import (
 from stageserve.datatypes import from_triton
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.tensors import numpy_to_raw, raw_to_numpy
+from stageserve_tools import examples
 
 # ===================================================================== config
 

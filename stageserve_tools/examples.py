@@ -4,9 +4,9 @@ Every model is an ONNX graph made with ``onnx.helper`` plus a Triton
 ``config.pbtxt``, written as ``<root>/<model>/config.pbtxt`` and
 ``<root>/<model>/<version>/model.onnx``, or a Triton Python-backend
 ``<version>/model.py``; where torch is installed, the TorchScript models of
-``stageserve.torch_examples`` join them. Nothing is downloaded.
+``stageserve_tools.torch_examples`` join them. Nothing is downloaded.
 
-    python -m stageserve.examples OUTDIR
+    python -m stageserve_tools.examples OUTDIR
 
 The graphs use ONNX opset ``OPSET`` with IR version ``IR_VERSION``: old enough
 for the ONNX Runtime releases that Triton images ship, new enough for
@@ -892,7 +892,7 @@ def build_example_repository(root: Path) -> list[str]:
     names += ["py_preprocess", "ensemble_py_mlp", "py_bls", "py_stream"]
 
     if importlib.util.find_spec("torch") is not None:  # the torch extra is installed
-        from stageserve.torch_examples import build_torch_examples
+        from stageserve_tools.torch_examples import build_torch_examples
 
         names += build_torch_examples(root)
     return names
@@ -900,7 +900,7 @@ def build_example_repository(root: Path) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m stageserve.examples",
+        prog="python -m stageserve_tools.examples",
         description="Write StageServe's example Triton model repository.",
     )
     parser.add_argument("outdir", type=Path, help="repository root to create / overwrite")

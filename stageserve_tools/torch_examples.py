@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from stageserve.examples import MLP_SEED, mlp_weights
+from stageserve_tools.examples import MLP_SEED, mlp_weights
 
 TWO_IO_SEED = 20240611
 

@@ -22,6 +22,7 @@ from stageserve.config import (
 )
 from stageserve.generated import model_config_pb2 as mc
 from stageserve.names import model_name_problem
+from stageserve.python_autocomplete import complete_python
 
 
 @dataclass
@@ -102,8 +103,6 @@ def _complete(config: mc.ModelConfig, path: Path, autocomplete: AutoComplete) ->
     model_file = model_file_for(config, path, version_folders(path))
     complete_platform(config, model_file)
     if config.backend == PYTHON_BACKEND and not config.platform:
-        from services.worker.python_backend.autocomplete import complete_python
-
         complete_python(config, path, version_folders(path))
         return
     if not written and not (config.platform or config.backend):

@@ -1,5 +1,5 @@
 """A Python model's auto_complete_config runs in a child process
-(services/worker/python_backend/autocomplete.py), never in whoever reads the
+(stageserve/python_autocomplete.py), never in whoever reads the
 repository: a model.py that prints, exits or hangs at import fails its own
 load and nothing else. Real child processes, real model.py files."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.worker.python_backend import autocomplete
+from stageserve import python_autocomplete as autocomplete
 from stageserve.repository import read_model
 
 CONFIG = 'name: "{name}"\nbackend: "python"\n'

@@ -7,10 +7,12 @@ the configuration as pb_utils.ModelConfig, and what it returns becomes the
 configuration (inputs, outputs, max_batch_size, dynamic batching, the
 transaction policy). Errors it raises make the model fail to load.
 
-The model.py runs in a short-lived child process (`python -m` this module),
-as Triton runs it in its stub process, never in the caller: its imports
-(torch, say) stay out of the gateway, and a model.py that exits, crashes or
-hangs at import fails its own load instead of taking the gateway down.
+The model.py runs in a short-lived child process (`python -m` the Python
+backend's autocomplete_child module, started by name so this kernel module
+imports nothing of the worker), as Triton runs it in its stub process, never
+in the caller: its imports (torch, say) stay out of the gateway, and a
+model.py that exits, crashes or hangs at import fails its own load instead of
+taking the gateway down.
 The child is kept for the next model (see _Helper for the cost).
 """
 
@@ -36,7 +38,9 @@ CHILD_TIMEOUT_S = 120.0
 # How long a child whose stdout ended may take to exit before it is killed.
 _EXIT_GRACE_S = 5.0
 # The folder that holds the `services` package, for the child's imports.
-_SOURCE_ROOT = str(Path(__file__).resolve().parents[3])
+_SOURCE_ROOT = str(Path(__file__).resolve().parents[1])
+# The child's module: it imports the model.py with pb_utils registered.
+CHILD_MODULE = "services.worker.python_backend.autocomplete_child"
 
 
 def complete_python(config: mc.ModelConfig, model_dir, versions: list[int]) -> None:
@@ -116,7 +120,7 @@ class _Helper:
     def _start() -> subprocess.Popen:
         path = [_SOURCE_ROOT, os.environ.get("PYTHONPATH", "")]
         return subprocess.Popen(
-            [sys.executable, "-m", __name__],
+            [sys.executable, "-m", CHILD_MODULE],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -149,42 +153,3 @@ _helper = _Helper()
 
 def _run_child(name: str, job: dict) -> dict:
     return _helper.run(name, job)
-
-
-def _complete_in_this_process(job: dict) -> dict:
-    """The child's work: the answer as {"config": ...} or {"error": ...}."""
-    from services.worker.python_backend import pb_utils
-    from services.worker.python_backend.loader import ModelImportError, import_model_file
-
-    name = job["config"].get("name", "")
-    try:
-        module = import_model_file(Path(job["model_file"]))
-    except ModelImportError as exc:
-        return {"error": str(exc)}
-    hook = getattr(module.TritonPythonModel, "auto_complete_config", None)
-    if hook is None:
-        return {"config": job["config"]}
-    completed = pb_utils.ModelConfig(json.dumps(job["config"]))
-    try:
-        result = hook(completed)
-        return {"config": (result if result is not None else completed).as_dict()}
-    except (ValueError, TypeError) as exc:
-        return {"error": f"auto-complete of model '{name}' failed: {type(exc).__name__}: {exc}"}
-    except Exception as exc:  # the model's own code
-        return {
-            "error": f"auto_complete_config of model '{name}' raised {type(exc).__name__}: {exc}"
-        }
-
-
-def _child_main() -> None:
-    """One answer line per job line, until stdin closes (its parent is gone)."""
-    # The answers go to the real stdout; whatever a model prints goes to stderr.
-    answers = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    for line in sys.stdin:
-        answers.write(json.dumps(_complete_in_this_process(json.loads(line))) + "\n")
-        answers.flush()
-
-
-if __name__ == "__main__":
-    _child_main()

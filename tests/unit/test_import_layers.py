@@ -1,0 +1,71 @@
+"""The import-linter contracts in pyproject.toml ([tool.importlinter]): the tree
+keeps them, and each one breaks on an import that crosses its line.
+
+The violating imports are written into a copy of the packages, never the tree.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("stageserve", "stageserve_tools", "services")
+LINT = (
+    "import sys; from importlinter.cli import lint_imports_command; "
+    "sys.exit(lint_imports_command())"
+)
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", LINT, "--no-cache"],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_tree_keeps_its_import_contracts() -> None:
+    result = _lint(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "violation", "broken"),
+    [
+        # the kernel importing a service
+        ("stageserve/names.py", "services.gateway.models", "Services and tools sit on"),
+        # a service importing another service
+        ("services/worker/warmup.py", "services.gateway.models", "Services import nothing"),
+        # a service importing the tools package
+        ("services/scheduler/batcher.py", "stageserve_tools.examples", "Services and tools sit"),
+        # a kernel module importing the entry module, and through it every service
+        ("stageserve/launcher.py", "stageserve.cli", "Nothing in the runtime imports"),
+    ],
+)
+def test_a_crossing_import_breaks_its_contract(
+    tmp_path: Path, module: str, violation: str, broken: str
+) -> None:
+    for package in PACKAGES:
+        shutil.copytree(
+            ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    assert _lint(tmp_path).returncode == 0  # the copy alone keeps them
+    with (tmp_path / module).open("a") as f:
+        f.write(f"\nimport {violation}  # noqa\n")
+    result = _lint(tmp_path)
+    assert result.returncode != 0
+    broken_lines = [line for line in result.stdout.splitlines() if " BROKEN" in line]
+    assert any(line.startswith(broken) for line in broken_lines), result.stdout
+    importer = module.removesuffix(".py").replace("/", ".")
+    assert importer in result.stdout, result.stdout  # the report names the importer

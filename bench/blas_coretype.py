@@ -2,14 +2,13 @@
 
 The Triton reference (``.venv-triton``) needs numpy < 2; numpy 1.26.4 ships
 OpenBLAS 0.3.23, which does not know every newer x86-64 CPU. On such a CPU
-its DYNAMIC_ARCH falls back to the generic ``Prescott`` (SSE3) kernels. Found
-at stop 24 on a 2-vCPU VM reporting "Intel(R) Xeon(R) Processor" with
-AVX-512: the issue-10 numpy MLP (1024-2048-2048-16) took 10.8 ms per batch of
-20 on one thread in the Triton venv against 3.9 ms with StageServe's numpy
-2.x (OpenBLAS 0.3.31), 4.9 ms with ``OPENBLAS_CORETYPE=SkylakeX``. Triton then
-served the numpy model at 0.3-0.6x its figures of the day before, which made
-StageServe look 1.4-1.8x faster for a reason that has nothing to do with
-either server.
+its DYNAMIC_ARCH falls back to the generic ``Prescott`` (SSE3) kernels. On a
+2-vCPU VM reporting "Intel(R) Xeon(R) Processor" with AVX-512, the issue-10
+numpy MLP (1024-2048-2048-16) took 10.8 ms per batch of 20 on one thread in
+the Triton venv against 3.9 ms with StageServe's numpy 2.x (OpenBLAS 0.3.31),
+4.9 ms with ``OPENBLAS_CORETYPE=SkylakeX``. Triton then serves the numpy
+model at 0.3-0.6x its figures on a CPU OpenBLAS knows, which makes StageServe
+look 1.4-1.8x faster for a reason that has nothing to do with either server.
 
 So the benchmarks start tritonserver with ``OPENBLAS_CORETYPE`` set to the
 kernels the CPU can run when its OpenBLAS reports the fallback, and say so;

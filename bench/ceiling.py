@@ -43,13 +43,13 @@ every hop is a Python gRPC process therefore cannot reach Triton's throughput
 on 2 cores, whatever its scheduling does.
 
 The floor of StageServe's own shape, ``relay`` (three processes), at c=64 on
-the same machine (stop 20, one run): 2,510 infer/s and 578 us of CPU per
+the same machine (one run): 2,510 infer/s and 578 us of CPU per
 request with every write going out at once (1.07 requests per message),
 against ``direct``'s 6,150 and 181 us. With the front holding its writes
 (``--front-hold-us``) 0.5 ms: 3,486 infer/s, 351 us (3.6 requests per
 message); 1.5 ms: 4,230 infer/s, 269 us (7.9). Fewer, fuller messages are
 what a pipeline of Python gRPC processes can still win; the gateway's write
-hold (stageserve/write_hold.py) came from these figures.
+hold (stageserve/write_hold.py) rests on these figures.
 
   python -m bench.ceiling [--concurrency 1 64] [--measurement-ms 3000] [--csv PATH]
 """

@@ -160,9 +160,9 @@ class BenchModel:
         Why not perf_analyzer's default random data: it fills each input with
         random bytes, and read as FP32 some are NaN or infinite. The cnn's
         outputs were then NaN on every server, and MLServer, which encodes a
-        NaN output as null, failed every such request ("required argument is
+        NaN output as null, fails every such request ("required argument is
         not a float" while packing the raw output; perf_analyzer exit 99), so
-        the cnn had no MLServer figures before stop 25.
+        the cnn would have no MLServer figures.
         """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

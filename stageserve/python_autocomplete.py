@@ -100,8 +100,8 @@ class _Helper:
             if not timed_out:
                 # Its stdout ended, so it is exiting: the kernel closes a dying
                 # process's files before its parent can reap it, and poll()
-                # in that window said None (CI read that as "did not finish
-                # within 120 s" for a child that had exited at once).
+                # in that window says None (which would report "did not
+                # finish within 120 s" for a child that had exited at once).
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=_EXIT_GRACE_S)
             proc.kill()
@@ -134,8 +134,8 @@ def _answer_line(proc: subprocess.Popen) -> tuple[str, bool]:
 
     Its exit is watched, not only its stdout's end of file: a process forked
     by the caller meanwhile may hold the pipe's write end, and then no end of
-    file comes (a CI run waited the whole timeout for a child that had exited
-    at once)."""
+    file comes, and the caller would wait the whole timeout for a child that
+    had exited at once."""
     assert proc.stdout is not None
     deadline = time.monotonic() + CHILD_TIMEOUT_S
     while time.monotonic() < deadline:

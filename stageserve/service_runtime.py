@@ -23,8 +23,8 @@ READY_MARKER = "STAGESERVE_READY"
 # before it dumps every thread's stack to stderr and exits with status 1.
 # Measured on an idle stack, every stage is gone 0.02-0.41 s after its
 # launcher is killed (the worker last); a stage still alive 10 s past its
-# grace is stuck (a CI run once found a worker alive 20 s after its launcher
-# was killed), and a stuck stage must not outlive its launcher.
+# grace is stuck (a worker has been seen alive 20 s after its launcher was
+# killed), and a stuck stage must not outlive its launcher.
 SHUTDOWN_SLACK_S = 10.0
 
 

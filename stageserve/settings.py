@@ -1,10 +1,10 @@
 """The figures that bound failure and healing, one typed settings object per service.
 
-Leases, heartbeats, timeouts, retry and backoff figures used to be constants
-scattered over the modules that use them; they are defined here, once, with
-why each has its value, and each can be set from the environment as
-STAGESERVE_<SERVICE>_<FIELD> (e.g. STAGESERVE_WORKER_LEASE_MS=5000), which is
-how compose and Kubernetes configure the stages. The objects are built once
+Leases, heartbeats, timeouts, retry and backoff figures are defined here,
+once, rather than in the modules that use them, with why each has its value,
+and each can be set from the environment as STAGESERVE_<SERVICE>_<FIELD>
+(e.g. STAGESERVE_WORKER_LEASE_MS=5000), which is how compose and Kubernetes
+configure the stages. The objects are built once
 per process, at import. docs/deployment.md lists them.
 
 Every service's figures are here, the rate limiter's included.
@@ -81,11 +81,10 @@ class RateLimiterSettings:
     # A waiting Acquire re-checks Redis at least this often. Releases wake it
     # at once (its own process's directly, another rate limiter's through
     # Redis pub/sub; so are registrations), so this only bounds what nothing
-    # signals: a lost pub/sub message, Redis away. It was
-    # 0.02 while cross-process releases were not signalled: those polls were
-    # 22% of the rate limiter's samples at c=64 (stop 21 profile), an Acquire
-    # that waits out its 500 ms behind a grant the scheduler reuses polling
-    # 25 times.
+    # signals: a lost pub/sub message, Redis away. Polling at 0.02 s without
+    # those signals was 22% of the rate limiter's samples at c=64 (profile),
+    # an Acquire that waits out its 500 ms behind a grant the scheduler
+    # reuses polling 25 times.
     acquire_poll_s: float = 0.25
     # A pool that waits for another pool's lower scaled priority re-checks
     # this often (the other pool's demand lapses unannounced).

@@ -16,9 +16,9 @@ its only implementation:
   responses are written, again packed, as they come.
 
 Why streams and packing: one unary call per request cost 315/185 us of server
-CPU at 1/64 in flight against 114/81 us on a stream (bench.stream_vs_unary,
-stop 6); each stream message has a fixed cost on both ends, so carrying
-several requests in one message divides it between them. A link given a
+CPU at 1/64 in flight against 114/81 us on a stream (bench.stream_vs_unary);
+each stream message has a fixed cost on both ends, so carrying several
+requests in one message divides it between them. A link given a
 :class:`~stageserve.write_hold.WriteHold` also waits a little for more
 requests before a write, under load (write_hold.py has the rule and figures).
 """

@@ -162,9 +162,9 @@ class ModelQueue:
 
         Why: at concurrency 1 the loop's wake-up is one event-loop turn and
         one task resumption per request in the scheduler's critical path
-        (strace at stop 22: ~4 more epoll_wait per request than the relay's
+        (strace: ~4 more epoll_wait per request than the relay's
         middle). `python -m bench --models simple -c 1 8 64`, three rounds
-        interleaved with the loop always woken (stop 23): scheduler CPU per
+        interleaved with the loop always woken: scheduler CPU per
         request at c=1 580-600 -> 559-575 us, 611-619 -> 618-631 infer/s;
         c=8 and c=64 within the noise, batches of 4.0 at c=8 either way
         (a message's requests still form one batch: wake() runs after them)."""

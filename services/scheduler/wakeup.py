@@ -1,14 +1,14 @@
 """A loop's "something changed, look again" signal, with a timeout.
 
 The dispatch loop and the expiry loop of every model queue wait this way
-once per batch (and once per request at low load). They used
-`asyncio.wait_for(event.wait(), timeout)`, which on Python 3.11 wraps the
-wait in a Task, a timer and callbacks: 12.0 us per wait-and-wake cycle (a
+once per batch (and once per request at low load). Not
+`asyncio.wait_for(event.wait(), timeout)`: on Python 3.11 that wraps the
+wait in a Task, a timer and callbacks, 12.0 us per wait-and-wake cycle (a
 call_soon'd set, 50,000 cycles in one loop) on the 2-core dev machine,
-against 6.9 us for this one future and one timer handle (stop 21).
+against 6.9 us for this one future and one timer handle.
 
-Semantics as the code had them: only a set() while someone waits wakes it
-(each wait starts clear); a timeout simply returns.
+Semantics: only a set() while someone waits wakes it (each wait starts
+clear); a timeout simply returns.
 """
 
 from __future__ import annotations

@@ -10,15 +10,15 @@ slow model always keeps the loop free for heartbeats and new batches.
 
 What is observed is the CPU time of the thread that executed the batch
 (time.thread_time_ns), not its wall time: wall time counted what the batch
-waited for a core, not what it cost. Measured at stop 24 (`python -m bench
---models simple -c 64`, 2 cores shared by every stage and perf_analyzer):
+waited for a core, not what it cost. Measured with `python -m bench
+--models simple -c 64` (2 cores shared by every stage and perf_analyzer):
 the identity model's batch of ~5 costs 68 us alone (timeit) but its inline
 runs took a median 180 us of wall time in the stack, descheduled, so the mean
 sat around the 200 us limit and about half of the batches went to the
 thread, 420 us from hand-off to answer (those two medians from one
 instrumented run that shared the cores with a second benchmark: orders of
 magnitude, not figures). With CPU time, three interleaved
-rounds against wall time (this change together with the gateway's lighter
+rounds against wall time (measured together with the gateway's lighter
 per-request records): simple c=64 2,195 / 2,202 / 2,283 against 2,109 /
 2,204 / 1,996 infer/s, worker CPU 86-90 against 93-108 us per request; mlp
 c=64 2,136 / 2,274 / 2,231 against 2,013 / 2,179 / 2,071. A model whose

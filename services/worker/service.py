@@ -162,7 +162,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         the instance's thread (`_run`). No task is made for an inline batch:
         at concurrency 1 that is one task and one event-loop turn less per
         request. `python -m bench --models simple -c 1 64`, three interleaved
-        rounds against a task per batch (stop 23): worker CPU per request at
+        rounds against a task per batch: worker CPU per request at
         c=1 350-353 -> 322-334 us, at c=64 80-84 -> 74-81 us."""
         inst = self.instances.get(request.instance_id)
         if inst is None or not inst.inline.runs_inline(self._executing):

@@ -196,11 +196,8 @@ class TorchInstance:
     #: Runs on its instance's thread only, never inline on the worker's event
     #: loop (HostedInstance): its OpenMP thread count and optimized_execution
     #: are per-thread settings, and the loop thread carries every other
-    #: model's. (A CI run at stop 24, when small TorchScript models ran
-    #: inline, saw torch_two_io's tanh(x) * y 9e-5 from the test's reference;
-    #: stop 25's, with this flag, saw 5.4e-5, and there the server's answer was
-    #: the exact one and the test process's own forward() the one off: see
-    #: tests/integration/test_torch.py.)
+    #: model's. (tests/integration/test_torch.py checks the server's answers
+    #: against float64 math, and says why not against an in-process forward().)
     thread_bound = True
 
     def __init__(

@@ -25,7 +25,7 @@ from stageserve_tools.examples import write_simple
 from tests.integration.helpers import infer_simple, simple_inputs, stack_retrying
 from tests.stack import RunningStack
 
-#: every answer here must come well within this (a name with '/' used to hang > 15 s)
+#: every answer here must come well within this (a name with '/' must not hang)
 PROMPT_S = 3.0
 
 HOSTILE = {
@@ -280,7 +280,7 @@ def test_malformed_overrides_are_refused_with_triton_reasons(hostile: RunningSta
 # Model names as raw URL path segments, sent as-is with http.client (tritonclient
 # leaves '/' unencoded and any client resolves '..'). Each segment is
 # percent-decoded on its own, so it stays one name and gets the gRPC front's
-# answer; '%2Fsimple' used to be split and decoded to a load of 'simple'.
+# answer; '%2Fsimple' must not be split and decoded to a load of 'simple'.
 RAW_SEGMENTS = {
     "encoded slash": ("a%2Fb", "never a path"),
     "leading encoded slash": ("%2Fsimple", "never a path"),

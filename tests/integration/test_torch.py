@@ -119,9 +119,9 @@ def test_mlp_matches_torch_forward_under_concurrency(torch_stack: RunningStack) 
 
 
 #: The two_io reference is the model's own arithmetic in float64 (the
-#: TorchScript file's weight buffer, read but not run). Running the module
-#: in this process instead was flaky: stop 25's CI saw that in-process
-#: forward() give tanh(x) * y up to 5.4e-5 off (errors of both signs, up to
+#: TorchScript file's weight buffer, read but not run), not the module run
+#: in this process: in CI an in-process forward() has given tanh(x) * y up to
+#: 5.4e-5 off (errors of both signs, up to
 #: 5e-5 relative, like a low-order tanh approximation) while the server's
 #: answer agreed with float64 math to 1e-7; the cause in the test process was
 #: not found (no CPU fuser: this torch has no LLVM; ATen's tanh, vectorised or

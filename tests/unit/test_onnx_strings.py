@@ -86,6 +86,6 @@ def test_content_reading_graph_gets_utf8_and_refuses_other_bytes(tmp_path: Path)
     with pytest.raises(InvalidInputError, match="element 1 is not valid UTF-8.*string constant"):
         inst.run({"INPUT0": _objects([b"ok", b"\xff"])})
     # an element that is not bytes at all (a direct caller's None) is refused
-    # the same way (it used to raise AttributeError from the error handler)
+    # the same way (not an AttributeError from the error handler)
     with pytest.raises(InvalidInputError, match="element 1 .*NoneType"):
         inst.run({"INPUT0": _objects([b"ok", None])})

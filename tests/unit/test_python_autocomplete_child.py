@@ -78,9 +78,9 @@ def test_a_model_that_exits_at_import_fails_only_its_own_load(tmp_path: Path) ->
 
 def test_a_child_that_closes_its_answers_then_exits_reports_its_status(tmp_path: Path) -> None:
     """Its answer pipe ends before the process can be reaped: a dying process's
-    files close before it exits, a window that CI hit three times (stops 18
-    and 20), where a child that had exited at import was reported as "did not
-    finish within 120 s". Here the window is made 0.3 s wide on purpose."""
+    files close before it exits, a window (hit in CI) where a child that had
+    exited at import could be reported as "did not finish within 120 s". Here
+    the window is made 0.3 s wide on purpose."""
     linger = "os.closerange(3, 4096); import time; time.sleep(0.3); os._exit(3)"
     _model(tmp_path, "lingers", extra=linger)
     m = read_model(tmp_path, "lingers")

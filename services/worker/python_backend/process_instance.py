@@ -74,8 +74,8 @@ _EXIT_POLL_S = 0.2
 _CLOSE_TIMEOUT_S = 30.0
 # How long a stub whose socket ended gets to exit by itself before it is
 # killed. A dying process closes its files before it can be reaped; killing it
-# in that moment logged -9 (our kill) instead of its own status (CI, stop 21:
-# [3, -9, -9] for [3, -9, 0]). A stub that ends normally exits within ms.
+# in that moment would log -9 (our kill) instead of its own status (seen in
+# CI as [3, -9, -9] for [3, -9, 0]). A stub that ends normally exits within ms.
 _EXIT_GRACE_S = 1.0
 
 

@@ -97,8 +97,8 @@ def measure(
     served = max(1, served_after - served_before)
     cpu_after = _cpu_seconds(stack)
     if recorder is not None:
-        for profile in recorder.stop():
-            print(format_profile(profile), flush=True)
+        for stage_profile in recorder.stop():
+            print(format_profile(stage_profile), flush=True)
     per_request = {s: (cpu_after[s] - cpu_before[s]) / served * 1e6 for s in STAGES}
     return Point(result, per_request, served / max(1, executions_after - executions_before))
 

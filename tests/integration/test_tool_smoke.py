@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -383,6 +384,11 @@ def _beside(argv: Sequence[str]) -> Iterator[int | None]:
         proc.wait()
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def _run(smoke: Smoke, tmp: Path, server: int | None) -> tuple[int, str]:
     venv = _fake_venv(tmp)
 
@@ -411,19 +417,21 @@ def _run(smoke: Smoke, tmp: Path, server: int | None) -> tuple[int, str]:
     )
     assert proc.stdout is not None
     lines: list[str] = []
-    deadline = time.monotonic() + TIMEOUT_S
+    # A tool that hangs (or leaves a child holding its stdout) is killed, whole group.
+    watchdog = threading.Timer(TIMEOUT_S, _kill_group, (proc,))
+    watchdog.start()
     try:
+        signalled = smoke.until is None
         for line in proc.stdout:
             lines.append(line)
-            if smoke.until is not None and smoke.until in line:
+            if not signalled and smoke.until is not None and smoke.until in line:
                 proc.send_signal(signal.SIGINT)
-                smoke = Smoke(smoke.argv, smoke.expect, exit_codes=smoke.exit_codes)  # once
-            if time.monotonic() > deadline:
-                break
-        code = proc.wait(max(1.0, deadline - time.monotonic()))
+                signalled = True
+        code = proc.wait(TIMEOUT_S)
     finally:
+        watchdog.cancel()
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_group(proc)
             proc.wait()
     return code, "".join(lines)
 

@@ -17,6 +17,7 @@ import argparse
 import csv
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,8 +67,20 @@ def _profile_targets(stack: Stack) -> list[tuple[str, int]]:
     return [(c.name, c.proc.pid) for c in stack.children if not c.name.startswith("redis")]
 
 
-def measure(url: str, stack: Stack, model: str, concurrency: int, args) -> Point:
-    recorder = Recorder(args.profile, native=args.profile_native) if args.profile else None
+def measure(
+    url: str,
+    stack: Stack,
+    model: str,
+    concurrency: int,
+    *,
+    measurement_ms: int,
+    stability_pct: int,
+    perf_args: Sequence[str] = (),
+    profile: Path | None = None,
+    profile_native: bool = False,
+) -> Point:
+    """One perf_analyzer point; with `profile` (a directory), py-spy every stage meanwhile."""
+    recorder = Recorder(profile, native=profile_native) if profile else None
     if recorder is not None:
         recorder.start(_profile_targets(stack), f"{model}-c{concurrency}")
     cpu_before = _cpu_seconds(stack)
@@ -76,16 +89,16 @@ def measure(url: str, stack: Stack, model: str, concurrency: int, args) -> Point
         url,
         model,
         concurrency,
-        measurement_ms=args.measurement_ms,
-        stability_pct=args.stability_pct,
-        extra_args=["--max-trials", "6", *args.perf_arg],
+        measurement_ms=measurement_ms,
+        stability_pct=stability_pct,
+        extra_args=["--max-trials", "6", *perf_args],
     )
     served_after, executions_after = _served(url, model)
     served = max(1, served_after - served_before)
     cpu_after = _cpu_seconds(stack)
     if recorder is not None:
-        for profile in recorder.stop():
-            print(format_profile(profile), flush=True)
+        for stage_profile in recorder.stop():
+            print(format_profile(stage_profile), flush=True)
     per_request = {s: (cpu_after[s] - cpu_before[s]) / served * 1e6 for s in STAGES}
     return Point(result, per_request, served / max(1, executions_after - executions_before))
 
@@ -158,7 +171,17 @@ def main(argv: list[str] | None = None) -> int:
             url = services.gateway.address
             for model in args.models:
                 for c in args.concurrency:
-                    point = measure(url, stack, model, c, args)
+                    point = measure(
+                        url,
+                        stack,
+                        model,
+                        c,
+                        measurement_ms=args.measurement_ms,
+                        stability_pct=args.stability_pct,
+                        perf_args=args.perf_arg,
+                        profile=args.profile,
+                        profile_native=args.profile_native,
+                    )
                     points.append(point)
                     print(format_points([point]).splitlines()[-1], flush=True)
         finally:

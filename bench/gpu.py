@@ -98,7 +98,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measurement-ms", type=int, default=5000)
     ap.add_argument("--stability-pct", type=int, default=30)
     args = ap.parse_args(argv)
-    args.perf_arg = []
     concurrency = args.concurrency or 2 * args.batch
     if find_perf_analyzer() is None:
         print(
@@ -128,7 +127,14 @@ def main(argv: list[str] | None = None) -> int:
         stack = Stack()
         try:
             running = start_services(stack, repository, device=device)
-            point = measure(running.gateway.address, stack, "cnn", concurrency, args)
+            point = measure(
+                running.gateway.address,
+                stack,
+                "cnn",
+                concurrency,
+                measurement_ms=args.measurement_ms,
+                stability_pct=args.stability_pct,
+            )
         finally:
             stack.stop()
 

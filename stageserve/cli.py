@@ -106,6 +106,15 @@ def _http(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-address", default="0.0.0.0")
 
 
+def _startup_flags(p: argparse.ArgumentParser) -> None:
+    """tritonserver's, with its defaults (services/gateway/startup.py)."""
+    for flag, what in (
+        ("--exit-on-error", "exit (status 1) when a startup model fails to load"),
+        ("--strict-readiness", "ServerReady only once every model is ready, else once live"),
+    ):
+        p.add_argument(flag, type=_bool, nargs="?", const=True, default=True, help=what)
+
+
 def _http_listen(args: argparse.Namespace) -> str | None:
     return f"{args.http_address}:{args.http_port}" if args.allow_http else None
 
@@ -140,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics-port", type=int, default=8002)
     up.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     up.add_argument("--load-model", action="append", default=[], help="repeatable; * = all")
+    _startup_flags(up)
     _poll_secs(up)
     _autocomplete(up)
     up.add_argument(
@@ -167,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--model-repository", type=Path, required=True)
     gw.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     gw.add_argument("--load-model", action="append", default=[])
+    _startup_flags(gw)
     _poll_secs(gw)
     _autocomplete(gw)
     gw.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
@@ -288,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             repository_poll_secs=args.repository_poll_secs,
             supervisor_metrics_port=args.supervisor_metrics_port,
             gateway_extra=_security(args, gateway_flags),
+            exit_on_error=args.exit_on_error,
+            strict_readiness=args.strict_readiness,
         )
     if args.command == "gateway":
         from services.gateway.server import serve as serve_gateway
@@ -309,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             _security(args, tls_from),
             _security(args, restrictions_from),
             _security(args, http_restrictions_from),
+            args.exit_on_error,
+            args.strict_readiness,
         )
     elif args.command == "scheduler":
         from services.scheduler.service import serve as serve_scheduler
@@ -343,6 +358,15 @@ def main(argv: list[str] | None = None) -> int:
         from stageserve.telemetry import serve_metrics
 
         serve_metrics(args.metrics_port)
+    if args.command == "gateway":
+        from services.gateway.startup import EXIT_CODE, StartupLoadFailed
+
+        try:
+            asyncio.run(coro)
+        except StartupLoadFailed as exc:
+            log.error("exiting (--exit-on-error)", extra={"error": str(exc)})
+            return EXIT_CODE
+        return 0
     asyncio.run(coro)
     return 0
 

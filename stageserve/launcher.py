@@ -25,12 +25,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.gpus import AUTO, gpu_count, worker_devices
 from stageserve.net import free_port
-from stageserve.service_runtime import READY_MARKER
+from stageserve.service_runtime import READY_MARKER, STARTUP_MARKER
 
 if TYPE_CHECKING:
     from stageserve.supervision import Supervisor
@@ -70,6 +70,8 @@ class Child:
     ready: threading.Event = field(default_factory=threading.Event)
     cmd: list[str] = field(default_factory=list)  # how it was started, to start it again
     restarts: int = 0
+    # The gateway's startup loads that failed ({model, version, reason} each), once it says
+    startup_failures: list[dict[str, str]] | None = None
     # Restart on the announced address (peers were given it). Not for workers:
     # they announce themselves in the registry, and a scheduler treats the
     # address of a worker that died as broken until it answers, so a new
@@ -97,6 +99,8 @@ def _pump(child: Child, proc: subprocess.Popen, ready: threading.Event) -> None:
             child.address = announced["address"]
             child.http_address = announced.get("http", "")
             ready.set()
+        elif line.startswith(STARTUP_MARKER):
+            child.startup_failures = json.loads(line[len(STARTUP_MARKER) :])
         else:
             sys.stdout.write(line)
             sys.stdout.flush()
@@ -153,6 +157,8 @@ class Stack:
             child.metrics_port = int(args[args.index("--metrics-port") + 1])
         self.children.append(child)
         if not child.ready.wait(timeout_s) or not child.address:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(2)  # it closed its stdout: its exit code is moments away
             raise RuntimeError(f"{name} did not become ready (exit code {child.proc.poll()})")
         return child
 
@@ -246,8 +252,15 @@ def start_services(
     repository_poll_secs: float = 15.0,
     http_address: str | None = "127.0.0.1:0",
     gateway_extra: Sequence[str] = (),
+    exit_on_error: bool = False,
+    strict_readiness: bool = True,
 ) -> StackServices:
     """Start Redis (unless given) and every service, in path order, on `stack`.
+
+    `exit_on_error` and `strict_readiness` are tritonserver's flags for the
+    gateway; `stageserve up` passes its own (Triton's defaults: both on). Here
+    a startup model that fails does not end the stack unless asked: tests and
+    benchmarks serve repositories with models broken on purpose.
 
     With stage_metrics, the internal services also serve /metrics, each on a
     free port (recorded on its Child). `http_address` None: no HTTP front.
@@ -295,12 +308,22 @@ def start_services(
         gw_args += ["--http-address", host, "--http-port", port]
     for m in load_models:
         gw_args += ["--load-model", m]
+    gw_args += ["--exit-on-error", str(exit_on_error).lower()]
+    gw_args += ["--strict-readiness", str(strict_readiness).lower()]
     gw_args += ["--default-max-batch-size", str(autocomplete.default_max_batch_size)]
     if not autocomplete.enabled:
         gw_args.append("--disable-auto-complete-config")
     gw_args += gateway_extra  # e.g. Triton's TLS / restricted-protocol flags
     gw = stack.start_service("gateway", gw_args, timeout_s=600)
     return StackServices(redis_url, rl, worker_children, sched, gw)
+
+
+def print_startup_summary(stack: Stack, out: TextIO) -> None:
+    """One line per startup model that failed to load, with the reason the
+    repository index gives (e.g. the package a backend needs)."""
+    for child in stack.children:
+        for failure in child.startup_failures or ():
+            print(json.dumps({"event": "model not loaded", **failure}), file=out, flush=True)
 
 
 def up(
@@ -319,6 +342,8 @@ def up(
     supervisor_metrics_port: int = 0,
     http_address: str | None = None,
     gateway_extra: Sequence[str] = (),
+    exit_on_error: bool = True,
+    strict_readiness: bool = True,
 ) -> int:
     stack = Stack(log_verbose)
     stopping = threading.Event()
@@ -345,6 +370,8 @@ def up(
             repository_poll_secs=repository_poll_secs,
             http_address=http_address,
             gateway_extra=gateway_extra,
+            exit_on_error=exit_on_error,
+            strict_readiness=strict_readiness,
         )
         # From here on a stage that exits is started again, Redis included
         # (an external Redis, --redis-url, is not ours to restart).
@@ -367,10 +394,12 @@ def up(
             ),
             flush=True,
         )
+        print_startup_summary(stack, sys.stdout)
         while not stopping.wait(0.5):
             pass
         return 0
     except RuntimeError as exc:
+        print_startup_summary(stack, sys.stderr)
         print(json.dumps({"event": "startup failed", "error": str(exc)}), file=sys.stderr)
         return 1
     finally:

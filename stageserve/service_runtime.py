@@ -17,6 +17,9 @@ from stageserve.net import add_stage_port
 log = logging.getLogger(__name__)
 
 READY_MARKER = "STAGESERVE_READY"
+# The gateway's startup load outcome: a JSON list of {model, version, reason}
+# for each startup model that is not ready (`stageserve up` prints a summary).
+STARTUP_MARKER = "STAGESERVE_STARTUP"
 
 # How long after SIGTERM/SIGINT, beyond the gRPC grace, a stage may take to
 # finish its teardown (deregistering, finalizing models, closing clients)
@@ -32,6 +35,11 @@ def announce_ready(service: str, address: str, extra: dict | None = None) -> Non
     """One machine-readable line on stdout; `stageserve up` waits for it."""
     fields = {"service": service, "address": address, **(extra or {})}
     print(f"{READY_MARKER} {json.dumps(fields)}", flush=True)
+
+
+def announce_startup(failures: list[dict[str, str]]) -> None:
+    """One machine-readable line on stdout once the startup models are loaded."""
+    print(f"{STARTUP_MARKER} {json.dumps(failures)}", flush=True)
 
 
 async def run_server(

@@ -61,13 +61,15 @@ class DataPlane:
         self.shared: SharedStats | None = None  # set by the server: fleet-wide totals
         self._inflight_watched: set[str] = set()
         self.ready = False
+        # Triton's --strict-readiness: ServerReady also needs every model ready
+        self.strict_readiness = True
         self.shm = SystemSharedMemory()
         self.overrides = OverrideArea()  # RepositoryModelLoad's config/file overrides
 
     # ------------------------------------------------------------ health/meta
 
     def server_ready(self) -> bool:
-        return self.ready and self.models.all_ready()
+        return self.ready and (not self.strict_readiness or self.models.all_ready())
 
     def model_ready(self, name: str, version: str) -> bool:
         return self.models.is_ready(name, version)

@@ -134,10 +134,10 @@ class ModelManager:
 
     # ------------------------------------------------------------ load/unload
 
-    async def startup(self, load: list[str]) -> None:
-        """Load the startup models. A model another gateway already published with
-        the same config is adopted as it is (no reload), so gateways can be
-        added or restarted while the others serve."""
+    async def startup(self, load: list[str]) -> list[str]:
+        """Load the startup models; returns their names. A model another gateway
+        already published with the same config is adopted as it is (no reload),
+        so gateways can be added or restarted while the others serve."""
         names = model_names(self.repository)
         wanted = names if self.control_mode in ("none", "poll") or "*" in load else load
         # Models loaded through the API before this gateway (re)started are
@@ -159,6 +159,7 @@ class ModelManager:
                     "startup model load failed",
                     extra={"model": name, "error": f"{type(result).__name__}: {result}"},
                 )
+        return wanted
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())

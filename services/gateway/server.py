@@ -17,6 +17,7 @@ from services.gateway.poller import RepositoryPoller
 from services.gateway.republish import Republisher
 from services.gateway.security import RestrictedProtocols, server_credentials
 from services.gateway.service import InferenceService
+from services.gateway.startup import StartupLoadFailed, report, startup_failures
 from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
@@ -48,9 +49,13 @@ async def serve(
     tls: TlsOptions | None = None,
     restrictions: Sequence[Restriction] = (),
     http_restrictions: Sequence[Restriction] = (),
+    exit_on_error: bool = True,
+    strict_readiness: bool = True,
 ) -> None:
     """`http_listen` (host:port, port 0 picks one) also serves the HTTP/REST
-    front on the same dataplane; None: gRPC only."""
+    front on the same dataplane; None: gRPC only. `exit_on_error` and
+    `strict_readiness` are Triton's flags (services/gateway/startup.py): a
+    startup model that fails raises StartupLoadFailed under the first."""
     redis = connect(redis_url)
     await redis.ping()
     rl_channel = stage_channel(ratelimiter_address)
@@ -63,6 +68,7 @@ async def serve(
     )
     link = SchedulerLink(scheduler_address, hold_us=GATEWAY.scheduler_link_hold_us)
     dataplane = DataPlane(models, link)
+    dataplane.strict_readiness = strict_readiness
     dataplane.shared = SharedStats(redis, dataplane.stats)
     dataplane.shared.start()
     republisher = Republisher(models, redis)
@@ -88,7 +94,10 @@ async def serve(
 
     async def load_then_ready() -> None:
         poller.baseline()
-        await models.startup(load_models)
+        failures = startup_failures(models, await models.startup(load_models))
+        report(failures)
+        if failures and exit_on_error:
+            raise StartupLoadFailed(failures)
         dataplane.ready = True
         log.info("startup models loaded", extra={"models": sorted(models.entries)})
         if control_mode == "poll":
@@ -107,6 +116,9 @@ async def serve(
             await run_server(
                 server, address, "gateway", bound=True, before_ready=loader, announce=announce
             )
+    except StartupLoadFailed:
+        await server.stop(None)
+        raise
     finally:
         loader.cancel()
         for task in polling:

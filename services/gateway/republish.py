@@ -24,7 +24,7 @@ import socket
 
 import redis.asyncio as aioredis
 
-from services.gateway.models import ModelManager
+from services.gateway.model_lifecycle import ModelLifecycle
 from stageserve import redis_keys as keys
 from stageserve.model_state import files_digest
 from stageserve.settings import GATEWAY
@@ -43,7 +43,7 @@ end
 
 
 class Republisher:
-    def __init__(self, models: ModelManager, redis: aioredis.Redis) -> None:
+    def __init__(self, models: ModelLifecycle, redis: aioredis.Redis) -> None:
         self.models = models
         self.redis = redis
         # Unique per process: a restarted gateway is a new publisher.

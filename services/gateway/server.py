@@ -12,7 +12,8 @@ import grpc
 from services.gateway.dataplane import DataPlane
 from services.gateway.http.app import HttpFront
 from services.gateway.http.server import HttpServer, http_server
-from services.gateway.models import ModelManager
+from services.gateway.model_lifecycle import ModelLifecycle
+from services.gateway.model_table import ModelTable
 from services.gateway.poller import RepositoryPoller
 from services.gateway.republish import Republisher
 from services.gateway.scheduler_link import SchedulerLink
@@ -54,7 +55,9 @@ async def serve(
     redis = connect(redis_url)
     await redis.ping()
     rl_channel = stage_channel(ratelimiter_address)
-    models = ModelManager(
+    models = ModelTable()
+    lifecycle = ModelLifecycle(
+        models,
         repository,
         ModelStateStore(redis),
         pb_grpc.RateLimiterStub(rl_channel),
@@ -62,10 +65,10 @@ async def serve(
         autocomplete=autocomplete,
     )
     link = SchedulerLink(scheduler_address, hold_us=GATEWAY.scheduler_link_hold_us)
-    dataplane = DataPlane(models, link)
+    dataplane = DataPlane(models, lifecycle, link)
     dataplane.shared = SharedStats(redis, dataplane.stats)
     dataplane.shared.start()
-    republisher = Republisher(models, redis)
+    republisher = Republisher(lifecycle, redis)
     await republisher.check()  # marks the model set as known before loading
     republisher.start()
     # Restricted protocols are a gRPC-front concern (Triton's --grpc-restricted-protocol);
@@ -83,12 +86,12 @@ async def serve(
         await http.start()
         announce["http"] = http.address
 
-    poller = RepositoryPoller(models, repository, repository_poll_secs)
+    poller = RepositoryPoller(lifecycle, repository, repository_poll_secs)
     polling: list[asyncio.Task] = []
 
     async def load_then_ready() -> None:
         poller.baseline()
-        await models.startup(load_models)
+        await lifecycle.startup(load_models)
         dataplane.ready = True
         log.info("startup models loaded", extra={"models": sorted(models.entries)})
         if control_mode == "poll":

@@ -33,18 +33,15 @@ from stageserve.security_options import (
     restrictions_from,
     tls_from,
 )
+from stageserve.settings import GatewaySettings, SchedulerSettings, Settings, settings_from
 from stageserve.stage_tls import StageTlsError, stage_tls
 
 log = logging.getLogger("stageserve")
 
 DEFAULT_EXAMPLE_REPOSITORY = Path(".stageserve/example_repository")
 
-
-# The adaptive hold's cap, on by default (services/scheduler/hold_tuner.py):
-# with the tuner, two interleaved A/B rounds on the 2-core dev machine gave
-# +11-20% at concurrency 32-64 (identity, mlp), 0.98-1.03x at 1 and 8, and
-# 19% less CPU per inference at 64 (docs/benchmarks.md).
-ADAPTIVE_DELAY_US = 2000
+# The adaptive hold's cap (stageserve/settings.py says why this default).
+ADAPTIVE_DELAY_US = SchedulerSettings().adaptive_batch_delay_us
 
 
 @overload
@@ -118,7 +115,7 @@ def _poll_secs(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--repository-poll-secs",
         type=float,
-        default=15.0,
+        default=GatewaySettings().repository_poll_secs,
         help="with --model-control-mode poll: seconds between repository scans",
     )
 
@@ -236,6 +233,16 @@ def _need(args: argparse.Namespace, *names: str) -> None:
         sys.exit(f"stageserve {args.command}: missing {flags} (or its environment variable)")
 
 
+def _settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Settings:
+    """The settings tree this process runs with: environment, then flags; a bad
+    value ends the CLI with its message."""
+    try:
+        resources = resource_overrides(getattr(args, "rate_limit_resource", []))
+        return settings_from({**vars(args), "rate_limit_resources": tuple(resources.items())})
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def main(argv: list[str] | None = None) -> int:
     choose_grpc_io()  # before anything imports grpc (see grpc_io.py)
     try:
@@ -248,10 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        resource_overrides(getattr(args, "rate_limit_resource", []))
-    except ValueError as exc:
-        parser.error(str(exc))
+    settings = _settings(parser, args)
     if args.command == "exec":  # PDEATHSIG survives exec: redis-server dies with us too
         os.execv(args.argv[0], args.argv)
     if args.command == "make-examples":
@@ -285,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             log_verbose=args.log_verbose,
             autocomplete=_autocomplete_of(args),
             ratelimiter_args=rate_limit_argv(args.rate_limit, args.rate_limit_resource),
-            repository_poll_secs=args.repository_poll_secs,
+            repository_poll_secs=settings.gateway.repository_poll_secs,
             supervisor_metrics_port=args.supervisor_metrics_port,
             gateway_extra=_security(args, gateway_flags),
         )

@@ -35,7 +35,7 @@ from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import LoadedModel, ModelStateStore, files_digest
 from stageserve.names import check_model_name, model_name_problem
 from stageserve.repository import model_names, read_model
-from stageserve.settings import GATEWAY
+from stageserve.settings import GatewaySettings
 from stageserve.telemetry import TRITON, model_labels
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,7 @@ class ModelLifecycle:
         repository: Path,
         state: ModelStateStore,
         ratelimiter: pb_grpc.RateLimiterStub,
-        control_mode: str = "none",
-        load_timeout_s: float = GATEWAY.load_timeout_s,
+        settings: GatewaySettings,
         autocomplete: AutoComplete = TRITON_DEFAULT,
     ) -> None:
         self.table = table
@@ -62,8 +61,8 @@ class ModelLifecycle:
         self.repository = repository
         self.state = state
         self.ratelimiter = ratelimiter
-        self.control_mode = control_mode
-        self.load_timeout_s = load_timeout_s
+        self.control_mode = settings.model_control_mode
+        self.load_timeout_s = settings.load_timeout_s
         self._locks: dict[str, asyncio.Lock] = {}
         self._drains: set[asyncio.Task] = set()
 

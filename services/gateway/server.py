@@ -28,7 +28,7 @@ from stageserve.net import SERVER_OPTIONS, stage_channel
 from stageserve.redis_connect import connect
 from stageserve.security_options import Restriction, TlsOptions
 from stageserve.service_runtime import run_server
-from stageserve.settings import GATEWAY
+from stageserve.settings import Settings
 from stageserve.telemetry import serve_metrics
 
 log = logging.getLogger(__name__)
@@ -40,19 +40,21 @@ async def serve(
     ratelimiter_address: str,
     scheduler_address: str,
     repository: Path,
-    control_mode: str,
     load_models: list[str],
+    settings: Settings,
     metrics_port: int | None = None,
     autocomplete: AutoComplete = TRITON_DEFAULT,
-    repository_poll_secs: float = 15.0,
     http_listen: str | None = None,
     tls: TlsOptions | None = None,
     restrictions: Sequence[Restriction] = (),
     http_restrictions: Sequence[Restriction] = (),
 ) -> None:
     """`http_listen` (host:port, port 0 picks one) also serves the HTTP/REST
-    front on the same dataplane; None: gRPC only."""
-    redis = connect(redis_url)
+    front on the same dataplane; None: gRPC only. `settings.gateway` holds the
+    model control mode, the repository poll period and the gateway's figures."""
+    gateway = settings.gateway
+    control_mode = gateway.model_control_mode
+    redis = connect(redis_url, settings.redis_client)
     await redis.ping()
     rl_channel = stage_channel(ratelimiter_address)
     models = ModelTable()
@@ -61,14 +63,16 @@ async def serve(
         repository,
         ModelStateStore(redis),
         pb_grpc.RateLimiterStub(rl_channel),
-        control_mode,
+        gateway,
         autocomplete=autocomplete,
     )
-    link = SchedulerLink(scheduler_address, hold_us=GATEWAY.scheduler_link_hold_us)
+    link = SchedulerLink(
+        scheduler_address, gateway.scheduler_connect_timeout_s, gateway.scheduler_link_hold_us
+    )
     dataplane = DataPlane(models, lifecycle, link)
-    dataplane.shared = SharedStats(redis, dataplane.stats)
+    dataplane.shared = SharedStats(redis, dataplane.stats, gateway.stats_publish_s)
     dataplane.shared.start()
-    republisher = Republisher(lifecycle, redis)
+    republisher = Republisher(lifecycle, redis, gateway)
     await republisher.check()  # marks the model set as known before loading
     republisher.start()
     # Restricted protocols are a gRPC-front concern (Triton's --grpc-restricted-protocol);
@@ -86,7 +90,7 @@ async def serve(
         await http.start()
         announce["http"] = http.address
 
-    poller = RepositoryPoller(lifecycle, repository, repository_poll_secs)
+    poller = RepositoryPoller(lifecycle, repository, gateway.repository_poll_secs)
     polling: list[asyncio.Task] = []
 
     async def load_then_ready() -> None:

@@ -292,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             repository_poll_secs=settings.gateway.repository_poll_secs,
             supervisor_metrics_port=args.supervisor_metrics_port,
             gateway_extra=_security(args, gateway_flags),
+            supervisor_settings=settings.supervisor,
         )
     if args.command == "gateway":
         from services.gateway.server import serve as serve_gateway
@@ -304,11 +305,10 @@ def main(argv: list[str] | None = None) -> int:
             args.ratelimiter,
             args.scheduler,
             args.model_repository.resolve(),
-            args.model_control_mode,
             args.load_model,
+            settings,
             args.metrics_port or None,
             _autocomplete_of(args),
-            args.repository_poll_secs,
             _http_listen(args),
             _security(args, tls_from),
             _security(args, restrictions_from),
@@ -318,18 +318,11 @@ def main(argv: list[str] | None = None) -> int:
         from services.scheduler.service import serve as serve_scheduler
 
         _need(args, "ratelimiter")
-        coro = serve_scheduler(
-            args.listen, args.redis_url, args.ratelimiter, args.adaptive_batch_delay_us
-        )
+        coro = serve_scheduler(args.listen, args.redis_url, args.ratelimiter, settings)
     elif args.command == "ratelimiter":
         from services.ratelimiter.service import serve as serve_ratelimiter
 
-        coro = serve_ratelimiter(
-            args.listen,
-            args.redis_url,
-            args.rate_limit,
-            resource_overrides(args.rate_limit_resource),
-        )
+        coro = serve_ratelimiter(args.listen, args.redis_url, settings)
     else:
         from services.worker.service import serve as serve_worker
 
@@ -338,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             args.listen,
             args.redis_url,
             args.ratelimiter,
-            args.device,
             args.worker_id,
+            settings,
             args.advertise,
             args.scheduler,
         )

@@ -242,11 +242,3 @@ def settings_from(
 ) -> Settings:
     """The tree a `stageserve` process runs with: the environment's figures and its flags."""
     return with_flags(settings_from_env(environ), flags)
-
-
-WORKER = from_env(WorkerSettings, "worker")
-SCHEDULER = from_env(SchedulerSettings, "scheduler")
-RATELIMITER = from_env(RateLimiterSettings, "ratelimiter")
-GATEWAY = from_env(GatewaySettings, "gateway")
-REDIS_CLIENT = from_env(RedisClientSettings, "redis_client")
-SUPERVISOR = from_env(SupervisorSettings, "supervisor")

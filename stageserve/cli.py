@@ -236,9 +236,18 @@ def _need(args: argparse.Namespace, *names: str) -> None:
 def _settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Settings:
     """The settings tree this process runs with: environment, then flags; a bad
     value ends the CLI with its message."""
+    # The flags that become one field each: parsed here, checked once.
+    parsed: dict[str, object] = {}
+    if hasattr(args, "disable_auto_complete_config"):
+        parsed["autocomplete"] = _autocomplete_of(args)
+    if hasattr(args, "grpc_use_ssl"):
+        parsed["public_tls"] = _security(args, tls_from)
+        parsed["grpc_restrictions"] = tuple(_security(args, restrictions_from))
+        parsed["http_restrictions"] = tuple(_security(args, http_restrictions_from))
     try:
         resources = resource_overrides(getattr(args, "rate_limit_resource", []))
-        return settings_from({**vars(args), "rate_limit_resources": tuple(resources.items())})
+        parsed["rate_limit_resources"] = tuple(resources.items())
+        return settings_from({**vars(args), **parsed})
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -308,11 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             args.load_model,
             settings,
             args.metrics_port or None,
-            _autocomplete_of(args),
             _http_listen(args),
-            _security(args, tls_from),
-            _security(args, restrictions_from),
-            _security(args, http_restrictions_from),
         )
     elif args.command == "scheduler":
         from services.scheduler.service import serve as serve_scheduler

@@ -21,6 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
+from stageserve.security_options import Restriction, TlsOptions
+
 T = TypeVar("T")
 
 
@@ -146,6 +149,15 @@ class GatewaySettings:
     model_control_mode: str = flag("none", "model_control_mode")
     # With poll: seconds between repository scans (--repository-poll-secs).
     repository_poll_secs: float = flag(15.0, "repository_poll_secs")
+    # Triton's --disable-auto-complete-config and --default-max-batch-size.
+    autocomplete: AutoComplete = flag(TRITON_DEFAULT, "autocomplete")
+    # The public endpoints' security, Triton's flags (stageserve/security_options.py):
+    # TLS on the gRPC front (--grpc-use-ssl ...; None: plaintext) and the
+    # protocol groups that need a header (--grpc-restricted-protocol,
+    # --http-restricted-api).
+    public_tls: TlsOptions | None = flag(None, "public_tls")
+    grpc_restrictions: tuple[Restriction, ...] = flag((), "grpc_restrictions")
+    http_restrictions: tuple[Restriction, ...] = flag((), "http_restrictions")
 
 
 @dataclass(frozen=True)

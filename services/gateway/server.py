@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -20,13 +19,11 @@ from services.gateway.scheduler_link import SchedulerLink
 from services.gateway.security import RestrictedProtocols, server_credentials
 from services.gateway.service import InferenceService
 from services.gateway.shared_stats import SharedStats
-from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
 from stageserve.net import SERVER_OPTIONS, stage_channel
 from stageserve.redis_connect import connect
-from stageserve.security_options import Restriction, TlsOptions
 from stageserve.service_runtime import run_server
 from stageserve.settings import Settings
 from stageserve.telemetry import serve_metrics
@@ -43,16 +40,14 @@ async def serve(
     load_models: list[str],
     settings: Settings,
     metrics_port: int | None = None,
-    autocomplete: AutoComplete = TRITON_DEFAULT,
     http_listen: str | None = None,
-    tls: TlsOptions | None = None,
-    restrictions: Sequence[Restriction] = (),
-    http_restrictions: Sequence[Restriction] = (),
 ) -> None:
     """`http_listen` (host:port, port 0 picks one) also serves the HTTP/REST
     front on the same dataplane; None: gRPC only. `settings.gateway` holds the
-    model control mode, the repository poll period and the gateway's figures."""
+    model control mode, the repository poll period, auto-complete, the public
+    endpoints' TLS and restrictions, and the gateway's figures."""
     gateway = settings.gateway
+    tls, restrictions = gateway.public_tls, gateway.grpc_restrictions
     control_mode = gateway.model_control_mode
     redis = connect(redis_url, settings.redis_client)
     await redis.ping()
@@ -64,7 +59,7 @@ async def serve(
         ModelStateStore(redis),
         pb_grpc.RateLimiterStub(rl_channel),
         gateway,
-        autocomplete=autocomplete,
+        autocomplete=gateway.autocomplete,
     )
     link = SchedulerLink(
         scheduler_address, gateway.scheduler_connect_timeout_s, gateway.scheduler_link_hold_us
@@ -86,7 +81,7 @@ async def serve(
     announce: dict[str, str] = {}
     if http_listen is not None:
         host, port = http_listen.rsplit(":", 1)
-        http = http_server(HttpFront(dataplane, http_restrictions), host, int(port))
+        http = http_server(HttpFront(dataplane, gateway.http_restrictions), host, int(port))
         await http.start()
         announce["http"] = http.address
 

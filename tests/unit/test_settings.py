@@ -129,3 +129,46 @@ def test_the_tree_is_frozen() -> None:
     s = Settings()
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.worker.lease_ms = 1  # type: ignore[misc]
+
+
+def test_the_gateway_section_holds_its_public_endpoint_flags(tmp_path) -> None:
+    from stageserve.cli import _settings, build_parser
+
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    parser = build_parser()
+    args = parser.parse_args(
+        [
+            "gateway",
+            "--redis-url",
+            "r",
+            "--model-repository",
+            str(tmp_path),
+            "--model-control-mode",
+            "explicit",
+            "--disable-auto-complete-config",
+            "--grpc-use-ssl=true",
+            f"--grpc-server-cert={cert}",
+            f"--grpc-server-key={key}",
+            "--grpc-restricted-protocol=model-repository:admin=secret",
+            "--http-restricted-api=health:k=v",
+        ]
+    )
+    gateway = _settings(parser, args).gateway
+    assert gateway.model_control_mode == "explicit"
+    assert not gateway.autocomplete.enabled
+    assert gateway.public_tls is not None and gateway.public_tls.server_cert == cert
+    (grpc_rule,) = gateway.grpc_restrictions
+    assert grpc_rule.groups == {"model-repository"} and grpc_rule.value == "secret"
+    (http_rule,) = gateway.http_restrictions
+    assert http_rule.header == "k" and http_rule.groups == {"health"}
+
+
+def test_a_bad_security_flag_stops_the_cli_with_its_message(tmp_path) -> None:
+    from stageserve.cli import _settings, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(
+        ["gateway", "--redis-url", "r", "--model-repository", str(tmp_path), "--grpc-use-ssl=true"]
+    )
+    with pytest.raises(SystemExit, match="--grpc-use-ssl needs --grpc-server-cert"):
+        _settings(parser, args)

@@ -6,10 +6,10 @@ control), are defined here, once, with why each has its value. A numeric
 field can be set from the environment as STAGESERVE_<SECTION>_<FIELD> (e.g.
 STAGESERVE_WORKER_LEASE_MS=5000), which is how compose and Kubernetes
 configure the stages; a field marked `flag(...)` is set by that `stageserve`
-command-line flag alone (its default here is the flag's default). `stageserve` builds the
-tree once at startup (settings_from) and hands it to the service it runs,
-as vLLM hands its config tree down; services read it, never module
-constants. docs/deployment.md lists the fields.
+command-line flag alone (its default here is the flag's default).
+`stageserve` builds the tree once at startup (settings_from) and hands it to
+the service it runs, as vLLM hands its config tree down; services read it,
+never module constants. docs/deployment.md lists the fields.
 """
 
 from __future__ import annotations
@@ -217,13 +217,10 @@ class Settings:
     supervisor: SupervisorSettings = field(default_factory=SupervisorSettings)
 
 
+# section name -> its class (each Settings field's default factory)
 _SECTIONS: dict[str, type] = {
-    "gateway": GatewaySettings,
-    "scheduler": SchedulerSettings,
-    "ratelimiter": RateLimiterSettings,
-    "worker": WorkerSettings,
-    "redis_client": RedisClientSettings,
-    "supervisor": SupervisorSettings,
+    f.name: f.default_factory  # type: ignore[misc]
+    for f in dataclasses.fields(Settings)
 }
 
 

@@ -8,7 +8,7 @@ gateway's model until it has republished it, so it never goes unavailable
 
 Made deterministic by stopping gateway A (SIGSTOP) from before the flush until
 the restarted gateway B has marked and the worker has had time to act on it
-(a model event or its RECONCILE_S re-check): a stopped gateway stands for one
+(a model event or its reconcile_s re-check): a stopped gateway stands for one
 that is merely slower than B. Before the fix, the worker unloaded A's model
 within that window and A, finding Redis marked, never republished it.
 """

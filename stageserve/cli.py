@@ -33,18 +33,15 @@ from stageserve.security_options import (
     restrictions_from,
     tls_from,
 )
+from stageserve.settings import GatewaySettings, SchedulerSettings, Settings, settings_from
 from stageserve.stage_tls import StageTlsError, stage_tls
 
 log = logging.getLogger("stageserve")
 
 DEFAULT_EXAMPLE_REPOSITORY = Path(".stageserve/example_repository")
 
-
-# The adaptive hold's cap, on by default (services/scheduler/hold_tuner.py):
-# with the tuner, two interleaved A/B rounds on the 2-core dev machine gave
-# +11-20% at concurrency 32-64 (identity, mlp), 0.98-1.03x at 1 and 8, and
-# 19% less CPU per inference at 64 (docs/benchmarks.md).
-ADAPTIVE_DELAY_US = 2000
+# The adaptive hold's cap (stageserve/settings.py says why this default).
+ADAPTIVE_DELAY_US = SchedulerSettings().adaptive_batch_delay_us
 
 
 @overload
@@ -127,7 +124,7 @@ def _poll_secs(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--repository-poll-secs",
         type=float,
-        default=15.0,
+        default=GatewaySettings().repository_poll_secs,
         help="with --model-control-mode poll: seconds between repository scans",
     )
 
@@ -247,6 +244,25 @@ def _need(args: argparse.Namespace, *names: str) -> None:
         sys.exit(f"stageserve {args.command}: missing {flags} (or its environment variable)")
 
 
+def _settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Settings:
+    """The settings tree this process runs with: environment, then flags; a bad
+    value ends the CLI with its message."""
+    # The flags that become one field each: parsed here, checked once.
+    parsed: dict[str, object] = {}
+    if hasattr(args, "disable_auto_complete_config"):
+        parsed["autocomplete"] = _autocomplete_of(args)
+    if hasattr(args, "grpc_use_ssl"):
+        parsed["public_tls"] = _security(args, tls_from)
+        parsed["grpc_restrictions"] = tuple(_security(args, restrictions_from))
+        parsed["http_restrictions"] = tuple(_security(args, http_restrictions_from))
+    try:
+        resources = resource_overrides(getattr(args, "rate_limit_resource", []))
+        parsed["rate_limit_resources"] = tuple(resources.items())
+        return settings_from({**vars(args), **parsed})
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def main(argv: list[str] | None = None) -> int:
     choose_grpc_io()  # before anything imports grpc (see grpc_io.py)
     try:
@@ -259,10 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        resource_overrides(getattr(args, "rate_limit_resource", []))
-    except ValueError as exc:
-        parser.error(str(exc))
+    settings = _settings(parser, args)
     if args.command == "exec":  # PDEATHSIG survives exec: redis-server dies with us too
         os.execv(args.argv[0], args.argv)
     if args.command == "make-examples":
@@ -296,11 +309,12 @@ def main(argv: list[str] | None = None) -> int:
             log_verbose=args.log_verbose,
             autocomplete=_autocomplete_of(args),
             ratelimiter_args=rate_limit_argv(args.rate_limit, args.rate_limit_resource),
-            repository_poll_secs=args.repository_poll_secs,
+            repository_poll_secs=settings.gateway.repository_poll_secs,
             supervisor_metrics_port=args.supervisor_metrics_port,
             gateway_extra=_security(args, gateway_flags),
             exit_on_error=args.exit_on_error,
             strict_readiness=args.strict_readiness,
+            supervisor_settings=settings.supervisor,
         )
     if args.command == "gateway":
         from services.gateway.server import serve as serve_gateway
@@ -313,34 +327,20 @@ def main(argv: list[str] | None = None) -> int:
             args.ratelimiter,
             args.scheduler,
             args.model_repository.resolve(),
-            args.model_control_mode,
             args.load_model,
+            settings,
             args.metrics_port or None,
-            _autocomplete_of(args),
-            args.repository_poll_secs,
             _http_listen(args),
-            _security(args, tls_from),
-            _security(args, restrictions_from),
-            _security(args, http_restrictions_from),
-            args.exit_on_error,
-            args.strict_readiness,
         )
     elif args.command == "scheduler":
         from services.scheduler.service import serve as serve_scheduler
 
         _need(args, "ratelimiter")
-        coro = serve_scheduler(
-            args.listen, args.redis_url, args.ratelimiter, args.adaptive_batch_delay_us
-        )
+        coro = serve_scheduler(args.listen, args.redis_url, args.ratelimiter, settings)
     elif args.command == "ratelimiter":
         from services.ratelimiter.service import serve as serve_ratelimiter
 
-        coro = serve_ratelimiter(
-            args.listen,
-            args.redis_url,
-            args.rate_limit,
-            resource_overrides(args.rate_limit_resource),
-        )
+        coro = serve_ratelimiter(args.listen, args.redis_url, settings)
     else:
         from services.worker.service import serve as serve_worker
 
@@ -349,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             args.listen,
             args.redis_url,
             args.ratelimiter,
-            args.device,
             args.worker_id,
+            settings,
             args.advertise,
             args.scheduler,
         )

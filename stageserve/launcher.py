@@ -31,6 +31,7 @@ from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.gpus import AUTO, gpu_count, worker_devices
 from stageserve.net import free_port
 from stageserve.service_runtime import READY_MARKER, STARTUP_MARKER
+from stageserve.settings import SupervisorSettings, settings_from_env
 
 if TYPE_CHECKING:
     from stageserve.supervision import Supervisor
@@ -162,13 +163,19 @@ class Stack:
             raise RuntimeError(f"{name} did not become ready (exit code {child.proc.poll()})")
         return child
 
-    def supervise(self, metrics_port: int | None = None) -> Supervisor:
+    def supervise(
+        self, metrics_port: int | None = None, settings: SupervisorSettings | None = None
+    ) -> Supervisor:
         """Restart any child that exits from now on (see stageserve/supervision.py).
-        With metrics_port, serve the restart counter there (0: a free port)."""
+        With metrics_port, serve the restart counter there (0: a free port).
+        `settings`: `up`'s settings tree's; None (a test or bench harness):
+        this process's environment's."""
         from stageserve.supervision import Supervisor
 
         if self._supervisor is None:
-            self._supervisor = Supervisor(self.children, metrics_port)
+            if settings is None:
+                settings = settings_from_env().supervisor
+            self._supervisor = Supervisor(self.children, settings, metrics_port)
             self._supervisor.start()
         return self._supervisor
 
@@ -344,6 +351,7 @@ def up(
     gateway_extra: Sequence[str] = (),
     exit_on_error: bool = True,
     strict_readiness: bool = True,
+    supervisor_settings: SupervisorSettings | None = None,
 ) -> int:
     stack = Stack(log_verbose)
     stopping = threading.Event()
@@ -375,7 +383,7 @@ def up(
         )
         # From here on a stage that exits is started again, Redis included
         # (an external Redis, --redis-url, is not ours to restart).
-        supervisor = stack.supervise(supervisor_metrics_port)
+        supervisor = stack.supervise(supervisor_metrics_port, supervisor_settings)
         ports: dict[str, int | None] = {
             c.name: c.metrics_port for c in stack.children if c.metrics_port
         }

@@ -134,8 +134,8 @@ class ModelStateStore:
         self._mark = redis.register_script(_MARK)
         self._publishers = redis.register_script(_PUBLISHERS)
         # loaded()'s records as last decoded: a worker reads every record each
-        # RECONCILE_S and at every model event, and decoding them (protobuf
-        # parse + to_spec) was 8% of a worker's CPU at c=64 on the example
+        # WorkerSettings.reconcile_s and at every model event, and decoding them
+        # (protobuf parse + to_spec) was 8% of a worker's CPU at c=64 on the example
         # repository (py-spy); an unchanged record is not decoded again.
         self._decoded: dict[str, tuple[dict[bytes, bytes], LoadedModel | None]] = {}
 

@@ -20,15 +20,16 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 
-from stageserve.settings import REDIS_CLIENT
+from stageserve.settings import RedisClientSettings
 
 
-def connect(url: str) -> aioredis.Redis:
+def connect(url: str, client: RedisClientSettings) -> aioredis.Redis:
+    """A client of `url` retrying as `client` (the settings tree's redis_client) says."""
     return aioredis.from_url(
         url,
         retry=Retry(
-            ExponentialBackoff(cap=REDIS_CLIENT.backoff_cap_s, base=REDIS_CLIENT.backoff_base_s),
-            REDIS_CLIENT.retries,
+            ExponentialBackoff(cap=client.backoff_cap_s, base=client.backoff_base_s),
+            client.retries,
         ),
         retry_on_error=[ConnectionError, TimeoutError],
     )

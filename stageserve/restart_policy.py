@@ -12,15 +12,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stageserve.settings import SUPERVISOR
+from stageserve.settings import SupervisorSettings
 
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    first_delay_s: float = SUPERVISOR.restart_first_delay_s
-    max_delay_s: float = SUPERVISOR.restart_max_delay_s
+    first_delay_s: float
+    max_delay_s: float
     # Uptime after which an exit counts as a fresh failure (delay back to the first).
-    healthy_after_s: float = SUPERVISOR.restart_healthy_after_s
+    healthy_after_s: float
+
+    @classmethod
+    def of(cls, settings: SupervisorSettings) -> RestartPolicy:
+        return cls(
+            settings.restart_first_delay_s,
+            settings.restart_max_delay_s,
+            settings.restart_healthy_after_s,
+        )
 
     def delay(self, consecutive_failures: int) -> float:
         """Delay before the restart that follows the n-th consecutive failure (n >= 1)."""

@@ -17,7 +17,6 @@ from stageserve.errors import StageError, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.net import stage_channel
-from stageserve.settings import GATEWAY
 from stageserve.transport import StreamLink
 from stageserve.write_hold import WriteHold
 
@@ -26,10 +25,11 @@ class SchedulerLink:
     def __init__(
         self,
         address: str,
-        connect_timeout_s: float = GATEWAY.scheduler_connect_timeout_s,
+        connect_timeout_s: float,
         hold_us: int = 0,
     ) -> None:
-        """`hold_us` > 0: each write may wait up to that long for more requests
+        """`connect_timeout_s`: GatewaySettings.scheduler_connect_timeout_s.
+        `hold_us` > 0: each write may wait up to that long for more requests
         (stageserve/write_hold.py): the gateway's link, not a worker's BLS calls,
         which a model's execute waits on."""
         self.address = address

@@ -1,24 +1,36 @@
-"""The figures that bound failure and healing, one typed settings object per service.
+"""One typed settings tree per process: a section per service plus shared ones.
 
-Leases, heartbeats, timeouts, retry and backoff figures are defined here,
-once, rather than in the modules that use them, with why each has its value,
-and each can be set from the environment as STAGESERVE_<SERVICE>_<FIELD>
-(e.g. STAGESERVE_WORKER_LEASE_MS=5000), which is how compose and Kubernetes
-configure the stages. The objects are built once
-per process, at import. docs/deployment.md lists them.
-
-Every service's figures are here, the rate limiter's included.
+Leases, heartbeats, timeouts, retry and backoff figures, and the service
+flags that tune behaviour (rate limiting, the adaptive batch hold, model
+control), are defined here, once, with why each has its value. A numeric
+field can be set from the environment as STAGESERVE_<SECTION>_<FIELD> (e.g.
+STAGESERVE_WORKER_LEASE_MS=5000), which is how compose and Kubernetes
+configure the stages; a field marked `flag(...)` is set by that `stageserve`
+command-line flag alone (its default here is the flag's default).
+`stageserve` builds the tree once at startup (settings_from) and hands it to
+the service it runs, as vLLM hands its config tree down; services read it,
+never module constants. docs/deployment.md lists the fields.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
+from stageserve.security_options import Restriction, TlsOptions
 
 T = TypeVar("T")
+
+
+def flag(default: Any, dest: str) -> Any:
+    """A field set by the command-line flag whose argparse dest is `dest`
+    (when the flag was given: None means not given)."""
+    return field(default=default, metadata={"flag": dest})
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,8 @@ class WorkerSettings:
     # for that model). 0, the default: on a thread of the worker, which
     # costs less per batch (python_backend/process_instance.py, docs/python_backend.md).
     python_instance_process: int = 0
+    # auto | cpu | cuda:N: where this worker's instances run.
+    device: str = flag("auto", "device")
 
 
 @dataclass(frozen=True)
@@ -74,6 +88,12 @@ class SchedulerSettings:
     grant_reuse_s: float = 2.0
     # An idle queue keeps its grants this long for the next burst.
     standby_hold_s: float = 0.5
+    # The adaptive hold's cap, on by default (services/scheduler/hold_tuner.py):
+    # with the tuner, two interleaved A/B rounds on the 2-core dev machine gave
+    # +11-20% at concurrency 32-64 (identity, mlp), 0.98-1.03x at 1 and 8, and
+    # 19% less CPU per inference at 64 (docs/benchmarks.md). 0: off, Triton's
+    # batching exactly.
+    adaptive_batch_delay_us: int = flag(2000, "adaptive_batch_delay_us")
 
 
 @dataclass(frozen=True)
@@ -98,6 +118,12 @@ class RateLimiterSettings:
     default_worker_lease_ms: int = 3000
     default_grant_lease_ms: int = 60_000
     default_renew_lease_ms: int = 5000
+    # Triton's --rate-limit: off (one payload per instance, resources ignored)
+    # or execution_count (instances run only while holding their resources);
+    # services/ratelimiter/options.py parses it.
+    mode: str = flag("off", "rate_limit")
+    # --rate-limit-resource overrides: field ("name" or "name@device") -> count.
+    resources: tuple[tuple[str, int], ...] = flag((), "rate_limit_resources")
 
 
 @dataclass(frozen=True)
@@ -118,6 +144,24 @@ class GatewaySettings:
     # Longest wait of a write on the stream to the scheduler for more requests,
     # under load and while it pays (stageserve/write_hold.py); 0: write at once.
     scheduler_link_hold_us: int = 2000
+    # none | explicit | poll, as Triton's --model-control-mode.
+    model_control_mode: str = flag("none", "model_control_mode")
+    # With poll: seconds between repository scans (--repository-poll-secs).
+    repository_poll_secs: float = flag(15.0, "repository_poll_secs")
+    # Triton's --disable-auto-complete-config and --default-max-batch-size.
+    autocomplete: AutoComplete = flag(TRITON_DEFAULT, "autocomplete")
+    # The public endpoints' security, Triton's flags (stageserve/security_options.py):
+    # TLS on the gRPC front (--grpc-use-ssl ...; None: plaintext) and the
+    # protocol groups that need a header (--grpc-restricted-protocol,
+    # --http-restricted-api).
+    public_tls: TlsOptions | None = flag(None, "public_tls")
+    grpc_restrictions: tuple[Restriction, ...] = flag((), "grpc_restrictions")
+    http_restrictions: tuple[Restriction, ...] = flag((), "http_restrictions")
+    # Triton's --exit-on-error and --strict-readiness, with Triton's defaults
+    # (services/gateway/startup.py): a startup model that fails to load ends the
+    # gateway with status 1; ServerReady waits for every model, not only liveness.
+    exit_on_error: bool = flag(True, "exit_on_error")
+    strict_readiness: bool = flag(True, "strict_readiness")
 
 
 @dataclass(frozen=True)
@@ -142,9 +186,12 @@ class SupervisorSettings:
 
 
 def from_env(cls: type[T], service: str, environ: Mapping[str, str] = os.environ) -> T:
-    """cls's defaults, each overridden by STAGESERVE_<SERVICE>_<FIELD> when set."""
+    """cls's defaults, each overridden by STAGESERVE_<SERVICE>_<FIELD> when set
+    (flag fields are the flags' alone)."""
     values = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if "flag" in f.metadata:
+            continue
         name = f"STAGESERVE_{service.upper()}_{f.name.upper()}"
         raw = environ.get(name)
         if raw is None:
@@ -160,9 +207,51 @@ def from_env(cls: type[T], service: str, environ: Mapping[str, str] = os.environ
     return cls(**values)
 
 
-WORKER = from_env(WorkerSettings, "worker")
-SCHEDULER = from_env(SchedulerSettings, "scheduler")
-RATELIMITER = from_env(RateLimiterSettings, "ratelimiter")
-GATEWAY = from_env(GatewaySettings, "gateway")
-REDIS_CLIENT = from_env(RedisClientSettings, "redis_client")
-SUPERVISOR = from_env(SupervisorSettings, "supervisor")
+@dataclass(frozen=True)
+class Settings:
+    """The tree one process is handed: every service's section (a process runs
+    one service, but `up` supervises them all and tests read the figures) and
+    the shared ones."""
+
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    ratelimiter: RateLimiterSettings = field(default_factory=RateLimiterSettings)
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
+    redis_client: RedisClientSettings = field(default_factory=RedisClientSettings)
+    supervisor: SupervisorSettings = field(default_factory=SupervisorSettings)
+
+
+# section name -> its class (each Settings field's default factory)
+_SECTIONS: dict[str, type] = {
+    f.name: f.default_factory  # type: ignore[misc]
+    for f in dataclasses.fields(Settings)
+}
+
+
+def settings_from_env(environ: Mapping[str, str] = os.environ) -> Settings:
+    """Every section's defaults overridden by the environment; ValueError names
+    a malformed or negative variable."""
+    return Settings(**{name: from_env(cls, name, environ) for name, cls in _SECTIONS.items()})
+
+
+def with_flags(settings: Settings, flags: argparse.Namespace | Mapping[str, Any]) -> Settings:
+    """`settings` with each flag field replaced by its parsed flag (a dest absent
+    from `flags`, as another service's flags are, or None leaves the default)."""
+    given = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags)
+    sections = {}
+    for name in _SECTIONS:
+        section = getattr(settings, name)
+        changes = {
+            f.name: given[f.metadata["flag"]]
+            for f in dataclasses.fields(section)
+            if "flag" in f.metadata and given.get(f.metadata["flag"]) is not None
+        }
+        sections[name] = dataclasses.replace(section, **changes)
+    return Settings(**sections)
+
+
+def settings_from(
+    flags: argparse.Namespace | Mapping[str, Any], environ: Mapping[str, str] = os.environ
+) -> Settings:
+    """The tree a `stageserve` process runs with: the environment's figures and its flags."""
+    return with_flags(settings_from_env(environ), flags)

@@ -4,8 +4,8 @@ figures plus the others' latest.
 
 Several gateways behind one address (SO_REUSEPORT, a Kubernetes Service)
 each see part of the traffic; a client asking any of them gets the model's
-totals, at most PUBLISH_S behind for the other gateways' share. Figures are
-kept per model load (generation): a reload starts them afresh, and a gateway
+totals, at most GatewaySettings.stats_publish_s behind for the other gateways'
+share. Figures are kept per model load (generation): a reload starts them afresh, and a gateway
 that stops leaves its share in the totals until then, as counts since the
 model was loaded should.
 """
@@ -21,19 +21,18 @@ import redis.asyncio as aioredis
 
 from stageserve import redis_keys as keys
 from stageserve.generated import grpc_service_pb2 as gs
-from stageserve.settings import GATEWAY
 from stageserve.statistics import StatsBook, merge
 
 log = logging.getLogger(__name__)
 
-PUBLISH_S = GATEWAY.stats_publish_s
 # A model load's figures outlive it by this much (a later load uses new keys).
 KEEP_MS = 7 * 24 * 3600 * 1000
 
 
 class SharedStats:
-    def __init__(self, redis: aioredis.Redis, book: StatsBook) -> None:
+    def __init__(self, redis: aioredis.Redis, book: StatsBook, publish_s: float) -> None:
         self.redis = redis
+        self.publish_s = publish_s
         self.book = book
         self.gateway_id = uuid.uuid4().hex
         self._task: asyncio.Task | None = None
@@ -51,7 +50,7 @@ class SharedStats:
 
     async def _publish_loop(self) -> None:
         while True:
-            await asyncio.sleep(PUBLISH_S)
+            await asyncio.sleep(self.publish_s)
             try:
                 await self.publish()
             except Exception as exc:  # Redis away: try again next round

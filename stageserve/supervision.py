@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
 from stageserve.restart_policy import RestartPolicy, RestartState
-from stageserve.settings import SUPERVISOR
+from stageserve.settings import SupervisorSettings
 
 if TYPE_CHECKING:
     from stageserve.launcher import Child
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TICK_S = 0.05
-START_TIMEOUT_S = SUPERVISOR.start_timeout_s  # never announced: killed and retried
 
 RUNNING, WAITING, STARTING = "running", "waiting", "starting"
 
@@ -53,11 +52,12 @@ class Supervisor:
     def __init__(
         self,
         children: list[Child],
+        settings: SupervisorSettings,
         metrics_port: int | None = None,
-        policy: RestartPolicy | None = None,
     ) -> None:
         self.children = children  # the stack's list: children added later are watched too
-        self.policy = policy or RestartPolicy()
+        self.policy = RestartPolicy.of(settings)
+        self.start_timeout_s = settings.start_timeout_s  # never announced: killed and retried
         self.registry = CollectorRegistry()
         self.restart_counter = Counter(
             "stageserve_stage_restarts",
@@ -115,7 +115,7 @@ class Supervisor:
             )
         elif child.proc.poll() is not None:
             self._failed(watch, now, child.proc.returncode)
-        elif now - watch.since > START_TIMEOUT_S:
+        elif now - watch.since > self.start_timeout_s:
             child.proc.kill()
             child.proc.wait()
             self._failed(watch, now, child.proc.returncode)

@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from services.gateway.models import ModelManager
+from services.gateway.model_lifecycle import ModelLifecycle
+from services.gateway.model_table import ModelTable
 from services.gateway.overrides import OverrideArea
 from services.gateway.python_models import (
     DecoupledStream,
@@ -53,8 +54,12 @@ EXTENSIONS = [
 
 
 class DataPlane:
-    def __init__(self, models: ModelManager, scheduler: SchedulerLink) -> None:
+    def __init__(
+        self, models: ModelTable, lifecycle: ModelLifecycle, scheduler: SchedulerLink
+    ) -> None:
+        """`models` is read on every request; `lifecycle` only by the repository RPCs."""
         self.models = models
+        self.lifecycle = lifecycle
         self.scheduler = scheduler
         self.stats = StatsBook(self._generation_of)
         self.recorder = RequestRecorder(self.stats)
@@ -218,7 +223,7 @@ class DataPlane:
                 )
 
     def _watch_inflight(self, model: str) -> None:
-        """The in-flight gauge reads ModelManager's count (begin/end) at scrape
+        """The in-flight gauge reads ModelTable's count (begin/end) at scrape
         time: no lock taken twice per request (Gauge.inc/dec, 0.8 us)."""
         self._inflight_watched.add(model)
         GATEWAY_INFLIGHT.labels(model).set_function(lambda: self.models.in_flight(model))
@@ -273,7 +278,7 @@ class DataPlane:
 
     def repository_index(self, request: gs.RepositoryIndexRequest) -> gs.RepositoryIndexResponse:
         out = gs.RepositoryIndexResponse()
-        for name, version, state, reason in self.models.index():
+        for name, version, state, reason in self.lifecycle.index():
             if request.ready and state != "READY":
                 continue
             out.models.add(name=name, version=version, state=state, reason=reason)
@@ -284,10 +289,10 @@ class DataPlane:
         if request.repository_name:
             raise invalid("StageServe serves one model repository; repository_name must be empty")
         name = request.model_name
-        root = self.overrides.prepare(name, request.parameters, self.models.repository)
+        root = self.overrides.prepare(name, request.parameters, self.lifecycle.repository)
         loaded = False
         try:
-            if await self.models.load(name, root=root):  # False: unchanged, a no-op
+            if await self.lifecycle.load(name, root=root):  # False: unchanged, a no-op
                 self.stats.reset(name)
             loaded = True
         finally:
@@ -299,15 +304,15 @@ class DataPlane:
     ) -> gs.RepositoryModelUnloadResponse:
         self._check_explicit("unload")
         dependents = request.parameters.get("unload_dependents")
-        await self.models.unload(request.model_name, bool(dependents and dependents.bool_param))
+        await self.lifecycle.unload(request.model_name, bool(dependents and dependents.bool_param))
         self.overrides.settle(request.model_name, None, loaded=True)
         return gs.RepositoryModelUnloadResponse()
 
     def _check_explicit(self, what: str) -> None:
-        if self.models.control_mode != "explicit":
+        if self.lifecycle.control_mode != "explicit":
             raise unavailable(
                 f"explicit model {what} is not allowed: model control mode is "
-                f"'{self.models.control_mode}' (start with --model-control-mode explicit)"
+                f"'{self.lifecycle.control_mode}' (start with --model-control-mode explicit)"
             )
 
 

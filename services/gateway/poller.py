@@ -3,7 +3,7 @@
 Every `--repository-poll-secs` the repository is scanned; a model directory
 that appeared is loaded, one whose files changed (config.pbtxt, a version
 directory added or removed, a model file rewritten) is reloaded, and one that
-disappeared is unloaded. ModelManager does the work: a reload publishes a new
+disappeared is unloaded. ModelLifecycle does the work: a reload publishes a new
 generation, workers load it before they unload the old one and drain the old
 instances' in-flight batches first, so requests admitted before the change
 finish on the old version; a reload that fails keeps the old version serving.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from services.gateway.models import ModelManager
+from services.gateway.model_lifecycle import ModelLifecycle
 from stageserve import redis_keys as keys
 from stageserve.errors import StageError
 from stageserve.repository import model_names
@@ -76,7 +76,7 @@ def diff(before: dict[str, Fingerprint], after: dict[str, Fingerprint]) -> Chang
 
 
 class RepositoryPoller:
-    def __init__(self, models: ModelManager, repository: Path, poll_secs: float) -> None:
+    def __init__(self, models: ModelLifecycle, repository: Path, poll_secs: float) -> None:
         self.models = models
         self.repository = repository
         self.poll_secs = poll_secs
@@ -103,7 +103,7 @@ class RepositoryPoller:
         )
         for name in changes.removed:
             await self._apply("unload", name)
-            self.models.entries.pop(name, None)  # gone from the repository and the index
+            self.models.forget(name)
         await asyncio.gather(*(self._apply("load", n) for n in (*changes.added, *changes.changed)))
         return changes
 

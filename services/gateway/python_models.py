@@ -10,7 +10,7 @@ from typing import TypedDict
 
 import grpc
 
-from services.gateway.models import ModelManager
+from services.gateway.model_table import ModelTable
 from stageserve.config import ModelSpec
 from stageserve.errors import StageError
 from stageserve.generated import grpc_service_pb2 as gs
@@ -32,7 +32,7 @@ def python_request_fields(spec: ModelSpec, request: gs.ModelInferRequest) -> Pyt
     return {"request_id": request.id, "parameters_json": parameters_json(request.parameters)}
 
 
-def check_unary_allowed(models: ModelManager, request: gs.ModelInferRequest) -> None:
+def check_unary_allowed(models: ModelTable, request: gs.ModelInferRequest) -> None:
     """Triton 2.51 answers ModelInfer on a decoupled model with UNIMPLEMENTED."""
     entry = models.entries.get(request.model_name)
     spec = entry.spec if entry is not None else None

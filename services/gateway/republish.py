@@ -2,8 +2,9 @@
 
 The gateway is the one stage that knows what is loaded; the others read it
 from Redis. Each gateway holds a publication mark there (keys.MODEL_PUBLISHERS,
-a lease of LEASE_MS renewed every PERIOD_S). When its mark is gone, Redis lost
-its data (or this gateway stalled past its lease): it writes back the record
+a lease of GatewaySettings.publication_lease_ms renewed every
+republish_check_s). When its mark is gone, Redis lost its data (or this
+gateway stalled past its lease): it writes back the record
 of each model it serves, with the generation it had, where Redis holds none,
 then marks again. Workers keep every instance they host while a gateway they
 saw has no mark (services/worker/publishers.py), so a gateway that marks
@@ -24,16 +25,12 @@ import socket
 
 import redis.asyncio as aioredis
 
-from services.gateway.models import ModelManager
+from services.gateway.model_lifecycle import ModelLifecycle
 from stageserve import redis_keys as keys
 from stageserve.model_state import files_digest
-from stageserve.settings import GATEWAY
+from stageserve.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
-
-# How soon a lost model set is noticed: a check is one script call.
-PERIOD_S = GATEWAY.republish_check_s
-LEASE_MS = GATEWAY.publication_lease_ms
 
 _RAISE_COUNTER = """
 if tonumber(redis.call('GET', KEYS[1]) or '0') < tonumber(ARGV[1]) then
@@ -43,8 +40,13 @@ end
 
 
 class Republisher:
-    def __init__(self, models: ModelManager, redis: aioredis.Redis) -> None:
+    def __init__(
+        self, models: ModelLifecycle, redis: aioredis.Redis, settings: GatewaySettings
+    ) -> None:
         self.models = models
+        # How soon a lost model set is noticed: a check is one script call.
+        self.period_s = settings.republish_check_s
+        self.lease_ms = settings.publication_lease_ms
         self.redis = redis
         # Unique per process: a restarted gateway is a new publisher.
         self.gateway_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -68,12 +70,12 @@ class Republisher:
                 await self.check()
             except Exception as exc:  # Redis away: try again next round
                 log.warning("model set check failed", extra={"error": str(exc)})
-            await asyncio.sleep(PERIOD_S)
+            await asyncio.sleep(self.period_s)
 
     async def check(self) -> int:
         """Republish when this gateway's mark is gone; returns how many models were."""
         state = self.models.state
-        if await state.mark_published(self.gateway_id, LEASE_MS, renew_only=True):
+        if await state.mark_published(self.gateway_id, self.lease_ms, renew_only=True):
             return 0
         # A model being (un)loaded right now publishes its own record.
         entries = [
@@ -95,7 +97,7 @@ class Republisher:
                 )
             await pipe.execute()
         # Records first, then the mark: a worker that sees the mark sees them.
-        await state.mark_published(self.gateway_id, LEASE_MS, renew_only=False)
+        await state.mark_published(self.gateway_id, self.lease_ms, renew_only=False)
         if entries:
             await self._raise_counter(
                 keys=[keys.GENERATION_COUNTER], args=[max(e.generation for e in entries)]

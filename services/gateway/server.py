@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -12,22 +11,21 @@ import grpc
 from services.gateway.dataplane import DataPlane
 from services.gateway.http.app import HttpFront
 from services.gateway.http.server import HttpServer, http_server
-from services.gateway.models import ModelManager
+from services.gateway.model_lifecycle import ModelLifecycle
+from services.gateway.model_table import ModelTable
 from services.gateway.poller import RepositoryPoller
 from services.gateway.republish import Republisher
 from services.gateway.security import RestrictedProtocols, server_credentials
 from services.gateway.service import InferenceService
 from services.gateway.startup import StartupLoadFailed, report, startup_failures
-from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
 from stageserve.net import SERVER_OPTIONS, stage_channel
 from stageserve.redis_connect import connect
 from stageserve.scheduler_link import SchedulerLink
-from stageserve.security_options import Restriction, TlsOptions
 from stageserve.service_runtime import run_server
-from stageserve.settings import GATEWAY
+from stageserve.settings import Settings
 from stageserve.shared_stats import SharedStats
 from stageserve.telemetry import serve_metrics
 
@@ -40,38 +38,40 @@ async def serve(
     ratelimiter_address: str,
     scheduler_address: str,
     repository: Path,
-    control_mode: str,
     load_models: list[str],
+    settings: Settings,
     metrics_port: int | None = None,
-    autocomplete: AutoComplete = TRITON_DEFAULT,
-    repository_poll_secs: float = 15.0,
     http_listen: str | None = None,
-    tls: TlsOptions | None = None,
-    restrictions: Sequence[Restriction] = (),
-    http_restrictions: Sequence[Restriction] = (),
-    exit_on_error: bool = True,
-    strict_readiness: bool = True,
 ) -> None:
     """`http_listen` (host:port, port 0 picks one) also serves the HTTP/REST
-    front on the same dataplane; None: gRPC only. `exit_on_error` and
-    `strict_readiness` are Triton's flags (services/gateway/startup.py): a
-    startup model that fails raises StartupLoadFailed under the first."""
-    redis = connect(redis_url)
+    front on the same dataplane; None: gRPC only. `settings.gateway` holds the
+    model control mode, the repository poll period, auto-complete, the public
+    endpoints' TLS and restrictions, Triton's --exit-on-error and
+    --strict-readiness (services/gateway/startup.py: a startup model that fails
+    raises StartupLoadFailed under the first), and the gateway's figures."""
+    gateway = settings.gateway
+    tls, restrictions = gateway.public_tls, gateway.grpc_restrictions
+    control_mode = gateway.model_control_mode
+    redis = connect(redis_url, settings.redis_client)
     await redis.ping()
     rl_channel = stage_channel(ratelimiter_address)
-    models = ModelManager(
+    models = ModelTable()
+    lifecycle = ModelLifecycle(
+        models,
         repository,
         ModelStateStore(redis),
         pb_grpc.RateLimiterStub(rl_channel),
-        control_mode,
-        autocomplete=autocomplete,
+        gateway,
+        autocomplete=gateway.autocomplete,
     )
-    link = SchedulerLink(scheduler_address, hold_us=GATEWAY.scheduler_link_hold_us)
-    dataplane = DataPlane(models, link)
-    dataplane.strict_readiness = strict_readiness
-    dataplane.shared = SharedStats(redis, dataplane.stats)
+    link = SchedulerLink(
+        scheduler_address, gateway.scheduler_connect_timeout_s, gateway.scheduler_link_hold_us
+    )
+    dataplane = DataPlane(models, lifecycle, link)
+    dataplane.strict_readiness = gateway.strict_readiness
+    dataplane.shared = SharedStats(redis, dataplane.stats, gateway.stats_publish_s)
     dataplane.shared.start()
-    republisher = Republisher(models, redis)
+    republisher = Republisher(lifecycle, redis, gateway)
     await republisher.check()  # marks the model set as known before loading
     republisher.start()
     # Restricted protocols are a gRPC-front concern (Triton's --grpc-restricted-protocol);
@@ -85,18 +85,18 @@ async def serve(
     announce: dict[str, str] = {}
     if http_listen is not None:
         host, port = http_listen.rsplit(":", 1)
-        http = http_server(HttpFront(dataplane, http_restrictions), host, int(port))
+        http = http_server(HttpFront(dataplane, gateway.http_restrictions), host, int(port))
         await http.start()
         announce["http"] = http.address
 
-    poller = RepositoryPoller(models, repository, repository_poll_secs)
+    poller = RepositoryPoller(lifecycle, repository, gateway.repository_poll_secs)
     polling: list[asyncio.Task] = []
 
     async def load_then_ready() -> None:
         poller.baseline()
-        failures = startup_failures(models, await models.startup(load_models))
+        failures = startup_failures(lifecycle, await lifecycle.startup(load_models))
         report(failures)
-        if failures and exit_on_error:
+        if failures and gateway.exit_on_error:
             raise StartupLoadFailed(failures)
         dataplane.ready = True
         log.info("startup models loaded", extra={"models": sorted(models.entries)})

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass
 
-from services.gateway.models import READY, ModelManager
+from services.gateway.model_lifecycle import ModelLifecycle
+from services.gateway.model_table import READY
 from stageserve.service_runtime import announce_startup
 
 log = logging.getLogger(__name__)
@@ -36,16 +37,16 @@ class StartupLoadFailed(Exception):
         self.failures = failures
 
 
-def startup_failures(models: ModelManager, wanted: list[str]) -> list[LoadFailure]:
+def startup_failures(lifecycle: ModelLifecycle, wanted: list[str]) -> list[LoadFailure]:
     """A row per startup model (or version) that is not ready, with the reason
     the repository index gives."""
     rows: dict[str, list[LoadFailure]] = {name: [] for name in wanted}
-    for name, version, state, reason in models.index():
+    for name, version, state, reason in lifecycle.index():
         if name in rows and state != READY:
             rows[name].append(LoadFailure(name, version, reason or "not loaded"))
     failures: list[LoadFailure] = []
     for name in wanted:
-        entry = models.entries.get(name)
+        entry = lifecycle.table.entries.get(name)
         if entry is None and not rows[name]:  # a --load-model name the repository lacks
             failures.append(LoadFailure(name, "", "no such model in the repository"))
         failures += rows[name]

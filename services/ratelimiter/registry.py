@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from services.ratelimiter import lua as scripts
 from services.ratelimiter.options import OFF, RATE_LIMIT_MODES
 from stageserve import redis_keys as keys
-from stageserve.settings import RATELIMITER
+from stageserve.settings import RateLimiterSettings
 
 # How long an Acquire's demand counts when other pools weigh their scaled
 # priority against it: longer than the gap between a scheduler's release and
@@ -41,15 +41,6 @@ class Busy:
     """Nothing can run now; look again on a release signal or after `recheck_s`."""
 
     recheck_s: float
-
-
-#: Every instance (or a resource it needs) is busy: a release signals it (the
-#: freeing process wakes its own waiters, Redis tells the other rate
-#: limiters), so the look-again period is only a safety net.
-BUSY = Busy(RATELIMITER.acquire_poll_s)
-#: A pool with a lower scaled priority goes first. Nothing signals the end of
-#: that wait (its demand lapses after DEMAND_TTL_MS): look again soon.
-DEFERRED = Busy(RATELIMITER.deferred_poll_s)
 
 
 @dataclass(frozen=True)
@@ -101,6 +92,8 @@ class RedisRegistry:
         mode: str = OFF,
         origin: str | None = None,
         waiting_ttl_ms: int = WAITING_TTL_MS,
+        *,
+        settings: RateLimiterSettings,
     ) -> None:
         if mode not in RATE_LIMIT_MODES:
             raise ValueError(f"rate limit mode '{mode}' is not one of {RATE_LIMIT_MODES}")
@@ -110,6 +103,13 @@ class RedisRegistry:
         #: this rate limiter process, as the waiting sets and channels name it
         self.origin = origin or uuid.uuid4().hex[:12]
         self.waiting_ttl_ms = waiting_ttl_ms
+        #: Every instance (or a resource it needs) is busy: a release signals it
+        #: (the freeing process wakes its own waiters, Redis tells the other
+        #: rate limiters), so the look-again period is only a safety net.
+        self.busy = Busy(settings.acquire_poll_s)
+        #: A pool with a lower scaled priority goes first. Nothing signals the
+        #: end of that wait (its demand lapses after DEMAND_TTL_MS): look again soon.
+        self.deferred = Busy(settings.deferred_poll_s)
         #: where Redis tells this process that another one freed something
         #: (message: "{model}:{version}", or "*" for any pool)
         self.freed_channel = keys.rl_freed_channel(prefix, self.origin)
@@ -183,9 +183,9 @@ class RedisRegistry:
         ]
         res = await self._acquire(args=[*args, DEMAND_TTL_MS, self.origin, self.waiting_ttl_ms])
         if res is None:
-            return BUSY
+            return self.busy
         if res == -3:
-            return DEFERRED
+            return self.deferred
         if res == -1:
             raise NoInstances(f"no instance of model '{model}' version {version} is registered")
         if res[0] == -2:

@@ -16,7 +16,6 @@ import time
 import grpc
 
 from services.ratelimiter.errors import stage_error, typed_errors
-from services.ratelimiter.options import OFF
 from services.ratelimiter.registry import (
     Grant,
     Instance,
@@ -27,7 +26,7 @@ from services.ratelimiter.registry import (
 from stageserve.errors import invalid
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
-from stageserve.settings import RATELIMITER
+from stageserve.settings import RateLimiterSettings, Settings
 from stageserve.telemetry import (
     RATELIMITER_GRANT_WAIT,
     RATELIMITER_GRANTS,
@@ -82,8 +81,9 @@ def _pack_responses(responses: list[pb.GrantResponse]) -> pb.GrantResponses:
 
 
 class RateLimiterService(pb_grpc.RateLimiterServicer):
-    def __init__(self, registry: RedisRegistry) -> None:
+    def __init__(self, registry: RedisRegistry, settings: RateLimiterSettings) -> None:
         self.registry = registry
+        self.settings = settings
         self.wakeups = Wakeups()
         # grant id -> (model, version, holds resources)
         self._grants: dict[str, tuple[str, int, bool]] = {}
@@ -109,7 +109,7 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             request.worker_id,
             request.worker_address,
             instances,
-            request.lease_ms or RATELIMITER.default_worker_lease_ms,
+            request.lease_ms or self.settings.default_worker_lease_ms,
         )
         log.info(
             "worker registered",
@@ -121,7 +121,7 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
     @typed_errors
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         known = await self.registry.heartbeat(
-            request.worker_id, request.lease_ms or RATELIMITER.default_worker_lease_ms
+            request.worker_id, request.lease_ms or self.settings.default_worker_lease_ms
         )
         return pb.HeartbeatResponse(known=known)
 
@@ -165,7 +165,7 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
     async def acquire(self, request: pb.AcquireRequest) -> pb.AcquireResponse:
         """A grant within request.wait_ms, or granted=False with the reason."""
         model, version = request.model, request.version
-        lease_ms = request.lease_ms or RATELIMITER.default_grant_lease_ms
+        lease_ms = request.lease_ms or self.settings.default_grant_lease_ms
         started = time.monotonic()
         deadline = started + request.wait_ms / 1000.0
         resp = await self._acquire(model, version, lease_ms, deadline)
@@ -221,7 +221,7 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
     @typed_errors
     async def Renew(self, request: pb.RenewRequest, context) -> pb.RenewResponse:
         lost = await self.registry.renew(
-            list(request.grant_ids), request.lease_ms or RATELIMITER.default_renew_lease_ms
+            list(request.grant_ids), request.lease_ms or self.settings.default_renew_lease_ms
         )
         return pb.RenewResponse(lost_grant_ids=lost)
 
@@ -252,7 +252,8 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
                 RATELIMITER_RESOURCES.remove(name, device, state)
         self._exported_resources = exported
 
-    async def export_usage_forever(self, period_s: float = RATELIMITER.usage_export_s) -> None:
+    async def export_usage_forever(self) -> None:
+        period_s = self.settings.usage_export_s
         """Keep the gauges current for /metrics."""
         while True:
             try:
@@ -290,14 +291,15 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
                         stage_error(exc, "freed subscription")  # logged there
                     failures += 1
                     await pubsub.aclose()  # subscribes anew next round
-                    await asyncio.sleep(min(RATELIMITER.acquire_poll_s * 2**failures, 5.0))
+                    await asyncio.sleep(min(self.settings.acquire_poll_s * 2**failures, 5.0))
                     continue
                 if message is not None and message["type"] == "message":
                     self.freed(message["data"])
         finally:
             await pubsub.aclose()
 
-    async def sweep_forever(self, period_s: float = RATELIMITER.sweep_s) -> None:
+    async def sweep_forever(self) -> None:
+        period_s = self.settings.sweep_s
         """Release expired grants and forget dead workers."""
         while True:
             try:
@@ -310,25 +312,23 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             await asyncio.sleep(period_s)
 
 
-async def serve(
-    listen: str,
-    redis_url: str,
-    rate_limit: str = OFF,
-    resource_overrides: dict[str, int] | None = None,
-) -> None:
+async def serve(listen: str, redis_url: str, settings: Settings) -> None:
+    """`settings.ratelimiter`: the rate limit mode, resource overrides and figures."""
     from stageserve.net import SERVER_OPTIONS
     from stageserve.redis_connect import connect
     from stageserve.service_runtime import run_server
 
-    redis = connect(redis_url)
+    rl = settings.ratelimiter
+    rate_limit, resource_overrides = rl.mode, dict(rl.resources)
+    redis = connect(redis_url, settings.redis_client)
     await redis.ping()
-    registry = RedisRegistry(redis, mode=rate_limit)
-    await registry.set_overrides(resource_overrides or {})
+    registry = RedisRegistry(redis, mode=rate_limit, settings=rl)
+    await registry.set_overrides(resource_overrides)
     log.info(
         "rate limiting",
-        extra={"mode": rate_limit, "resource_overrides": resource_overrides or {}},
+        extra={"mode": rate_limit, "resource_overrides": resource_overrides},
     )
-    service = RateLimiterService(registry)
+    service = RateLimiterService(registry, rl)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_RateLimiterServicer_to_server(service, server)
     background = [

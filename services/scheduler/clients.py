@@ -14,7 +14,7 @@ from stageserve.errors import StageError, code_from_int, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.net import stage_channel
-from stageserve.settings import SCHEDULER
+from stageserve.settings import SchedulerSettings
 from stageserve.telemetry import STAGE_RPC_DURATION, STAGE_RPC_ERRORS
 from stageserve.transport import StreamLink
 
@@ -37,21 +37,13 @@ class RateLimiterClient:
     Acquires and releases travel on one long-lived stream (Grants, over
     stageserve/transport.py), packed with whatever else is queued: a unary
     call each cost the rate limiter 2x the CPU (docs/architecture.md).
-    Leases are short (LEASE_MS), so the grants of a scheduler that crashed
-    come free within seconds; a live scheduler renews what it holds every
-    RENEW_S. A renewal also reports grants the rate limiter dropped (their
+    Leases are short (SchedulerSettings.grant_lease_ms), so the grants of a
+    scheduler that crashed come free within seconds; a live scheduler renews
+    what it holds every grant_renew_s. A renewal also reports grants the rate limiter dropped (their
     worker died), which the holder must stop using.
     """
 
-    LEASE_MS = SCHEDULER.grant_lease_ms
-    RENEW_S = SCHEDULER.grant_renew_s
-
-    def __init__(
-        self,
-        address: str,
-        wait_ms: int = SCHEDULER.acquire_wait_ms,
-        lease_ms: int = LEASE_MS,
-    ) -> None:
+    def __init__(self, address: str, settings: SchedulerSettings) -> None:
         self.address = address
         self.channel = stage_channel(address)
         self.stub = pb_grpc.RateLimiterStub(self.channel)
@@ -62,8 +54,9 @@ class RateLimiterClient:
             unpack=lambda message: message.responses,
             on_break=self._unreachable,
         )
-        self.wait_ms = wait_ms
-        self.lease_ms = lease_ms
+        self.wait_ms = settings.acquire_wait_ms
+        self.lease_ms = settings.grant_lease_ms
+        self.renew_s = settings.grant_renew_s
         self.held: set[str] = set()
         self.lost: set[str] = set()
         self._renewer: asyncio.Task | None = None
@@ -97,7 +90,7 @@ class RateLimiterClient:
 
     async def _renew_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.RENEW_S)
+            await asyncio.sleep(self.renew_s)
             if not self.held:
                 continue
             try:
@@ -216,7 +209,8 @@ class WorkerStream:
 class WorkerClients:
     """One stream per worker address, opened on first use."""
 
-    def __init__(self, execute_timeout_s: float = SCHEDULER.execute_timeout_s) -> None:
+    def __init__(self, execute_timeout_s: float) -> None:
+        """`execute_timeout_s`: SchedulerSettings.execute_timeout_s."""
         self._streams: dict[str, WorkerStream] = {}
         self.execute_timeout_s = execute_timeout_s
 

@@ -19,15 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Generic, TypeVar
 
-from stageserve.settings import SCHEDULER
-
 G = TypeVar("G")
-
-# How long an idle queue keeps its grants before handing them back.
-STANDBY_HOLD_S = SCHEDULER.standby_hold_s
-# How long one grant may be reused before it goes back to the rate limiter
-# (well inside the grant lease, so a held grant never expires under us).
-GRANT_REUSE_S = SCHEDULER.grant_reuse_s
 
 
 class Usable(Enum):
@@ -43,7 +35,11 @@ class Held(Generic[G]):
 
 
 class GrantPool(Generic[G]):
-    def __init__(self, reuse_s: float = GRANT_REUSE_S, standby_s: float = STANDBY_HOLD_S) -> None:
+    def __init__(self, reuse_s: float, standby_s: float) -> None:
+        """`reuse_s`: how long one grant may be reused before it goes back to
+        the rate limiter (well inside the grant lease, so a held grant never
+        expires under us); `standby_s`: how long an idle queue keeps its grants
+        (SchedulerSettings.grant_reuse_s, standby_hold_s)."""
         self.reuse_s = reuse_s
         self.standby_s = standby_s
         self._spare: list[Held[G]] = []

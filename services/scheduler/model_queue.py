@@ -39,6 +39,7 @@ from services.scheduler.wakeup import Wakeup
 from stageserve.config import ModelSpec
 from stageserve.errors import StageError, queue_full, queue_timeout, unavailable
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve.settings import SchedulerSettings
 from stageserve.telemetry import (
     SCHEDULER_BATCH_SIZE,
     SCHEDULER_QUEUE_DEPTH,
@@ -63,7 +64,7 @@ class ModelQueue:
         spec: ModelSpec,
         ratelimiter: RateLimiterClient,
         workers: WorkerClients,
-        adaptive_delay_us: int = 0,
+        settings: SchedulerSettings,
         strategy: Strategy | None = None,
         sequences: SequenceIO | None = None,
     ) -> None:
@@ -72,7 +73,7 @@ class ModelQueue:
         self.spec = spec
         # (not `strategy or ...`: an empty strategy is falsy, it has a __len__)
         self.strategy: Strategy = (
-            QueueStrategy(spec, adaptive_delay_us) if strategy is None else strategy
+            QueueStrategy(spec, settings.adaptive_batch_delay_us) if strategy is None else strategy
         )
         self.sequences = sequences
         self.ratelimiter = ratelimiter
@@ -81,7 +82,7 @@ class ModelQueue:
         self._arrived = Wakeup()
         self._idle_waiting = False  # the dispatch loop waits in its idle branch
         self._grant_event = asyncio.Event()
-        self.grants: GrantPool[Granted] = GrantPool()
+        self.grants: GrantPool[Granted] = GrantPool(settings.grant_reuse_s, settings.standby_hold_s)
         self._acquiring: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._deadline_changed = Wakeup()

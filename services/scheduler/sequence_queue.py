@@ -45,6 +45,7 @@ from services.scheduler.sequence_strategy import SequenceStrategy
 from stageserve.config import ControlInput, ModelSpec, StateSpec
 from stageserve.errors import StageError, invalid, unavailable
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve.settings import SchedulerSettings
 from stageserve.tensors import element_count, numpy_to_raw, serialize_bytes_elements
 
 log = logging.getLogger(__name__)
@@ -391,9 +392,12 @@ def make_sequence_queue(
     workers,
     redis,
     model_dir: Path,
+    settings: SchedulerSettings,
 ) -> ModelQueue:
     assert spec.sequence is not None
-    store = SequenceStore(redis, model, version, spec.sequence.max_idle_us // 1000)
+    store = SequenceStore(
+        redis, model, version, spec.sequence.max_idle_us // 1000, settings.sequence_owner_ttl_ms
+    )
     strategy = SequenceStrategy(spec)
     return ModelQueue(
         model,
@@ -401,6 +405,7 @@ def make_sequence_queue(
         spec,
         ratelimiter,
         workers,
+        settings,
         strategy=strategy,
         sequences=SequenceIO(store, strategy, model, model_dir),
     )

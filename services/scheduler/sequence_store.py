@@ -37,14 +37,8 @@ from redis.typing import EncodableT
 
 from services.scheduler import sequence_lua
 from stageserve import redis_keys as keys
-from stageserve.settings import SCHEDULER
 
 CLAIMED, UNKNOWN, WAIT = 0, 1, 2
-
-# An owner key outlives a few missed heartbeats; a dead scheduler's entries
-# block their sequences at most this long.
-OWNER_TTL_MS = SCHEDULER.sequence_owner_ttl_ms
-HEARTBEAT_S = OWNER_TTL_MS / 3000
 
 
 def sequence_key(sequence_id: int, sequence_id_str: str) -> str:
@@ -66,8 +60,15 @@ class StateUpdate:
 
 
 class SequenceStore:
-    def __init__(self, redis: aioredis.Redis, model: str, version: int, idle_ms: int) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, model: str, version: int, idle_ms: int, owner_ttl_ms: int
+    ) -> None:
+        """`owner_ttl_ms`: SchedulerSettings.sequence_owner_ttl_ms; the owner key
+        is renewed three times within it, so it outlives a few missed heartbeats
+        and a dead scheduler's entries block their sequences at most this long."""
         self.redis = redis
+        self.owner_ttl_ms = owner_ttl_ms
+        self.heartbeat_s = owner_ttl_ms / 3000
         self.prefix = keys.sequence_prefix(model, version)
         self.owner = uuid.uuid4().hex
         self.owner_key = keys.sequence_owner(self.owner)
@@ -89,8 +90,8 @@ class SequenceStore:
     async def _beat(self) -> None:
         while True:
             with contextlib.suppress(Exception):  # Redis down: enqueue reports it
-                await self.redis.set(self.owner_key, "1", px=OWNER_TTL_MS)
-            await asyncio.sleep(HEARTBEAT_S)
+                await self.redis.set(self.owner_key, "1", px=self.owner_ttl_ms)
+            await asyncio.sleep(self.heartbeat_s)
 
     def close(self) -> None:
         """Stop heartbeating; our leftover entries then expire with the owner key."""
@@ -105,7 +106,7 @@ class SequenceStore:
         if self._heartbeat is None:
             self._heartbeat = asyncio.create_task(self._beat())
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.owner_key, "1", px=OWNER_TTL_MS)
+            pipe.set(self.owner_key, "1", px=self.owner_ttl_ms)
             for cid, entry in items:
                 backlog = self.prefix + cid + ":q"
                 pipe.rpush(backlog, entry)
@@ -139,7 +140,7 @@ class SequenceStore:
             self.prefix,
             keys.sequence_owner(""),
             self.owner,
-            OWNER_TTL_MS,
+            self.owner_ttl_ms,
             self.idle_ms,
         ]
         for cid, entry, start, slot in items:

@@ -17,6 +17,7 @@ from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import LoadedModel, ModelStateStore
 from stageserve.redis_connect import connect
+from stageserve.settings import SchedulerSettings, Settings
 from stageserve.transport import serve_stream
 
 log = logging.getLogger(__name__)
@@ -41,9 +42,9 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         state: ModelStateStore,
         ratelimiter: RateLimiterClient,
         workers: WorkerClients,
-        adaptive_delay_us: int = 0,
+        settings: SchedulerSettings,
     ) -> None:
-        self.adaptive_delay_us = adaptive_delay_us
+        self.settings = settings
         self.state = state
         self.ratelimiter = ratelimiter
         self.workers = workers
@@ -83,6 +84,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                     self.workers,
                     self.state.redis,
                     loaded.path,
+                    self.settings,
                 )
             else:
                 queue = ModelQueue(
@@ -91,7 +93,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                     loaded.spec,
                     self.ratelimiter,
                     self.workers,
-                    adaptive_delay_us=self.adaptive_delay_us,
+                    self.settings,
                 )
             self.queues[key] = queue
         return queue
@@ -197,17 +199,16 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         )
 
 
-async def serve(
-    listen: str, redis_url: str, ratelimiter_address: str, adaptive_delay_us: int = 0
-) -> None:
+async def serve(listen: str, redis_url: str, ratelimiter_address: str, settings: Settings) -> None:
+    """`settings.scheduler`: the adaptive batch hold and the scheduler's figures."""
     from stageserve.net import SERVER_OPTIONS
     from stageserve.service_runtime import run_server
 
-    redis = connect(redis_url)
+    redis = connect(redis_url, settings.redis_client)
     await redis.ping()
-    ratelimiter = RateLimiterClient(ratelimiter_address)
-    workers = WorkerClients()
-    service = SchedulerService(ModelStateStore(redis), ratelimiter, workers, adaptive_delay_us)
+    ratelimiter = RateLimiterClient(ratelimiter_address, settings.scheduler)
+    workers = WorkerClients(settings.scheduler.execute_timeout_s)
+    service = SchedulerService(ModelStateStore(redis), ratelimiter, workers, settings.scheduler)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_SchedulerServicer_to_server(service, server)
     try:

@@ -37,14 +37,10 @@ from stageserve.gpus import gpu_count
 from stageserve.model_state import LoadedModel, ModelStateStore
 from stageserve.net import add_stage_port, stage_channel
 from stageserve.redis_connect import connect
-from stageserve.settings import WORKER
+from stageserve.settings import Settings, WorkerSettings
 from stageserve.transport import serve_stream
 
 log = logging.getLogger(__name__)
-
-LEASE_MS = WORKER.lease_ms
-HEARTBEAT_S = WORKER.heartbeat_s
-RECONCILE_S = WORKER.reconcile_s
 
 
 def _requests_of(message: pb.ExecuteRequests):
@@ -109,8 +105,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         state: ModelStateStore,
         ratelimiter: pb_grpc.RateLimiterStub,
         gpu: int | None,
+        settings: WorkerSettings,
     ) -> None:
         self.worker_id = worker_id
+        self.settings = settings
         self.address = ""
         self.state = state
         self.ratelimiter = ratelimiter
@@ -119,7 +117,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         # instance id -> its group's rate_limiter (priority, resources)
         self.rate_limits: dict[str, tuple[int, tuple[tuple[str, int, bool], ...]]] = {}
         self._reconcile_lock = asyncio.Lock()
-        self.publishers = PublisherWatch(WORKER.publisher_grace_s)
+        self.publishers = PublisherWatch(settings.publisher_grace_s)
         self._executing = 0  # batches executing on this worker, all instances
 
     # ---------------------------------------------------------------- execute
@@ -344,7 +342,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 worker_id=self.worker_id,
                 worker_address=self.address,
                 instances=infos,
-                lease_ms=LEASE_MS,
+                lease_ms=self.settings.lease_ms,
             ),
             timeout=10,
         )
@@ -353,14 +351,15 @@ class WorkerService(pb_grpc.WorkerServicer):
         while True:
             try:
                 resp = await self.ratelimiter.Heartbeat(
-                    pb.HeartbeatRequest(worker_id=self.worker_id, lease_ms=LEASE_MS), timeout=2
+                    pb.HeartbeatRequest(worker_id=self.worker_id, lease_ms=self.settings.lease_ms),
+                    timeout=2,
                 )
                 if not resp.known:
                     log.warning("rate limiter forgot this worker; registering again")
                     await self.register()
             except grpc.aio.AioRpcError as exc:
                 log.warning("heartbeat failed", extra={"code": exc.code().name})
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(self.settings.heartbeat_s)
 
     async def follow_models_forever(self, redis: aioredis.Redis) -> None:
         pubsub = redis.pubsub()
@@ -372,11 +371,12 @@ class WorkerService(pb_grpc.WorkerServicer):
                 log.warning("register failed", extra={"code": exc.code().name})
             except Exception:
                 log.exception("reconcile failed")
-            # Wake on a model event or after RECONCILE_S, whichever first.
+            # Wake on a model event or after reconcile_s, whichever first.
+            reconcile_s = self.settings.reconcile_s
             try:
-                await pubsub.get_message(ignore_subscribe_messages=True, timeout=RECONCILE_S)
+                await pubsub.get_message(ignore_subscribe_messages=True, timeout=reconcile_s)
             except Exception:
-                await asyncio.sleep(RECONCILE_S)
+                await asyncio.sleep(reconcile_s)
 
 
 def detect_gpu(device: str) -> int | None:
@@ -395,26 +395,32 @@ async def serve(
     listen: str,
     redis_url: str,
     ratelimiter_address: str,
-    device: str,
     worker_id: str | None,
+    settings: Settings,
     advertise: str | None = None,
     scheduler_address: str | None = None,
 ) -> None:
+    """`settings.worker` holds the device and the worker's figures; a Python
+    model's BLS calls reach the scheduler as the gateway's settings say."""
     from stageserve.net import SERVER_OPTIONS
     from stageserve.service_runtime import run_server
 
-    limit_blas_threads(os.environ, WORKER.blas_threads)
-    redis = connect(redis_url)
+    limit_blas_threads(os.environ, settings.worker.blas_threads)
+    redis = connect(redis_url, settings.redis_client)
     await redis.ping()
     worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
     channel = stage_channel(ratelimiter_address)
     service = WorkerService(
-        worker_id, ModelStateStore(redis), pb_grpc.RateLimiterStub(channel), detect_gpu(device)
+        worker_id,
+        ModelStateStore(redis),
+        pb_grpc.RateLimiterStub(channel),
+        detect_gpu(settings.worker.device),
+        settings.worker,
     )
     server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_WorkerServicer_to_server(service, server)
     # Python models' BLS requests go to the scheduler (python_backend/bls.py).
-    bls = bls_install(scheduler_address, service.state) if scheduler_address else None
+    bls = bls_install(scheduler_address, service.state, settings) if scheduler_address else None
 
     # The address peers dial must be known before registering: bind first.
     host = listen.rsplit(":", 1)[0]

@@ -8,7 +8,7 @@ gateway's model until it has republished it, so it never goes unavailable
 
 Made deterministic by stopping gateway A (SIGSTOP) from before the flush until
 the restarted gateway B has marked and the worker has had time to act on it
-(a model event or its RECONCILE_S re-check): a stopped gateway stands for one
+(a model event or its reconcile_s re-check): a stopped gateway stands for one
 that is merely slower than B. Before the fix, the worker unloaded A's model
 within that window and A, finding Redis marked, never republished it.
 """
@@ -24,7 +24,7 @@ import pytest
 import redis
 
 from stageserve import redis_keys as keys
-from stageserve.settings import WORKER
+from stageserve.settings import settings_from_env
 from stageserve_tools.examples import write_simple
 from tests.integration.helpers import infer_simple, registered_instances, two_paths
 from tests.stack import wait_until
@@ -74,13 +74,13 @@ def test_restarting_gateway_never_makes_workers_drop_another_gateways_model(
             gateway_b.proc.terminate()
             gateway_b.proc.wait(10)
             running.stack.start_service("gateway-3", b_args)  # marks at startup
-            sample_for(WORKER.reconcile_s + 1.5)
+            sample_for(settings_from_env().worker.reconcile_s + 1.5)
         finally:
             os.kill(running.gateway.proc.pid, signal.SIGCONT)
         _assert_kept(samples, instances)  # while A was stopped
         # A notices its mark is gone and republishes with the same generation.
         assert wait_until(lambda: _generation(running.redis_url) == generation, 10)
-        sample_for(WORKER.reconcile_s + 1.0)
+        sample_for(settings_from_env().worker.reconcile_s + 1.0)
         _assert_kept(samples, instances)
         assert client_a.is_model_ready("simple")
         infer_simple(client_a)

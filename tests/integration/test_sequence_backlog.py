@@ -20,7 +20,7 @@ import redis
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from services.scheduler.sequence_store import OWNER_TTL_MS
+from stageserve.settings import settings_from_env
 from stageserve_tools.examples import write_accumulator, write_history
 from tests.integration.helpers import two_paths
 from tests.integration.test_sequences import send
@@ -86,7 +86,10 @@ def test_scheduler_killed_mid_execution_does_not_block_the_sequence(tmp_path: Pa
         out = send(client_b, "acc", 5, 5151, end=True).as_numpy("OUTPUT")[0, 0]
         assert out == 15  # 10 + 5: the killed request's +1000 was never committed
         # It waited for the dead owner's key, not for the idle timeout (60 s).
-        assert time.monotonic() - began < OWNER_TTL_MS / 1000 + 10
+        assert (
+            time.monotonic() - began
+            < settings_from_env().scheduler.sequence_owner_ttl_ms / 1000 + 10
+        )
         assert r.llen(key) == 0
 
 

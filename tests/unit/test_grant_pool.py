@@ -22,7 +22,7 @@ def test_a_finished_grant_is_kept_then_taken_again():
 
 
 def test_not_kept_after_reuse_window_failure_gone_instance_or_resources():
-    pool: GrantPool[str] = GrantPool(reuse_s=2.0)
+    pool: GrantPool[str] = GrantPool(reuse_s=2.0, standby_s=0.5)
     h = Held("g", 0.0)
     assert not pool.finished(h, False, False, now=2.5)  # reused long enough: back
     assert not pool.finished(h, True, False, now=0.1)  # the worker failed
@@ -32,7 +32,7 @@ def test_not_kept_after_reuse_window_failure_gone_instance_or_resources():
 
 
 def test_take_skips_broken_and_lost_grants_and_says_how_to_release_them():
-    pool: GrantPool[str] = GrantPool()
+    pool: GrantPool[str] = GrantPool(reuse_s=2.0, standby_s=0.5)
     for g in ("good", "lost", "broken"):
         pool.acquired(g, 0.0)
     states = {"good": Usable.OK, "lost": Usable.LOST, "broken": Usable.BROKEN}
@@ -43,7 +43,7 @@ def test_take_skips_broken_and_lost_grants_and_says_how_to_release_them():
 
 
 def test_standby_hold_runs_from_the_first_idle_moment():
-    pool: GrantPool[str] = GrantPool(standby_s=0.5)
+    pool: GrantPool[str] = GrantPool(reuse_s=2.0, standby_s=0.5)
     assert pool.idle(now=0.0) is None  # nothing held: wait for an arrival
     pool.acquired("g", 0.0)
     assert pool.idle(now=10.0) == 0.5
@@ -56,7 +56,7 @@ def test_standby_hold_runs_from_the_first_idle_moment():
 
 
 def test_put_back_keeps_an_unused_grant():
-    pool: GrantPool[str] = GrantPool()
+    pool: GrantPool[str] = GrantPool(reuse_s=2.0, standby_s=0.5)
     pool.put_back(Held("g", 3.0))
     assert pool.drain() == ["g"]
 

@@ -245,11 +245,12 @@ def test_the_parameter_chooses_per_model() -> None:
             )
         return to_spec(parse_config_text(text))
 
-    assert runs_in_process(spec("true")) and runs_in_process(spec("YES"))
-    assert not runs_in_process(spec("false")) and not runs_in_process(spec("0"))
-    assert not runs_in_process(spec(None))  # the worker's default: in-process
+    assert runs_in_process(spec("true"), False) and runs_in_process(spec("YES"), False)
+    assert not runs_in_process(spec("false"), True) and not runs_in_process(spec("0"), True)
+    assert not runs_in_process(spec(None), False)  # the worker's default: in-process
+    assert runs_in_process(spec(None), True)  # STAGESERVE_WORKER_PYTHON_INSTANCE_PROCESS=1
     with pytest.raises(InstanceProcessError, match="must be true or false, not 'maybe'"):
-        runs_in_process(spec("maybe"))
+        runs_in_process(spec("maybe"), False)
 
 
 def test_bls_values_cross_the_process_boundary_unchanged() -> None:

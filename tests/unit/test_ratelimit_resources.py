@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 
 from services.ratelimiter.options import EXECUTION_COUNT, OFF, parse_resource_flag
 from services.ratelimiter.registry import Instance, NeverRunnable, RedisRegistry, Resource
+from stageserve.settings import RateLimiterSettings
 from tests.unit.registry_grants import try_acquire
 
 P = "test:rlres:"
@@ -25,7 +26,7 @@ def run(url: str, body, mode: str = EXECUTION_COUNT):
         r = aioredis.from_url(url)
         try:
             await r.flushdb()
-            return await body(RedisRegistry(r, P, mode=mode), r)
+            return await body(RedisRegistry(r, P, mode=mode, settings=RateLimiterSettings()), r)
         finally:
             await r.aclose()
 
@@ -307,7 +308,7 @@ def test_service_exports_counts_and_grant_wait_by_priority(redis_url):
         return REGISTRY.get_sample_value(name, labels)
 
     async def body(reg, r):
-        service = RateLimiterService(reg)
+        service = RateLimiterService(reg, RateLimiterSettings())
         await register(reg, "w1", inst("a", "metered", Resource("M", 2), priority=3))
         waits = dict(model="metered", priority="3")
         before = sample("stageserve_ratelimiter_grant_wait_seconds_count", **waits) or 0

@@ -15,8 +15,6 @@ import redis.asyncio as aioredis
 
 from services.ratelimiter.options import EXECUTION_COUNT, OFF
 from services.ratelimiter.registry import (
-    BUSY,
-    DEFERRED,
     Grant,
     Instance,
     RedisRegistry,
@@ -24,9 +22,10 @@ from services.ratelimiter.registry import (
 )
 from services.ratelimiter.service import RateLimiterService
 from stageserve.generated import stageserve_pb2 as pb
-from stageserve.settings import RATELIMITER
+from stageserve.settings import RateLimiterSettings
 
 P = "test:rlfreed:"
+RL = RateLimiterSettings()
 LONG = 60_000
 
 
@@ -41,8 +40,8 @@ def run(url: str, body, mode: str = OFF):
         r = aioredis.from_url(url)
         try:
             await r.flushdb()
-            a = RedisRegistry(r, P, mode=mode, origin="A")
-            b = RedisRegistry(r, P, mode=mode, origin="B")
+            a = RedisRegistry(r, P, mode=mode, origin="A", settings=RL)
+            b = RedisRegistry(r, P, mode=mode, origin="B", settings=RL)
             return await body(a, b, r)
         finally:
             await r.aclose()
@@ -72,7 +71,7 @@ def test_a_release_tells_the_other_waiting_rate_limiter_only(redis_url):
         pubsub = await listening(r, a.freed_channel, b.freed_channel)
         held = await a.attempt("m", 1, LONG)
         assert isinstance(held, Grant)
-        assert await b.attempt("m", 1, LONG) is BUSY  # B waits on pool m:1
+        assert await b.attempt("m", 1, LONG) is b.busy  # B waits on pool m:1
         assert [x.decode() for x in await r.zrange(P + "waiting:m:1", 0, -1)] == ["B"]
         assert 0 < await r.pttl(P + "waiting:m:1") <= 2000
         await a.release(held.grant_id)
@@ -80,7 +79,7 @@ def test_a_release_tells_the_other_waiting_rate_limiter_only(redis_url):
 
         again = await b.attempt("m", 1, LONG)  # B's grant; now A waits
         assert isinstance(again, Grant)
-        assert await a.attempt("m", 1, LONG) is BUSY
+        assert await a.attempt("m", 1, LONG) is a.busy
         await b.release(again.grant_id)
         # B is still in the waiting set (it waited a moment ago) but freed it
         # itself: only A hears.
@@ -97,7 +96,7 @@ def test_no_waiter_no_message_and_a_waiter_of_another_pool_hears_nothing(redis_u
         held = await a.attempt("m", 1, LONG)
         await a.release(held.grant_id)  # nobody waited
         other = await a.attempt("other", 1, LONG)
-        assert await b.attempt("other", 1, LONG) is BUSY  # B waits on another pool
+        assert await b.attempt("other", 1, LONG) is b.busy  # B waits on another pool
         held = await a.attempt("m", 1, LONG)
         await a.release(held.grant_id)
         assert await messages(pubsub) == []
@@ -115,11 +114,11 @@ def test_freed_resources_and_a_failed_worker_tell_every_waiting_pool(redis_url):
         pubsub = await listening(r, b.freed_channel)
         held = await a.attempt("X", 1, LONG)
         assert isinstance(held, Grant) and held.holds_resources
-        assert await b.attempt("Y", 1, LONG) is BUSY  # Y's instance is free, R is not
+        assert await b.attempt("Y", 1, LONG) is b.busy  # Y's instance is free, R is not
         await a.release(held.grant_id)  # R went back: any pool may run now
         assert await messages(pubsub) == [(P + "freed:B", "*")]
         held = await a.attempt("X", 1, LONG)
-        assert await b.attempt("Y", 1, LONG) is BUSY
+        assert await b.attempt("Y", 1, LONG) is b.busy
         await a.release(held.grant_id, failed=True)  # the worker is removed
         assert await messages(pubsub) == [(P + "freed:B", "*")]
         await pubsub.aclose()
@@ -133,7 +132,7 @@ def test_an_expired_grant_swept_by_another_rate_limiter_is_announced(redis_url):
         pubsub = await listening(r, b.freed_channel)
         held = await a.attempt("m", 1, 50)  # a 50 ms lease that nobody renews
         assert isinstance(held, Grant)
-        assert await b.attempt("m", 1, LONG) is BUSY
+        assert await b.attempt("m", 1, LONG) is b.busy
         await asyncio.sleep(0.1)
         assert await a.sweep() == (1, 0)
         assert await messages(pubsub) == [(P + "freed:B", "m:1")]
@@ -157,11 +156,11 @@ def test_a_pool_held_back_by_priority_is_deferred_not_busy(redis_url):
             g = await a.attempt("HI", 1, LONG)
             await a.release(g.grant_id)
         g = await a.attempt("HI", 1, LONG)
-        assert await a.attempt("LO", 1, LONG) is BUSY  # R is held; LO's demand counts
+        assert await a.attempt("LO", 1, LONG) is a.busy  # R is held; LO's demand counts
         await a.release(g.grant_id)
         got = await b.attempt("HI", 1, LONG)  # R is free, but LO goes first
-        assert got is DEFERRED and got.recheck_s == RATELIMITER.deferred_poll_s
-        assert DEFERRED.recheck_s < BUSY.recheck_s
+        assert got is b.deferred and got.recheck_s == RL.deferred_poll_s
+        assert a.deferred.recheck_s < a.busy.recheck_s
         assert not await r.exists(P + "waiting:HI:1")
 
     run(redis_url, body, mode=EXECUTION_COUNT)
@@ -172,7 +171,7 @@ def test_a_waiting_acquire_is_granted_when_another_rate_limiter_releases(redis_u
     Redis in far less than the safety poll (it would take >= 250 ms without)."""
 
     async def body(a, b, r):
-        service_a, service_b = RateLimiterService(a), RateLimiterService(b)
+        service_a, service_b = RateLimiterService(a, RL), RateLimiterService(b, RL)
         await a.register("w1", "addr-w1", [inst("i1")], LONG)
         follow = asyncio.create_task(service_b.follow_freed_forever())
         try:
@@ -193,7 +192,7 @@ def test_a_waiting_acquire_is_granted_when_another_rate_limiter_releases(redis_u
             second = await waiting
             woke_after = time.monotonic() - released
             assert second.granted and second.instance.instance_id == "i1"
-            assert woke_after < RATELIMITER.acquire_poll_s / 2, woke_after
+            assert woke_after < RL.acquire_poll_s / 2, woke_after
         finally:
             follow.cancel()
             await asyncio.gather(follow, return_exceptions=True)
@@ -206,12 +205,12 @@ def test_a_worker_registering_or_leaving_through_another_rate_limiter_is_announc
         await a.register("w1", "addr-w1", [inst("i1")], LONG)
         pubsub = await listening(r, a.freed_channel, b.freed_channel)
         held = await a.attempt("m", 1, LONG)
-        assert await b.attempt("m", 1, LONG) is BUSY
+        assert await b.attempt("m", 1, LONG) is b.busy
         w2 = Instance("i2", "m", 1, "KIND_CPU", -1, "w2", "addr-w2")
         await a.register("w2", "addr-w2", [w2], LONG)  # a second instance of m
         assert await messages(pubsub) == [(P + "freed:B", "*")]
         assert isinstance(await b.attempt("m", 1, LONG), Grant)
-        assert await b.attempt("m", 1, LONG) is BUSY
+        assert await b.attempt("m", 1, LONG) is b.busy
         await a.deregister("w1")  # B may now get NoInstances or another instance
         assert await messages(pubsub) == [(P + "freed:B", "*")]
         await a.release(held.grant_id)
@@ -225,13 +224,13 @@ def test_a_rate_limiter_that_stopped_waiting_is_dropped_while_others_wait(redis_
     another that asked long ago (or exited: each start is a new origin)."""
 
     async def body(a, b, r):
-        c = RedisRegistry(r, P, origin="C", waiting_ttl_ms=100)
+        c = RedisRegistry(r, P, origin="C", waiting_ttl_ms=100, settings=RL)
         await a.register("w1", "addr-w1", [inst("i1")], LONG)
         pubsub = await listening(r, b.freed_channel, c.freed_channel)
         held = await a.attempt("m", 1, LONG)
-        assert await c.attempt("m", 1, LONG) is BUSY  # counts for 100 ms
+        assert await c.attempt("m", 1, LONG) is c.busy  # counts for 100 ms
         await asyncio.sleep(0.15)
-        assert await b.attempt("m", 1, LONG) is BUSY  # counts for 2 s
+        assert await b.attempt("m", 1, LONG) is b.busy  # counts for 2 s
         await a.release(held.grant_id)
         assert await messages(pubsub) == [(P + "freed:B", "m:1")]
         assert [x.decode() for x in await r.zrange(P + "waiting:m:1", 0, -1)] == ["B"]

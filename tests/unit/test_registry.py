@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 
 from services.ratelimiter.registry import Grant, Instance, NoInstances, RedisRegistry
 from stageserve import redis_keys
+from stageserve.settings import RateLimiterSettings
 from tests.unit.registry_grants import try_acquire
 
 P = "test:rl:"  # a prefix of our own; the default one is checked once below
@@ -29,7 +30,7 @@ def run(url: str, body, prefix: str = P):
         r = aioredis.from_url(url)
         try:
             await r.flushdb()
-            return await body(RedisRegistry(r, prefix), r)
+            return await body(RedisRegistry(r, prefix, settings=RateLimiterSettings()), r)
         finally:
             await r.aclose()
 
@@ -149,7 +150,7 @@ def test_default_prefix_is_the_documented_one(redis_url):
         assert await r.zscore("ss:rl:grants", g.grant_id) is not None
         await check_invariants(r, prefix="ss:rl:")
 
-    run(redis_url, lambda reg, r: body(RedisRegistry(r), r))
+    run(redis_url, lambda reg, r: body(RedisRegistry(r, settings=RateLimiterSettings()), r))
 
 
 def test_grant_lease_deadline_in_zset(redis_url):

@@ -1,5 +1,5 @@
 """The pure decisions behind draining a version a reload removed: which
-versions drain (services/gateway/models.py removed_versions) and which hosted
+versions drain (services/gateway/model_lifecycle.py removed_versions) and which hosted
 instances a worker unloads given a record with draining versions
 (services/worker/stale.py)."""
 
@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.gateway.models import READY, UNAVAILABLE, ModelEntry, removed_versions
+from services.gateway.model_lifecycle import removed_versions
+from services.gateway.model_table import READY, UNAVAILABLE, ModelEntry
 from services.worker.stale import stale_instances
 from stageserve.config import to_spec
 from stageserve.generated import model_config_pb2 as mc

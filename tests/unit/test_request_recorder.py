@@ -1,17 +1,16 @@
 """The gateway's per-request records: one success moves ModelStatistics, Triton's
 counters and the phase histograms by the same numbers; LoopHistogram renders
 exactly what prometheus_client's Histogram renders; the in-flight gauge reads
-ModelManager's count at scrape time."""
+ModelTable's count at scrape time."""
 
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram, generate_latest
 
 from services.gateway.dataplane import DataPlane
-from services.gateway.models import ModelEntry, ModelManager
+from services.gateway.model_table import ModelEntry, ModelTable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.recorder import RequestRecorder
 from stageserve.statistics import StatsBook
@@ -104,10 +103,10 @@ def test_a_success_moves_statistics_counters_and_histograms_together() -> None:
     assert sample("stageserve_request_duration_seconds_bucket", le_1ms) == 1
 
 
-def test_the_inflight_gauge_reads_the_model_managers_count(tmp_path: Path) -> None:
+def test_the_inflight_gauge_reads_the_model_tables_count() -> None:
     model = _unique("inflight")
-    models = ModelManager(tmp_path, state=None, ratelimiter=None)  # type: ignore[arg-type]
-    dataplane = DataPlane(models, scheduler=None)  # type: ignore[arg-type]
+    models = ModelTable()
+    dataplane = DataPlane(models, lifecycle=None, scheduler=None)  # type: ignore[arg-type]
     entry = ModelEntry(name=model)
     dataplane._watch_inflight(model)
     gauge = {"model": model}

@@ -15,6 +15,7 @@ from services.scheduler.sequence_store import (
     StateUpdate,
 )
 from stageserve import redis_keys
+from stageserve.settings import SchedulerSettings
 
 
 def run(url: str, body, idle_ms: int = 60_000):
@@ -23,8 +24,9 @@ def run(url: str, body, idle_ms: int = 60_000):
     async def main():
         r = aioredis.from_url(url)
         await r.flushdb()
-        a = SequenceStore(r, "m", 1, idle_ms)
-        b = SequenceStore(r, "m", 1, idle_ms)
+        owner_ttl_ms = SchedulerSettings().sequence_owner_ttl_ms
+        a = SequenceStore(r, "m", 1, idle_ms, owner_ttl_ms)
+        b = SequenceStore(r, "m", 1, idle_ms, owner_ttl_ms)
         try:
             await body(a, b, r)
         finally:

@@ -1,10 +1,22 @@
-"""Settings from the environment: STAGESERVE_<SERVICE>_<FIELD>, typed, checked."""
+"""The settings tree from the environment (STAGESERVE_<SECTION>_<FIELD>, typed,
+checked) and the command-line flags."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+
 import pytest
 
-from stageserve.settings import SchedulerSettings, WorkerSettings, from_env
+from stageserve.settings import (
+    RateLimiterSettings,
+    SchedulerSettings,
+    Settings,
+    WorkerSettings,
+    from_env,
+    settings_from,
+    settings_from_env,
+)
 
 
 def test_defaults_without_environment() -> None:
@@ -29,3 +41,134 @@ def test_each_field_is_overridden_by_its_variable_with_its_type() -> None:
 def test_a_bad_value_names_the_variable(value: str) -> None:
     with pytest.raises(ValueError, match="STAGESERVE_WORKER_LEASE_MS"):
         from_env(WorkerSettings, "worker", {"STAGESERVE_WORKER_LEASE_MS": value})
+
+
+def test_the_tree_reads_every_section_from_its_variables() -> None:
+    s = settings_from_env(
+        {
+            "STAGESERVE_GATEWAY_LOAD_TIMEOUT_S": "7.5",
+            "STAGESERVE_RATELIMITER_SWEEP_S": "0.5",
+            "STAGESERVE_REDIS_CLIENT_RETRIES": "9",
+            "STAGESERVE_SUPERVISOR_START_TIMEOUT_S": "30",
+            "STAGESERVE_WORKER_LEASE_MS": "4000",
+        }
+    )
+    assert s.gateway.load_timeout_s == 7.5
+    assert s.ratelimiter.sweep_s == 0.5
+    assert s.redis_client.retries == 9
+    assert s.supervisor.start_timeout_s == 30.0
+    assert s.worker.lease_ms == 4000
+    assert s.scheduler.grant_lease_ms == SchedulerSettings().grant_lease_ms
+    assert settings_from_env({}) == Settings()
+
+
+def test_a_bad_variable_in_any_section_stops_the_tree() -> None:
+    with pytest.raises(ValueError, match="STAGESERVE_GATEWAY_STATS_PUBLISH_S"):
+        settings_from_env({"STAGESERVE_GATEWAY_STATS_PUBLISH_S": "often"})
+
+
+def test_flag_fields_do_not_come_from_the_environment() -> None:
+    s = settings_from_env(
+        {
+            "STAGESERVE_RATELIMITER_MODE": "execution_count",
+            "STAGESERVE_SCHEDULER_ADAPTIVE_BATCH_DELAY_US": "0",
+        }
+    )
+    assert s.ratelimiter.mode == "off"
+    assert s.scheduler.adaptive_batch_delay_us == SchedulerSettings().adaptive_batch_delay_us
+
+
+def test_flags_set_their_fields_beside_the_environments() -> None:
+    env = {"STAGESERVE_SCHEDULER_GRANT_REUSE_S": "1.5"}
+    flags = argparse.Namespace(
+        adaptive_batch_delay_us=0,
+        repository_poll_secs=3.0,
+        rate_limit="execution_count",
+        rate_limit_resources=(("R", 4), ("G@0", 2)),
+        device="cpu",
+        model_control_mode="poll",
+        log_verbose=1,  # not a settings field: ignored
+    )
+    s = settings_from(flags, env)
+    assert s.scheduler.grant_reuse_s == 1.5
+    assert s.scheduler.adaptive_batch_delay_us == 0
+    assert s.gateway.repository_poll_secs == 3.0
+    assert s.gateway.model_control_mode == "poll"
+    assert s.ratelimiter.mode == "execution_count"
+    assert s.ratelimiter.resources == (("R", 4), ("G@0", 2))
+    assert s.worker.device == "cpu"
+    # Another service's flags are absent: their fields keep the defaults.
+    assert settings_from({"device": "cpu"}, env).ratelimiter == RateLimiterSettings()
+
+
+def test_the_cli_builds_the_tree_from_its_flags() -> None:
+    from stageserve.cli import _settings, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(
+        [
+            "ratelimiter",
+            "--redis-url",
+            "redis://h",
+            "--rate-limit",
+            "execution_count",
+            "--rate-limit-resource",
+            "R:4",
+            "--rate-limit-resource",
+            "G:2:0",
+        ]
+    )
+    s = _settings(parser, args)
+    assert s.ratelimiter.mode == "execution_count"
+    assert s.ratelimiter.resources == (("R", 4), ("G@0", 2))
+    args = parser.parse_args(["scheduler", "--redis-url", "r", "--adaptive-batch-delay-us", "7"])
+    assert _settings(parser, args).scheduler.adaptive_batch_delay_us == 7
+
+
+def test_the_tree_is_frozen() -> None:
+    s = Settings()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.worker.lease_ms = 1  # type: ignore[misc]
+
+
+def test_the_gateway_section_holds_its_public_endpoint_flags(tmp_path) -> None:
+    from stageserve.cli import _settings, build_parser
+
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    parser = build_parser()
+    args = parser.parse_args(
+        [
+            "gateway",
+            "--redis-url",
+            "r",
+            "--model-repository",
+            str(tmp_path),
+            "--model-control-mode",
+            "explicit",
+            "--disable-auto-complete-config",
+            "--grpc-use-ssl=true",
+            f"--grpc-server-cert={cert}",
+            f"--grpc-server-key={key}",
+            "--grpc-restricted-protocol=model-repository:admin=secret",
+            "--http-restricted-api=health:k=v",
+        ]
+    )
+    gateway = _settings(parser, args).gateway
+    assert gateway.model_control_mode == "explicit"
+    assert not gateway.autocomplete.enabled
+    assert gateway.public_tls is not None and gateway.public_tls.server_cert == cert
+    (grpc_rule,) = gateway.grpc_restrictions
+    assert grpc_rule.groups == {"model-repository"} and grpc_rule.value == "secret"
+    (http_rule,) = gateway.http_restrictions
+    assert http_rule.header == "k" and http_rule.groups == {"health"}
+
+
+def test_a_bad_security_flag_stops_the_cli_with_its_message(tmp_path) -> None:
+    from stageserve.cli import _settings, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(
+        ["gateway", "--redis-url", "r", "--model-repository", str(tmp_path), "--grpc-use-ssl=true"]
+    )
+    with pytest.raises(SystemExit, match="--grpc-use-ssl needs --grpc-server-cert"):
+        _settings(parser, args)

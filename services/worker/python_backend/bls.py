@@ -40,7 +40,7 @@ from stageserve.generated import stageserve_pb2 as pb
 from stageserve.model_state import LoadedModel, ModelStateStore
 from stageserve.recorder import RequestRecorder
 from stageserve.scheduler_link import SchedulerLink
-from stageserve.settings import WORKER
+from stageserve.settings import Settings
 from stageserve.shared_stats import SharedStats
 from stageserve.statistics import StatsBook
 from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
@@ -82,9 +82,15 @@ async def _first(future: concurrent.futures.Future) -> pb_utils.InferenceRespons
 
 class BlsClient:
     def __init__(
-        self, scheduler_address: str, state: ModelStateStore, loop: asyncio.AbstractEventLoop
+        self,
+        scheduler_address: str,
+        state: ModelStateStore,
+        loop: asyncio.AbstractEventLoop,
+        settings: Settings,
     ) -> None:
-        self.link = SchedulerLink(scheduler_address)
+        # A BLS call reaches the scheduler and publishes its statistics as a gateway does.
+        self.link = SchedulerLink(scheduler_address, settings.gateway.scheduler_connect_timeout_s)
+        self.model_cache_s = settings.worker.bls_model_cache_s
         self.state = state
         self.loop = loop
         self._models: dict[str, tuple[float, LoadedModel | None]] = {}
@@ -92,7 +98,7 @@ class BlsClient:
         # this worker publishes its share like one more gateway (shared_stats.py).
         self.stats = StatsBook(self._generation_of)
         self.recorder = RequestRecorder(self.stats)
-        self.shared = SharedStats(state.redis, self.stats)
+        self.shared = SharedStats(state.redis, self.stats, settings.gateway.stats_publish_s)
         self.shared.start()
         self._streams: set[concurrent.futures.Future] = set()  # decoupled calls running
 
@@ -261,7 +267,7 @@ class BlsClient:
     async def _model(self, name: str) -> LoadedModel | None:
         cached = self._models.get(name)
         now = time.monotonic()
-        if cached is not None and now - cached[0] < WORKER.bls_model_cache_s:
+        if cached is not None and now - cached[0] < self.model_cache_s:
             return cached[1]
         loaded = await self.state.get(name)
         self._models[name] = (now, loaded)
@@ -272,8 +278,8 @@ class BlsClient:
         await self.link.close()
 
 
-def install(scheduler_address: str, state: ModelStateStore) -> BlsClient:
+def install(scheduler_address: str, state: ModelStateStore, settings: Settings) -> BlsClient:
     """Make pb_utils.InferenceRequest.exec() reach this stack's scheduler (on the running loop)."""
-    client = BlsClient(scheduler_address, state, asyncio.get_running_loop())
+    client = BlsClient(scheduler_address, state, asyncio.get_running_loop(), settings)
     pb_utils.InferenceRequest._bls = client
     return client

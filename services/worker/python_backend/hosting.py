@@ -18,16 +18,20 @@ def python_instances(
     version: int,
     groups: list[tuple[InstanceGroup, list[Placement]]],
     worker_id: str,
+    process_default: bool,
 ) -> list[HostedInstance]:
     """One instance per placement, each initialized on its own thread: a
     PythonInstance on a worker thread, or a ProcessInstance (its stub
-    process) when the model runs a process per instance.
+    process) when the model runs a process per instance (`process_default`
+    for a model whose config does not say).
 
     Raises PythonModelError when model.py does not import or initialize fails.
     """
     path = model.path / str(version) / model.spec.model_filename
     try:
-        instance_class = ProcessInstance if runs_in_process(model.spec) else PythonInstance
+        instance_class = (
+            ProcessInstance if runs_in_process(model.spec, process_default) else PythonInstance
+        )
     except InstanceProcessError as exc:
         raise PythonModelError(str(exc)) from exc
     text = config_json(model.config)

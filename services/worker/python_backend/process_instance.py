@@ -57,7 +57,6 @@ from services.worker.python_backend.stub import InitArgs
 from services.worker.python_backend.stub_wire import StubSocket
 from stageserve.config import ModelSpec
 from stageserve.generated import stageserve_pb2 as pb
-from stageserve.settings import WORKER
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +82,12 @@ class InstanceProcessError(ValueError):
     """STAGESERVE_INSTANCE_PROCESS has a value that is not a boolean."""
 
 
-def runs_in_process(spec: ModelSpec) -> bool:
-    """True: this model's instances each get a stub process."""
+def runs_in_process(spec: ModelSpec, default: bool) -> bool:
+    """True: this model's instances each get a stub process. `default`, for a
+    model that does not say: WorkerSettings.python_instance_process."""
     value = spec.parameters.get(PARAMETER)
     if value is None:
-        return bool(WORKER.python_instance_process)
+        return default
     text = value.strip().lower()
     if text in _TRUE:
         return True

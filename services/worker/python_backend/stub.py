@@ -61,7 +61,7 @@ from services.worker.python_backend.stub_wire import StubSocket
 from stageserve.config import ModelSpec
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.logs import setup_logging
-from stageserve.settings import WORKER
+from stageserve.settings import settings_from_env
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,8 @@ def serve(channel: StubSocket) -> None:
 
 def main(argv: list[str]) -> None:
     setup_logging("worker-stub")
-    limit_blas_threads(os.environ, WORKER.blas_threads)
+    # The stub's settings: the worker's environment, which it inherits.
+    limit_blas_threads(os.environ, settings_from_env().worker.blas_threads)
     register_pb_utils()
     conn = StubSocket(socket.socket(fileno=int(argv[1])))
     # EOFError / OSError: the worker is gone, nothing this process does can be delivered.

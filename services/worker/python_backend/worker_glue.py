@@ -37,7 +37,12 @@ async def load_python_model(worker: WorkerService, model: LoadedModel) -> bool:
                 )
             warmups = warmup_requests(model.spec, model.path)
             loaded = await asyncio.to_thread(
-                python_instances, model, version, groups, worker.worker_id
+                python_instances,
+                model,
+                version,
+                groups,
+                worker.worker_id,
+                bool(worker.settings.python_instance_process),
             )
             for inst in loaded:  # Triton warms up Python models too, before READY
                 await warm_up(inst, warmups, worker.state.redis)

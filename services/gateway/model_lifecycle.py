@@ -1,34 +1,41 @@
-"""The gateway's view of the model repository: what is loaded and ready.
+"""The gateway's model lifecycle: loading, unloading and draining models.
 
 Loading a model = reading its config from the repository, publishing it in
 Redis (workers load instances, schedulers read batching settings) and
 waiting until every selected version has a registered instance or a load
 error. Unloading stops new requests, lets in-flight ones finish, then
-withdraws the model.
+withdraws the model. The entries it produces go to the ModelTable
+(model_table.py), which every request reads; this module is used by the
+repository RPCs, the poller and startup, never per request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from redis.exceptions import RedisError
 
+from services.gateway.model_table import (
+    LOADING,
+    READY,
+    UNAVAILABLE,
+    UNLOADING,
+    ModelEntry,
+    ModelTable,
+)
 from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.config import ModelSpec
-from stageserve.errors import StageError, invalid, not_found, unavailable
-from stageserve.generated import model_config_pb2 as mc
+from stageserve.errors import StageError, invalid, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import LoadedModel, ModelStateStore, files_digest
-from stageserve.names import check_model_name, model_name_problem, parse_version, printable
+from stageserve.names import check_model_name, model_name_problem
 from stageserve.repository import model_names, read_model
-from stageserve.settings import GATEWAY
+from stageserve.settings import GatewaySettings
 from stageserve.telemetry import TRITON, model_labels
 
 log = logging.getLogger(__name__)
@@ -36,101 +43,33 @@ log = logging.getLogger(__name__)
 # A load override's temporary folder, as messages show it (no server path leaks).
 OVERRIDE_ROOT = "<load override>"
 
-READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"
 
+class ModelLifecycle:
+    """Loads, unloads and drains the models of one repository into `table`."""
 
-@dataclass
-class ModelEntry:
-    name: str
-    versions: dict[int, str] = field(default_factory=dict)  # version -> state
-    reasons: dict[int, str] = field(default_factory=dict)
-    reason: str = ""  # model-level reason (config error, unloaded)
-    config: mc.ModelConfig | None = None
-    spec: ModelSpec | None = None
-    generation: int = 0
-    unloaded: bool = False  # by request: not counted by server readiness
-    fingerprint: tuple = ()  # of the model folder when loaded (repository.fingerprint)
-    path: Path | None = None  # the folder published to workers (an override's, or the repository's)
-
-    def ready_versions(self) -> list[int]:
-        return sorted(v for v, s in self.versions.items() if s == READY)
-
-
-class ModelManager:
     def __init__(
         self,
+        table: ModelTable,
         repository: Path,
         state: ModelStateStore,
         ratelimiter: pb_grpc.RateLimiterStub,
-        control_mode: str = "none",
-        load_timeout_s: float = GATEWAY.load_timeout_s,
+        settings: GatewaySettings,
         autocomplete: AutoComplete = TRITON_DEFAULT,
     ) -> None:
+        self.table = table
         self.autocomplete = autocomplete
         self.repository = repository
         self.state = state
         self.ratelimiter = ratelimiter
-        self.control_mode = control_mode
-        self.load_timeout_s = load_timeout_s
-        self.entries: dict[str, ModelEntry] = {}
+        self.control_mode = settings.model_control_mode
+        self.load_timeout_s = settings.load_timeout_s
         self._locks: dict[str, asyncio.Lock] = {}
-        self._in_flight: dict[str, int] = {}
-        self._version_in_flight: dict[tuple[str, int], int] = {}
-        self._idle: dict[str, asyncio.Event] = {}
         self._drains: set[asyncio.Task] = set()
 
-    # ----------------------------------------------------------------- lookup
-
-    def resolve(self, name: str, version: str) -> tuple[ModelEntry, int]:
-        """The entry and version a request addresses, or Triton's error.
-
-        Once per request: the name is escaped for a message (printable, 0.6-1.5
-        us) only on the error paths."""
-        entry = self.entries.get(name)
-        if entry is None or not entry.versions:
-            shown = printable(name)  # as messages show it (a 64 KiB name would not fit a trailer)
-            if entry is not None and entry.reason:
-                raise unavailable(
-                    f"Request for unknown model: '{shown}' is not ready: {entry.reason}"
-                )
-            raise not_found(f"Request for unknown model: '{shown}' is not found")
-        v = parse_version(version)
-        if v is not None:
-            state = entry.versions.get(v)
-            if state is None:
-                raise not_found(
-                    f"Request for unknown model: '{printable(name)}' version {v} is not found"
-                )
-            if state != READY:
-                reason = "" if entry.unloaded else entry.reasons.get(v, "")
-                raise unavailable(
-                    f"Request for unknown model: '{printable(name)}' version {v} is not at "
-                    f"ready state" + (f": {reason}" if reason else "")
-                )
-            return entry, v
-        ready = entry.ready_versions()
-        if not ready:
-            reason = "" if entry.unloaded else entry.reason or "; ".join(entry.reasons.values())
-            # Triton answers NOT_FOUND here (2.51, bench/triton_diff.py)
-            raise not_found(
-                f"Request for unknown model: '{printable(name)}' has no available versions"
-                + (f": {reason}" if reason else "")
-            )
-        return entry, ready[-1]
-
-    def is_ready(self, name: str, version: str) -> bool:
-        """False for what is not ready; INVALID_ARGUMENT for a version Triton refuses."""
-        parse_version(version)
-        try:
-            self.resolve(name, version)
-        except StageError:
-            return False
-        return True
-
-    def all_ready(self) -> bool:
-        return all(
-            e.ready_versions() for e in self.entries.values() if e.versions and not e.unloaded
-        )
+    @property
+    def entries(self) -> dict[str, ModelEntry]:
+        """The table's entries: one set here is what the next request resolves."""
+        return self.table.entries
 
     # ------------------------------------------------------------ load/unload
 
@@ -233,7 +172,7 @@ class ModelManager:
                 and old.ready_versions()
                 and old.fingerprint == model.fingerprint
                 and old.spec is not None  # always set on a loaded entry
-                and all(self._ready_now(step.model) for step in old.spec.steps)
+                and all(self.table.ready_now(step.model) for step in old.spec.steps)
             ):
                 return False
             if not model.ok:
@@ -308,10 +247,6 @@ class ModelManager:
             if not entry.ready_versions():
                 raise unavailable(f"failed to load '{name}': " + "; ".join(reasons.values()))
             return True
-
-    def _ready_now(self, name: str) -> bool:
-        entry = self.entries.get(name)
-        return entry is not None and bool(entry.ready_versions())
 
     def _ensemble_spec(self, root: Path, name: str) -> ModelSpec | None:
         model = read_model(root, name, self.autocomplete)
@@ -389,10 +324,7 @@ class ModelManager:
             # Stop admitting, let in-flight requests finish, then withdraw.
             for v in entry.versions:
                 entry.versions[v] = UNLOADING
-            idle = self._idle.setdefault(name, asyncio.Event())
-            while self._in_flight.get(name, 0):
-                idle.clear()
-                await idle.wait()
+            await self.table.wait_idle(name)
             await self.state.publish_unloaded(name)
             self.entries[name] = ModelEntry(
                 name,
@@ -409,14 +341,7 @@ class ModelManager:
         them hosted for ever), publish the record without them: workers then
         unload their instances. Requests another gateway admitted are not
         counted here (each gateway counts its own)."""
-        idle = self._idle.setdefault(name, asyncio.Event())
-        deadline = time.monotonic() + self.load_timeout_s
-        while (left := sum(self._version_in_flight.get((name, v), 0) for v in versions)) and (
-            remaining := deadline - time.monotonic()
-        ) > 0:
-            idle.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(idle.wait(), remaining)
+        left = await self.table.wait_versions_idle(name, versions, self.load_timeout_s)
         try:
             ended = await self.state.end_draining(name, generation)
         except RedisError as exc:  # the next load or an unload publishes the record anew
@@ -427,30 +352,9 @@ class ModelManager:
             extra={"model": name, "versions": versions, "unfinished": left, "published": ended},
         )
 
-    # ------------------------------------------------------------- in-flight
-
-    # Counted per model name and per version, not per entry: a reload replaces
-    # the entry while requests admitted under the old one are still running
-    # (an unload waits for the name's, a removed version's drain for its own).
-
-    def in_flight(self, name: str) -> int:
-        """Requests to model `name` between begin() and end()."""
-        return self._in_flight.get(name, 0)
-
-    def begin(self, entry: ModelEntry, version: int) -> None:
-        self._in_flight[entry.name] = self._in_flight.get(entry.name, 0) + 1
-        key = (entry.name, version)
-        self._version_in_flight[key] = self._version_in_flight.get(key, 0) + 1
-
-    def end(self, entry: ModelEntry, version: int) -> None:
-        key = (entry.name, version)
-        if not (left := self._version_in_flight[key] - 1):
-            del self._version_in_flight[key]
-        else:
-            self._version_in_flight[key] = left
-        total = self._in_flight[entry.name] = self._in_flight[entry.name] - 1
-        if (total == 0 or left == 0) and entry.name in self._idle:
-            self._idle[entry.name].set()
+    def forget(self, name: str) -> None:
+        """A model gone from the repository leaves the index (unload it first)."""
+        self.entries.pop(name, None)
 
     # ------------------------------------------------------------------ index
 

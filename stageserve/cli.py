@@ -106,6 +106,15 @@ def _http(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-address", default="0.0.0.0")
 
 
+def _server_name(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--server-name",
+        default="triton",
+        help="the name server metadata answers (default triton, as Triton's: its client "
+        "examples check it)",
+    )
+
+
 def _http_listen(args: argparse.Namespace) -> str | None:
     return f"{args.http_address}:{args.http_port}" if args.allow_http else None
 
@@ -137,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--grpc-port", type=int, default=8001)
     up.add_argument("--grpc-address", default="0.0.0.0")
     _http(up)
+    _server_name(up)
     up.add_argument("--metrics-port", type=int, default=8002)
     up.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     up.add_argument("--load-model", action="append", default=[], help="repeatable; * = all")
@@ -164,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--listen", default=None, help="host:port (default 0.0.0.0:--grpc-port)")
     gw.add_argument("--grpc-port", type=int, default=8001)
     _http(gw)
+    _server_name(gw)
     gw.add_argument("--model-repository", type=Path, required=True)
     gw.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     gw.add_argument("--load-model", action="append", default=[])
@@ -287,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             ratelimiter_args=rate_limit_argv(args.rate_limit, args.rate_limit_resource),
             repository_poll_secs=args.repository_poll_secs,
             supervisor_metrics_port=args.supervisor_metrics_port,
-            gateway_extra=_security(args, gateway_flags),
+            gateway_extra=[*_security(args, gateway_flags), "--server-name", args.server_name],
         )
     if args.command == "gateway":
         from services.gateway.server import serve as serve_gateway
@@ -309,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             _security(args, tls_from),
             _security(args, restrictions_from),
             _security(args, http_restrictions_from),
+            args.server_name,
         )
     elif args.command == "scheduler":
         from services.scheduler.service import serve as serve_scheduler

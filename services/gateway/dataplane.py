@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from services.gateway import cuda_shared_memory
 from services.gateway.models import ModelManager
 from services.gateway.overrides import OverrideArea
 from services.gateway.python_models import (
@@ -39,7 +40,11 @@ from stageserve.telemetry import GATEWAY_INFLIGHT
 
 log = logging.getLogger(__name__)
 
-SERVER_NAME = "stageserve"
+#: ServerMetadata's name by default: "triton", as Triton answers, because Triton's
+#: own client examples (simple_grpc_health_metadata, simple_http_health_metadata)
+#: and clients written from them check it; `--server-name` sets another. The
+#: version stays StageServe's own.
+DEFAULT_SERVER_NAME = "triton"
 EXTENSIONS = [
     "classification",
     "model_repository",
@@ -53,8 +58,14 @@ EXTENSIONS = [
 
 
 class DataPlane:
-    def __init__(self, models: ModelManager, scheduler: SchedulerLink) -> None:
+    def __init__(
+        self,
+        models: ModelManager,
+        scheduler: SchedulerLink,
+        server_name: str = DEFAULT_SERVER_NAME,
+    ) -> None:
         self.models = models
+        self.server_name = server_name
         self.scheduler = scheduler
         self.stats = StatsBook(self._generation_of)
         self.recorder = RequestRecorder(self.stats)
@@ -74,7 +85,7 @@ class DataPlane:
 
     def server_metadata(self) -> gs.ServerMetadataResponse:
         return gs.ServerMetadataResponse(
-            name=SERVER_NAME, version=__version__, extensions=EXTENSIONS
+            name=self.server_name, version=__version__, extensions=EXTENSIONS
         )
 
     def model_metadata(self, request: gs.ModelMetadataRequest) -> gs.ModelMetadataResponse:
@@ -245,6 +256,25 @@ class DataPlane:
     ) -> gs.SystemSharedMemoryUnregisterResponse:
         self.shm.unregister(request.name)
         return gs.SystemSharedMemoryUnregisterResponse()
+
+    # ------------------------------------------------------- CUDA shared memory
+
+    def cuda_shm_status(
+        self, request: gs.CudaSharedMemoryStatusRequest
+    ) -> gs.CudaSharedMemoryStatusResponse:
+        cuda_shared_memory.status(request.name)
+        return gs.CudaSharedMemoryStatusResponse()
+
+    def cuda_shm_register(
+        self, request: gs.CudaSharedMemoryRegisterRequest
+    ) -> gs.CudaSharedMemoryRegisterResponse:
+        cuda_shared_memory.register(request.name, request.device_id)
+
+    def cuda_shm_unregister(
+        self, request: gs.CudaSharedMemoryUnregisterRequest
+    ) -> gs.CudaSharedMemoryUnregisterResponse:
+        cuda_shared_memory.unregister(request.name)
+        return gs.CudaSharedMemoryUnregisterResponse()
 
     # ------------------------------------------------------------- statistics
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 
-from services.gateway.dataplane import DataPlane
+from services.gateway.dataplane import DEFAULT_SERVER_NAME, DataPlane
 from services.gateway.http.app import HttpFront
 from services.gateway.http.server import HttpServer, http_server
 from services.gateway.models import ModelManager
@@ -48,9 +48,11 @@ async def serve(
     tls: TlsOptions | None = None,
     restrictions: Sequence[Restriction] = (),
     http_restrictions: Sequence[Restriction] = (),
+    server_name: str = DEFAULT_SERVER_NAME,
 ) -> None:
     """`http_listen` (host:port, port 0 picks one) also serves the HTTP/REST
-    front on the same dataplane; None: gRPC only."""
+    front on the same dataplane; None: gRPC only. `server_name`: the name
+    ServerMetadata answers on both fronts."""
     redis = connect(redis_url)
     await redis.ping()
     rl_channel = stage_channel(ratelimiter_address)
@@ -62,7 +64,7 @@ async def serve(
         autocomplete=autocomplete,
     )
     link = SchedulerLink(scheduler_address, hold_us=GATEWAY.scheduler_link_hold_us)
-    dataplane = DataPlane(models, link)
+    dataplane = DataPlane(models, link, server_name)
     dataplane.shared = SharedStats(redis, dataplane.stats)
     dataplane.shared.start()
     republisher = Republisher(models, redis)

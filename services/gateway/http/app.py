@@ -24,6 +24,7 @@ from urllib.parse import unquote_to_bytes
 import grpc
 from prometheus_client import Histogram
 
+from services.gateway.cuda_shared_memory import check_http_register
 from services.gateway.dataplane import DataPlane
 from services.gateway.http import codec
 from stageserve.errors import StageError, invalid
@@ -60,7 +61,9 @@ API_GROUP = {
     "shm_status": "shared-memory",
     "shm_register": "shared-memory",
     "shm_unregister": "shared-memory",
-    "cudasharedmemory": "shared-memory",
+    "cuda_shm_status": "shared-memory",
+    "cuda_shm_register": "shared-memory",
+    "cuda_shm_unregister": "shared-memory",
     "trace": "trace",
     "logging": "logging",
 }
@@ -252,7 +255,18 @@ class HttpFront:
             if rest == ["unregister"]:
                 return "shm_unregister", self.shm_unregister, "POST", (region,)
             return "unknown", None, "", ()
-        if p[1] in ("cudasharedmemory", "trace", "logging"):
+        if p[1] == "cudasharedmemory":
+            rest, region = p[2:], ""
+            if len(rest) >= 2 and rest[0] == "region":
+                region, rest = rest[1], rest[2:]
+            if rest == ["status"]:
+                return "cuda_shm_status", self.cuda_shm_status, "GET", (region,)
+            if rest == ["register"] and region:
+                return "cuda_shm_register", self.cuda_shm_register, "POST", (region,)
+            if rest == ["unregister"]:
+                return "cuda_shm_unregister", self.cuda_shm_unregister, "POST", (region,)
+            return "unknown", None, "", ()
+        if p[1] in ("trace", "logging"):
             return p[1], self.unsupported, "GET" if p[-1] in ("status", "setting") else "POST", ()
         return "unknown", None, "", ()
 
@@ -435,6 +449,19 @@ class HttpFront:
 
     async def shm_unregister(self, request: Request, region: str) -> Response:
         self.dp.shm_unregister(gs.SystemSharedMemoryUnregisterRequest(name=region))
+        return Response(200)
+
+    async def cuda_shm_status(self, request: Request, region: str) -> Response:
+        self.dp.cuda_shm_status(gs.CudaSharedMemoryStatusRequest(name=region))
+        return json_response([])
+
+    async def cuda_shm_register(self, request: Request, region: str) -> Response:
+        device = check_http_register(codec.json_body(request.body))
+        self.dp.cuda_shm_register(gs.CudaSharedMemoryRegisterRequest(name=region, device_id=device))
+        return Response(200)
+
+    async def cuda_shm_unregister(self, request: Request, region: str) -> Response:
+        self.dp.cuda_shm_unregister(gs.CudaSharedMemoryUnregisterRequest(name=region))
         return Response(200)
 
     async def unsupported(self, request: Request) -> Response:

@@ -51,6 +51,13 @@ def internal(message: str) -> StageError:
     return StageError(grpc.StatusCode.INTERNAL, message)
 
 
+def load_failed(message: str) -> StageError:
+    """A RepositoryModelLoad refused: INTERNAL, Triton 2.51's code for every load
+    its repository poll or the model's load refuses ("failed to poll from model
+    repository"), even where the cause is the client's request."""
+    return StageError(grpc.StatusCode.INTERNAL, message)
+
+
 _BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 
 

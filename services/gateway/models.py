@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 
 from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.config import ModelSpec
-from stageserve.errors import StageError, invalid, not_found, unavailable
+from stageserve.errors import StageError, invalid, load_failed, not_found, unavailable
 from stageserve.generated import model_config_pb2 as mc
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
@@ -90,7 +90,8 @@ class ModelManager:
         if entry is None or not entry.versions:
             shown = printable(name)  # as messages show it (a 64 KiB name would not fit a trailer)
             if entry is not None and entry.reason:
-                raise unavailable(
+                # NOT_FOUND, as Triton 2.51 answers for a model whose load failed
+                raise not_found(
                     f"Request for unknown model: '{shown}' is not ready: {entry.reason}"
                 )
             raise not_found(f"Request for unknown model: '{shown}' is not found")
@@ -219,9 +220,9 @@ class ModelManager:
                     self.entries[name] = ModelEntry(
                         name, reason=f"composing model '{step.model}' not ready: {why}"
                     )
-                    raise unavailable(
-                        f"failed to load '{name}': composing model '{step.model}': {why}"
-                    )
+                    # INVALID_ARGUMENT, as Triton 2.51 answers "ensemble ... contains
+                    # models that are not available"
+                    raise invalid(f"failed to load '{name}': composing model '{step.model}': {why}")
         async with self._lock(name):
             model = read_model(root, name, self.autocomplete)
             old = self.entries.get(name)
@@ -240,7 +241,7 @@ class ModelManager:
                 if in_repository and (old is None or not old.ready_versions()):
                     self.entries[name] = ModelEntry(name, reason=model.error or "")
                 log.error("model load failed", extra={"model": name, "reason": model.error})
-                raise invalid(f"failed to load '{name}': {model.error}")
+                raise load_failed(f"failed to load '{name}': {model.error}")
             assert model.config is not None and model.spec is not None
             start = time.monotonic()
             published = await self.state.get(name)

@@ -21,27 +21,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
-import grpc
 from prometheus_client import Histogram
 
 from services.gateway.cuda_shared_memory import check_http_register
 from services.gateway.dataplane import DataPlane
 from services.gateway.http import codec
-from stageserve.errors import StageError, invalid
+from stageserve.errors import StageError, http_status, internal, invalid
 from stageserve.generated import grpc_service_pb2 as gs
+from stageserve.generated import stageserve_pb2 as pb
 from stageserve.security_options import Restriction, restrictions_by_group
 
 log = logging.getLogger(__name__)
 
 HEADER_LENGTH = "inference-header-content-length"
-
-# Triton's HTTP front: HttpCodeFromError (UNKNOWN, INVALID_ARG, ALREADY_EXISTS,
-# CANCELLED and the rest answer 400 Bad Request).
-_HTTP_STATUS = {
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.INTERNAL: 500,
-}
 
 # Endpoint (as _route labels it) -> Triton's API group for --http-restricted-api.
 API_GROUP = {
@@ -73,10 +65,6 @@ HTTP_DURATION = Histogram(
     "Public HTTP/REST request handling time at the gateway, per endpoint and status",
     ["endpoint", "status"],
 )
-
-
-def http_status(code: grpc.StatusCode) -> int:
-    return _HTTP_STATUS.get(code, 400)
 
 
 class Response:
@@ -384,7 +372,7 @@ class HttpFront:
                     "unexpected error", extra={"endpoint": "generate_stream", "error": repr(exc)}
                 )
                 events.put_nowait(
-                    StageError(grpc.StatusCode.INTERNAL, "internal error in generate_stream")
+                    internal("internal error in generate_stream")
                 )
             finally:
                 events.put_nowait(None)
@@ -480,7 +468,7 @@ def _sse_event(item: gs.ModelStreamInferResponse | StageError) -> bytes:
 
 def unsupported_error(what: str) -> StageError:
     # The gRPC front answers UNIMPLEMENTED for these; Triton's HTTP code for it is 400.
-    return StageError(grpc.StatusCode.UNIMPLEMENTED, f"{what} is not supported by StageServe")
+    return StageError.of(pb.UNIMPLEMENTED, f"{what} is not supported by StageServe")
 
 
 _BodyCoding = Callable[[bytes], bytes]

@@ -501,6 +501,28 @@ STEPS: list[Step] = [
     Step("http stats nope", _h_stats("nope"), message=True, http=True),
     Step("http stats identity v2", _h_stats("identity", "2"), message=True, http=True),
     Step("http stats broken", _h_stats("broken"), message=True, http=True),
+    *(
+        Step(f"http {what} identity v{v}", call("identity", v), message=True, http=True)
+        for v in ("abc", "-1")
+        for what, call in (("metadata", _h_metadata), ("config", _h_config), ("stats", _h_stats))
+    ),
+    Step(
+        "http shm status unknown",
+        lambda c: c.get_system_shared_memory_status("nope"),
+        message=True,
+        http=True,
+    ),
+    Step(
+        "http shm unregister unknown",
+        lambda c: c.unregister_system_shared_memory("nope"),
+        http=True,
+    ),
+    Step(
+        "http shm register missing key",
+        lambda c: c.register_system_shared_memory("r", "/nope_key_x", 16),
+        message=True,
+        http=True,
+    ),
     Step("http ready nope", lambda c: c.is_model_ready("nope"), http=True),
     Step("http load nope", lambda c: c.load_model("nope"), http=True),
     Step("http unload nope", lambda c: c.unload_model("nope"), http=True),

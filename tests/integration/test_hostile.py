@@ -357,9 +357,16 @@ def test_percent_encoded_names_in_http_paths_stay_one_name(
 def test_hostile_http_paths_match_no_route_or_a_clear_error(hostile: RunningStack) -> None:
     for path in ("/v2/models//ready", "/v2/repository/models//load", "/v2//health/live"):
         _check(_raw(hostile, "POST" if "load" in path else "GET", path), "404")
-    for version in ("..%2F1", "1%00", "%2E%2E", "abc", "9" * 40):
-        _check(_raw(hostile, "GET", f"/v2/models/simple/versions/{version}/ready"), "400")
-        _check(_raw(hostile, "GET", f"/v2/models/simple/versions/{version}"), "400")
+    # Triton's version route takes digits only: anything else matches no route (404)
+    for version in ("..%2F1", "1%00", "%2E%2E", "abc", "-1", "%D9%A1"):  # last: Arabic 1
+        for path in (f"/v2/models/simple/versions/{version}", "/ready", "/config", "/stats"):
+            full = path if path.startswith("/v2") else f"/v2/models/simple/versions/{version}{path}"
+            answer = _raw(hostile, "GET", full)
+            _check(answer, "404")
+            assert answer[1] == "Not Found", answer
+    # digits that std::stol cannot take: Triton's 400
+    _check(_raw(hostile, "GET", f"/v2/models/simple/versions/{'9' * 40}/ready"), "400")
+    _check(_raw(hostile, "GET", f"/v2/models/simple/versions/{'9' * 40}"), "400")
     status = _raw(hostile, "GET", "/v2/systemsharedmemory/region/a%2Fb/status")
     _check(status, "404")
     assert "'a/b'" in status[1]

@@ -216,6 +216,10 @@ class HttpFront:
             model, version, rest = p[2], "", p[3:]
             if len(rest) >= 2 and rest[0] == "versions":
                 version, rest = rest[1], rest[2:]
+                if not (version.isascii() and version.isdigit()):
+                    # Triton's route takes digits only ([0-9]+): anything else is
+                    # no route, 404 "Not Found" (checked against 2.51)
+                    return "unknown", None, "", ()
             if not rest:
                 return "model_metadata", self.model_metadata, "GET", (model, version)
             if len(rest) == 1:
@@ -371,9 +375,7 @@ class HttpFront:
                 log.exception(
                     "unexpected error", extra={"endpoint": "generate_stream", "error": repr(exc)}
                 )
-                events.put_nowait(
-                    internal("internal error in generate_stream")
-                )
+                events.put_nowait(internal("internal error in generate_stream"))
             finally:
                 events.put_nowait(None)
 

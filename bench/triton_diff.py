@@ -324,14 +324,15 @@ def _h_override(files: dict[str, bytes] | None = None, text: str | None = None):
     return call
 
 
-def _raw_and_typed(n_raw: int, name: str = "INPUT0") -> Callable[[Client], Any]:
+def _raw_and_typed(n_raw: int, name: str = "INPUT0", typed: bool = True) -> Callable[[Client], Any]:
     """ModelInfer with typed contents and raw_input_contents (the generated stub:
     tritonclient's InferInput never sends the mix itself)."""
 
     def call(c: Client) -> Any:
         request = tpb.ModelInferRequest(model_name="identity")
         t = request.inputs.add(name=name, datatype="FP32", shape=[1, 16])
-        t.contents.fp32_contents.extend([1.0] * 16)
+        if typed:
+            t.contents.fp32_contents.extend([1.0] * 16)
         for _ in range(n_raw):
             request.raw_input_contents.append(np.zeros(16, np.float32).tobytes())
         try:
@@ -485,6 +486,7 @@ STEPS: list[Step] = [
     Step("infer raw and typed contents", _raw_and_typed(1), message=True),
     Step("infer raw and typed contents, two raws", _raw_and_typed(2), message=True),
     Step("infer raw and typed contents, unknown input", _raw_and_typed(1, "NOPE"), message=True),
+    Step("infer two raw contents for one input", _raw_and_typed(2, typed=False)),
     Step("load override file name too long", _load_override({LONG_FILE: b"x"})),
     Step("ready after long override", _ready("identity")),
     # ---- every repository / statistics / metadata / config error on both fronts
@@ -605,6 +607,12 @@ DOCUMENTED: dict[str, Documented] = {
         "with INVALID_ARGUMENT); StageServe answers every such load alike (400)",
         "500",
         "400",
+    ),
+    "infer two raw contents for one input": Documented(
+        "a raw_input_contents entry no input claims is refused (INVALID_ARGUMENT, "
+        "'expected 1 raw input contents'); Triton 2.51 ignores it",
+        "OK",
+        "StatusCode.INVALID_ARGUMENT",
     ),
     "stats ens": Documented(
         "Triton 2.51 reports zero for an ensemble inferred once after it was loaded again "

@@ -7,10 +7,15 @@ Triton 2.51 gives them (bench/triton_diff.py diffs the same calls against it).
   refused with Triton's code and message.
 - A gRPC request carrying raw_input_contents and typed contents gets Triton's
   message (grpc_explicit_int_content_client).
+- The gRPC client options the examples use: request compression
+  (simple_grpc_infer_client --compression), keepalive options
+  (simple_grpc_keepalive_client), custom headers (simple_grpc_custom_args_client)
+  and the asyncio client (simple_grpc_aio_infer_client).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import http.client
 import json
@@ -18,11 +23,13 @@ import json
 import grpc
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aiogrpcclient
 import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2 as tpb
 from tritonclient.utils import InferenceServerException
 
-from tests.integration.helpers import RPC_TIMEOUT_S, infer_simple
+from tests.integration.helpers import RPC_TIMEOUT_S, infer_simple, simple_inputs
 from tests.stack import RunningStack
 
 REGISTER_REFUSED = "failed to register shared memory region: invalid args"
@@ -128,3 +135,39 @@ def test_server_metadata_name_is_tritons_on_both_fronts(stack: RunningStack) -> 
     assert stack.client().get_server_metadata().name == "triton"
     hc = httpclient.InferenceServerClient(stack.gateway.http_address)
     assert hc.get_server_metadata()["name"] == "triton"
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_grpc_request_compression(stack: RunningStack, algorithm: str) -> None:
+    infer_simple(stack.client(), compression_algorithm=algorithm)
+
+
+def test_grpc_keepalive_options_and_custom_headers(stack: RunningStack) -> None:
+    keepalive = grpcclient.KeepAliveOptions(
+        keepalive_time_ms=2**31 - 1,
+        keepalive_timeout_ms=20000,
+        keepalive_permit_without_calls=False,
+        http2_max_pings_without_data=2,
+    )
+    c = grpcclient.InferenceServerClient(stack.gateway.address, keepalive_options=keepalive)
+    try:
+        infer_simple(c, headers={"my-key": "my-value"})
+        assert c.is_server_live(headers={"my-key": "my-value"})
+    finally:
+        c.close()
+
+
+def test_grpc_asyncio_client(stack: RunningStack) -> None:
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    b = np.ones((1, 16), dtype=np.int32)
+
+    async def main() -> tuple[bool, str, np.ndarray | None]:
+        async with aiogrpcclient.InferenceServerClient(stack.gateway.address) as c:
+            live = await c.is_server_live()
+            meta = await c.get_server_metadata()
+            result = await c.infer("simple", simple_inputs(a, b), client_timeout=RPC_TIMEOUT_S)
+            return live, meta.name, result.as_numpy("OUTPUT0")
+
+    live, name, out = asyncio.run(main())
+    assert live and name == "triton"
+    np.testing.assert_array_equal(out, a + b)

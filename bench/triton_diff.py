@@ -2,12 +2,15 @@
 
 ``python -m bench.triton_diff`` starts both servers on free ports, each on its
 own copy of one repository (``identity``, an ensemble ``ens`` over it, a
-``broken`` model whose config does not parse; Triton's copy runs the ONNX
-files through the Python-backend twin :mod:`bench.triton_model`), runs
-:data:`STEPS` in order against each (the steps change state: loads, unloads,
-inferences), and prints every step whose normalised observation differs.
+``broken`` model whose config does not parse, an ensemble ``ens_ghost`` whose
+composing model is not in the repository; Triton's copy runs the ONNX files
+through the Python-backend twin :mod:`bench.triton_model`), runs :data:`STEPS`
+in order against each, on the gRPC or the HTTP front as the step says (the
+steps change state: loads, unloads, inferences), and prints every step whose
+normalised observation differs.
 
-An observation is ``("OK", value)`` or ``(status code, message)``. Values are
+An observation is ``("OK", value)`` or ``(status code, message)`` (the gRPC
+status code, or the HTTP status as tritonclient.http reports it). Values are
 normalised where the twins legitimately differ (``platform``/``backend``,
 timings, repository paths); messages are compared only for steps marked
 ``message=True`` (elsewhere both are printed for reading). Differences that
@@ -31,8 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
 
+import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.grpc import service_pb2 as tpb
 from tritonclient.utils import InferenceServerException
 
 from bench.references import (
@@ -40,6 +46,7 @@ from bench.references import (
     ReferenceNotInstalled,
     bench_model,
     find_triton,
+    free_port,
     start_grpc_triton,
     stop_process,
     triton_config_text,
@@ -69,6 +76,11 @@ ensemble_scheduling {
 """
 
 
+GHOST_ENSEMBLE_CONFIG = ENSEMBLE_CONFIG.replace('name: "ens"', 'name: "ens_ghost"').replace(
+    'model_name: "identity"', 'model_name: "ghost"'
+)
+
+
 def write_repository(root: Path, triton: bool) -> Path:
     """The diff repository; ``triton=True`` writes the Python-backend twin."""
     from bench.references import stageserve_config_text
@@ -82,6 +94,8 @@ def write_repository(root: Path, triton: bool) -> Path:
     (root / "ens" / "config.pbtxt").write_text(ENSEMBLE_CONFIG)
     (root / "broken" / "1").mkdir(parents=True)
     (root / "broken" / "config.pbtxt").write_text("name: 'broken' max_batch_size: [oops\n")
+    (root / "ens_ghost" / "1").mkdir(parents=True)
+    (root / "ens_ghost" / "config.pbtxt").write_text(GHOST_ENSEMBLE_CONFIG)
     return root
 
 
@@ -90,6 +104,7 @@ def write_repository(root: Path, triton: bool) -> Path:
 
 class Server:
     url: str
+    http_url: str
 
     def stop(self) -> None:
         raise NotImplementedError
@@ -98,7 +113,10 @@ class Server:
 class Triton(Server):
     def __init__(self, workdir: Path) -> None:
         repo = write_repository(workdir / "triton_repo", triton=True)
+        self.http_url = f"127.0.0.1:{free_port()}"
         extra = ["--model-control-mode", "explicit", "--strict-readiness", "true"]
+        extra += ["--allow-http", "true", "--http-address", "127.0.0.1"]
+        extra += ["--http-port", self.http_url.rsplit(":", 1)[1]]
         for m in STARTUP_MODELS:
             extra += ["--load-model", m]
         self.proc, self.url = start_grpc_triton(workdir, repo, list(STARTUP_MODELS), extra)
@@ -122,6 +140,7 @@ class StageServe(Server):
                 device="cpu",
             )
             self.url = services.gateway.address
+            self.http_url = services.gateway.http_address
             wait_ready(self.url, list(STARTUP_MODELS), 120)
         except BaseException:
             self.stack.stop()
@@ -134,15 +153,17 @@ class StageServe(Server):
 # --------------------------------------------------------------------------- steps
 
 Client: TypeAlias = grpcclient.InferenceServerClient  # untyped library: Any
+HttpClient: TypeAlias = httpclient.InferenceServerClient
 Observation = tuple[str, Any]
 
 
 @dataclass(frozen=True)
 class Step:
     name: str
-    call: Callable[[Client], Any]
+    call: Callable[[Any], Any]  # given the front's tritonclient client
     message: bool = False  # compare error messages too (normalised)
     value: bool = True  # compare the OK value (False: only print it with --verbose)
+    http: bool = False  # the HTTP front (tritonclient.http); else gRPC
 
 
 def _identity_input(name: str = "INPUT0", dtype: str = "FP32", shape=(1, 16)):
@@ -263,6 +284,68 @@ def _load_override(files: dict[str, bytes] | None = None, **config_changes: Any)
     return call
 
 
+def _h_index(c: HttpClient) -> Any:
+    return sorted(
+        (m["name"], m.get("version", ""), m.get("state", ""))
+        for m in c.get_model_repository_index()
+    )
+
+
+def _h_stats(name: str = "", version: str = "") -> Callable[[HttpClient], Any]:
+    def call(c: HttpClient) -> Any:
+        out = c.get_inference_statistics(name, version).get("model_stats", [])
+        return sorted((s["name"], s.get("version", "")) for s in out)
+
+    return call
+
+
+def _h_metadata(name: str, version: str = "") -> Callable[[HttpClient], Any]:
+    def call(c: HttpClient) -> Any:
+        m = c.get_model_metadata(name, version)
+        m.pop("platform", None)
+        return m
+
+    return call
+
+
+def _h_config(name: str, version: str = "") -> Callable[[HttpClient], Any]:
+    def call(c: HttpClient) -> Any:
+        cfg = c.get_model_config(name, version)
+        return {"name": cfg.get("name"), "max_batch_size": cfg.get("max_batch_size", 0)}
+
+    return call
+
+
+def _h_override(files: dict[str, bytes] | None = None, text: str | None = None):
+    def call(c: HttpClient) -> Any:
+        config = c.get_model_config("identity")
+        return c.load_model("identity", config=text or json.dumps(config), files=files)
+
+    return call
+
+
+def _raw_and_typed(n_raw: int, name: str = "INPUT0", typed: bool = True) -> Callable[[Client], Any]:
+    """ModelInfer with typed contents and raw_input_contents (the generated stub:
+    tritonclient's InferInput never sends the mix itself)."""
+
+    def call(c: Client) -> Any:
+        request = tpb.ModelInferRequest(model_name="identity")
+        t = request.inputs.add(name=name, datatype="FP32", shape=[1, 16])
+        if typed:
+            t.contents.fp32_contents.extend([1.0] * 16)
+        for _ in range(n_raw):
+            request.raw_input_contents.append(np.zeros(16, np.float32).tobytes())
+        try:
+            return c._client_stub.ModelInfer(request, timeout=RPC_TIMEOUT_S).model_name
+        except grpc.RpcError as err:
+            raise InferenceServerException(err.details(), str(err.code())) from None
+
+    return call
+
+
+CUDA_HANDLE = bytes(range(64))  # as long as a cudaIpcMemHandle_t; opens nothing
+LONG_FILE = "file:1/" + "x" * 256  # one byte over a file name's limit
+
 HOSTILE = {
     "slash": "a/b",
     "dotdot": "..",
@@ -371,16 +454,113 @@ STEPS: list[Step] = [
         lambda c: c.register_system_shared_memory("r", "/../etc/passwd", 16),
     ),
     Step("shm status all", lambda c: c.get_system_shared_memory_status(as_json=True)),
+    # ---- Triton's own client examples' calls (tritonclient src/python/examples)
+    Step("server metadata name", lambda c: c.get_server_metadata(as_json=True)["name"]),
+    Step("http server metadata name", lambda c: c.get_server_metadata()["name"], http=True),
+    Step("cuda shm status all", lambda c: c.get_cuda_shared_memory_status(as_json=True)),
+    Step(
+        "cuda shm status unknown",
+        lambda c: c.get_cuda_shared_memory_status("nope"),
+        message=True,
+    ),
+    Step("cuda shm unregister all", lambda c: c.unregister_cuda_shared_memory()),
+    Step("cuda shm unregister unknown", lambda c: c.unregister_cuda_shared_memory("nope")),
+    Step(
+        "cuda shm register",
+        lambda c: c.register_cuda_shared_memory("r", CUDA_HANDLE, 0, 16),
+        message=True,
+    ),
+    Step("http cuda shm status all", lambda c: c.get_cuda_shared_memory_status(), http=True),
+    Step(
+        "http cuda shm status unknown",
+        lambda c: c.get_cuda_shared_memory_status("nope"),
+        message=True,
+        http=True,
+    ),
+    Step("http cuda shm unregister all", lambda c: c.unregister_cuda_shared_memory(), http=True),
+    Step(
+        "http cuda shm unregister unknown",
+        lambda c: c.unregister_cuda_shared_memory("nope"),
+        http=True,
+    ),
+    Step("infer raw and typed contents", _raw_and_typed(1), message=True),
+    Step("infer raw and typed contents, two raws", _raw_and_typed(2), message=True),
+    Step("infer raw and typed contents, unknown input", _raw_and_typed(1, "NOPE"), message=True),
+    Step("infer two raw contents for one input", _raw_and_typed(2, typed=False)),
+    Step("load override file name too long", _load_override({LONG_FILE: b"x"})),
+    Step("ready after long override", _ready("identity")),
+    # ---- every repository / statistics / metadata / config error on both fronts
+    Step("config broken", _config("broken"), message=True),
+    Step("config identity v2", _config("identity", "2"), message=True),
+    Step("config identity vabc", _config("identity", "abc"), message=True),
+    Step("http index", _h_index, http=True),
+    Step("http metadata nope", _h_metadata("nope"), message=True, http=True),
+    Step("http metadata identity v2", _h_metadata("identity", "2"), message=True, http=True),
+    Step("http metadata broken", _h_metadata("broken"), message=True, http=True),
+    Step("http config nope", _h_config("nope"), message=True, http=True),
+    Step("http config identity v2", _h_config("identity", "2"), message=True, http=True),
+    Step("http config broken", _h_config("broken"), message=True, http=True),
+    Step("http stats nope", _h_stats("nope"), message=True, http=True),
+    Step("http stats identity v2", _h_stats("identity", "2"), message=True, http=True),
+    Step("http stats broken", _h_stats("broken"), message=True, http=True),
+    *(
+        Step(f"http {what} identity v{v}", call("identity", v), message=True, http=True)
+        for v in ("abc", "-1")
+        for what, call in (("metadata", _h_metadata), ("config", _h_config), ("stats", _h_stats))
+    ),
+    Step(
+        "http shm status unknown",
+        lambda c: c.get_system_shared_memory_status("nope"),
+        message=True,
+        http=True,
+    ),
+    Step(
+        "http shm unregister unknown",
+        lambda c: c.unregister_system_shared_memory("nope"),
+        http=True,
+    ),
+    Step(
+        "http shm register missing key",
+        lambda c: c.register_system_shared_memory("r", "/nope_key_x", 16),
+        message=True,
+        http=True,
+    ),
+    Step("http ready nope", lambda c: c.is_model_ready("nope"), http=True),
+    Step("http load nope", lambda c: c.load_model("nope"), http=True),
+    Step("http unload nope", lambda c: c.unload_model("nope"), http=True),
+    Step("http load broken", lambda c: c.load_model("broken"), http=True),
+    Step("http load override traversal", _h_override({"file:../../../x": b"x"}), http=True),
+    Step("http load override bad json", _h_override(text="{not json"), http=True),
+    Step("http load override file name too long", _h_override({LONG_FILE: b"x"}), http=True),
+    Step(
+        "http load override files without config",
+        lambda c: c.load_model("identity", files={"file:1/x": b"x"}),
+        http=True,
+    ),
+    Step("ready after http overrides", _ready("identity")),
+    # ---- an ensemble whose composing model is not in the repository
+    Step("load ens_ghost", _load("ens_ghost")),
+    Step("http load ens_ghost", lambda c: c.load_model("ens_ghost"), http=True),
+    Step("ready ens_ghost", _ready("ens_ghost")),
+    Step("metadata ens_ghost", _metadata("ens_ghost"), message=True),
+    Step("config ens_ghost", _config("ens_ghost"), message=True),
+    Step("stats ens_ghost", _stats("ens_ghost"), message=True),
+    Step("infer ens_ghost", _infer("ens_ghost", "IN"), message=True),
+    Step("http metadata ens_ghost", _h_metadata("ens_ghost"), message=True, http=True),
+    Step("http stats ens_ghost", _h_stats("ens_ghost"), message=True, http=True),
+    Step("index with ens_ghost", _index()),
+    # ---- an unloaded model on HTTP
+    Step("unload identity at end", _unload("identity")),
+    Step("http ready identity after unload", lambda c: c.is_model_ready("identity"), http=True),
+    Step("http metadata identity after unload", _h_metadata("identity"), message=True, http=True),
+    Step("http config identity after unload", _h_config("identity"), message=True, http=True),
+    Step("http stats identity after unload", _h_stats("identity"), message=True, http=True),
+    Step("http stats identity v1 after unload", _h_stats("identity", "1"), message=True, http=True),
+    Step("http unload identity again", lambda c: c.unload_model("identity"), http=True),
 ]
 
 
 # --------------------------------------------------------------------------- compare
-
-_LOAD_CODE_REASON = (
-    "Triton answers INTERNAL 'failed to poll from model repository' for any load that "
-    "finds no loadable model; StageServe answers INVALID_ARGUMENT (a client's mistake is "
-    "never INTERNAL) with the reason, and never looks outside the repository"
-)
 
 
 @dataclass(frozen=True)
@@ -395,20 +575,44 @@ class Documented:
         return not self.triton or (triton[0], ours[0]) == (self.triton, self.stageserve)
 
 
-_LOAD_CODE = Documented(_LOAD_CODE_REASON, "StatusCode.INTERNAL", "StatusCode.INVALID_ARGUMENT")
+_FAILED_ROW = Documented(
+    "a model whose load failed (a config.pbtxt that does not parse, an ensemble whose "
+    "composing model is missing) stays listed UNAVAILABLE with the reason (Triton lists it "
+    "with no state: it never got past polling)"
+)
 
-#: step -> why StageServe answers differently on purpose (docs/hardening.md).
+_WHY_NOT_READY = (
+    "same code; Triton's message says only 'is not found', StageServe's says why the "
+    "model is not ready (its load error)"
+)
+_NOT_READY = Documented(_WHY_NOT_READY, "StatusCode.NOT_FOUND", "StatusCode.NOT_FOUND")
+_HTTP_NOT_READY = Documented(_WHY_NOT_READY, "404", "404")
+
+#: step -> why StageServe answers differently on purpose (README, docs/hardening.md).
 DOCUMENTED: dict[str, Documented] = {
-    **{f"load hostile {k}": _LOAD_CODE for k in HOSTILE},
-    "load nope": _LOAD_CODE,
-    "load override files without config": _LOAD_CODE,
-    "load override traversal": _LOAD_CODE,
-    "load override bad json": _LOAD_CODE,
-    "load override other name": _LOAD_CODE,
-    "load broken": _LOAD_CODE,
-    "index row of broken after its load failed": Documented(
-        "a model whose config.pbtxt does not parse stays listed UNAVAILABLE with the parse "
-        "error as its reason (Triton lists it with no state: it never got past polling)"
+    **{
+        step: _NOT_READY
+        for step in ("config broken", "metadata ens_ghost", "config ens_ghost", "infer ens_ghost")
+    },
+    **{
+        step: _HTTP_NOT_READY
+        for step in ("http metadata broken", "http config broken", "http metadata ens_ghost")
+    },
+    "index row of broken after its load failed": _FAILED_ROW,
+    "http index": _FAILED_ROW,
+    "index with ens_ghost": _FAILED_ROW,
+    "http load ens_ghost": Documented(
+        "Triton 2.51 answered this second load of an ensemble whose composing model is "
+        "missing with 500 'failed to poll from model repository' (the first, over gRPC, "
+        "with INVALID_ARGUMENT); StageServe answers every such load alike (400)",
+        "500",
+        "400",
+    ),
+    "infer two raw contents for one input": Documented(
+        "a raw_input_contents entry no input claims is refused (INVALID_ARGUMENT, "
+        "'expected 1 raw input contents'); Triton 2.51 ignores it",
+        "OK",
+        "StatusCode.INVALID_ARGUMENT",
     ),
     "stats ens": Documented(
         "Triton 2.51 reports zero for an ensemble inferred once after it was loaded again "
@@ -422,7 +626,7 @@ def normalise(text: str) -> str:
     return re.sub(r"/\S*(triton|stageserve)_repo\S*", "<repo>", text)
 
 
-def observe(client: Client, step: Step) -> Observation:
+def observe(client: Client | HttpClient, step: Step) -> Observation:
     try:
         value = step.call(client)
     except InferenceServerException as err:
@@ -430,12 +634,14 @@ def observe(client: Client, step: Step) -> Observation:
     return ("OK", value)
 
 
-def run_steps(url: str) -> list[Observation]:
-    client = grpcclient.InferenceServerClient(url)
+def run_steps(server: Server) -> list[Observation]:
+    client = grpcclient.InferenceServerClient(server.url)
+    http = httpclient.InferenceServerClient(server.http_url, network_timeout=RPC_TIMEOUT_S)
     try:
-        return [observe(client, step) for step in STEPS]
+        return [observe(http if step.http else client, step) for step in STEPS]
     finally:
         client.close()
+        http.close()
 
 
 @dataclass
@@ -463,12 +669,12 @@ def run(workdir: Path) -> tuple[list[Observation], list[Observation]]:
     """Start both servers one after the other (2 cores), run every step on each."""
     triton = Triton(workdir)
     try:
-        theirs = run_steps(triton.url)
+        theirs = run_steps(triton)
     finally:
         triton.stop()
     ours_server = StageServe(workdir)
     try:
-        ours = run_steps(ours_server.url)
+        ours = run_steps(ours_server)
     finally:
         ours_server.stop()
     return theirs, ours

@@ -112,6 +112,15 @@ def _startup_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=_bool, nargs="?", const=True, default=True, help=what)
 
 
+def _server_name(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--server-name",
+        default="triton",
+        help="the name server metadata answers (default triton, as Triton's: its client "
+        "examples check it)",
+    )
+
+
 def _http_listen(args: argparse.Namespace) -> str | None:
     return f"{args.http_address}:{args.http_port}" if args.allow_http else None
 
@@ -143,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--grpc-port", type=int, default=8001)
     up.add_argument("--grpc-address", default="0.0.0.0")
     _http(up)
+    _server_name(up)
     up.add_argument("--metrics-port", type=int, default=8002)
     up.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     up.add_argument("--load-model", action="append", default=[], help="repeatable; * = all")
@@ -171,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--listen", default=None, help="host:port (default 0.0.0.0:--grpc-port)")
     gw.add_argument("--grpc-port", type=int, default=8001)
     _http(gw)
+    _server_name(gw)
     gw.add_argument("--model-repository", type=Path, required=True)
     gw.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     gw.add_argument("--load-model", action="append", default=[])
@@ -311,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             ratelimiter_args=rate_limit_argv(args.rate_limit, args.rate_limit_resource),
             repository_poll_secs=settings.gateway.repository_poll_secs,
             supervisor_metrics_port=args.supervisor_metrics_port,
-            gateway_extra=_security(args, gateway_flags),
+            gateway_extra=[*_security(args, gateway_flags), "--server-name", args.server_name],
             exit_on_error=args.exit_on_error,
             strict_readiness=args.strict_readiness,
             supervisor_settings=settings.supervisor,

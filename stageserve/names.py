@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path, PurePosixPath
 
-from stageserve.errors import StageError, invalid
+from stageserve.errors import StageError, invalid, load_failed
 
 #: NAME_MAX on Linux: a longer folder name cannot exist (ENAMETOOLONG).
 MAX_NAME_BYTES = 255
@@ -58,10 +58,13 @@ def printable(name: str, limit: int = 256) -> str:
 
 
 def check_model_name(name: str, action: str = "load") -> None:
-    """INVALID_ARGUMENT unless `name` can be a model folder of the repository."""
+    """An error unless `name` can be a model folder of the repository: INTERNAL
+    for a load (Triton 2.51's code for a load it refuses, errors.load_failed),
+    INVALID_ARGUMENT for anything else."""
     problem = model_name_problem(name)
     if problem is not None:
-        raise invalid(f"failed to {action} '{printable(name)}': {problem}")
+        message = f"failed to {action} '{printable(name)}': {problem}"
+        raise load_failed(message) if action == "load" else invalid(message)
 
 
 def model_dir(root: Path, name: str) -> Path:
@@ -86,21 +89,30 @@ def parse_version(text: str) -> int | None:
     return version
 
 
-def check_override_path(path: str) -> PurePosixPath:
-    """A `file:<path>` override of RepositoryModelLoad: relative, inside the model
-    folder, no '..', no NUL, every part a valid file name."""
+OUTSIDE_MODEL_DIR = "the path must stay within model directory"
+
+
+def override_path_problem(path: str) -> str | None:
+    """Why a `file:<path>` override of RepositoryModelLoad cannot be a file of the
+    model folder, or None. It must be relative, inside the folder, without '..',
+    NUL or '\\', and every part a valid file name."""
     if not path or "\x00" in path or "\\" in path:
-        raise invalid(f"invalid file override path '{printable(path)}'")
-    pure = PurePosixPath(path)
-    if pure.is_absolute() or any(part in ("..", ".") for part in path.split("/")):
-        raise invalid(
-            f"invalid file override path '{printable(path)}': it must be relative to the "
-            "model folder, without '.' or '..'"
-        )
-    for part in pure.parts:
+        return OUTSIDE_MODEL_DIR
+    if PurePosixPath(path).is_absolute() or any(part in ("..", ".") for part in path.split("/")):
+        return f"{OUTSIDE_MODEL_DIR} (relative, without '.' or '..')"
+    for part in PurePosixPath(path).parts:
         if len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
-            raise invalid(f"invalid file override path '{printable(path)}': name too long")
-    return pure
+            return f"file name too long: a part of the path is over {MAX_NAME_BYTES} bytes"
+    return None
+
+
+def check_override_path(path: str) -> PurePosixPath:
+    """INVALID_ARGUMENT unless `path` is a file of the model folder
+    (override_path_problem)."""
+    problem = override_path_problem(path)
+    if problem is not None:
+        raise invalid(f"invalid file override path '{printable(path)}': {problem}")
+    return PurePosixPath(path)
 
 
 def shm_key_problem(key: str) -> str | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import grpc
 
+from stageserve.errors import triton_reason
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.statistics import StatsBook
 from stageserve.telemetry import (
@@ -27,22 +28,13 @@ from stageserve.telemetry import (
     model_labels,
 )
 
-# Triton's nv_inference_request_failure reasons.
-_REASONS = {
-    grpc.StatusCode.INTERNAL: "BACKEND",
-    grpc.StatusCode.CANCELLED: "CANCELED",
-    grpc.StatusCode.RESOURCE_EXHAUSTED: "REJECTED",
-}
-
 _PHASES = ("request", "queue", "compute_input", "compute_infer", "compute_output")
 
 
 def failure_reason(code: grpc.StatusCode, rejected: bool = False) -> str:
     """Triton's reason label; `rejected` is the scheduler's typed flag for a
     request its queue policy refused (ScheduleResponse.rejected)."""
-    if rejected:
-        return "REJECTED"
-    return _REASONS.get(code, "OTHER")
+    return triton_reason(code, rejected)
 
 
 class RequestRecorder:

@@ -162,6 +162,9 @@ class GatewaySettings:
     # gateway with status 1; ServerReady waits for every model, not only liveness.
     exit_on_error: bool = flag(True, "exit_on_error")
     strict_readiness: bool = flag(True, "strict_readiness")
+    # What ServerMetadata answers (--server-name): Triton's name by default, as
+    # Triton's client examples check it.
+    server_name: str = flag("triton", "server_name")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ request.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -266,6 +266,8 @@ def validate_infer(
         for t in inputs
         if (ref := shared_ref(t.parameters, "input", t.name, model)) is not None
     }
+    if use_raw:
+        _check_no_contents_with_raw(inputs, shared, model)
     wanted_raw = len(inputs) - len(shared)
     if use_raw and len(raw_input) != wanted_raw:
         raise invalid(
@@ -329,11 +331,6 @@ def validate_infer(
             raw = read_shared(shared[name])
             _check_raw(raw, t, name, model, count)
         elif use_raw:
-            if _has_contents(tensor):
-                raise invalid(
-                    f"input '{name}' of model '{model}': contents must not be set when "
-                    f"raw_input_contents is used"
-                )
             raw = raw_input[raw_index]
             raw_index += 1
             _check_raw(raw, t, name, model, count)
@@ -383,6 +380,22 @@ def validate_infer(
 
 def _has_contents(tensor: gs.ModelInferRequest.InferInputTensor) -> bool:
     return tensor.HasField("contents") and tensor.contents.ByteSize() > 0
+
+
+def _check_no_contents_with_raw(
+    inputs: Sequence[gs.ModelInferRequest.InferInputTensor],
+    shared: Mapping[str, SharedRef],
+    model: str,
+) -> None:
+    """Triton's first check of a request using raw_input_contents, before the
+    raw count and before an input's name is looked up: no input outside shared
+    memory carries typed contents too (its words, checked against 2.51)."""
+    for tensor in inputs:
+        if tensor.name not in shared and _has_contents(tensor):
+            raise invalid(
+                f"contents field must not be specified when using raw_input_contents for "
+                f"'{tensor.name}' for model '{model}'"
+            )
 
 
 def _check_raw(raw: bytes, t: TensorSpec, name: str, model: str, count: int) -> None:

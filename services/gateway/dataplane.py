@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from services.gateway import cuda_shared_memory
 from services.gateway.model_lifecycle import ModelLifecycle
 from services.gateway.model_table import ModelTable
 from services.gateway.overrides import OverrideArea
@@ -40,7 +41,11 @@ from stageserve.validation import SharedRef, validate_infer
 
 log = logging.getLogger(__name__)
 
-SERVER_NAME = "stageserve"
+#: ServerMetadata's name by default: "triton", as Triton answers, because Triton's
+#: own client examples (simple_grpc_health_metadata, simple_http_health_metadata)
+#: and clients written from them check it; `--server-name` sets another. The
+#: version stays StageServe's own.
+DEFAULT_SERVER_NAME = "triton"
 EXTENSIONS = [
     "classification",
     "model_repository",
@@ -55,11 +60,17 @@ EXTENSIONS = [
 
 class DataPlane:
     def __init__(
-        self, models: ModelTable, lifecycle: ModelLifecycle, scheduler: SchedulerLink
+        self,
+        models: ModelTable,
+        lifecycle: ModelLifecycle,
+        scheduler: SchedulerLink,
+        server_name: str = DEFAULT_SERVER_NAME,
     ) -> None:
-        """`models` is read on every request; `lifecycle` only by the repository RPCs."""
+        """`models` is read on every request; `lifecycle` only by the repository
+        RPCs; `server_name` is what ServerMetadata answers on both fronts."""
         self.models = models
         self.lifecycle = lifecycle
+        self.server_name = server_name
         self.scheduler = scheduler
         self.stats = StatsBook(self._generation_of)
         self.recorder = RequestRecorder(self.stats)
@@ -81,7 +92,7 @@ class DataPlane:
 
     def server_metadata(self) -> gs.ServerMetadataResponse:
         return gs.ServerMetadataResponse(
-            name=SERVER_NAME, version=__version__, extensions=EXTENSIONS
+            name=self.server_name, version=__version__, extensions=EXTENSIONS
         )
 
     def model_metadata(self, request: gs.ModelMetadataRequest) -> gs.ModelMetadataResponse:
@@ -252,6 +263,25 @@ class DataPlane:
     ) -> gs.SystemSharedMemoryUnregisterResponse:
         self.shm.unregister(request.name)
         return gs.SystemSharedMemoryUnregisterResponse()
+
+    # ------------------------------------------------------- CUDA shared memory
+
+    def cuda_shm_status(
+        self, request: gs.CudaSharedMemoryStatusRequest
+    ) -> gs.CudaSharedMemoryStatusResponse:
+        cuda_shared_memory.status(request.name)
+        return gs.CudaSharedMemoryStatusResponse()
+
+    def cuda_shm_register(
+        self, request: gs.CudaSharedMemoryRegisterRequest
+    ) -> gs.CudaSharedMemoryRegisterResponse:
+        cuda_shared_memory.register(request.name, request.device_id)
+
+    def cuda_shm_unregister(
+        self, request: gs.CudaSharedMemoryUnregisterRequest
+    ) -> gs.CudaSharedMemoryUnregisterResponse:
+        cuda_shared_memory.unregister(request.name)
+        return gs.CudaSharedMemoryUnregisterResponse()
 
     # ------------------------------------------------------------- statistics
 

@@ -29,7 +29,7 @@ from services.gateway.model_table import (
 )
 from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.config import ModelSpec
-from stageserve.errors import StageError, invalid, unavailable
+from stageserve.errors import StageError, invalid, load_failed, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import LoadedModel, ModelStateStore, files_digest
@@ -159,9 +159,9 @@ class ModelLifecycle:
                     self.entries[name] = ModelEntry(
                         name, reason=f"composing model '{step.model}' not ready: {why}"
                     )
-                    raise unavailable(
-                        f"failed to load '{name}': composing model '{step.model}': {why}"
-                    )
+                    # INVALID_ARGUMENT, as Triton 2.51 answers "ensemble ... contains
+                    # models that are not available"
+                    raise invalid(f"failed to load '{name}': composing model '{step.model}': {why}")
         async with self._lock(name):
             model = read_model(root, name, self.autocomplete)
             old = self.entries.get(name)
@@ -180,7 +180,7 @@ class ModelLifecycle:
                 if in_repository and (old is None or not old.ready_versions()):
                     self.entries[name] = ModelEntry(name, reason=model.error or "")
                 log.error("model load failed", extra={"model": name, "reason": model.error})
-                raise invalid(f"failed to load '{name}': {model.error}")
+                raise load_failed(f"failed to load '{name}': {model.error}")
             assert model.config is not None and model.spec is not None
             start = time.monotonic()
             published = await self.state.get(name)

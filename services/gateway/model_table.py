@@ -60,7 +60,8 @@ class ModelTable:
         if entry is None or not entry.versions:
             shown = printable(name)  # as messages show it (a 64 KiB name would not fit a trailer)
             if entry is not None and entry.reason:
-                raise unavailable(
+                # NOT_FOUND, as Triton 2.51 answers for a model whose load failed
+                raise not_found(
                     f"Request for unknown model: '{shown}' is not ready: {entry.reason}"
                 )
             raise not_found(f"Request for unknown model: '{shown}' is not found")

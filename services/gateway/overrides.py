@@ -8,7 +8,7 @@ ignored (a model that is not in the repository can be loaded this way). Each
 load with overrides gets a fresh folder `<area>/<random>/<model>/` holding
 the config and either the given files or links to the repository's
 versions; the repository itself is never written. Every override path is
-checked by stageserve.names.check_override_path and, once resolved, must lie
+checked by stageserve.names.override_path_problem and, once resolved, must lie
 inside that folder (Triton: "must stay within model directory").
 
 The area is a folder the gateway creates at start and removes at exit. A
@@ -29,10 +29,10 @@ from pathlib import Path
 
 from google.protobuf import json_format, text_format
 
-from stageserve.errors import invalid
+from stageserve.errors import load_failed
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import model_config_pb2 as mc
-from stageserve.names import check_model_name, check_override_path, printable
+from stageserve.names import check_model_name, override_path_problem, printable
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +52,17 @@ class OverrideArea:
         repository: Path,
     ) -> Path | None:
         """A repository root holding `<name>/` for a load with overrides, or None
-        when the load has none. Raises INVALID_ARGUMENT with Triton's reasons."""
+        when the load has none. Raises INTERNAL, Triton's code for a refused load
+        (errors.load_failed), with Triton's reasons."""
         unknown = sorted(k for k in parameters if k != "config" and not k.startswith(FILE_PREFIX))
         if unknown:
-            raise invalid(f"failed to load '{printable(name)}': unknown load parameters {unknown}")
+            raise load_failed(
+                f"failed to load '{printable(name)}': unknown load parameters {unknown}"
+            )
         files = {k: v for k, v in parameters.items() if k.startswith(FILE_PREFIX)}
         if "config" not in parameters:
             if files:
-                raise invalid(
+                raise load_failed(
                     f"failed to load '{printable(name)}': Load parameter 'config' must be "
                     "specified for model file override"
                 )
@@ -69,7 +72,7 @@ class OverrideArea:
         checked = {k: _checked_file(name, k, v) for k, v in files.items()}
         source = repository / name
         if not checked and not source.is_dir():
-            raise invalid(f"failed to load '{name}': model not found in any model repository")
+            raise load_failed(f"failed to load '{name}': model not found in any model repository")
         root = Path(tempfile.mkdtemp(prefix="load-", dir=self.root))
         model_dir = root / name
         model_dir.mkdir()
@@ -78,7 +81,7 @@ class OverrideArea:
                 for rel, data in checked.values():
                     target = (model_dir / rel).resolve()
                     if not target.is_relative_to(model_dir.resolve()):  # defence in depth
-                        raise invalid(f"invalid file override path '{printable(str(rel))}'")
+                        raise load_failed(f"invalid file override path '{printable(str(rel))}'")
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_bytes(data)
             else:
@@ -122,15 +125,17 @@ class OverrideArea:
 
 def _parse_config(name: str, param: gs.ModelRepositoryParameter) -> mc.ModelConfig:
     if param.WhichOneof("parameter_choice") != "string_param":
-        raise invalid(f"failed to load '{name}': Load parameter 'config' must be a string (JSON)")
+        raise load_failed(
+            f"failed to load '{name}': Load parameter 'config' must be a string (JSON)"
+        )
     config = mc.ModelConfig()
     try:
         json_format.Parse(param.string_param, config)
     except json_format.ParseError as exc:
         reason = str(exc).split(" Available Fields")[0][:200]  # protobuf lists every field
-        raise invalid(f"failed to load '{name}': Invalid config override: {reason}") from None
+        raise load_failed(f"failed to load '{name}': Invalid config override: {reason}") from None
     if config.name and config.name != name:
-        raise invalid(
+        raise load_failed(
             f"failed to load '{name}': unexpected directory name '{name}' for model "
             f"'{printable(config.name)}', directory name must equal model name"
         )
@@ -140,13 +145,13 @@ def _parse_config(name: str, param: gs.ModelRepositoryParameter) -> mc.ModelConf
 
 def _checked_file(name: str, key: str, param: gs.ModelRepositoryParameter) -> tuple[Path, bytes]:
     path = key[len(FILE_PREFIX) :]
-    try:
-        rel = check_override_path(path)
-    except Exception:
-        raise invalid(
-            f"failed to load '{name}': Invalid file parameter '{printable(key)}': the path "
-            "must stay within model directory"
-        ) from None
+    problem = override_path_problem(path)
+    if problem is not None:
+        raise load_failed(
+            f"failed to load '{name}': Invalid file parameter '{printable(key)}': {problem}"
+        )
     if param.WhichOneof("parameter_choice") != "bytes_param":
-        raise invalid(f"failed to load '{name}': file parameter '{printable(key)}' must be bytes")
-    return Path(rel), param.bytes_param
+        raise load_failed(
+            f"failed to load '{name}': file parameter '{printable(key)}' must be bytes"
+        )
+    return Path(path), param.bytes_param

@@ -67,7 +67,7 @@ async def serve(
     link = SchedulerLink(
         scheduler_address, gateway.scheduler_connect_timeout_s, gateway.scheduler_link_hold_us
     )
-    dataplane = DataPlane(models, lifecycle, link)
+    dataplane = DataPlane(models, lifecycle, link, gateway.server_name)
     dataplane.strict_readiness = gateway.strict_readiness
     dataplane.shared = SharedStats(redis, dataplane.stats, gateway.stats_publish_s)
     dataplane.shared.start()

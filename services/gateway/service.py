@@ -202,6 +202,26 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
     ) -> gs.SystemSharedMemoryUnregisterResponse:
         return self.dataplane.shm_unregister(request)
 
+    # ------------------------------------------------------- CUDA shared memory
+
+    @grpc_errors
+    async def CudaSharedMemoryRegister(
+        self, request: gs.CudaSharedMemoryRegisterRequest, context
+    ) -> gs.CudaSharedMemoryRegisterResponse:
+        return self.dataplane.cuda_shm_register(request)
+
+    @grpc_errors
+    async def CudaSharedMemoryStatus(
+        self, request: gs.CudaSharedMemoryStatusRequest, context
+    ) -> gs.CudaSharedMemoryStatusResponse:
+        return self.dataplane.cuda_shm_status(request)
+
+    @grpc_errors
+    async def CudaSharedMemoryUnregister(
+        self, request: gs.CudaSharedMemoryUnregisterRequest, context
+    ) -> gs.CudaSharedMemoryUnregisterResponse:
+        return self.dataplane.cuda_shm_unregister(request)
+
     # ------------------------------------------------------------- statistics
 
     @grpc_errors

@@ -25,9 +25,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
-from stageserve.errors import StageError
+from stageserve.errors import already_exists, internal, invalid, not_found
 from stageserve.names import check_shm_key, printable
 
 SHM_ROOT = Path("/dev/shm")
@@ -57,15 +55,9 @@ class Region:
     def check(self, offset: int, byte_size: int) -> None:
         """Triton's bounds rule for a window of this region."""
         if offset < 0 or offset >= self.byte_size:
-            raise StageError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"Invalid offset for shared memory region: '{self.name}'",
-            )
+            raise invalid(f"Invalid offset for shared memory region: '{self.name}'")
         if byte_size < 0 or offset + byte_size > self.byte_size:
-            raise StageError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"Invalid offset + byte size for shared memory region: '{self.name}'",
-            )
+            raise invalid(f"Invalid offset + byte size for shared memory region: '{self.name}'")
 
     def close(self) -> None:
         self._map.close()
@@ -82,17 +74,12 @@ class SystemSharedMemory:
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         with self._lock:
             if name in self._regions:
-                raise StageError(
-                    grpc.StatusCode.ALREADY_EXISTS,
-                    f"shared memory region '{name}' already in manager",
-                )
+                raise already_exists(f"shared memory region '{name}' already in manager")
             self._regions[name] = self._map(name, key, offset, byte_size)
 
     def _map(self, name: str, key: str, offset: int, byte_size: int) -> Region:
         # Triton's answer for a key shm_open cannot open (INTERNAL, its code).
-        cannot_open = StageError(
-            grpc.StatusCode.INTERNAL, f"Unable to open shared memory region: '{printable(key)}'"
-        )
+        cannot_open = internal(f"Unable to open shared memory region: '{printable(key)}'")
         bare = check_shm_key(key, cannot_open)  # one object of /dev/shm, never a path
         try:
             fd = os.open(self.root / bare, os.O_RDWR | os.O_NOFOLLOW)
@@ -101,17 +88,11 @@ class SystemSharedMemory:
         try:
             size = os.fstat(fd).st_size
             if offset < 0 or byte_size <= 0 or offset + byte_size > size:
-                raise StageError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"failed to register shared memory region '{name}': invalid args",
-                )
+                raise invalid(f"failed to register shared memory region '{name}': invalid args")
             start = offset - offset % mmap.ALLOCATIONGRANULARITY
             mapping = mmap.mmap(fd, offset + byte_size - start, offset=start)
         except OSError as exc:
-            raise StageError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"failed to register shared memory region '{name}': {exc}",
-            ) from None
+            raise invalid(f"failed to register shared memory region '{name}': {exc}") from None
         finally:
             os.close(fd)
         return Region(name, key, offset, byte_size, mapping, offset - start)
@@ -122,10 +103,7 @@ class SystemSharedMemory:
                 return list(self._regions.values())
             region = self._regions.get(name)
         if region is None:
-            raise StageError(
-                grpc.StatusCode.NOT_FOUND,
-                f"Unable to find system shared memory region: '{name}'",
-            )
+            raise not_found(f"Unable to find system shared memory region: '{name}'")
         return [region]
 
     def unregister(self, name: str = "") -> None:
@@ -146,10 +124,7 @@ class SystemSharedMemory:
         with self._lock:
             region = self._regions.get(name)
             if region is None:
-                raise StageError(
-                    grpc.StatusCode.NOT_FOUND,
-                    f"Unable to find shared memory region: '{name}'",
-                )
+                raise not_found(f"Unable to find shared memory region: '{name}'")
             region.users += 1
             return region
 

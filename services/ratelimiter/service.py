@@ -183,13 +183,17 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             try:
                 got = await self.registry.attempt(model, version, lease_ms)
             except NoInstances as exc:
-                return pb.AcquireResponse(granted=False, reason=str(exc))
+                return pb.AcquireResponse(
+                    granted=False, reason=str(exc), failure=pb.NO_INSTANCE
+                )
             if isinstance(got, Grant):
                 return self._granted(got)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return pb.AcquireResponse(
-                    granted=False, reason="every instance (or a resource it needs) is busy"
+                    granted=False,
+                    reason="every instance (or a resource it needs) is busy",
+                    failure=pb.INSTANCE_BUSY,
                 )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), min(remaining, got.recheck_s))

@@ -123,8 +123,8 @@ class RateLimiterClient:
                 resp.instance.worker_address,
                 resp.holds_resources,
             )
-        if "no instance" in resp.reason:
-            raise StageError(grpc.StatusCode.UNAVAILABLE, resp.reason)
+        if resp.failure == pb.NO_INSTANCE:
+            raise StageError.of(pb.NO_INSTANCE, resp.reason)
         return None
 
     async def release(self, grant_id: str, failed: bool = False, reason: str = "") -> None:

@@ -31,6 +31,7 @@ from services.worker.python_backend.worker_glue import load_python_model
 from services.worker.stale import stale_instances
 from services.worker.warmup import WarmupError, warm_up, warmup_requests
 from stageserve import redis_keys as keys
+from stageserve.errors import wire_code
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.gpus import gpu_count
@@ -55,7 +56,7 @@ def _worker_error(request: pb.ExecuteRequest, exc: Exception) -> pb.ExecuteRespo
     """A batch whose handling raised (a bug): answered, never left to hang."""
     return pb.ExecuteResponse(
         id=request.id,
-        code=grpc.StatusCode.INTERNAL.value[0],
+        code=wire_code(pb.BACKEND_FAILED),
         message=f"worker error: {type(exc).__name__}",
     )
 
@@ -63,7 +64,7 @@ def _worker_error(request: pb.ExecuteRequest, exc: Exception) -> pb.ExecuteRespo
 def _not_hosted(request: pb.ExecuteRequest) -> pb.ExecuteResponse:
     return pb.ExecuteResponse(
         id=request.id,
-        code=grpc.StatusCode.NOT_FOUND.value[0],
+        code=wire_code(pb.MODEL_NOT_FOUND),
         message=f"instance {request.instance_id} is not hosted here",
     )
 
@@ -74,14 +75,14 @@ def _failed(inst: HostedInstance, request: pb.ExecuteRequest, exc: Exception) ->
     if isinstance(exc, InvalidInputError):
         return pb.ExecuteResponse(
             id=request.id,
-            code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+            code=wire_code(pb.INVALID_INPUT),
             message=f"model '{inst.model}': {exc}",
         )
     if not isinstance(exc, BackendError):
         log.exception("execution failed", extra={"instance": inst.instance_id})
     return pb.ExecuteResponse(
         id=request.id,
-        code=grpc.StatusCode.INTERNAL.value[0],
+        code=wire_code(pb.BACKEND_FAILED),
         message=f"model '{inst.model}' execution failed: {exc}",
     )
 

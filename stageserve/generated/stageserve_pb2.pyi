@@ -1,10 +1,42 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_NONE: _ClassVar[FailureReason]
+    INVALID_INPUT: _ClassVar[FailureReason]
+    MODEL_NOT_FOUND: _ClassVar[FailureReason]
+    STAGE_UNAVAILABLE: _ClassVar[FailureReason]
+    NO_INSTANCE: _ClassVar[FailureReason]
+    INSTANCE_BUSY: _ClassVar[FailureReason]
+    QUEUE_REJECTED: _ClassVar[FailureReason]
+    RESOURCE_EXHAUSTED: _ClassVar[FailureReason]
+    BACKEND_FAILED: _ClassVar[FailureReason]
+    LOAD_FAILED: _ClassVar[FailureReason]
+    CANCELLED: _ClassVar[FailureReason]
+    ALREADY_EXISTS: _ClassVar[FailureReason]
+    UNIMPLEMENTED: _ClassVar[FailureReason]
+    DEADLINE_EXCEEDED: _ClassVar[FailureReason]
+FAILURE_NONE: FailureReason
+INVALID_INPUT: FailureReason
+MODEL_NOT_FOUND: FailureReason
+STAGE_UNAVAILABLE: FailureReason
+NO_INSTANCE: FailureReason
+INSTANCE_BUSY: FailureReason
+QUEUE_REJECTED: FailureReason
+RESOURCE_EXHAUSTED: FailureReason
+BACKEND_FAILED: FailureReason
+LOAD_FAILED: FailureReason
+CANCELLED: FailureReason
+ALREADY_EXISTS: FailureReason
+UNIMPLEMENTED: FailureReason
+DEADLINE_EXCEEDED: FailureReason
 
 class Tensor(_message.Message):
     __slots__ = ("name", "datatype", "shape", "raw")
@@ -230,18 +262,20 @@ class AcquireRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("granted", "grant_id", "instance", "reason", "holds_resources")
+    __slots__ = ("granted", "grant_id", "instance", "reason", "holds_resources", "failure")
     GRANTED_FIELD_NUMBER: _ClassVar[int]
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     HOLDS_RESOURCES_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     granted: bool
     grant_id: str
     instance: InstanceInfo
     reason: str
     holds_resources: bool
-    def __init__(self, granted: _Optional[bool] = ..., grant_id: _Optional[str] = ..., instance: _Optional[_Union[InstanceInfo, _Mapping]] = ..., reason: _Optional[str] = ..., holds_resources: _Optional[bool] = ...) -> None: ...
+    failure: FailureReason
+    def __init__(self, granted: _Optional[bool] = ..., grant_id: _Optional[str] = ..., instance: _Optional[_Union[InstanceInfo, _Mapping]] = ..., reason: _Optional[str] = ..., holds_resources: _Optional[bool] = ..., failure: _Optional[_Union[FailureReason, str]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("grant_id", "instance_failed", "reason")

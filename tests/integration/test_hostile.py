@@ -2,9 +2,8 @@
 Triton's code, nothing read or written outside the repository, no Python text.
 
 One explicit-mode stack for the module. Codes are the ones real Triton 2.51
-answers (bench/triton_diff.py checks them against it), except load, where
-StageServe answers INVALID_ARGUMENT instead of Triton's INTERNAL
-(docs/hardening.md).
+answers (bench/triton_diff.py checks them against it); a load refused answers
+INTERNAL, as Triton's does, with our reason in the message.
 """
 
 from __future__ import annotations
@@ -94,7 +93,7 @@ def _check(answer: tuple[str, str, float], code: str, leaks: tuple[str, ...] = L
 @pytest.mark.parametrize("name", list(HOSTILE.values()), ids=list(HOSTILE))
 def test_hostile_names_get_triton_codes_at_once(hostile: RunningStack, name: str) -> None:
     c = hostile.client()
-    _check(_answer(c.load_model, name), "StatusCode.INVALID_ARGUMENT")
+    _check(_answer(c.load_model, name), "StatusCode.INTERNAL")
     _check(_answer(c.unload_model, name), "OK")  # Triton: unloading what is not loaded is no error
     _check(_answer(c.get_model_metadata, name), "StatusCode.NOT_FOUND")
     _check(_answer(c.get_model_config, name), "StatusCode.NOT_FOUND")
@@ -121,14 +120,15 @@ def test_hostile_names_over_http_get_tritons_http_statuses(
     hostile: RunningStack, name: str
 ) -> None:
     """The same dataplane checks behind the HTTP front, with Triton's HTTP mapping
-    (INVALID_ARGUMENT 400, NOT_FOUND 404), just as promptly and without leaks."""
+    (INVALID_ARGUMENT 400, NOT_FOUND 404, a refused load's INTERNAL 500), just as
+    promptly and without leaks."""
     c = _http_client(hostile)
     if len(name) > 60_000:  # the HTTP server itself refuses a request line this long
         for fn in (c.load_model, c.unload_model, c.get_model_metadata):
             assert _http_answer(fn, name)[0] == "400"
         assert c.is_server_live()
         return
-    _check(_http_answer(c.load_model, name), "400")
+    _check(_http_answer(c.load_model, name), "500")
     _check(_http_answer(c.unload_model, name), "OK")
     _check(_http_answer(c.get_model_metadata, name), "404")
     _check(_http_answer(c.get_model_config, name), "404")
@@ -152,7 +152,7 @@ def test_overrides_and_cascade_over_http(hostile: RunningStack, repo: Path) -> N
     infer_simple(g, model="fresh_http")
     assert _listing(repo) == before
     answer = _http_answer(c.load_model, "simple", config="{not json")
-    _check(answer, "400")
+    _check(answer, "500")  # Triton 2.51: a refused load is INTERNAL
     assert "Invalid config override" in answer[1]
     c.unload_model("fresh_http")
     assert not g.is_model_ready("fresh_http")
@@ -245,14 +245,37 @@ def test_file_override_paths_stay_inside_the_model_folder(
     config = _simple_config(c)
     if front == "grpc":
         answer = _answer(c.load_model, "simple", config=config, files={key: b"payload"})
-        code = "StatusCode.INVALID_ARGUMENT"
+        code = "StatusCode.INTERNAL"
     else:
         load = _http_client(hostile).load_model
-        answer, code = _http_answer(load, "simple", config=config, files={key: b"payload"}), "400"
+        answer, code = _http_answer(load, "simple", config=config, files={key: b"payload"}), "500"
     _check(answer, code, leaks=("Traceback", "Errno"))  # echoes the key
     assert "within model directory" in answer[1] or "file override" in answer[1], answer
     assert list(tmp_path.iterdir()) == []
     assert c.is_model_ready("simple")  # the loaded model keeps serving
+
+
+@pytest.mark.parametrize("front", ["grpc", "http"])
+def test_file_override_name_too_long_says_so_with_tritons_code(
+    hostile: RunningStack, front: str
+) -> None:
+    """A 256-byte file name (tritonclient's simple_grpc_model_control tries one):
+    Triton 2.51 answers INTERNAL (HTTP 500); the message names the real cause."""
+    c = hostile.client()
+    files = {"file:1/" + "x" * 256: b"payload"}
+    if front == "grpc":
+        answer = _answer(c.load_model, "simple", config=_simple_config(c), files=files)
+        code = "StatusCode.INTERNAL"
+    else:
+        load = _http_client(hostile).load_model
+        answer, code = _http_answer(load, "simple", config=_simple_config(c), files=files), "500"
+    _check(answer, code)
+    assert "file name too long" in answer[1] and "over 255 bytes" in answer[1], answer
+    assert "within model directory" not in answer[1], answer
+    files = {"file:1/" + "x" * 255: b"payload"}  # the longest name is no path problem
+    answer = _answer(c.load_model, "simple", config=_simple_config(c), files=files)
+    assert "too long" not in answer[1], answer
+    assert c.is_model_ready("simple")
 
 
 def test_malformed_overrides_are_refused_with_triton_reasons(hostile: RunningStack) -> None:
@@ -266,10 +289,10 @@ def test_malformed_overrides_are_refused_with_triton_reasons(hostile: RunningSta
     ]
     for kwargs, reason in cases:
         answer = _answer(c.load_model, "simple", **kwargs)
-        _check(answer, "StatusCode.INVALID_ARGUMENT")
+        _check(answer, "StatusCode.INTERNAL")
         assert reason in answer[1], answer
     answer = _answer(c.load_model, "not_there", config=json.dumps({"name": "not_there"}))
-    _check(answer, "StatusCode.INVALID_ARGUMENT")
+    _check(answer, "StatusCode.INTERNAL")
     assert "not found in any model repository" in answer[1]
     assert c.is_model_ready("simple")
     infer_simple(c)
@@ -316,7 +339,7 @@ def test_percent_encoded_names_in_http_paths_stay_one_name(
 ) -> None:
     before = _listing(repo), sorted(os.listdir(repo.parent))
     load = _raw(hostile, "POST", f"/v2/repository/models/{segment}/load")
-    _check(load, "400")
+    _check(load, "500")  # a refused load is INTERNAL, as Triton
     assert reason in load[1], load
     _check(_raw(hostile, "POST", f"/v2/repository/models/{segment}/unload"), "200")
     _check(_raw(hostile, "GET", f"/v2/models/{segment}"), "404")
@@ -334,9 +357,16 @@ def test_percent_encoded_names_in_http_paths_stay_one_name(
 def test_hostile_http_paths_match_no_route_or_a_clear_error(hostile: RunningStack) -> None:
     for path in ("/v2/models//ready", "/v2/repository/models//load", "/v2//health/live"):
         _check(_raw(hostile, "POST" if "load" in path else "GET", path), "404")
-    for version in ("..%2F1", "1%00", "%2E%2E", "abc", "9" * 40):
-        _check(_raw(hostile, "GET", f"/v2/models/simple/versions/{version}/ready"), "400")
-        _check(_raw(hostile, "GET", f"/v2/models/simple/versions/{version}"), "400")
+    # Triton's version route takes digits only: anything else matches no route (404)
+    for version in ("..%2F1", "1%00", "%2E%2E", "abc", "-1", "%D9%A1"):  # last: Arabic 1
+        for path in (f"/v2/models/simple/versions/{version}", "/ready", "/config", "/stats"):
+            full = path if path.startswith("/v2") else f"/v2/models/simple/versions/{version}{path}"
+            answer = _raw(hostile, "GET", full)
+            _check(answer, "404")
+            assert answer[1] == "Not Found", answer
+    # digits that std::stol cannot take: Triton's 400
+    _check(_raw(hostile, "GET", f"/v2/models/simple/versions/{'9' * 40}/ready"), "400")
+    _check(_raw(hostile, "GET", f"/v2/models/simple/versions/{'9' * 40}"), "400")
     status = _raw(hostile, "GET", "/v2/systemsharedmemory/region/a%2Fb/status")
     _check(status, "404")
     assert "'a/b'" in status[1]

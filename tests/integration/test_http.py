@@ -116,7 +116,7 @@ def test_tritonclient_http_server_and_model_endpoints(stack: RunningStack) -> No
     assert client.is_model_ready("simple") and client.is_model_ready("simple", "1")
     assert not client.is_model_ready("no_such_model")
     meta = client.get_server_metadata()
-    assert meta["name"] == "stageserve" and "binary_tensor_data" in meta["extensions"]
+    assert meta["name"] == "triton" and "binary_tensor_data" in meta["extensions"]
     model = client.get_model_metadata("simple")
     assert model["inputs"][0] == {"name": "INPUT0", "datatype": "INT32", "shape": [-1, 16]}
     config = client.get_model_config("simple")
@@ -422,7 +422,7 @@ def test_error_statuses(stack: RunningStack) -> None:
         (("POST", "/v2/models/simple/generate", {"INPUT0": [1]}), 400, "can not convert input"),
         (("POST", "/v2/models/simple/generate", {}, None), 400, "missing required input(s)"),
         (("POST", "/v2/models/nope/generate_stream", {}, None), 404, "'nope' is not found"),
-        (("GET", "/v2/cudasharedmemory/status", None, None), 400, "not supported"),
+        (("GET", "/v2/cudasharedmemory/region/r/status", None, None), 404, "cuda shared memory"),
     ]
     for args, status, piece in cases:
         method, p, body, *rest = args

@@ -85,13 +85,13 @@ def test_model_ready_refuses_a_version_that_is_not_an_integer(stack: RunningStac
 def test_server_metadata(stack: RunningStack) -> None:
     c = stack.client()
     md = c.get_server_metadata(client_timeout=RPC_TIMEOUT_S)
-    assert md.name == "stageserve"
+    assert md.name == "triton"  # the default, as Triton answers (its examples check it)
     assert md.version
     extensions = set(md.extensions)
     for ext in ("model_repository", "model_configuration", "statistics"):
         assert ext in extensions
     js = c.get_server_metadata(as_json=True, client_timeout=RPC_TIMEOUT_S)
-    assert js["name"] == "stageserve"
+    assert js["name"] == "triton"
     assert js["version"] == md.version
     assert set(js["extensions"]) == extensions
 

@@ -1,8 +1,9 @@
-"""StageServe against real Triton 2.51: every step of bench.triton_diff answers the
-same, or the difference is documented (bench.triton_diff.DOCUMENTED).
+"""StageServe against real Triton 2.51: every step of bench.triton_diff, on the gRPC
+and the HTTP front, answers the same status code (and message, where the step
+compares it), or the difference is documented (bench.triton_diff.DOCUMENTED).
 
 Needs .venv-triton (scripts/install_references.sh triton); skips cleanly without
-it. About 15 s: the servers run one after the other.
+it. About 20 s: the servers run one after the other.
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from services.gateway.http import codec
-from services.gateway.http.app import http_status
-from stageserve.errors import StageError
+from stageserve.errors import StageError, http_status
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import model_config_pb2 as mc
 from stageserve.tensors import split_bytes_elements

@@ -63,3 +63,13 @@ def test_no_restriction_changes_nothing() -> None:
 def test_every_endpoint_belongs_to_one_of_tritons_groups() -> None:
     assert set(API_GROUP.values()) <= GROUPS
     assert {name for name, _ in HttpFront._MODEL_ROUTES.values()} <= set(API_GROUP)
+
+
+def test_cuda_shared_memory_is_in_the_shared_memory_group() -> None:
+    """As Triton: restricting shared-memory covers the CUDA endpoints too."""
+    app = HttpFront(
+        cast(DataPlane, FakePlane()), [parse_http_restriction("shared-memory:admin-key=s3cret")]
+    )
+    for path in ("/v2/cudasharedmemory/status", "/v2/cudasharedmemory/region/r/status"):
+        assert _call(app, path)[0] == 403, path
+    assert API_GROUP["cuda_shm_register"] == API_GROUP["cuda_shm_unregister"] == "shared-memory"

@@ -15,6 +15,7 @@ from stageserve.names import (
     check_shm_key,
     model_dir,
     model_name_problem,
+    override_path_problem,
     parse_version,
     printable,
 )
@@ -23,12 +24,29 @@ HOSTILE = ["a/b", "..", ".", "../x", "/etc", "a\x00b", "x" * 256, "", ".hidden",
 
 
 @pytest.mark.parametrize("name", HOSTILE)
-def test_hostile_model_names_are_refused_with_invalid_argument(name: str) -> None:
+def test_hostile_model_names_are_refused_with_tritons_codes(name: str) -> None:
+    """A load refused answers INTERNAL (Triton 2.51: "failed to poll from model
+    repository"); any other action INVALID_ARGUMENT."""
     assert model_name_problem(name) is not None
-    with pytest.raises(StageError) as info:
-        check_model_name(name)
-    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "\x00" not in info.value.message and len(info.value.message) < 400
+    for action, code in (
+        ("load", grpc.StatusCode.INTERNAL),
+        ("unload", grpc.StatusCode.INVALID_ARGUMENT),
+    ):
+        with pytest.raises(StageError) as info:
+            check_model_name(name, action)
+        assert info.value.code == code
+        assert info.value.message.startswith(f"failed to {action} ")
+        assert "\x00" not in info.value.message and len(info.value.message) < 400
+
+
+def test_override_path_problems_name_the_cause() -> None:
+    assert override_path_problem("1/model.onnx") is None
+    assert override_path_problem("1/" + "x" * MAX_NAME_BYTES) is None
+    too_long = override_path_problem("1/" + "x" * (MAX_NAME_BYTES + 1))
+    assert too_long is not None and "file name too long" in too_long
+    for outside in ("../x", "/etc/passwd", "a\x00b", ""):
+        problem = override_path_problem(outside)
+        assert problem is not None and "must stay within model directory" in problem
 
 
 @pytest.mark.parametrize("name", ["simple", "x" * MAX_NAME_BYTES, "ensemble-mlp_2", "modèle"])

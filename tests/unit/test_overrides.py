@@ -88,6 +88,7 @@ def test_an_owned_area_is_removed_on_close(repo: Path) -> None:
         (params(json.dumps({"name": "other"})), "directory name must equal model name"),
         (params("{}", **{"../x": b"x"}), "must stay within model directory"),
         (params("{}", **{"/etc/x": b"x"}), "must stay within model directory"),
+        (params("{}", **{"1/" + "x" * 256: b"x"}), "file name too long"),
         ({"foo": gs.ModelRepositoryParameter(bool_param=True)}, "unknown load parameters"),
         ({"config": gs.ModelRepositoryParameter(int64_param=1)}, "must be a string"),
     ],
@@ -97,6 +98,6 @@ def test_refusals(tmp_path: Path, repo: Path, parameters, reason: str) -> None:
     area = OverrideArea(tmp_path / "area")
     with pytest.raises(StageError) as info:
         area.prepare("simple", parameters, repo)
-    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.code == grpc.StatusCode.INTERNAL  # Triton 2.51: a refused load
     assert reason in info.value.message
     assert list((tmp_path / "area").iterdir()) == []

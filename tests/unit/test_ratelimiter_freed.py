@@ -237,3 +237,27 @@ def test_a_rate_limiter_that_stopped_waiting_is_dropped_while_others_wait(redis_
         await pubsub.aclose()
 
     run(redis_url, body)
+
+
+def test_a_refused_acquire_says_why_with_a_typed_reason(redis_url):
+    """NO_INSTANCE for a model no worker registered, INSTANCE_BUSY when every
+    instance stayed taken: the scheduler tells them apart by this field."""
+
+    async def body(a, b, r):
+        service = RateLimiterService(a, RL)
+        await a.register("w1", "addr-w1", [inst("i1")], LONG)
+        absent = await service.acquire(
+            pb.AcquireRequest(model="nobody", version=1, wait_ms=0, lease_ms=LONG)
+        )
+        assert not absent.granted and absent.failure == pb.NO_INSTANCE
+        assert "no instance" in absent.reason
+        first = await service.acquire(
+            pb.AcquireRequest(model="m", version=1, wait_ms=0, lease_ms=LONG)
+        )
+        assert first.granted and first.failure == pb.FAILURE_NONE
+        busy = await service.acquire(
+            pb.AcquireRequest(model="m", version=1, wait_ms=0, lease_ms=LONG)
+        )
+        assert not busy.granted and busy.failure == pb.INSTANCE_BUSY
+
+    run(redis_url, body)

@@ -213,6 +213,40 @@ def test_contents_and_raw_mixed():
     refused(request(inputs, raws), BATCHED, MODEL, "'IN_F'", "raw_input_contents")
 
 
+TRITON_CONTENTS_WITH_RAW = (
+    "contents field must not be specified when using raw_input_contents for '{}' for model '{}'"
+)
+
+
+def test_contents_with_raw_is_triton_message():
+    """Triton 2.51's exact words (gRPC, tritonclient's grpc_explicit_int_content_client)."""
+    inputs, raws = good_inputs()
+    inputs[1].contents.int_contents.extend([0] * 10)
+    with pytest.raises(StageError) as info:
+        validate_infer(request(inputs, raws), BATCHED)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.message == TRITON_CONTENTS_WITH_RAW.format("IN_I", MODEL)
+
+
+def test_contents_with_raw_checked_before_raw_count():
+    """Triton checks contents-with-raw before the raw count (one raw for two inputs,
+    one of them with typed contents: the contents message)."""
+    inputs, raws = good_inputs()
+    inputs[0].contents.fp32_contents.extend([0.0] * 6)
+    with pytest.raises(StageError) as info:
+        validate_infer(request(inputs, raws[:1]), BATCHED)
+    assert info.value.message == TRITON_CONTENTS_WITH_RAW.format("IN_F", MODEL)
+
+
+def test_contents_with_raw_checked_before_input_name():
+    """An unknown input carrying contents next to raw gets the contents message, as Triton."""
+    inputs, raws = good_inputs()
+    inputs.append(tensor("NOPE", "FP32", [2, 3], fp32_contents=[0.0] * 6))
+    with pytest.raises(StageError) as info:
+        validate_infer(request(inputs, raws), BATCHED)
+    assert info.value.message == TRITON_CONTENTS_WITH_RAW.format("NOPE", MODEL)
+
+
 def test_typed_contents_count_mismatch():
     req = request(
         [

@@ -21,26 +21,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
-import grpc
 from prometheus_client import Histogram
 
+from services.gateway.cuda_shared_memory import check_http_register
 from services.gateway.dataplane import DataPlane
 from services.gateway.http import codec
-from stageserve.errors import StageError, invalid
+from stageserve.errors import StageError, http_status, internal, invalid
 from stageserve.generated import grpc_service_pb2 as gs
+from stageserve.generated import stageserve_pb2 as pb
 from stageserve.security_options import Restriction, restrictions_by_group
 
 log = logging.getLogger(__name__)
 
 HEADER_LENGTH = "inference-header-content-length"
-
-# Triton's HTTP front: HttpCodeFromError (UNKNOWN, INVALID_ARG, ALREADY_EXISTS,
-# CANCELLED and the rest answer 400 Bad Request).
-_HTTP_STATUS = {
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.INTERNAL: 500,
-}
 
 # Endpoint (as _route labels it) -> Triton's API group for --http-restricted-api.
 API_GROUP = {
@@ -60,7 +53,9 @@ API_GROUP = {
     "shm_status": "shared-memory",
     "shm_register": "shared-memory",
     "shm_unregister": "shared-memory",
-    "cudasharedmemory": "shared-memory",
+    "cuda_shm_status": "shared-memory",
+    "cuda_shm_register": "shared-memory",
+    "cuda_shm_unregister": "shared-memory",
     "trace": "trace",
     "logging": "logging",
 }
@@ -70,10 +65,6 @@ HTTP_DURATION = Histogram(
     "Public HTTP/REST request handling time at the gateway, per endpoint and status",
     ["endpoint", "status"],
 )
-
-
-def http_status(code: grpc.StatusCode) -> int:
-    return _HTTP_STATUS.get(code, 400)
 
 
 class Response:
@@ -225,6 +216,10 @@ class HttpFront:
             model, version, rest = p[2], "", p[3:]
             if len(rest) >= 2 and rest[0] == "versions":
                 version, rest = rest[1], rest[2:]
+                if not (version.isascii() and version.isdigit()):
+                    # Triton's route takes digits only ([0-9]+): anything else is
+                    # no route, 404 "Not Found" (checked against 2.51)
+                    return "unknown", None, "", ()
             if not rest:
                 return "model_metadata", self.model_metadata, "GET", (model, version)
             if len(rest) == 1:
@@ -252,7 +247,18 @@ class HttpFront:
             if rest == ["unregister"]:
                 return "shm_unregister", self.shm_unregister, "POST", (region,)
             return "unknown", None, "", ()
-        if p[1] in ("cudasharedmemory", "trace", "logging"):
+        if p[1] == "cudasharedmemory":
+            rest, region = p[2:], ""
+            if len(rest) >= 2 and rest[0] == "region":
+                region, rest = rest[1], rest[2:]
+            if rest == ["status"]:
+                return "cuda_shm_status", self.cuda_shm_status, "GET", (region,)
+            if rest == ["register"] and region:
+                return "cuda_shm_register", self.cuda_shm_register, "POST", (region,)
+            if rest == ["unregister"]:
+                return "cuda_shm_unregister", self.cuda_shm_unregister, "POST", (region,)
+            return "unknown", None, "", ()
+        if p[1] in ("trace", "logging"):
             return p[1], self.unsupported, "GET" if p[-1] in ("status", "setting") else "POST", ()
         return "unknown", None, "", ()
 
@@ -369,9 +375,7 @@ class HttpFront:
                 log.exception(
                     "unexpected error", extra={"endpoint": "generate_stream", "error": repr(exc)}
                 )
-                events.put_nowait(
-                    StageError(grpc.StatusCode.INTERNAL, "internal error in generate_stream")
-                )
+                events.put_nowait(internal("internal error in generate_stream"))
             finally:
                 events.put_nowait(None)
 
@@ -437,6 +441,19 @@ class HttpFront:
         self.dp.shm_unregister(gs.SystemSharedMemoryUnregisterRequest(name=region))
         return Response(200)
 
+    async def cuda_shm_status(self, request: Request, region: str) -> Response:
+        self.dp.cuda_shm_status(gs.CudaSharedMemoryStatusRequest(name=region))
+        return json_response([])
+
+    async def cuda_shm_register(self, request: Request, region: str) -> Response:
+        device = check_http_register(codec.json_body(request.body))
+        self.dp.cuda_shm_register(gs.CudaSharedMemoryRegisterRequest(name=region, device_id=device))
+        return Response(200)
+
+    async def cuda_shm_unregister(self, request: Request, region: str) -> Response:
+        self.dp.cuda_shm_unregister(gs.CudaSharedMemoryUnregisterRequest(name=region))
+        return Response(200)
+
     async def unsupported(self, request: Request) -> Response:
         raise unsupported_error(request.parts[1])
 
@@ -453,7 +470,7 @@ def _sse_event(item: gs.ModelStreamInferResponse | StageError) -> bytes:
 
 def unsupported_error(what: str) -> StageError:
     # The gRPC front answers UNIMPLEMENTED for these; Triton's HTTP code for it is 400.
-    return StageError(grpc.StatusCode.UNIMPLEMENTED, f"{what} is not supported by StageServe")
+    return StageError.of(pb.UNIMPLEMENTED, f"{what} is not supported by StageServe")
 
 
 _BodyCoding = Callable[[bytes], bytes]

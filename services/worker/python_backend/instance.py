@@ -28,29 +28,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 
 from services.worker.python_backend import pb_utils
 from services.worker.python_backend.loader import ModelImportError, import_model_file
 from stageserve.config import ModelSpec
 from stageserve.datatypes import from_numpy
+from stageserve.errors import wire_code
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
 
 log = logging.getLogger(__name__)
 
-INTERNAL = 13  # grpc.StatusCode.INTERNAL
-# pb_utils.TritonError codes -> grpc.StatusCode values (Triton's mapping).
-_CODES = {
-    pb_utils.TritonError.UNKNOWN: 2,
-    pb_utils.TritonError.INTERNAL: 13,
-    pb_utils.TritonError.NOT_FOUND: 5,
-    pb_utils.TritonError.INVALID_ARG: 3,
-    pb_utils.TritonError.UNAVAILABLE: 14,
-    pb_utils.TritonError.UNSUPPORTED: 12,
-    pb_utils.TritonError.ALREADY_EXISTS: 6,
-    pb_utils.TritonError.CANCELLED: 1,
+INTERNAL = wire_code(pb.BACKEND_FAILED)
+# pb_utils.TritonError codes -> the FailureReason they stand for (Triton's mapping).
+_REASONS = {
+    pb_utils.TritonError.INTERNAL: pb.BACKEND_FAILED,
+    pb_utils.TritonError.NOT_FOUND: pb.MODEL_NOT_FOUND,
+    pb_utils.TritonError.INVALID_ARG: pb.INVALID_INPUT,
+    pb_utils.TritonError.UNAVAILABLE: pb.STAGE_UNAVAILABLE,
+    pb_utils.TritonError.UNSUPPORTED: pb.UNIMPLEMENTED,
+    pb_utils.TritonError.ALREADY_EXISTS: pb.ALREADY_EXISTS,
+    pb_utils.TritonError.CANCELLED: pb.CANCELLED,
 }
+_UNKNOWN = grpc.StatusCode.UNKNOWN.value[0]  # TritonError.UNKNOWN: no reason of ours
+
 
 #: emit(part_message): sends a decoupled model's responses as they are made.
 Emit = Callable[[pb.ExecuteResponse], None]
@@ -70,7 +73,11 @@ class PythonModelError(Exception):
 
 
 def grpc_code(error: pb_utils.TritonError) -> int:
-    return _CODES.get(error.code(), INTERNAL)
+    """The grpc.StatusCode value of a model's TritonError (INTERNAL for a code
+    Triton does not define)."""
+    if error.code() == pb_utils.TritonError.UNKNOWN:
+        return _UNKNOWN
+    return wire_code(_REASONS.get(error.code(), pb.BACKEND_FAILED))
 
 
 class PythonInstance:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from services.worker.backends import BackendError, InvalidInputError, parse_device
 from services.worker.onnx_strings import bytes_transparent
 from stageserve.datatypes import DataType, from_triton
 
@@ -56,16 +56,6 @@ _ORT_TYPE_TO_TRITON: dict[str, str] = {
     "tensor(bfloat16)": "BF16",
     "tensor(string)": "BYTES",
 }
-
-_CUDA_RE = re.compile(r"^(?:cuda|gpu)(?::(\d+))?$")
-
-
-class BackendError(RuntimeError):
-    """The model could not be loaded, or a run failed (INTERNAL to the client)."""
-
-
-class InvalidInputError(BackendError):
-    """A request this backend refuses before running it (INVALID_ARGUMENT)."""
 
 
 @dataclass(frozen=True)
@@ -123,17 +113,6 @@ def _tensor_info(arg: ort.NodeArg) -> TensorInfo:
     )
 
 
-def parse_device(device: str) -> tuple[str, int]:
-    """Map "cpu" to ("cpu", 0) and "cuda", "cuda:N" or "gpu:N" to ("cuda", N)."""
-    d = (device or "cpu").strip().lower()
-    if d == "cpu":
-        return "cpu", 0
-    m = _CUDA_RE.match(d)
-    if not m:
-        raise BackendError(f"unknown device {device!r}: expected 'cpu' or 'cuda:N'")
-    return "cuda", int(m.group(1) or 0)
-
-
 class OnnxInstance:
     """One ONNX Runtime session serving one model instance.
 
@@ -143,8 +122,10 @@ class OnnxInstance:
     outputs. Passing None takes the types from the model file.
 
     ``run`` may be called from several threads at once (ORT sessions are
-    thread-safe for Run).
+    thread-safe for Run), so a fast model may run inline on the event loop.
     """
+
+    thread_bound = False
 
     def __init__(
         self,
@@ -274,6 +255,9 @@ class OnnxInstance:
     @property
     def providers(self) -> list[str]:
         return list(self._desc.providers)
+
+    def close(self) -> None:
+        """Nothing to release early: ORT frees the session with the object."""
 
     def describe(self) -> ModelDescription:
         """Names, Triton datatypes and shapes of the ONNX file's inputs/outputs."""

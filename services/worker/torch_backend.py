@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.worker.onnx_backend import BackendError, parse_device
+from services.worker.backends import BackendError, parse_device
 from stageserve.datatypes import DataType, from_triton
 
 log = logging.getLogger(__name__)

@@ -80,6 +80,29 @@ class TensorBackend(Protocol):
     def close(self) -> None: ...
 
 
+#: how to install what a missing top-level module belongs to, where StageServe knows
+_INSTALL = {"torch": "pip install 'stageserve[torch]'"}
+
+
+def install_hint(module: str) -> str:
+    """What to tell the user whose worker cannot import `module`."""
+    top = module.split(".", 1)[0]
+    fix = _INSTALL.get(top)
+    if fix is not None:
+        return f"install it with: {fix}"
+    return f"install the package that provides '{top}' in the server's Python environment"
+
+
+def missing_dependency(needed_by: str, exc: ImportError) -> BackendError:
+    """The load error of a model whose backend or model.py needs a module this
+    worker's environment cannot import: names the module and the fix."""
+    module = exc.name or str(exc)
+    return BackendError(
+        f"{needed_by} needs '{module}', which this worker cannot import ({exc}); "
+        f"{install_hint(module)}"
+    )
+
+
 def parse_device(device: str) -> tuple[str, int]:
     """Map "cpu" to ("cpu", 0) and "cuda", "cuda:N" or "gpu:N" to ("cuda", N)."""
     d = (device or "cpu").strip().lower()

@@ -114,6 +114,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.ratelimiter = ratelimiter
         self.gpu = gpu
         self.instances: dict[str, HostedInstance] = {}
+        # (model, version, generation) whose load failed here: not tried again
+        # until another generation of the model is published.
+        self.failed: set[tuple[str, int, int]] = set()
         self._reconcile_lock = asyncio.Lock()
         self.publishers = PublisherWatch(WORKER.publisher_grace_s)
         self._executing = 0  # batches executing on this worker, all instances
@@ -225,6 +228,9 @@ class WorkerService(pb_grpc.WorkerServicer):
             waiting = self.publishers.waiting_for()
             complete = self.publishers.observe(await self.state.publishers(), time.monotonic())
             wanted = await self.state.loaded()
+            self.failed = {
+                f for f in self.failed if f[0] in wanted and wanted[f[0]].generation == f[2]
+            }
             # New generations load (and register) before old ones unload, so a
             # reload under traffic never leaves a model without instances.
             changed = False
@@ -259,26 +265,30 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def _load(self, model: LoadedModel) -> bool:
         """Host the versions of `model` this worker does not host yet; True if any loaded.
 
-        A version that cannot load (its backend fails to build or warm up) is
-        reported as that version's load error: the gateway answers with the reason."""
+        A version that cannot load (its backend fails to build or warm up, a
+        dependency is missing) is reported once as that version's load error,
+        which the gateway answers with and shows in the repository index, and
+        is not tried again until a new generation of the model is published
+        (its files or config changed, or a load request)."""
         if model.spec.steps:  # an ensemble runs in the scheduler, not on instances
             return False
         hosted = {(i.model, i.version, i.generation) for i in self.instances.values()}
         groups = [(g, placements(g, self.gpu)) for g in model.spec.instance_groups]
         changed = False
         for version in model.versions:
-            if (model.name, version, model.generation) in hosted:
+            key = (model.name, version, model.generation)
+            if key in hosted or key in self.failed:
                 continue
             try:
                 loaded = await host_version(
                     self.worker_id, model, version, groups, self.state.redis
                 )
             except (BackendError, WarmupError) as exc:
-                log.error(
-                    "model load failed",
-                    extra={"model": model.name, "version": version, "error": str(exc)},
-                )
-                await self.state.report_load_error(model.name, version, self.worker_id, str(exc))
+                await self._load_failed(model, version, str(exc))
+                continue
+            except Exception as exc:  # a bug: the version fails, the other models load
+                log.exception("model load raised", extra={"model": model.name})
+                await self._load_failed(model, version, f"{type(exc).__name__}: {exc}")
                 continue
             for inst in loaded:
                 self.instances[inst.instance_id] = inst
@@ -288,6 +298,20 @@ class WorkerService(pb_grpc.WorkerServicer):
             )
             changed = True
         return changed
+
+    async def _load_failed(self, model: LoadedModel, version: int, reason: str) -> None:
+        """One log line and the reported reason; tried again only if reporting failed."""
+        log.error(
+            "model load failed",
+            extra={
+                "model": model.name,
+                "version": version,
+                "generation": model.generation,
+                "error": reason,
+            },
+        )
+        await self.state.report_load_error(model.name, version, self.worker_id, reason)
+        self.failed.add((model.name, version, model.generation))
 
     async def register(self) -> None:
         infos = [

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.worker.backends import BackendError, InstanceBackend, TensorBackend
+from services.worker.backends import (
+    BackendError,
+    InstanceBackend,
+    TensorBackend,
+    missing_dependency,
+)
 from services.worker.instances import BackendMaker, Placement, default_intra_op_threads
 from services.worker.onnx_backend import OnnxInstance
 from services.worker.tensor_batches import TensorBatches
@@ -31,8 +36,24 @@ def output_types(spec: ModelSpec) -> dict[str, str]:
     return out
 
 
-def create_backend(spec: ModelSpec, path: Path, device: str, threads: int) -> TensorBackend:
-    """One instance's session for the model file at `path` on `device`."""
+def create_backend(
+    spec: ModelSpec, path: Path, device: str, threads: int, require_gpu: bool = False
+) -> TensorBackend:
+    """One instance's session for the model file at `path` on `device`.
+
+    `require_gpu` (a KIND_GPU instance): a session that cannot use the GPU
+    (an onnxruntime without the CUDA execution provider, a torch without
+    CUDA) fails the load, as Triton's backends answer "GPU instances not
+    supported" on a build without GPU support. Otherwise (KIND_AUTO on a GPU
+    worker) the session falls back to the CPU with a warning."""
+    session = _session(spec, path, device, threads)
+    if require_gpu and session.device == "cpu":
+        session.close()
+        raise BackendError(f"model '{spec.name}': GPU instances not supported: {_no_gpu(spec)}")
+    return session
+
+
+def _session(spec: ModelSpec, path: Path, device: str, threads: int) -> TensorBackend:
     if spec.platform == ONNX_PLATFORM:
         return OnnxInstance(
             str(path),
@@ -42,14 +63,14 @@ def create_backend(spec: ModelSpec, path: Path, device: str, threads: int) -> Te
             output_types=output_types(spec),
         )
     if spec.platform == PYTORCH_PLATFORM:
-        try:
-            from services.worker.torch_backend import TorchInstance
-        except ImportError as exc:  # torch is the optional extra stageserve[torch]
-            raise BackendError(
-                f"model '{spec.name}' is a PyTorch model and this worker has no torch "
-                f"({exc}); install it with: pip install 'stageserve[torch]'"
-            ) from exc
+        try:  # torch is the optional extra stageserve[torch]
+            import torch  # noqa: F401
 
+            from services.worker.torch_backend import TorchInstance
+        except ImportError as exc:
+            raise missing_dependency(
+                f"model '{spec.name}' (platform {spec.platform})", exc
+            ) from exc
         return TorchInstance(
             path,
             device=device,
@@ -60,6 +81,18 @@ def create_backend(spec: ModelSpec, path: Path, device: str, threads: int) -> Te
             output_order=list(output_types(spec)),
         )
     raise BackendError(f"model '{spec.name}': no worker backend for platform '{spec.platform}'")
+
+
+def _no_gpu(spec: ModelSpec) -> str:
+    if spec.platform == ONNX_PLATFORM:
+        return (
+            "this worker's onnxruntime cannot use CUDAExecutionProvider; install "
+            "onnxruntime-gpu with its CUDA libraries, or give the model a KIND_CPU instance_group"
+        )
+    return (
+        "this worker's torch sees no such CUDA device; install a CUDA build of torch, "
+        "or give the model a KIND_CPU instance_group"
+    )
 
 
 def tensor_backends(
@@ -75,6 +108,9 @@ def tensor_backends(
     path = model.path / str(version) / model.spec.model_filename
 
     def make(place: Placement, group: InstanceGroup, index: int) -> InstanceBackend:
-        return TensorBatches(model.spec, create_backend(model.spec, path, place.device, threads))
+        session = create_backend(
+            model.spec, path, place.device, threads, require_gpu=group.kind == "KIND_GPU"
+        )
+        return TensorBatches(model.spec, session)
 
     return make

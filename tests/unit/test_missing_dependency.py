@@ -9,10 +9,13 @@ import onnxruntime as ort
 import pytest
 
 from services.worker.backends import BackendError, install_hint
+from services.worker.python_backend.instance import PythonModelError
 from services.worker.python_backend.loader import ModelImportError, import_model_file
+from services.worker.python_backend.process_instance import ProcessInstance
 from services.worker.tensor_sessions import create_backend
 from stageserve import examples
-from stageserve.config import read_config, to_spec
+from stageserve.config import parse_config_text, read_config, to_spec
+from stageserve.examples import python_config_text
 
 NO_CUDA_EP = "CUDAExecutionProvider" not in ort.get_available_providers()
 
@@ -88,3 +91,25 @@ def test_a_model_py_that_needs_torch_names_the_extra(
     )
     with pytest.raises(ModelImportError, match=r"pip install 'stageserve\[torch\]'"):
         import_model_file(model)
+
+
+def test_a_stub_process_instance_names_the_missing_package(tmp_path: Path) -> None:
+    """The model.py runs in a stub process of its own: the same reason comes back."""
+    text = python_config_text(
+        "m", [("IN", "FP32", (2,))], [("OUT", "FP32", (2,))], max_batch_size=0
+    )
+    (tmp_path / "1").mkdir()
+    path = tmp_path / "1" / "model.py"
+    path.write_text("import stageserve_test_absent\n\nclass TritonPythonModel:\n    pass\n")
+    with pytest.raises(PythonModelError) as e:
+        ProcessInstance(
+            path,
+            to_spec(parse_config_text(text)),
+            "{}",
+            instance_name="m_0_0",
+            kind="KIND_CPU",
+            device_id=-1,
+            version=1,
+        )
+    assert "No module named 'stageserve_test_absent'" in str(e.value)
+    assert "install the package that provides 'stageserve_test_absent'" in str(e.value)

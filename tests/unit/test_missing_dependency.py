@@ -20,6 +20,14 @@ from stageserve.examples import python_config_text
 NO_CUDA_EP = "CUDAExecutionProvider" not in ort.get_available_providers()
 
 
+def _block_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`import torch` (and of any torch submodule another test imported) raises
+    ModuleNotFoundError, as on an install without torch."""
+    for name in [n for n in sys.modules if n == "torch" or n.startswith("torch.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "torch", None)
+
+
 def test_install_hints() -> None:
     assert install_hint("torch") == "install it with: pip install 'stageserve[torch]'"
     assert install_hint("torch.utils.dlpack") == "install it with: pip install 'stageserve[torch]'"
@@ -37,7 +45,7 @@ def test_a_torchscript_model_without_torch_names_the_extra(
         'output [ { name: "y" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
     )
     spec = to_spec(read_config(config.parent))
-    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ModuleNotFoundError
+    _block_torch(monkeypatch)
     with pytest.raises(BackendError) as e:
         create_backend(spec, config.parent / "1" / "model.pt", "cpu", 1)
     message = str(e.value)
@@ -84,7 +92,7 @@ def test_a_model_py_that_needs_torch_names_the_extra(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A model.py moving tensors through DLPack with torch, on a torch-less install."""
-    monkeypatch.setitem(sys.modules, "torch", None)
+    _block_torch(monkeypatch)
     model = tmp_path / "model.py"
     model.write_text(
         "from torch.utils.dlpack import from_dlpack\n\nclass TritonPythonModel:\n    pass\n"

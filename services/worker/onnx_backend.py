@@ -113,6 +113,13 @@ def _tensor_info(arg: ort.NodeArg) -> TensorInfo:
     )
 
 
+#: what a GPU instance on an onnxruntime that cannot use the GPU should do instead
+NO_CUDA_EP_FIX = (
+    "install onnxruntime-gpu with its CUDA libraries in place of onnxruntime, "
+    "or give the model a KIND_CPU instance_group"
+)
+
+
 class OnnxInstance:
     """One ONNX Runtime session serving one model instance.
 
@@ -120,6 +127,11 @@ class OnnxInstance:
     the model configuration declares them; they are checked against the ONNX
     file at load time. ``output_types`` may name a subset of the model's
     outputs. Passing None takes the types from the model file.
+
+    ``device`` "cuda:N" without a usable CUDA execution provider: with
+    ``cpu_fallback`` the session runs on the CPU with a warning, else the
+    load fails with BackendError ("GPU instances not supported", Triton's
+    answer on a build without GPU support).
 
     ``run`` may be called from several threads at once (ORT sessions are
     thread-safe for Run), so a fast model may run inline on the event loop.
@@ -137,6 +149,7 @@ class OnnxInstance:
         *,
         inter_op_threads: int = 0,
         log_severity: int = 3,
+        cpu_fallback: bool = True,
     ) -> None:
         self.model_path = os.fspath(model_path)
         kind, device_id = parse_device(device)
@@ -152,6 +165,12 @@ class OnnxInstance:
                 "CPUExecutionProvider",
             ]
         else:
+            if kind == "cuda" and not cpu_fallback:
+                raise BackendError(
+                    f"{self.model_path}: GPU instances not supported: this onnxruntime "
+                    f"has no CUDAExecutionProvider (has {', '.join(available)}); "
+                    f"{NO_CUDA_EP_FIX}"
+                )
             if kind == "cuda":
                 log.warning(
                     "%s: device %s requested but this onnxruntime has no "
@@ -185,6 +204,12 @@ class OnnxInstance:
 
         if self.device != "cpu" and "CUDAExecutionProvider" not in self._session.get_providers():
             # ORT drops a provider whose libraries fail to load and carries on on CPU
+            if not cpu_fallback:
+                raise BackendError(
+                    f"{self.model_path}: GPU instances not supported: onnxruntime's "
+                    f"CUDAExecutionProvider could not be used for {self.device} (its CUDA "
+                    f"libraries did not load); {NO_CUDA_EP_FIX}"
+                )
             log.warning(
                 "%s: CUDAExecutionProvider could not be used for %s; running on CPU",
                 self.model_path,

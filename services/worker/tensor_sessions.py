@@ -46,14 +46,6 @@ def create_backend(
     CUDA) fails the load, as Triton's backends answer "GPU instances not
     supported" on a build without GPU support. Otherwise (KIND_AUTO on a GPU
     worker) the session falls back to the CPU with a warning."""
-    session = _session(spec, path, device, threads)
-    if require_gpu and session.device == "cpu":
-        session.close()
-        raise BackendError(f"model '{spec.name}': GPU instances not supported: {_no_gpu(spec)}")
-    return session
-
-
-def _session(spec: ModelSpec, path: Path, device: str, threads: int) -> TensorBackend:
     if spec.platform == ONNX_PLATFORM:
         return OnnxInstance(
             str(path),
@@ -61,6 +53,7 @@ def _session(spec: ModelSpec, path: Path, device: str, threads: int) -> TensorBa
             intra_op_threads=threads,
             input_types=input_types(spec),
             output_types=output_types(spec),
+            cpu_fallback=not require_gpu,
         )
     if spec.platform == PYTORCH_PLATFORM:
         try:  # torch is the optional extra stageserve[torch]
@@ -79,20 +72,9 @@ def _session(spec: ModelSpec, path: Path, device: str, threads: int) -> TensorBa
             output_types=output_types(spec),
             parameters=spec.parameters,
             output_order=list(output_types(spec)),
+            cpu_fallback=not require_gpu,
         )
     raise BackendError(f"model '{spec.name}': no worker backend for platform '{spec.platform}'")
-
-
-def _no_gpu(spec: ModelSpec) -> str:
-    if spec.platform == ONNX_PLATFORM:
-        return (
-            "this worker's onnxruntime cannot use CUDAExecutionProvider; install "
-            "onnxruntime-gpu with its CUDA libraries, or give the model a KIND_CPU instance_group"
-        )
-    return (
-        "this worker's torch sees no such CUDA device; install a CUDA build of torch, "
-        "or give the model a KIND_CPU instance_group"
-    )
 
 
 def tensor_backends(

@@ -71,6 +71,21 @@ def test_a_gpu_instance_without_the_cuda_ep_fails_its_load(tmp_path: Path) -> No
     assert "KIND_CPU" in str(e.value)
 
 
+def test_a_gpu_instance_on_a_torch_without_cuda_fails_its_load(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this torch sees a CUDA device")
+    from stageserve.torch_examples import write_torch_two_io
+
+    model_dir = write_torch_two_io(tmp_path)
+    spec = to_spec(read_config(model_dir))
+    path = model_dir / "1" / spec.model_filename
+    with pytest.raises(BackendError, match="GPU instances not supported: torch") as e:
+        create_backend(spec, path, "cuda:0", 1, require_gpu=True)
+    assert "CUDA build of torch" in str(e.value)
+    assert create_backend(spec, path, "cuda:0", 1).device == "cpu"  # KIND_AUTO: falls back
+
+
 @pytest.mark.skipif(not NO_CUDA_EP, reason="this onnxruntime has the CUDA EP")
 def test_an_auto_instance_on_a_gpu_worker_falls_back_to_the_cpu(tmp_path: Path) -> None:
     spec, path = _simple_spec(tmp_path, "KIND_AUTO")

@@ -288,7 +288,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                 continue
             except Exception as exc:  # a bug: the version fails, the other models load
                 log.exception("model load raised", extra={"model": model.name})
-                await self._load_failed(model, version, f"{type(exc).__name__}: {exc}")
+                reason = f"worker error while loading: {type(exc).__name__} (see the worker log)"
+                await self._load_failed(model, version, reason)
                 continue
             for inst in loaded:
                 self.instances[inst.instance_id] = inst

@@ -32,6 +32,7 @@ from stageserve.config import ModelSpec
 from stageserve.errors import StageError, invalid, load_failed, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
+from stageserve.instance_ids import generation_of
 from stageserve.model_state import LoadedModel, ModelStateStore, files_digest
 from stageserve.names import check_model_name, model_name_problem
 from stageserve.repository import model_names, read_model
@@ -257,7 +258,6 @@ class ModelLifecycle:
     ) -> tuple[dict[int, str], dict[int, str]]:
         """Wait until each version has an instance of this generation (instance ids
         carry it: .../<version>/g<generation>/<group>/<index>) or a load error."""
-        tag = f"g{generation}"
         deadline = time.monotonic() + self.load_timeout_s
         while True:
             try:
@@ -279,7 +279,7 @@ class ModelLifecycle:
                 )
                 await asyncio.sleep(0.2)
                 continue
-            have = {i.version for i in resp.instances if i.instance_id.split("/")[-3] == tag}
+            have = {i.version for i in resp.instances if generation_of(i.instance_id) == generation}
             states = {v: READY if v in have else LOADING for v in versions}
             reasons: dict[int, str] = {}
             for v in versions:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from services.worker.backends import BackendError, InvalidInputError, parse_device
 from services.worker.onnx_strings import bytes_transparent
 from stageserve.datatypes import DataType, from_triton
 
@@ -56,16 +56,6 @@ _ORT_TYPE_TO_TRITON: dict[str, str] = {
     "tensor(bfloat16)": "BF16",
     "tensor(string)": "BYTES",
 }
-
-_CUDA_RE = re.compile(r"^(?:cuda|gpu)(?::(\d+))?$")
-
-
-class BackendError(RuntimeError):
-    """The model could not be loaded, or a run failed (INTERNAL to the client)."""
-
-
-class InvalidInputError(BackendError):
-    """A request this backend refuses before running it (INVALID_ARGUMENT)."""
 
 
 @dataclass(frozen=True)
@@ -123,15 +113,11 @@ def _tensor_info(arg: ort.NodeArg) -> TensorInfo:
     )
 
 
-def parse_device(device: str) -> tuple[str, int]:
-    """Map "cpu" to ("cpu", 0) and "cuda", "cuda:N" or "gpu:N" to ("cuda", N)."""
-    d = (device or "cpu").strip().lower()
-    if d == "cpu":
-        return "cpu", 0
-    m = _CUDA_RE.match(d)
-    if not m:
-        raise BackendError(f"unknown device {device!r}: expected 'cpu' or 'cuda:N'")
-    return "cuda", int(m.group(1) or 0)
+#: what a GPU instance on an onnxruntime that cannot use the GPU should do instead
+NO_CUDA_EP_FIX = (
+    "install onnxruntime-gpu with its CUDA libraries in place of onnxruntime, "
+    "or give the model a KIND_CPU instance_group"
+)
 
 
 class OnnxInstance:
@@ -142,9 +128,16 @@ class OnnxInstance:
     file at load time. ``output_types`` may name a subset of the model's
     outputs. Passing None takes the types from the model file.
 
+    ``device`` "cuda:N" without a usable CUDA execution provider: with
+    ``cpu_fallback`` the session runs on the CPU with a warning, else the
+    load fails with BackendError ("GPU instances not supported", Triton's
+    answer on a build without GPU support).
+
     ``run`` may be called from several threads at once (ORT sessions are
-    thread-safe for Run).
+    thread-safe for Run), so a fast model may run inline on the event loop.
     """
+
+    thread_bound = False
 
     def __init__(
         self,
@@ -156,6 +149,7 @@ class OnnxInstance:
         *,
         inter_op_threads: int = 0,
         log_severity: int = 3,
+        cpu_fallback: bool = True,
     ) -> None:
         self.model_path = os.fspath(model_path)
         kind, device_id = parse_device(device)
@@ -171,6 +165,12 @@ class OnnxInstance:
                 "CPUExecutionProvider",
             ]
         else:
+            if kind == "cuda" and not cpu_fallback:
+                raise BackendError(
+                    f"{self.model_path}: GPU instances not supported: this onnxruntime "
+                    f"has no CUDAExecutionProvider (has {', '.join(available)}); "
+                    f"{NO_CUDA_EP_FIX}"
+                )
             if kind == "cuda":
                 log.warning(
                     "%s: device %s requested but this onnxruntime has no "
@@ -204,6 +204,12 @@ class OnnxInstance:
 
         if self.device != "cpu" and "CUDAExecutionProvider" not in self._session.get_providers():
             # ORT drops a provider whose libraries fail to load and carries on on CPU
+            if not cpu_fallback:
+                raise BackendError(
+                    f"{self.model_path}: GPU instances not supported: onnxruntime's "
+                    f"CUDAExecutionProvider could not be used for {self.device} (its CUDA "
+                    f"libraries did not load); {NO_CUDA_EP_FIX}"
+                )
             log.warning(
                 "%s: CUDAExecutionProvider could not be used for %s; running on CPU",
                 self.model_path,
@@ -274,6 +280,9 @@ class OnnxInstance:
     @property
     def providers(self) -> list[str]:
         return list(self._desc.providers)
+
+    def close(self) -> None:
+        """Nothing to release early: ORT frees the session with the object."""
 
     def describe(self) -> ModelDescription:
         """Names, Triton datatypes and shapes of the ONNX file's inputs/outputs."""

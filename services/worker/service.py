@@ -20,16 +20,14 @@ from typing import cast
 import grpc
 import redis.asyncio as aioredis
 
-from services.worker.backends import create_backend
+from services.worker.backends import BackendError, InvalidInputError, StillSending
 from services.worker.blas_threads import limit_blas_threads
-from services.worker.instances import HostedInstance, default_intra_op_threads, placements
-from services.worker.onnx_backend import BackendError, InvalidInputError
+from services.worker.hosting import host_version
+from services.worker.instances import HostedInstance, placements
 from services.worker.publishers import PublisherWatch
 from services.worker.python_backend.bls import install as bls_install
-from services.worker.python_backend.instance import StillSending
-from services.worker.python_backend.worker_glue import load_python_model
 from services.worker.stale import stale_instances
-from services.worker.warmup import WarmupError, warm_up, warmup_requests
+from services.worker.warmup import WarmupError
 from stageserve import redis_keys as keys
 from stageserve.errors import wire_code
 from stageserve.generated import stageserve_pb2 as pb
@@ -115,8 +113,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.ratelimiter = ratelimiter
         self.gpu = gpu
         self.instances: dict[str, HostedInstance] = {}
-        # instance id -> its group's rate_limiter (priority, resources)
-        self.rate_limits: dict[str, tuple[int, tuple[tuple[str, int, bool], ...]]] = {}
+        # (model, version, generation) whose load failed here: not tried again
+        # until another generation of the model is published.
+        self.failed: set[tuple[str, int, int]] = set()
         self._reconcile_lock = asyncio.Lock()
         self.publishers = PublisherWatch(settings.publisher_grace_s)
         self._executing = 0  # batches executing on this worker, all instances
@@ -169,7 +168,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         inst.in_flight += 1
         self._executing += 1
         try:
-            # Never StillSending: Python models do not run inline (HostedInstance.runs_inline).
+            # Never StillSending: Python models are thread-bound, never inline.
             resp = cast("pb.ExecuteResponse", inst.execute(request))
         except Exception as exc:
             return _failed(inst, request, exc)
@@ -228,6 +227,9 @@ class WorkerService(pb_grpc.WorkerServicer):
             waiting = self.publishers.waiting_for()
             complete = self.publishers.observe(await self.state.publishers(), time.monotonic())
             wanted = await self.state.loaded()
+            self.failed = {
+                f for f in self.failed if f[0] in wanted and wanted[f[0]].generation == f[2]
+            }
             # New generations load (and register) before old ones unload, so a
             # reload under traffic never leaves a model without instances.
             changed = False
@@ -251,7 +253,6 @@ class WorkerService(pb_grpc.WorkerServicer):
             return False
         for inst in stale:
             del self.instances[inst.instance_id]
-            self.rate_limits.pop(inst.instance_id, None)
         await self.register()  # stop new grants before draining
         for inst in stale:
             while inst.in_flight:
@@ -261,57 +262,38 @@ class WorkerService(pb_grpc.WorkerServicer):
         return True
 
     async def _load(self, model: LoadedModel) -> bool:
+        """Host the versions of `model` this worker does not host yet; True if any loaded.
+
+        A version that cannot load (its backend fails to build or warm up, a
+        dependency is missing) is reported once as that version's load error,
+        which the gateway answers with and shows in the repository index, and
+        is not tried again until a new generation of the model is published
+        (its files or config changed, or a load request)."""
         if model.spec.steps:  # an ensemble runs in the scheduler, not on instances
             return False
-        if model.spec.backend == "python":
-            return await load_python_model(self, model)
         hosted = {(i.model, i.version, i.generation) for i in self.instances.values()}
         groups = [(g, placements(g, self.gpu)) for g in model.spec.instance_groups]
-        total = sum(len(p) for _, p in groups)
-        threads = int(model.spec.parameters.get("intra_op_thread_count", "0")) or (
-            default_intra_op_threads(total)
-        )
         changed = False
         for version in model.versions:
-            if (model.name, version, model.generation) in hosted:
+            key = (model.name, version, model.generation)
+            if key in hosted or key in self.failed:
                 continue
-            path = model.path / str(version) / model.spec.model_filename
-            loaded: list[HostedInstance] = []
             try:
-                warmups = warmup_requests(model.spec, model.path)
-                for g, places in groups:
-                    for index, place in enumerate(places):
-                        backend = await asyncio.to_thread(
-                            create_backend, model.spec, path, place.device, threads
-                        )
-                        iid = (
-                            f"{self.worker_id}/{model.name}/{version}/g{model.generation}/"
-                            f"{g.name}/{index}"
-                        )
-                        self.rate_limits[iid] = (
-                            g.rate_limiter_priority,
-                            g.rate_limiter_resources,
-                        )
-                        loaded.append(
-                            HostedInstance(
-                                iid,
-                                model.name,
-                                version,
-                                model.generation,
-                                place,
-                                model.spec,
-                                backend,
-                            )
-                        )
-                        await warm_up(loaded[-1], warmups, self.state.redis)  # before READY
-            except (BackendError, WarmupError) as exc:
-                log.error(
-                    "model load failed",
-                    extra={"model": model.name, "version": version, "error": str(exc)},
+                loaded = await host_version(
+                    self.worker_id,
+                    model,
+                    version,
+                    groups,
+                    self.state.redis,
+                    bool(self.settings.python_instance_process),
                 )
-                for inst in loaded:
-                    await asyncio.to_thread(inst.close)
-                await self.state.report_load_error(model.name, version, self.worker_id, str(exc))
+            except (BackendError, WarmupError) as exc:
+                await self._load_failed(model, version, str(exc))
+                continue
+            except Exception as exc:  # a bug: the version fails, the other models load
+                log.exception("model load raised", extra={"model": model.name})
+                reason = f"worker error while loading: {type(exc).__name__} (see the worker log)"
+                await self._load_failed(model, version, reason)
                 continue
             for inst in loaded:
                 self.instances[inst.instance_id] = inst
@@ -322,6 +304,20 @@ class WorkerService(pb_grpc.WorkerServicer):
             changed = True
         return changed
 
+    async def _load_failed(self, model: LoadedModel, version: int, reason: str) -> None:
+        """One log line and the reported reason; tried again only if reporting failed."""
+        log.error(
+            "model load failed",
+            extra={
+                "model": model.name,
+                "version": version,
+                "generation": model.generation,
+                "error": reason,
+            },
+        )
+        await self.state.report_load_error(model.name, version, self.worker_id, reason)
+        self.failed.add((model.name, version, model.generation))
+
     async def register(self) -> None:
         infos = [
             pb.InstanceInfo(
@@ -330,10 +326,9 @@ class WorkerService(pb_grpc.WorkerServicer):
                 version=i.version,
                 kind=i.placement.kind,
                 device_id=i.placement.device_id,
-                priority=self.rate_limits.get(i.instance_id, (0, ()))[0],
+                priority=i.rate_limit[0],
                 resources=[
-                    pb.ResourceNeed(name=n, count=c, **{"global": g})
-                    for n, c, g in self.rate_limits.get(i.instance_id, (0, ()))[1]
+                    pb.ResourceNeed(name=n, count=c, **{"global": g}) for n, c, g in i.rate_limit[1]
                 ],
             )
             for i in self.instances.values()

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.worker.onnx_backend import BackendError, parse_device
+from services.worker.backends import BackendError, parse_device
 from stageserve.datatypes import DataType, from_triton
 
 log = logging.getLogger(__name__)
@@ -210,6 +210,7 @@ class TorchInstance:
         *,
         parameters: Mapping[str, str] | None = None,
         output_order: Sequence[str] = (),
+        cpu_fallback: bool = True,
     ) -> None:
         import torch  # only workers that host a PyTorch model pay for the import
 
@@ -220,6 +221,13 @@ class TorchInstance:
         kind, device_id = parse_device(device)
         self.device = f"cuda:{device_id}" if kind == "cuda" else "cpu"
         if kind == "cuda" and not (torch.cuda.is_available() and device_id < _cuda_count(torch)):
+            if not cpu_fallback:
+                raise BackendError(
+                    f"{self.model_path}: GPU instances not supported: torch "
+                    f"{torch.__version__} sees no CUDA "
+                    f"device {device_id}; install a CUDA build of torch, or give the model "
+                    "a KIND_CPU instance_group"
+                )
             log.warning(
                 "%s: device %s requested but torch sees no such CUDA device; running on CPU",
                 self.model_path,

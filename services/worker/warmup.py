@@ -178,7 +178,8 @@ async def warm_up(
     if not requests:
         return
     loop = asyncio.get_running_loop()
-    # Never StillSending: a decoupled model with model_warmup does not load (worker_glue).
+    # Never StillSending: a decoupled model with model_warmup does not load
+    # (python_backend/hosting.py).
     execute = cast("Callable[[pb.ExecuteRequest], pb.ExecuteResponse]", instance.execute)
     stats = await loop.run_in_executor(instance.executor, run_warmup, execute, requests)
     key = keys.model_stats(instance.model, instance.generation, instance.version)

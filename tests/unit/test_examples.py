@@ -10,7 +10,8 @@ import numpy as np
 import onnx
 import pytest
 
-from services.worker.onnx_backend import BackendError, OnnxInstance
+from services.worker.backends import BackendError
+from services.worker.onnx_backend import OnnxInstance
 from stageserve.config import parse_config_text, to_spec
 from stageserve.datatypes import from_triton
 from stageserve.tensors import numpy_to_raw, raw_to_numpy

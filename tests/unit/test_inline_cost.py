@@ -17,6 +17,7 @@ import pytest
 from services.worker.inline_policy import INLINE_LIMIT_NS
 from services.worker.instances import HostedInstance, Placement
 from services.worker.onnx_backend import OnnxInstance
+from services.worker.tensor_batches import TensorBatches
 from stageserve.config import read_config, to_spec
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve_tools import examples
@@ -35,7 +36,13 @@ def _simple(root: Path, extra: str = "") -> HostedInstance:
         {t.name: t.datatype.triton for t in spec.outputs},
     )
     return HostedInstance(
-        "w/simple/1/g1/0", "simple", 1, 1, Placement("KIND_CPU", -1), spec, backend
+        "w/simple/1/g1/0",
+        "simple",
+        1,
+        1,
+        Placement("KIND_CPU", -1),
+        spec,
+        TensorBatches(spec, backend),
     )
 
 
@@ -119,14 +126,20 @@ def test_on_a_gpu_the_wall_time_counts(tmp_path: Path, kind: str, learnt: int) -
 def test_a_torchscript_instance_stays_on_its_own_thread(tmp_path: Path) -> None:
     """torch's thread settings are per thread: however fast, never inline."""
     pytest.importorskip("torch")
-    from services.worker.backends import create_backend
+    from services.worker.tensor_sessions import create_backend
     from stageserve_tools.torch_examples import write_torch_two_io
 
     write_torch_two_io(tmp_path)
     spec = to_spec(read_config(tmp_path / "torch_two_io"))
     backend = create_backend(spec, tmp_path / "torch_two_io" / "1" / spec.model_filename, "cpu", 1)
     inst = HostedInstance(
-        "w/torch_two_io/1/g1/0", "torch_two_io", 1, 1, Placement("KIND_CPU", -1), spec, backend
+        "w/torch_two_io/1/g1/0",
+        "torch_two_io",
+        1,
+        1,
+        Placement("KIND_CPU", -1),
+        spec,
+        TensorBatches(spec, backend),
     )
     try:
         request = pb.ExecuteRequest(id=1, instance_id=inst.instance_id)

@@ -10,7 +10,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from services.worker.onnx_backend import BackendError, OnnxInstance, parse_device
+from services.worker.backends import BackendError, parse_device
+from services.worker.onnx_backend import OnnxInstance
 from stageserve_tools import examples
 
 I32 = {"INPUT0": "INT32", "INPUT1": "INT32"}

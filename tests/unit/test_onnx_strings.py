@@ -10,7 +10,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from services.worker.onnx_backend import InvalidInputError, OnnxInstance
+from services.worker.backends import InvalidInputError
+from services.worker.onnx_backend import OnnxInstance
 from services.worker.onnx_strings import bytes_transparent
 from stageserve_tools.examples import identity_model, make_model
 

@@ -23,6 +23,7 @@ from services.worker.batch_io import (
 )
 from services.worker.instances import HostedInstance, Placement
 from services.worker.onnx_backend import OnnxInstance
+from services.worker.tensor_batches import TensorBatches
 from stageserve.config import (
     BATCH_INPUT_KINDS,
     BatchInputSpec,
@@ -382,7 +383,13 @@ def ragged_instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosted
         {t.name: t.datatype.triton for t in spec.outputs},
     )
     inst = HostedInstance(
-        "w/ragged_sum/1/g1/0", "ragged_sum", 1, 1, Placement("KIND_CPU", -1), spec, backend
+        "w/ragged_sum/1/g1/0",
+        "ragged_sum",
+        1,
+        1,
+        Placement("KIND_CPU", -1),
+        spec,
+        TensorBatches(spec, backend),
     )
     yield inst
     inst.close()

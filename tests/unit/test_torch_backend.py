@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.onnx_backend import BackendError
+from services.worker.backends import BackendError
 from services.worker.torch_backend import (
     TorchInstance,
     argument_positions,

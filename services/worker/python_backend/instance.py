@@ -23,14 +23,14 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 
+from services.worker.backends import BackendError, Emit, StillSending
 from services.worker.python_backend import pb_utils
 from services.worker.python_backend.loader import ModelImportError, import_model_file
 from stageserve.config import ModelSpec
@@ -55,20 +55,8 @@ _REASONS = {
 _UNKNOWN = grpc.StatusCode.UNKNOWN.value[0]  # TritonError.UNKNOWN: no reason of ours
 
 
-#: emit(part_message): sends a decoupled model's responses as they are made.
-Emit = Callable[[pb.ExecuteResponse], None]
 
-
-@dataclass(frozen=True)
-class StillSending:
-    """A decoupled batch whose execute returned before every request's final
-    flag: the instance is free (as in Triton), the model's senders go on, and
-    `last` resolves with the batch's last message once every final is in."""
-
-    last: concurrent.futures.Future[pb.ExecuteResponse]
-
-
-class PythonModelError(Exception):
+class PythonModelError(BackendError):
     """initialize (or the import) failed: the model does not load."""
 
 
@@ -81,6 +69,9 @@ def grpc_code(error: pb_utils.TritonError) -> int:
 
 
 class PythonInstance:
+    #: Never inline on the event loop: a BLS call from execute waits on it.
+    thread_bound = True
+
     def __init__(
         self,
         model_file: Path,

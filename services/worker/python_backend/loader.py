@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from services.worker.backends import install_hint
 from services.worker.python_backend import pb_utils
 
 PB_UTILS_NAME = "triton_python_backend_utils"
@@ -45,6 +46,9 @@ def import_model_file(path: Path) -> ModuleType:
         sys.path.append(folder)
     try:
         spec.loader.exec_module(module)
+    except ModuleNotFoundError as exc:  # a package model.py imports is not installed here
+        fix = f"; {install_hint(exc.name)}" if exc.name else ""
+        raise ModelImportError(f"failed to import {path}: ModuleNotFoundError: {exc}{fix}") from exc
     except Exception as exc:
         raise ModelImportError(f"failed to import {path}: {type(exc).__name__}: {exc}") from exc
     if not isinstance(getattr(module, "TritonPythonModel", None), type):

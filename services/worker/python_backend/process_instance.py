@@ -42,17 +42,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.worker.backends import Emit, StillSending
 from services.worker.python_backend import pb_utils
 from services.worker.python_backend.bls_wire import (
     request_from_wire,
     response_to_wire,
 )
-from services.worker.python_backend.instance import (
-    INTERNAL,
-    Emit,
-    PythonModelError,
-    StillSending,
-)
+from services.worker.python_backend.instance import INTERNAL, PythonModelError
 from services.worker.python_backend.stub import InitArgs
 from services.worker.python_backend.stub_wire import StubSocket
 from stageserve.config import ModelSpec
@@ -140,6 +136,9 @@ class _Stub:
 
 
 class ProcessInstance:
+    #: Never inline on the event loop: a BLS call from the stub waits on it.
+    thread_bound = True
+
     def __init__(
         self,
         model_file: Path,

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.worker.backends import StillSending
 from services.worker.blas_threads import limit_blas_threads
 from services.worker.python_backend import pb_utils
 from services.worker.python_backend.bls_wire import (
@@ -50,12 +51,7 @@ from services.worker.python_backend.bls_wire import (
     response_from_wire,
     responses_from_wire,
 )
-from services.worker.python_backend.instance import (
-    INTERNAL,
-    PythonInstance,
-    PythonModelError,
-    StillSending,
-)
+from services.worker.python_backend.instance import INTERNAL, PythonInstance, PythonModelError
 from services.worker.python_backend.loader import register_pb_utils
 from services.worker.python_backend.stub_wire import StubSocket
 from stageserve.config import ModelSpec

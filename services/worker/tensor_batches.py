@@ -1,0 +1,136 @@
+"""An ONNX Runtime or TorchScript session as a hosted instance: one formed
+batch in, its per-request results out.
+
+The scheduler sends a batch as concatenated input tensors; this decodes them
+into the shared numpy representation, adds Triton's batch_input tensors,
+runs the session (``backends.TensorBackend``), and splits the outputs back
+per request (BATCH_SCATTER_WITH_INPUT_SHAPE outputs by their source shapes).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from services.worker.backends import BackendError, Emit, TensorBackend
+from services.worker.batch_io import (
+    BatchIOError,
+    batch_input_array,
+    request_shapes,
+    scatter,
+    scatter_shapes,
+)
+from stageserve.config import ModelSpec
+from stageserve.datatypes import from_triton
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
+
+
+def execute_delay_s(spec: ModelSpec) -> float:
+    """Model parameter `execute_delay_ms`: a testing aid that makes every
+    execution take at least that long (beyond Triton; think of a slow model)."""
+    return float(spec.parameters.get("execute_delay_ms", "0") or 0) / 1000.0
+
+
+class TensorBatches:
+    """Executes formed batches of `spec` on one tensor session."""
+
+    def __init__(self, spec: ModelSpec, session: TensorBackend) -> None:
+        self.spec = spec
+        self.session = session
+        self.thread_bound = session.thread_bound
+        self.delay_s = execute_delay_s(spec)
+
+    def execute_batch(self, request: pb.ExecuteRequest, emit: Emit | None) -> pb.ExecuteResponse:
+        """Decode, run and split one batch (`emit` is unused: not decoupled)."""
+        t0 = time.monotonic_ns()
+        try:
+            feeds = {t.name: raw_to_numpy(t.raw, t.datatype, t.shape) for t in request.inputs}
+            feeds.update(self._batch_inputs(request))
+        except (TensorError, BatchIOError) as exc:
+            raise BackendError(f"bad input tensor: {exc}") from exc
+        wanted = self._wanted_outputs(request)
+        t1 = time.monotonic_ns()
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        results = self.session.run(feeds, wanted)
+        t2 = time.monotonic_ns()
+        try:
+            scattered = self._scatter(request, results)
+        except BatchIOError as exc:
+            raise BackendError(f"model '{self.spec.name}': {exc}") from exc
+        response = pb.ExecuteResponse()
+        offset = 0
+        batching = self.spec.batching
+        for i, (size, requested) in enumerate(
+            zip(request.request_batch_sizes, request.requested, strict=True)
+        ):
+            names = list(requested.names) or [o.name for o in self.spec.outputs]
+            per_request = response.results.add()
+            for name in names:
+                if name in scattered:  # already in the request's own shape
+                    per_request.outputs.append(_tensor(name, scattered[name][i], self.spec))
+                    continue
+                arr = results[name]
+                if batching:
+                    arr = arr[offset : offset + size]
+                per_request.outputs.append(_tensor(name, arr, self.spec, size))
+            offset += size
+        t3 = time.monotonic_ns()
+        response.compute_input_ns = t1 - t0
+        response.compute_infer_ns = t2 - t1
+        response.compute_output_ns = t3 - t2
+        return response
+
+    def close(self) -> None:
+        self.session.close()
+
+    def _batch_inputs(self, request: pb.ExecuteRequest) -> dict[str, np.ndarray]:
+        """Triton's batch_input tensors, computed from the formed batch."""
+        feeds: dict[str, np.ndarray] = {}
+        for spec in self.spec.batch_inputs:
+            shapes = request_shapes(request, self.spec, spec.source_input)
+            arr = batch_input_array(spec, shapes)
+            feeds.update(dict.fromkeys(spec.target_names, arr))
+        return feeds
+
+    def _scatter(
+        self, request: pb.ExecuteRequest, results: dict[str, np.ndarray]
+    ) -> dict[str, list[np.ndarray]]:
+        """BATCH_SCATTER_WITH_INPUT_SHAPE outputs, cut into per-request pieces."""
+        out: dict[str, list[np.ndarray]] = {}
+        for spec in self.spec.batch_outputs:
+            sources = request_shapes(request, self.spec, spec.source_input)
+            for name in spec.target_names:
+                declared = self.spec.output(name)
+                if name not in results or declared is None:
+                    continue  # not requested by this batch
+                dims = (-1, *declared.dims)  # batch outputs need batching (config.py)
+                out[name] = scatter(results[name], scatter_shapes(dims, sources))
+        return out
+
+    def _wanted_outputs(self, request: pb.ExecuteRequest) -> list[str]:
+        """Union of what the batch's requests asked for (state outputs included)."""
+        wanted: dict[str, None] = {}
+        for requested in request.requested:
+            names = requested.names or [o.name for o in self.spec.outputs]
+            wanted.update(dict.fromkeys(names))
+        return list(wanted)
+
+
+def _tensor(name: str, arr: np.ndarray, spec: ModelSpec, batch: int | None = None) -> pb.Tensor:
+    """One request's output; batch None: arr already has its final shape."""
+    out = spec.output_tensor(name)
+    assert out is not None
+    if out.reshape is not None and batch is not None:  # the model's shape -> the config's dims
+        arr = arr.reshape(((batch,) if spec.batching else ()) + out.dims)
+    dt = out.datatype
+    if dt.triton not in ("BYTES", "BF16") and dt.numpy is not None and arr.dtype != dt.numpy:
+        arr = arr.astype(dt.numpy)
+    return pb.Tensor(
+        name=name,
+        datatype=dt.triton,
+        shape=list(arr.shape),
+        raw=numpy_to_raw(arr, from_triton(dt.triton)),
+    )

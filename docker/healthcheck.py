@@ -84,9 +84,10 @@ def _channel(address: str, stage_tls: bool):
 
     tls = None
     if stage_tls:
-        from stageserve.stage_tls import stage_tls as configured
+        from stageserve.stage_tls import from_environ
 
-        tls = configured()
+        # The stage's own variables, as `stageserve` reads them into its settings tree.
+        tls = from_environ(os.environ)
     if tls is None:
         return grpc.insecure_channel(address)
     credentials = grpc.ssl_channel_credentials(

@@ -24,7 +24,7 @@ from services.ratelimiter.options import (
 )
 from stageserve.autocomplete_options import DEFAULT_MAX_BATCH_SIZE, AutoComplete
 from stageserve.gpus import parse_workers
-from stageserve.grpc_io import choose_grpc_io
+from stageserve.grpc_io import use_grpc_io
 from stageserve.logs import setup_logging
 from stageserve.security_options import add_flags as add_security_flags
 from stageserve.security_options import (
@@ -33,8 +33,13 @@ from stageserve.security_options import (
     restrictions_from,
     tls_from,
 )
-from stageserve.settings import GatewaySettings, SchedulerSettings, Settings, settings_from
-from stageserve.stage_tls import StageTlsError, stage_tls
+from stageserve.settings import (
+    GatewaySettings,
+    SchedulerSettings,
+    Settings,
+    settings_from_env,
+    with_flags,
+)
 
 log = logging.getLogger("stageserve")
 
@@ -255,8 +260,13 @@ def _need(args: argparse.Namespace, *names: str) -> None:
         sys.exit(f"stageserve {args.command}: missing {flags} (or its environment variable)")
 
 
-def _settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Settings:
-    """The settings tree this process runs with: environment, then flags; a bad
+def _settings(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    environment: Settings | None = None,
+) -> Settings:
+    """The settings tree this process runs with: `environment` (the tree built
+    from the environment; default: this process's), then the flags; a bad
     value ends the CLI with its message."""
     # The flags that become one field each: parsed here, checked once.
     parsed: dict[str, object] = {}
@@ -269,24 +279,29 @@ def _settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Sett
     try:
         resources = resource_overrides(getattr(args, "rate_limit_resource", []))
         parsed["rate_limit_resources"] = tuple(resources.items())
-        return settings_from({**vars(args), **parsed})
+        if environment is None:
+            environment = settings_from_env(os.environ)
+        return with_flags(environment, {**vars(args), **parsed})
     except ValueError as exc:
         parser.error(str(exc))
 
 
 def main(argv: list[str] | None = None) -> int:
-    choose_grpc_io()  # before anything imports grpc (see grpc_io.py)
+    # The environment's part of the tree first, before grpc is imported: its
+    # grpc_io must reach the environment before then (grpc_io.py), and a bad
+    # variable or a half-configured stage TLS stops here, not at the first dial.
     try:
-        stage_tls()  # a half-configured stage TLS stops here, not at the first dial
-    except StageTlsError as exc:
+        environment = settings_from_env(os.environ)
+    except ValueError as exc:
         print(f"stageserve: {exc}", file=sys.stderr)
         return 2
+    use_grpc_io(environment.grpc_io)
     from stageserve.launcher import die_with_parent
 
     die_with_parent()
     parser = build_parser()
     args = parser.parse_args(argv)
-    settings = _settings(parser, args)
+    settings = _settings(parser, args, environment)
     if args.command == "exec":  # PDEATHSIG survives exec: redis-server dies with us too
         os.execv(args.argv[0], args.argv)
     if args.command == "make-examples":

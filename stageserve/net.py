@@ -6,7 +6,7 @@ import socket
 
 import grpc
 
-from stageserve.stage_tls import stage_tls
+from stageserve.stage_tls import StageTls
 
 # Tensors can be large; Triton itself accepts up to 2 GiB messages.
 MAX_MESSAGE_BYTES = 2**31 - 1
@@ -42,10 +42,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def stage_channel(address: str) -> grpc.aio.Channel:
-    """A channel to another stage: mutual TLS when stage TLS is configured
-    (stageserve/stage_tls.py), plaintext otherwise."""
-    tls = stage_tls()
+def stage_channel(address: str, tls: StageTls | None) -> grpc.aio.Channel:
+    """A channel to another stage: mutual TLS with `tls` (the process's
+    Settings.stage_tls, stageserve/stage_tls.py), plaintext when None."""
     if tls is None:
         return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
     credentials = grpc.ssl_channel_credentials(
@@ -57,10 +56,10 @@ def stage_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(address, credentials, options=options)
 
 
-def add_stage_port(server: grpc.aio.Server, listen: str) -> int:
-    """Bind an internal stage's server: clients must present a certificate
-    signed by the stage CA when stage TLS is configured. 0 when it cannot bind."""
-    tls = stage_tls()
+def add_stage_port(server: grpc.aio.Server, listen: str, tls: StageTls | None) -> int:
+    """Bind an internal stage's server: with `tls` (Settings.stage_tls) clients
+    must present a certificate signed by the stage CA; None: plaintext. 0 when
+    it cannot bind."""
     if tls is None:
         return server.add_insecure_port(listen)
     credentials = grpc.ssl_server_credentials(

@@ -17,6 +17,7 @@ from stageserve.errors import StageError, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.net import stage_channel
+from stageserve.stage_tls import StageTls
 from stageserve.transport import StreamLink
 from stageserve.write_hold import WriteHold
 
@@ -26,15 +27,17 @@ class SchedulerLink:
         self,
         address: str,
         connect_timeout_s: float,
+        stage_tls: StageTls | None,
         hold_us: int = 0,
     ) -> None:
-        """`connect_timeout_s`: GatewaySettings.scheduler_connect_timeout_s.
+        """`connect_timeout_s`: GatewaySettings.scheduler_connect_timeout_s;
+        `stage_tls`: Settings.stage_tls, the channel's mutual TLS (None: plaintext).
         `hold_us` > 0: each write may wait up to that long for more requests
         (stageserve/write_hold.py): the gateway's link, not a worker's BLS calls,
         which a model's execute waits on."""
         self.address = address
         self.connect_timeout_s = connect_timeout_s
-        self.channel = stage_channel(address)
+        self.channel = stage_channel(address, stage_tls)
         stub = pb_grpc.SchedulerStub(self.channel)
         self._link: StreamLink[pb.ScheduleRequest, pb.ScheduleResponse] = StreamLink(
             name="scheduler",

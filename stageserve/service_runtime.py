@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stageserve.net import add_stage_port
+from stageserve.stage_tls import StageTls
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +47,20 @@ async def run_server(
     server: grpc.aio.Server,
     listen: str,
     service: str,
+    *,
+    stage_tls: StageTls | None,
     grace_s: float = 5.0,
     bound: bool = False,
     before_ready: asyncio.Future | None = None,
     announce: dict | None = None,
-    internal: bool = True,
 ) -> None:
-    """Bind (unless `bound`; an `internal` stage with stage TLS when configured,
-    stageserve/stage_tls.py), serve gRPC health, announce (with `announce`'s extra
-    fields), stop cleanly on SIGTERM/SIGINT."""
+    """Bind (unless `bound`: the caller bound it), serve gRPC health, announce
+    (with `announce`'s extra fields), stop cleanly on SIGTERM/SIGINT.
+
+    `stage_tls` is what `listen` is bound with: an internal stage passes its
+    Settings.stage_tls (mutual TLS when configured); None binds plaintext, as
+    the gateway's public port without --grpc-use-ssl. Required, so no internal
+    stage listens in plaintext by omission."""
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else None
     if health_servicer is None:  # pragma: no cover - older grpcio-health-checking
         health_servicer = health.HealthServicer()
@@ -63,7 +69,7 @@ async def run_server(
         address = listen
     else:
         host = listen.rsplit(":", 1)[0]
-        port = add_stage_port(server, listen) if internal else server.add_insecure_port(listen)
+        port = add_stage_port(server, listen, stage_tls)
         if port == 0:
             raise RuntimeError(f"{service}: cannot listen on {listen}")
         address = f"{host}:{port}"

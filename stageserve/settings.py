@@ -6,7 +6,11 @@ control), are defined here, once, with why each has its value. A numeric
 field can be set from the environment as STAGESERVE_<SECTION>_<FIELD> (e.g.
 STAGESERVE_WORKER_LEASE_MS=5000), which is how compose and Kubernetes
 configure the stages; a field marked `flag(...)` is set by that `stageserve`
-command-line flag alone (its default here is the flag's default).
+command-line flag alone (its default here is the flag's default). Two
+sections have their own readers, under the names they always had: the
+mutual TLS between stages (``stage_tls``, STAGESERVE_STAGE_TLS_*, its files
+read here, once: stageserve/stage_tls.py) and grpc's I/O path (``grpc_io``,
+GRPC_EXPERIMENTS: stageserve/grpc_io.py).
 `stageserve` builds the tree once at startup (settings_from) and hands it to
 the service it runs, as vLLM hands its config tree down; services read it,
 never module constants. docs/deployment.md lists the fields.
@@ -17,14 +21,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from stageserve import grpc_io, stage_tls
 from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
+from stageserve.grpc_io import GrpcIo
 from stageserve.security_options import Restriction, TlsOptions
+from stageserve.stage_tls import StageTls
 
 T = TypeVar("T")
+
+
+def read_by(reader: Callable[[Mapping[str, str]], Any], **kwargs: Any) -> Any:
+    """A section built from the environment by its own `reader` (not
+    STAGESERVE_<SECTION>_<FIELD> figures)."""
+    return field(metadata={"read": reader}, **kwargs)
 
 
 def flag(default: Any, dest: str) -> Any:
@@ -222,19 +235,36 @@ class Settings:
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     redis_client: RedisClientSettings = field(default_factory=RedisClientSettings)
     supervisor: SupervisorSettings = field(default_factory=SupervisorSettings)
+    # Mutual TLS between the stages: the PEM contents every internal channel
+    # presents and every internal port requires; None: plaintext. Handed to
+    # the code that dials or listens (stageserve/net.py).
+    stage_tls: StageTls | None = read_by(stage_tls.from_environ, default=None)
+    # grpc's I/O path; stageserve/grpc_io.py says why it is also written to the
+    # environment before grpc is imported.
+    grpc_io: GrpcIo = read_by(grpc_io.from_environ, default_factory=GrpcIo)
 
 
-# section name -> its class (each Settings field's default factory)
+# section name -> its class, for the sections of STAGESERVE_<SECTION>_<FIELD>
+# figures and flag fields (each such Settings field's default factory)
 _SECTIONS: dict[str, type] = {
     f.name: f.default_factory  # type: ignore[misc]
     for f in dataclasses.fields(Settings)
+    if "read" not in f.metadata
+}
+# section name -> its own reader of the environment
+_READ: dict[str, Callable[[Mapping[str, str]], Any]] = {
+    f.name: f.metadata["read"] for f in dataclasses.fields(Settings) if "read" in f.metadata
 }
 
 
 def settings_from_env(environ: Mapping[str, str] = os.environ) -> Settings:
     """Every section's defaults overridden by the environment; ValueError names
-    a malformed or negative variable."""
-    return Settings(**{name: from_env(cls, name, environ) for name, cls in _SECTIONS.items()})
+    a malformed or negative variable, StageTlsError (a ValueError) an
+    incomplete stage TLS or a certificate file it cannot read."""
+    sections: dict[str, Any] = {name: read(environ) for name, read in _READ.items()}
+    for name, cls in _SECTIONS.items():
+        sections[name] = from_env(cls, name, environ)
+    return Settings(**sections)
 
 
 def with_flags(settings: Settings, flags: argparse.Namespace | Mapping[str, Any]) -> Settings:
@@ -250,7 +280,7 @@ def with_flags(settings: Settings, flags: argparse.Namespace | Mapping[str, Any]
             if "flag" in f.metadata and given.get(f.metadata["flag"]) is not None
         }
         sections[name] = dataclasses.replace(section, **changes)
-    return Settings(**sections)
+    return dataclasses.replace(settings, **sections)
 
 
 def settings_from(

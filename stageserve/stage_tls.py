@@ -16,15 +16,18 @@ the address peers dial (a SAN such as ``IP:127.0.0.1`` or the Service's DNS
 name); ``STAGESERVE_STAGE_TLS_SERVER_NAME`` makes clients check that name
 instead (one certificate shared by every stage). The public endpoint keeps
 Triton's own flags (``--grpc-use-ssl`` ...); Redis connections are not
-covered (use a ``rediss://`` URL). None set: plaintext, as before.
+covered (use a ``rediss://`` URL). None set: plaintext.
+
+The files are read once, when the process builds its settings tree
+(stageserve/settings.py, field ``stage_tls``); the tree's value is handed to
+the constructors that own a stage's channels or its listening port
+(stageserve/net.py's ``stage_channel`` and ``add_stage_port`` take it).
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ENV_CERT = "STAGESERVE_STAGE_TLS_CERT"
@@ -39,9 +42,13 @@ class StageTlsError(ValueError):
 
 @dataclass(frozen=True)
 class StageTls:
+    """The PEM contents every internal channel and port uses."""
+
     cert: bytes
-    key: bytes
+    # Kept out of repr: a logged settings tree must not carry the private key.
+    key: bytes = field(repr=False)
     ca: bytes
+    # The name clients check in a peer's certificate instead of the dialled host.
     server_name: str | None = None
 
 
@@ -65,9 +72,3 @@ def from_environ(environ: Mapping[str, str]) -> StageTls | None:
             raise StageTlsError(f"{name}={value}: {exc.strerror or exc}") from None
     server_name = environ.get(ENV_SERVER_NAME) or None
     return StageTls(contents[ENV_CERT], contents[ENV_KEY], contents[ENV_CA], server_name)
-
-
-@functools.cache
-def stage_tls() -> StageTls | None:
-    """This process's settings, read once."""
-    return from_environ(os.environ)

@@ -54,7 +54,7 @@ async def serve(
     control_mode = gateway.model_control_mode
     redis = connect(redis_url, settings.redis_client)
     await redis.ping()
-    rl_channel = stage_channel(ratelimiter_address)
+    rl_channel = stage_channel(ratelimiter_address, settings.stage_tls)
     models = ModelTable()
     lifecycle = ModelLifecycle(
         models,
@@ -65,7 +65,10 @@ async def serve(
         autocomplete=gateway.autocomplete,
     )
     link = SchedulerLink(
-        scheduler_address, gateway.scheduler_connect_timeout_s, gateway.scheduler_link_hold_us
+        scheduler_address,
+        gateway.scheduler_connect_timeout_s,
+        settings.stage_tls,
+        gateway.scheduler_link_hold_us,
     )
     dataplane = DataPlane(models, lifecycle, link, gateway.server_name)
     dataplane.strict_readiness = gateway.strict_readiness
@@ -107,14 +110,21 @@ async def serve(
     loader = asyncio.create_task(load_then_ready())
     try:
         if tls is None:
+            # The public port: plaintext, as Triton's without --grpc-use-ssl.
             await run_server(
-                server, listen, "gateway", before_ready=loader, announce=announce, internal=False
+                server, listen, "gateway", stage_tls=None, before_ready=loader, announce=announce
             )
         else:  # Triton's --grpc-use-ssl: the public endpoint speaks TLS only
             port = server.add_secure_port(listen, server_credentials(tls))
             address = f"{listen.rsplit(':', 1)[0]}:{port}"
             await run_server(
-                server, address, "gateway", bound=True, before_ready=loader, announce=announce
+                server,
+                address,
+                "gateway",
+                stage_tls=None,
+                bound=True,
+                before_ready=loader,
+                announce=announce,
             )
     except StartupLoadFailed:
         await server.stop(None)

@@ -341,7 +341,7 @@ async def serve(listen: str, redis_url: str, settings: Settings) -> None:
         asyncio.create_task(service.follow_freed_forever()),
     ]
     try:
-        await run_server(server, listen, "ratelimiter")
+        await run_server(server, listen, "ratelimiter", stage_tls=settings.stage_tls)
     finally:
         for task in background:
             task.cancel()

@@ -15,6 +15,7 @@ from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.net import stage_channel
 from stageserve.settings import SchedulerSettings
+from stageserve.stage_tls import StageTls
 from stageserve.telemetry import STAGE_RPC_DURATION, STAGE_RPC_ERRORS
 from stageserve.transport import StreamLink
 
@@ -43,9 +44,12 @@ class RateLimiterClient:
     worker died), which the holder must stop using.
     """
 
-    def __init__(self, address: str, settings: SchedulerSettings) -> None:
+    def __init__(
+        self, address: str, settings: SchedulerSettings, stage_tls: StageTls | None
+    ) -> None:
+        """`stage_tls`: Settings.stage_tls, the channel's mutual TLS (None: plaintext)."""
         self.address = address
-        self.channel = stage_channel(address)
+        self.channel = stage_channel(address, stage_tls)
         self.stub = pb_grpc.RateLimiterStub(self.channel)
         self._link: StreamLink[pb.GrantRequest, pb.GrantResponse] = StreamLink(
             name=f"ratelimiter {address}",
@@ -158,9 +162,9 @@ class WorkerStream:
     """One long-lived ExecuteStream to a worker (stageserve/transport.py);
     batches matched to answers by id."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, stage_tls: StageTls | None) -> None:
         self.address = address
-        self.channel = stage_channel(address)
+        self.channel = stage_channel(address, stage_tls)
         self._link: StreamLink[pb.ExecuteRequest, pb.ExecuteResponse] = StreamLink(
             name=f"worker {address}",
             open_call=pb_grpc.WorkerStub(self.channel).ExecuteStream,
@@ -209,10 +213,12 @@ class WorkerStream:
 class WorkerClients:
     """One stream per worker address, opened on first use."""
 
-    def __init__(self, execute_timeout_s: float) -> None:
-        """`execute_timeout_s`: SchedulerSettings.execute_timeout_s."""
+    def __init__(self, execute_timeout_s: float, stage_tls: StageTls | None) -> None:
+        """`execute_timeout_s`: SchedulerSettings.execute_timeout_s; `stage_tls`:
+        Settings.stage_tls, every worker stream's mutual TLS (None: plaintext)."""
         self._streams: dict[str, WorkerStream] = {}
         self.execute_timeout_s = execute_timeout_s
+        self.stage_tls = stage_tls
 
     def is_broken(self, address: str) -> bool:
         stream = self._streams.get(address)
@@ -227,7 +233,7 @@ class WorkerClients:
         """The batch's answer; `on_part` gets a decoupled model's responses as sent."""
         stream = self._streams.get(address)
         if stream is None:
-            stream = self._streams[address] = WorkerStream(address)
+            stream = self._streams[address] = WorkerStream(address, self.stage_tls)
         return await stream.execute(request, self.execute_timeout_s, on_part)
 
     async def close(self) -> None:

@@ -206,13 +206,13 @@ async def serve(listen: str, redis_url: str, ratelimiter_address: str, settings:
 
     redis = connect(redis_url, settings.redis_client)
     await redis.ping()
-    ratelimiter = RateLimiterClient(ratelimiter_address, settings.scheduler)
-    workers = WorkerClients(settings.scheduler.execute_timeout_s)
+    ratelimiter = RateLimiterClient(ratelimiter_address, settings.scheduler, settings.stage_tls)
+    workers = WorkerClients(settings.scheduler.execute_timeout_s, settings.stage_tls)
     service = SchedulerService(ModelStateStore(redis), ratelimiter, workers, settings.scheduler)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_SchedulerServicer_to_server(service, server)
     try:
-        await run_server(server, listen, "scheduler")
+        await run_server(server, listen, "scheduler", stage_tls=settings.stage_tls)
     finally:
         for queue in service.queues.values():
             queue.close()

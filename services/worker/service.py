@@ -405,7 +405,7 @@ async def serve(
     redis = connect(redis_url, settings.redis_client)
     await redis.ping()
     worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    channel = stage_channel(ratelimiter_address)
+    channel = stage_channel(ratelimiter_address, settings.stage_tls)
     service = WorkerService(
         worker_id,
         ModelStateStore(redis),
@@ -420,7 +420,7 @@ async def serve(
 
     # The address peers dial must be known before registering: bind first.
     host = listen.rsplit(":", 1)[0]
-    port = add_stage_port(server, listen)
+    port = add_stage_port(server, listen, settings.stage_tls)
     if port == 0:
         raise RuntimeError(f"worker: cannot listen on {listen}")
     public_host = host if host not in ("0.0.0.0", "[::]") else socket.gethostname()
@@ -430,7 +430,9 @@ async def serve(
         asyncio.create_task(service.heartbeat_forever()),
     ]
     try:
-        await run_server(server, f"{host}:{port}", "worker", bound=True)
+        await run_server(
+            server, f"{host}:{port}", "worker", stage_tls=settings.stage_tls, bound=True
+        )
     finally:
         for t in tasks:
             t.cancel()

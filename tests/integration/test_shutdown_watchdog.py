@@ -33,7 +33,7 @@ _STAGE = textwrap.dedent(
         server = grpc.aio.server()
         try:
             await service_runtime.run_server(
-                server, "127.0.0.1:0", "stuck", grace_s=0.5, internal=False
+                server, "127.0.0.1:0", "stuck", stage_tls=None, grace_s=0.5
             )
         finally:
             if sys.argv[2] == "hang":

@@ -172,3 +172,64 @@ def test_a_bad_security_flag_stops_the_cli_with_its_message(tmp_path) -> None:
     )
     with pytest.raises(SystemExit, match="--grpc-use-ssl needs --grpc-server-cert"):
         _settings(parser, args)
+
+
+def _stage_tls_env(tmp_path) -> dict[str, str]:
+    env = {}
+    for name in ("cert", "key", "ca"):
+        path = tmp_path / f"{name}.pem"
+        path.write_text(f"{name} pem")
+        env[f"STAGESERVE_STAGE_TLS_{name.upper()}"] = str(path)
+    return env
+
+
+def test_the_stage_tls_section_holds_the_files_read_once(tmp_path) -> None:
+    env = _stage_tls_env(tmp_path) | {"STAGESERVE_STAGE_TLS_SERVER_NAME": "stages.internal"}
+    tls = settings_from_env(env).stage_tls
+    assert tls is not None
+    assert (tls.cert, tls.key, tls.ca) == (b"cert pem", b"key pem", b"ca pem")
+    assert tls.server_name == "stages.internal"
+    (tmp_path / "key.pem").unlink()  # the tree keeps what it read
+    assert tls.key == b"key pem"
+    # A logged tree does not carry the private key.
+    assert "key pem" not in repr(settings_from_env(_stage_tls_env(tmp_path)))
+    assert settings_from_env({}).stage_tls is None
+
+
+def test_a_half_configured_stage_tls_stops_the_tree(tmp_path) -> None:
+    env = _stage_tls_env(tmp_path)
+    del env["STAGESERVE_STAGE_TLS_CA"]
+    with pytest.raises(ValueError, match="missing STAGESERVE_STAGE_TLS_CA"):
+        settings_from_env(env)
+
+
+def test_flags_keep_the_environments_stage_tls_and_grpc_io(tmp_path) -> None:
+    env = _stage_tls_env(tmp_path) | {"GRPC_EXPERIMENTS": "event_engine_client"}
+    s = settings_from({"device": "cpu"}, env)
+    assert s.worker.device == "cpu"
+    assert s.stage_tls == settings_from_env(env).stage_tls is not None
+    assert s.grpc_io.experiments == "event_engine_client"
+
+
+def test_the_cli_hands_the_environments_tree_on(tmp_path) -> None:
+    from stageserve.cli import _settings, build_parser
+
+    environment = settings_from_env(_stage_tls_env(tmp_path))
+    parser = build_parser()
+    args = parser.parse_args(["worker", "--redis-url", "r", "--device", "cpu"])
+    s = _settings(parser, args, environment)
+    assert s.stage_tls is environment.stage_tls
+    assert s.worker.device == "cpu"
+
+
+def test_the_cli_stops_on_a_bad_environment_before_parsing(monkeypatch, capsys) -> None:
+    from stageserve.cli import main
+
+    monkeypatch.setenv("STAGESERVE_STAGE_TLS_CERT", "/nonexistent/cert.pem")
+    assert main(["worker"]) == 2
+    err = capsys.readouterr().err
+    assert "stage TLS needs" in err and "missing STAGESERVE_STAGE_TLS_KEY" in err
+    monkeypatch.delenv("STAGESERVE_STAGE_TLS_CERT")
+    monkeypatch.setenv("STAGESERVE_WORKER_LEASE_MS", "soon")
+    assert main(["worker"]) == 2
+    assert "STAGESERVE_WORKER_LEASE_MS='soon': expected int" in capsys.readouterr().err

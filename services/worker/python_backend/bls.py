@@ -89,7 +89,9 @@ class BlsClient:
         settings: Settings,
     ) -> None:
         # A BLS call reaches the scheduler and publishes its statistics as a gateway does.
-        self.link = SchedulerLink(scheduler_address, settings.gateway.scheduler_connect_timeout_s)
+        self.link = SchedulerLink(
+            scheduler_address, settings.gateway.scheduler_connect_timeout_s, settings.stage_tls
+        )
         self.model_cache_s = settings.worker.bls_model_cache_s
         self.state = state
         self.loop = loop

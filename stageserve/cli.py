@@ -253,6 +253,11 @@ def _security(args: argparse.Namespace, read):
         raise SystemExit(f"stageserve: {exc}") from None
 
 
+def _gateway_argv(gateway: GatewaySettings) -> list[str]:
+    """The gateway section's public-endpoint flags again, for `up`'s gateway child."""
+    return gateway_flags(gateway.public_tls, gateway.grpc_restrictions, gateway.http_restrictions)
+
+
 def _need(args: argparse.Namespace, *names: str) -> None:
     missing = [n for n in names if not getattr(args, n)]
     if missing:
@@ -322,24 +327,25 @@ def main(argv: list[str] | None = None) -> int:
             repository = DEFAULT_EXAMPLE_REPOSITORY.resolve()
             build_example_repository(repository)
             log.info("serving the example repository", extra={"path": str(repository)})
+        gateway, ratelimiter = settings.gateway, settings.ratelimiter
         return up(
             repository=repository.resolve(),
             grpc_address=f"{args.grpc_address}:{args.grpc_port}",
             http_address=_http_listen(args),
             metrics_port=args.metrics_port,
-            control_mode=args.model_control_mode,
+            control_mode=gateway.model_control_mode,
             load_models=args.load_model,
             redis_url=args.redis_url,
             workers=args.workers,
-            device=args.device,
+            device=settings.worker.device,
             log_verbose=args.log_verbose,
-            autocomplete=_autocomplete_of(args),
-            ratelimiter_args=rate_limit_argv(args.rate_limit, args.rate_limit_resource),
-            repository_poll_secs=settings.gateway.repository_poll_secs,
+            autocomplete=gateway.autocomplete,
+            ratelimiter_args=rate_limit_argv(ratelimiter.mode, ratelimiter.resources),
+            repository_poll_secs=gateway.repository_poll_secs,
             supervisor_metrics_port=args.supervisor_metrics_port,
-            gateway_extra=[*_security(args, gateway_flags), "--server-name", args.server_name],
-            exit_on_error=args.exit_on_error,
-            strict_readiness=args.strict_readiness,
+            gateway_extra=[*_gateway_argv(gateway), "--server-name", gateway.server_name],
+            exit_on_error=gateway.exit_on_error,
+            strict_readiness=gateway.strict_readiness,
             supervisor_settings=settings.supervisor,
         )
     if args.command == "gateway":

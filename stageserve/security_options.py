@@ -67,6 +67,11 @@ class Restriction:
     header: str  # full header name, lower case (gRPC metadata keys are)
     value: str
 
+    def flag_value(self, prefix: str = HEADER_PREFIX) -> str:
+        """The flag value that parses back to this rule (with the prefix its
+        flag adds: HEADER_PREFIX for gRPC, none for HTTP)."""
+        return f"{','.join(sorted(self.groups))}:{self.header.removeprefix(prefix)}={self.value}"
+
 
 def parse_restriction(
     text: str, flag: str = "--grpc-restricted-protocol", prefix: str = HEADER_PREFIX
@@ -168,10 +173,15 @@ def http_restrictions_from(args: argparse.Namespace) -> list[Restriction]:
     return restrictions
 
 
-def gateway_flags(args: argparse.Namespace) -> list[str]:
-    """The same flags again, for the gateway child `stageserve up` starts."""
+def gateway_flags(
+    tls: TlsOptions | None,
+    grpc_restrictions: Sequence[Restriction],
+    http_restrictions: Sequence[Restriction],
+) -> list[str]:
+    """The flags again from their parsed form (the settings tree's gateway
+    section: public_tls, grpc_restrictions, http_restrictions), for the
+    gateway child `stageserve up` starts."""
     out: list[str] = []
-    tls = tls_from(args)
     if tls is not None:
         out += ["--grpc-use-ssl=true", "--grpc-server-cert", str(tls.server_cert)]
         out += ["--grpc-server-key", str(tls.server_key)]
@@ -179,8 +189,8 @@ def gateway_flags(args: argparse.Namespace) -> list[str]:
             out += ["--grpc-root-cert", str(tls.root_cert)]
         if tls.mutual:
             out.append("--grpc-use-ssl-mutual=true")
-    for text in args.grpc_restricted_protocol:
-        out.append(f"--grpc-restricted-protocol={text}")
-    for text in args.http_restricted_api:
-        out.append(f"--http-restricted-api={text}")
+    for rule in grpc_restrictions:
+        out.append(f"--grpc-restricted-protocol={rule.flag_value()}")
+    for rule in http_restrictions:
+        out.append(f"--http-restricted-api={rule.flag_value(prefix='')}")
     return out

@@ -1,9 +1,12 @@
 """Triton's rate limiter flags, stdlib only (the CLI parses them without the
-serving dependencies)."""
+serving dependencies): parsed once into the settings tree's ratelimiter
+section (RateLimiterSettings.mode and .resources), and written again from it
+for the rate limiter child of `stageserve up`."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 
 OFF = "off"
 EXECUTION_COUNT = "execution_count"
@@ -51,9 +54,18 @@ def resource_overrides(flags: list[str]) -> dict[str, int]:
     return dict(parse_resource_flag(f) for f in flags)
 
 
-def rate_limit_argv(mode: str, flags: list[str]) -> list[str]:
-    """The same flags again, for the `stageserve ratelimiter` child of `up`."""
+def resource_flag(field: str, count: int) -> str:
+    """The --rate-limit-resource value that parses back to (field, count)."""
+    name, at, device = field.rpartition("@")
+    if at and name and device.isdigit():
+        return f"{name}:{count}:{device}"
+    return f"{field}:{count}"
+
+
+def rate_limit_argv(mode: str, resources: Iterable[tuple[str, int]]) -> list[str]:
+    """The rate limiter section's flags again (RateLimiterSettings.mode and
+    .resources), for the `stageserve ratelimiter` child of `up`."""
     out = ["--rate-limit", mode]
-    for f in flags:
-        out += ["--rate-limit-resource", f]
+    for field, count in resources:
+        out += ["--rate-limit-resource", resource_flag(field, count)]
     return out

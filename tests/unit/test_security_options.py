@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from stageserve.cli import build_parser
+from stageserve.cli import _gateway_argv, _settings, build_parser
 from stageserve.security_options import (
-    gateway_flags,
-    http_restrictions_from,
     parse_http_restriction,
     parse_restriction,
     restrictions_from,
     tls_from,
 )
+from stageserve.settings import GatewaySettings
 
 
 def test_a_restriction_names_groups_and_a_prefixed_header() -> None:
@@ -35,30 +34,49 @@ def test_malformed_restrictions_get_tritons_message(text: str, message: str) -> 
         parse_restriction(text)
 
 
+def _gateway_child(up_argv: list[str], tmp_path) -> tuple[GatewaySettings, GatewaySettings]:
+    """`up`'s gateway section, and the one its gateway child parses from the
+    flags `up` writes again from the tree."""
+    parser = build_parser()
+    up = _settings(parser, parser.parse_args(up_argv)).gateway
+    child_argv = ["gateway", "--model-repository", str(tmp_path), "--redis-url", "redis://x"]
+    child = _settings(parser, parser.parse_args([*child_argv, *_gateway_argv(up)])).gateway
+    return up, child
+
+
 def test_flags_parse_and_travel_to_the_gateway_child(tmp_path) -> None:
-    args = build_parser().parse_args(
+    up, child = _gateway_child(
         [
             "up",
             "--grpc-use-ssl",
             "--grpc-server-cert", str(tmp_path / "s.crt"),
             "--grpc-server-key", str(tmp_path / "s.key"),
-            "--grpc-restricted-protocol=statistics:k=v",
-        ]
+            "--grpc-restricted-protocol=statistics,health:Admin-Key=a=b:c",
+        ],
+        tmp_path,
     )  # fmt: skip
-    tls = tls_from(args)
+    tls = up.public_tls
     assert tls is not None and not tls.mutual and tls.root_cert is None
-    assert [r.groups for r in restrictions_from(args)] == [{"statistics"}]
-    again = build_parser().parse_args(
+    (rule,) = up.grpc_restrictions
+    assert rule.groups == {"statistics", "health"}
+    assert (rule.header, rule.value) == ("triton-grpc-protocol-admin-key", "a=b:c")
+    assert child.public_tls == tls and child.grpc_restrictions == up.grpc_restrictions
+    assert child.http_restrictions == ()
+
+
+def test_mutual_tls_travels_to_the_gateway_child(tmp_path) -> None:
+    up, child = _gateway_child(
         [
-            "gateway",
-            "--model-repository",
-            str(tmp_path),
-            "--redis-url",
-            "redis://x",
-            *gateway_flags(args),
-        ]
-    )
-    assert tls_from(again) == tls and restrictions_from(again) == restrictions_from(args)
+            "up",
+            "--grpc-use-ssl-mutual",
+            "--grpc-server-cert", str(tmp_path / "s.crt"),
+            "--grpc-server-key", str(tmp_path / "s.key"),
+            "--grpc-root-cert", str(tmp_path / "ca.crt"),
+        ],
+        tmp_path,
+    )  # fmt: skip
+    assert up.public_tls is not None and up.public_tls.mutual
+    assert child.public_tls == up.public_tls
 
 
 def test_inconsistent_flags_are_refused(tmp_path) -> None:
@@ -88,10 +106,7 @@ def test_an_http_restriction_uses_the_key_itself_as_header() -> None:
 
 
 def test_http_restrictions_travel_to_the_gateway_child(tmp_path) -> None:
-    args = build_parser().parse_args(["up", "--http-restricted-api=statistics:k=v"])
-    again = build_parser().parse_args(
-        ["gateway", "--model-repository", str(tmp_path), "--redis-url", "redis://x",
-         *gateway_flags(args)]
-    )  # fmt: skip
-    assert http_restrictions_from(again) == http_restrictions_from(args)
-    assert [r.header for r in http_restrictions_from(args)] == ["k"]
+    up, child = _gateway_child(["up", "--http-restricted-api=statistics:k=v"], tmp_path)
+    assert child.http_restrictions == up.http_restrictions
+    assert [r.header for r in up.http_restrictions] == ["k"]
+    assert child.grpc_restrictions == () and child.public_tls is None

@@ -233,3 +233,16 @@ def test_the_cli_stops_on_a_bad_environment_before_parsing(monkeypatch, capsys) 
     monkeypatch.setenv("STAGESERVE_WORKER_LEASE_MS", "soon")
     assert main(["worker"]) == 2
     assert "STAGESERVE_WORKER_LEASE_MS='soon': expected int" in capsys.readouterr().err
+
+
+def test_the_rate_limiter_child_of_up_gets_the_trees_section_again() -> None:
+    from services.ratelimiter.options import rate_limit_argv
+    from stageserve.cli import _settings, build_parser
+
+    parser = build_parser()
+    up_argv = ["up", "--rate-limit", "execution_count", "--rate-limit-resource", "R:4"]
+    up_argv += ["--rate-limit-resource", "G:2:0", "--rate-limit-resource", "mem@x:7"]
+    up = _settings(parser, parser.parse_args(up_argv)).ratelimiter
+    assert up.resources == (("R", 4), ("G@0", 2), ("mem@x", 7))
+    child_argv = ["ratelimiter", "--redis-url", "r", *rate_limit_argv(up.mode, up.resources)]
+    assert _settings(parser, parser.parse_args(child_argv)).ratelimiter == up

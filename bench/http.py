@@ -33,7 +33,9 @@ from bench.references import (
     bench_models,
     tree_cpu_seconds,
 )
-from services.gateway.http.server import SERVER_ENV
+
+# GatewaySettings.http_server's variable (stageserve/settings.py): the HTTP front's server.
+SERVER_ENV = "STAGESERVE_GATEWAY_HTTP_SERVER"
 
 
 @dataclass

@@ -40,6 +40,11 @@ def read_by(reader: Callable[[Mapping[str, str]], Any], **kwargs: Any) -> Any:
     return field(metadata={"read": reader}, **kwargs)
 
 
+def one_of(default: str, *others: str) -> Any:
+    """A text field set from the environment to `default` or one of `others`."""
+    return field(default=default, metadata={"choices": (default, *others)})
+
+
 def flag(default: Any, dest: str) -> Any:
     """A field set by the command-line flag whose argparse dest is `dest`
     (when the flag was given: None means not given)."""
@@ -178,6 +183,10 @@ class GatewaySettings:
     # What ServerMetadata answers (--server-name): Triton's name by default, as
     # Triton's client examples check it.
     server_name: str = flag("triton", "server_name")
+    # The embedded server of the HTTP front: uvicorn, or granian's experimental
+    # embedded mode, kept for the comparison in docs/benchmarks.md
+    # (services/gateway/http/server.py says why uvicorn is the default).
+    http_server: str = one_of("uvicorn", "granian")
 
 
 @dataclass(frozen=True)
@@ -203,14 +212,21 @@ class SupervisorSettings:
 
 def from_env(cls: type[T], service: str, environ: Mapping[str, str] = os.environ) -> T:
     """cls's defaults, each overridden by STAGESERVE_<SERVICE>_<FIELD> when set
-    (flag fields are the flags' alone)."""
-    values = {}
+    (flag fields are the flags' alone): a number, or for a text field one of
+    its choices."""
+    values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if "flag" in f.metadata:
             continue
         name = f"STAGESERVE_{service.upper()}_{f.name.upper()}"
         raw = environ.get(name)
         if raw is None:
+            continue
+        if "choices" in f.metadata:
+            if raw not in f.metadata["choices"]:
+                expected = " or ".join(f.metadata["choices"])
+                raise ValueError(f"{name}={raw!r}: expected {expected}")
+            values[f.name] = raw
             continue
         kind = int if f.type in (int, "int") else float
         try:

@@ -88,7 +88,8 @@ async def serve(
     announce: dict[str, str] = {}
     if http_listen is not None:
         host, port = http_listen.rsplit(":", 1)
-        http = http_server(HttpFront(dataplane, gateway.http_restrictions), host, int(port))
+        front = HttpFront(dataplane, gateway.http_restrictions)
+        http = http_server(front, host, int(port), gateway.http_server)
         await http.start()
         announce["http"] = http.address
 

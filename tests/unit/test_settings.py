@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from stageserve.settings import (
+    GatewaySettings,
     RateLimiterSettings,
     SchedulerSettings,
     Settings,
@@ -246,3 +247,13 @@ def test_the_rate_limiter_child_of_up_gets_the_trees_section_again() -> None:
     assert up.resources == (("R", 4), ("G@0", 2), ("mem@x", 7))
     child_argv = ["ratelimiter", "--redis-url", "r", *rate_limit_argv(up.mode, up.resources)]
     assert _settings(parser, parser.parse_args(child_argv)).ratelimiter == up
+
+
+def test_a_text_field_takes_one_of_its_choices() -> None:
+    assert GatewaySettings().http_server == "uvicorn"
+    env = {"STAGESERVE_GATEWAY_HTTP_SERVER": "granian"}
+    assert settings_from_env(env).gateway.http_server == "granian"
+    with pytest.raises(
+        ValueError, match="STAGESERVE_GATEWAY_HTTP_SERVER='nginx': expected uvicorn or granian"
+    ):
+        settings_from_env({"STAGESERVE_GATEWAY_HTTP_SERVER": "nginx"})

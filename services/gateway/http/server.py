@@ -11,8 +11,9 @@ httptools protocol, and granian's experimental embedded mode (Rust HTTP on its
 own threads, handing each request to our loop). uvicorn served as much or
 more at every concurrency in two runs, with a lower p99 at concurrency 1; it
 is the default, also because it takes an already bound socket (port 0 works
-without a race) and is not experimental. STAGESERVE_HTTP_SERVER=granian
-selects the other one, for that comparison.
+without a race) and is not experimental. GatewaySettings.http_server
+(STAGESERVE_GATEWAY_HTTP_SERVER=granian) selects the other one, for that
+comparison.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 from typing import Protocol
 
@@ -29,8 +29,6 @@ import uvicorn
 from services.gateway.http.app import HttpFront
 
 log = logging.getLogger(__name__)
-
-SERVER_ENV = "STAGESERVE_HTTP_SERVER"
 
 
 class HttpServer(Protocol):
@@ -41,12 +39,10 @@ class HttpServer(Protocol):
     async def stop(self) -> None: ...
 
 
-def http_server(app: HttpFront, host: str, port: int) -> HttpServer:
-    kind = os.environ.get(SERVER_ENV, "uvicorn")
+def http_server(app: HttpFront, host: str, port: int, kind: str = "uvicorn") -> HttpServer:
+    """`kind`: GatewaySettings.http_server (its choices are checked with the tree)."""
     if kind == "granian":
         return GranianServer(app, host, port)
-    if kind != "uvicorn":
-        raise ValueError(f"{SERVER_ENV} must be uvicorn or granian, got {kind!r}")
     return UvicornServer(app, host, port)
 
 

@@ -207,10 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument(
         "--adaptive-batch-delay-us",
         type=int,
-        default=int(_env("STAGESERVE_ADAPTIVE_BATCH_DELAY_US", str(ADAPTIVE_DELAY_US))),
+        default=None,
         help="beyond Triton: hold a dynamic batch open while requests keep arriving and "
         "holding pays (tried on the traffic), at most this long after its oldest "
-        f"(default {ADAPTIVE_DELAY_US}; 0: off, Triton's batching exactly)",
+        f"(default: env STAGESERVE_ADAPTIVE_BATCH_DELAY_US, else {ADAPTIVE_DELAY_US}; "
+        "0: off, Triton's batching exactly)",
     )
     _redis(sc)
     _common(sc)

@@ -45,10 +45,11 @@ def one_of(default: str, *others: str) -> Any:
     return field(default=default, metadata={"choices": (default, *others)})
 
 
-def flag(default: Any, dest: str) -> Any:
+def flag(default: Any, dest: str, env: str | None = None) -> Any:
     """A field set by the command-line flag whose argparse dest is `dest`
-    (when the flag was given: None means not given)."""
-    return field(default=default, metadata={"flag": dest})
+    (when the flag was given: None means not given); else, with `env`, by
+    that environment variable."""
+    return field(default=default, metadata={"flag": dest, "env": env})
 
 
 @dataclass(frozen=True)
@@ -110,8 +111,11 @@ class SchedulerSettings:
     # with the tuner, two interleaved A/B rounds on the 2-core dev machine gave
     # +11-20% at concurrency 32-64 (identity, mlp), 0.98-1.03x at 1 and 8, and
     # 19% less CPU per inference at 64 (docs/benchmarks.md). 0: off, Triton's
-    # batching exactly.
-    adaptive_batch_delay_us: int = flag(2000, "adaptive_batch_delay_us")
+    # batching exactly. STAGESERVE_ADAPTIVE_BATCH_DELAY_US sets it when the flag
+    # is not given (in `stageserve up`'s environment, for its scheduler).
+    adaptive_batch_delay_us: int = flag(
+        2000, "adaptive_batch_delay_us", env="STAGESERVE_ADAPTIVE_BATCH_DELAY_US"
+    )
 
 
 @dataclass(frozen=True)
@@ -212,13 +216,16 @@ class SupervisorSettings:
 
 def from_env(cls: type[T], service: str, environ: Mapping[str, str] = os.environ) -> T:
     """cls's defaults, each overridden by STAGESERVE_<SERVICE>_<FIELD> when set
-    (flag fields are the flags' alone): a number, or for a text field one of
-    its choices."""
+    (a flag field by its own variable, if it has one): a number, or for a text
+    field one of its choices."""
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if "flag" in f.metadata:
-            continue
-        name = f"STAGESERVE_{service.upper()}_{f.name.upper()}"
+            if f.metadata["env"] is None:
+                continue
+            name = f.metadata["env"]
+        else:
+            name = f"STAGESERVE_{service.upper()}_{f.name.upper()}"
         raw = environ.get(name)
         if raw is None:
             continue

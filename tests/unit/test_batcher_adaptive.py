@@ -87,26 +87,22 @@ def test_triton_queue_delay_still_applies_first() -> None:
 
 def test_scheduler_flag_reaches_the_batcher(monkeypatch) -> None:
     from services.scheduler.batch_strategy import make_batcher
-    from stageserve.cli import build_parser
+    from stageserve.cli import _settings, build_parser
     from stageserve.config import parse_config_text, to_spec
 
-    args = build_parser().parse_args(
-        ["scheduler", "--redis-url", "redis://h", "--adaptive-batch-delay-us", "700"]
-    )
-    assert args.adaptive_batch_delay_us == 700
+    def delay_us(*flags: str) -> int:
+        parser = build_parser()
+        args = parser.parse_args(["scheduler", "--redis-url", "redis://h", *flags])
+        return _settings(parser, args).scheduler.adaptive_batch_delay_us
+
     monkeypatch.delenv("STAGESERVE_ADAPTIVE_BATCH_DELAY_US", raising=False)
-    default = build_parser().parse_args(["scheduler", "--redis-url", "redis://h"])
-    assert default.adaptive_batch_delay_us == 2000  # on by default (hold_tuner.py)
+    assert delay_us("--adaptive-batch-delay-us", "700") == 700
+    assert delay_us() == 2000  # on by default (hold_tuner.py)
     monkeypatch.setenv("STAGESERVE_ADAPTIVE_BATCH_DELAY_US", "0")
-    assert (
-        build_parser().parse_args(["scheduler", "--redis-url", "redis://h"]).adaptive_batch_delay_us
-        == 0
-    )
+    assert delay_us() == 0
     monkeypatch.setenv("STAGESERVE_ADAPTIVE_BATCH_DELAY_US", "300")
-    assert (
-        build_parser().parse_args(["scheduler", "--redis-url", "redis://h"]).adaptive_batch_delay_us
-        == 300
-    )
+    assert delay_us() == 300
+    assert delay_us("--adaptive-batch-delay-us", "700") == 700  # the flag wins
     spec = to_spec(
         parse_config_text(
             'name: "m" platform: "onnxruntime_onnx" max_batch_size: 8 dynamic_batching { } '
@@ -114,5 +110,5 @@ def test_scheduler_flag_reaches_the_batcher(monkeypatch) -> None:
             'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]'
         )
     )
-    batcher = make_batcher(spec, args.adaptive_batch_delay_us)
+    batcher = make_batcher(spec, delay_us("--adaptive-batch-delay-us", "700"))
     assert isinstance(batcher, DynamicBatcher) and batcher.adaptive_delay_ns == 700 * US

@@ -257,3 +257,11 @@ def test_a_text_field_takes_one_of_its_choices() -> None:
         ValueError, match="STAGESERVE_GATEWAY_HTTP_SERVER='nginx': expected uvicorn or granian"
     ):
         settings_from_env({"STAGESERVE_GATEWAY_HTTP_SERVER": "nginx"})
+
+
+def test_a_flag_fields_own_variable_is_checked_like_the_others() -> None:
+    env = {"STAGESERVE_ADAPTIVE_BATCH_DELAY_US": "300"}
+    assert settings_from_env(env).scheduler.adaptive_batch_delay_us == 300
+    assert settings_from({"adaptive_batch_delay_us": 7}, env).scheduler.adaptive_batch_delay_us == 7
+    with pytest.raises(ValueError, match="STAGESERVE_ADAPTIVE_BATCH_DELAY_US='soon': expected int"):
+        settings_from_env({"STAGESERVE_ADAPTIVE_BATCH_DELAY_US": "soon"})

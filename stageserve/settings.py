@@ -3,14 +3,15 @@
 Leases, heartbeats, timeouts, retry and backoff figures, and the service
 flags that tune behaviour (rate limiting, the adaptive batch hold, model
 control), are defined here, once, with why each has its value. A numeric
-field can be set from the environment as STAGESERVE_<SECTION>_<FIELD> (e.g.
-STAGESERVE_WORKER_LEASE_MS=5000), which is how compose and Kubernetes
-configure the stages; a field marked `flag(...)` is set by that `stageserve`
-command-line flag alone (its default here is the flag's default). Two
-sections have their own readers, under the names they always had: the
-mutual TLS between stages (``stage_tls``, STAGESERVE_STAGE_TLS_*, its files
-read here, once: stageserve/stage_tls.py) and grpc's I/O path (``grpc_io``,
-GRPC_EXPERIMENTS: stageserve/grpc_io.py).
+field (or a text field, from its choices) can be set from the environment as
+STAGESERVE_<SECTION>_<FIELD> (e.g. STAGESERVE_WORKER_LEASE_MS=5000), which is
+how compose and Kubernetes configure the stages; a field marked `flag(...)` is
+set by that `stageserve` command-line flag (its default here is the flag's
+default), and by the environment only where it names its own variable. Two
+sections have their own readers, under the variable names deployments use:
+the mutual TLS between stages (``stage_tls``, STAGESERVE_STAGE_TLS_*, its
+files read here, once: stageserve/stage_tls.py) and grpc's I/O path
+(``grpc_io``, GRPC_EXPERIMENTS: stageserve/grpc_io.py).
 `stageserve` builds the tree once at startup (settings_from) and hands it to
 the service it runs, as vLLM hands its config tree down; services read it,
 never module constants. docs/deployment.md lists the fields.

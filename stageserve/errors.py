@@ -8,8 +8,10 @@ nv_inference_request_failure (BACKEND for an execution error, CANCELED,
 REJECTED for a queue policy's refusal or a size limit, OTHER for the rest).
 The gRPC front, the HTTP front and the metrics recorder all read it.
 
-StageError is the one exception that crosses stages: a status code and a
-message; its reason is given, or follows from the code.
+StageError is the one exception that crosses stages: a reason, its status
+code and a message. On the wire between stages a failure is its reason and
+message only (stageserve.proto's `failure` fields); the stage that answers a
+client derives the status code from the table (StageError.of).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class Failure(NamedTuple):
 
 
 #: FailureReason -> what clients and metrics see of it.
-FAILURES: dict[int, Failure] = {
+FAILURES: dict[pb.FailureReason, Failure] = {
     pb.INVALID_INPUT: Failure(grpc.StatusCode.INVALID_ARGUMENT, 400, "OTHER"),
     pb.MODEL_NOT_FOUND: Failure(grpc.StatusCode.NOT_FOUND, 404, "OTHER"),
     pb.STAGE_UNAVAILABLE: Failure(grpc.StatusCode.UNAVAILABLE, 503, "OTHER"),
@@ -43,69 +45,70 @@ FAILURES: dict[int, Failure] = {
     pb.ALREADY_EXISTS: Failure(grpc.StatusCode.ALREADY_EXISTS, 400, "OTHER"),
     pb.UNIMPLEMENTED: Failure(grpc.StatusCode.UNIMPLEMENTED, 400, "OTHER"),
     pb.DEADLINE_EXCEEDED: Failure(grpc.StatusCode.DEADLINE_EXCEEDED, 400, "OTHER"),
+    pb.UNKNOWN_FAILURE: Failure(grpc.StatusCode.UNKNOWN, 400, "OTHER"),
+    pb.STAGE_FAULT: Failure(grpc.StatusCode.INTERNAL, 500, "OTHER"),
 }
 
-#: a status code told without a reason -> the reason it stands for
-_BY_CODE: dict[grpc.StatusCode, int] = {}
+#: a status code told without a reason (a broken stream's, a literal) -> the
+#: reason it stands for: the first in FAILURES with that code
+_BY_CODE: dict[grpc.StatusCode, pb.FailureReason] = {}
 for _reason, _failure in FAILURES.items():
     _BY_CODE.setdefault(_failure.code, _reason)
-_OTHER = Failure(grpc.StatusCode.UNKNOWN, 400, "OTHER")
+#: a reason this table does not know (a newer peer's)
+_OTHER = FAILURES[pb.UNKNOWN_FAILURE]
 
 
-def reason_of(code: grpc.StatusCode, rejected: bool = False) -> int:
-    """The reason a status code stands for (FAILURE_NONE for one not in the
-    table); `rejected`: a queue policy's refusal (QUEUE_REJECTED)."""
-    if rejected:
-        return pb.QUEUE_REJECTED
-    return _BY_CODE.get(code, pb.FAILURE_NONE)
+def reason_of(code: grpc.StatusCode) -> pb.FailureReason:
+    """The reason a status code stands for (UNKNOWN_FAILURE for one not in the table)."""
+    return _BY_CODE.get(code, pb.UNKNOWN_FAILURE)
 
 
-def failure_of(code: grpc.StatusCode, rejected: bool = False) -> Failure:
-    return FAILURES.get(reason_of(code, rejected), _OTHER)
+def failure_of(reason: pb.FailureReason) -> Failure:
+    return FAILURES.get(reason, _OTHER)
 
 
-def http_status(code: grpc.StatusCode) -> int:
-    """The HTTP front's status for an error with this gRPC code."""
-    return failure_of(code).http
+def status_code(reason: pb.FailureReason) -> grpc.StatusCode:
+    """The gRPC status code a client gets for a failure with this reason."""
+    return failure_of(reason).code
 
 
-def triton_reason(code: grpc.StatusCode, rejected: bool = False) -> str:
+def http_status(reason: pb.FailureReason) -> int:
+    """The HTTP front's status for a failure with this reason."""
+    return failure_of(reason).http
+
+
+def triton_reason(reason: pb.FailureReason) -> str:
     """Triton's nv_inference_request_failure reason label."""
-    return failure_of(code, rejected).triton
-
-
-def wire_code(reason: int) -> int:
-    """The grpc.StatusCode value a stage message's `code` field carries for `reason`."""
-    return FAILURES[reason].code.value[0]
+    return failure_of(reason).triton
 
 
 class StageError(Exception):
     """An error answered to the client with Triton's gRPC status code.
 
-    `rejected`: a queue policy refused the request (a full queue, or its
-    queue timeout with timeout_action REJECT): Triton counts it under
+    `reason`: why (a FailureReason); given, or the one `code` stands for.
+    A queue policy's refusal (a full queue, or its queue timeout with
+    timeout_action REJECT) is QUEUE_REJECTED, which Triton counts under
     nv_inference_request_failure{reason="REJECTED"}.
     """
 
     def __init__(
-        self,
-        code: grpc.StatusCode,
-        message: str,
-        *,
-        rejected: bool = False,
-        reason: int | None = None,
+        self, code: grpc.StatusCode, message: str, *, reason: pb.FailureReason | None = None
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
-        self.rejected = rejected
-        self.reason = reason_of(code, rejected) if reason is None else reason
+        self.reason = reason_of(code) if reason is None else reason
 
     @classmethod
-    def of(cls, reason: int, message: str) -> StageError:
-        """The error for a FailureReason, with the table's code."""
-        failure = FAILURES[reason]
-        return cls(failure.code, message, rejected=reason == pb.QUEUE_REJECTED, reason=reason)
+    def of(cls, reason: pb.FailureReason, message: str) -> StageError:
+        """The error for a FailureReason (a stage message's `failure`), with
+        the table's code."""
+        return cls(status_code(reason), message, reason=reason)
+
+    @property
+    def rejected(self) -> bool:
+        """A queue policy refused the request."""
+        return self.reason == pb.QUEUE_REJECTED
 
     def __repr__(self) -> str:
         return f"StageError({self.code.name}, {self.message!r})"
@@ -140,7 +143,13 @@ def queue_timeout(message: str) -> StageError:
 
 
 def internal(message: str) -> StageError:
+    """INTERNAL: the model's execution failed (Triton's BACKEND failure)."""
     return StageError.of(pb.BACKEND_FAILED, message)
+
+
+def stage_fault(message: str) -> StageError:
+    """INTERNAL: a stage's own unexpected error (a bug), counted OTHER."""
+    return StageError.of(pb.STAGE_FAULT, message)
 
 
 def load_failed(message: str) -> StageError:
@@ -148,10 +157,3 @@ def load_failed(message: str) -> StageError:
     its repository poll or the model's load refuses ("failed to poll from model
     repository"), even where the cause is the client's request."""
     return StageError.of(pb.LOAD_FAILED, message)
-
-
-_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
-
-
-def code_from_int(value: int) -> grpc.StatusCode:
-    return _BY_VALUE.get(value, grpc.StatusCode.UNKNOWN)

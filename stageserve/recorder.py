@@ -14,8 +14,6 @@ observes took 5.0 us of it), 8.3 us after (0.9 us).
 
 from __future__ import annotations
 
-import grpc
-
 from stageserve.errors import triton_reason
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.statistics import StatsBook
@@ -29,12 +27,6 @@ from stageserve.telemetry import (
 )
 
 _PHASES = ("request", "queue", "compute_input", "compute_infer", "compute_output")
-
-
-def failure_reason(code: grpc.StatusCode, rejected: bool = False) -> str:
-    """Triton's reason label; `rejected` is the scheduler's typed flag for a
-    request its queue policy refused (ScheduleResponse.rejected)."""
-    return triton_reason(code, rejected)
 
 
 class RequestRecorder:
@@ -82,9 +74,10 @@ class RequestRecorder:
         model: str,
         version: int,
         request_ns: int,
-        code: grpc.StatusCode,
-        rejected: bool = False,
+        reason: pb.FailureReason,
     ) -> None:
+        """A failed request; `reason` (a FailureReason, as the stages told it)
+        gives Triton's reason label of nv_inference_request_failure."""
         self.book.of(model, version).record_failure(request_ns)
-        labels = (*model_labels(model, version), ("reason", failure_reason(code, rejected)))
+        labels = (*model_labels(model, version), ("reason", triton_reason(reason)))
         self.triton.inc("nv_inference_request_failure", labels)

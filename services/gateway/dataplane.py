@@ -15,8 +15,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-import grpc
-
 from services.gateway import cuda_shared_memory
 from services.gateway.model_lifecycle import ModelLifecycle
 from services.gateway.model_table import ModelTable
@@ -29,7 +27,7 @@ from services.gateway.python_models import (
 )
 from services.gateway.shared_memory import Region, SystemSharedMemory
 from stageserve import __version__
-from stageserve.errors import StageError, code_from_int, invalid, unavailable
+from stageserve.errors import StageError, internal, invalid, unavailable
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.recorder import RequestRecorder
@@ -186,8 +184,8 @@ class DataPlane:
             if stream is not None:
                 stream.final(resp)
             self._record_steps(resp)
-            if resp.code:
-                raise StageError(code_from_int(resp.code), resp.message, rejected=resp.rejected)
+            if resp.failure:
+                raise StageError.of(resp.failure, resp.message)
             out = gs.ModelInferResponse(
                 model_name=entry.name, model_version=str(version), id=request.id
             )
@@ -202,9 +200,7 @@ class DataPlane:
             # A request refused before scheduling (invalid) is no failure in
             # Triton 2.51's statistics nor metrics (measured: bench/triton_diff.py).
             if scheduled:
-                self.recorder.failure(
-                    entry.name, version, time.monotonic_ns() - start, err.code, err.rejected
-                )
+                self.recorder.failure(entry.name, version, time.monotonic_ns() - start, err.reason)
             raise
         finally:
             for region in held.values():
@@ -225,9 +221,8 @@ class DataPlane:
     def _record_steps(self, resp: pb.ScheduleResponse) -> None:
         """An ensemble's composing executions count for their own models."""
         for st in resp.steps:
-            if st.failed:
-                code = code_from_int(st.code)
-                self.recorder.failure(st.model, st.version, st.duration_ns, code, st.rejected)
+            if st.failure:
+                self.recorder.failure(st.model, st.version, st.duration_ns, st.failure)
             else:
                 self.recorder.success(
                     st.model, st.version, st.duration_ns, st.batch_size, st.timing
@@ -348,8 +343,7 @@ class DataPlane:
 
 def _write_shared(region: Region, ref: SharedRef, t: pb.Tensor) -> None:
     if len(t.raw) > ref.byte_size:
-        raise StageError(
-            grpc.StatusCode.INTERNAL,
+        raise internal(
             f"shared memory size specified with the request for output '{t.name}' "
             f"({ref.byte_size} bytes) should be at least {len(t.raw)} bytes to hold the results",
         )

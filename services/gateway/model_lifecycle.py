@@ -141,7 +141,9 @@ class ModelLifecycle:
         try:
             return await self._load(name, chain, adopt, root)
         except StageError as err:
-            raise StageError(err.code, err.message.replace(str(root), OVERRIDE_ROOT)) from None
+            raise StageError(
+                err.code, err.message.replace(str(root), OVERRIDE_ROOT), reason=err.reason
+            ) from None
         finally:
             if (entry := self.entries.get(name)) is not None:
                 entry.reason = entry.reason.replace(str(root), OVERRIDE_ROOT)

@@ -103,6 +103,6 @@ def stream_partials(
 
     def on_more(resp: pb.ScheduleResponse) -> None:
         response = infer_response(model, version, request_id, resp)
-        stream.partial(response, resp.message if resp.code else "")
+        stream.partial(response, resp.message if resp.failure else "")
 
     return on_more

@@ -21,7 +21,7 @@ import grpc
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from stageserve.errors import StageError, internal, unavailable
+from stageserve.errors import StageError, stage_fault, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def stage_error(exc: BaseException, rpc: str) -> StageError:
         exc_info=(type(exc), exc, exc.__traceback__),
         extra={"rpc": rpc, "error": detail},
     )
-    return internal(f"internal error in the rate limiter's {rpc}; its log has the detail")
+    return stage_fault(f"internal error in the rate limiter's {rpc}; its log has the detail")
 
 
 def typed_errors(handler: Handler) -> Handler:

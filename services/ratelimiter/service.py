@@ -159,7 +159,7 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             err = stage_error(exc, call.capitalize() if call else "Grants")
             if call == "release":
                 return
-            resp = pb.GrantResponse(id=request.id, code=err.code.value[0], message=err.message)
+            resp = pb.GrantResponse(id=request.id, failure=err.reason, message=err.message)
         respond(resp)
 
     async def acquire(self, request: pb.AcquireRequest) -> pb.AcquireResponse:
@@ -183,9 +183,7 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             try:
                 got = await self.registry.attempt(model, version, lease_ms)
             except NoInstances as exc:
-                return pb.AcquireResponse(
-                    granted=False, reason=str(exc), failure=pb.NO_INSTANCE
-                )
+                return pb.AcquireResponse(granted=False, reason=str(exc), failure=pb.NO_INSTANCE)
             if isinstance(got, Grant):
                 return self._granted(got)
             remaining = deadline - time.monotonic()

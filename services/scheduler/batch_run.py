@@ -19,8 +19,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
 from services.scheduler.batch_strategy import Queued
 from services.scheduler.clients import Granted, WorkerCallError, WorkerClients
 from services.scheduler.decoupled import DecoupledBatch
@@ -37,6 +35,9 @@ log = logging.getLogger(__name__)
 _NONE_HIDDEN: frozenset[str] = frozenset()  # outputs a batch keeps from its answers
 
 Deliver = Callable[[Queued, pb.ScheduleResponse], None]
+
+#: a worker's answers that fail the batch but not the instance, passed on as they are
+_MODEL_FAILURES = frozenset({pb.BACKEND_FAILED, pb.INVALID_INPUT})
 
 
 @dataclass
@@ -192,11 +193,11 @@ class BatchRun:
                 batch_leader=leader,
             )
             leader = False
-            if result.code:  # a per-request error (a Python model's response)
+            if result.failure:  # a per-request error (a Python model's response)
                 self.deliver(
                     q,
                     pb.ScheduleResponse(
-                        id=q.msg.id, code=result.code, message=result.message, timing=timing
+                        id=q.msg.id, failure=result.failure, message=result.message, timing=timing
                     ),
                 )
                 continue
@@ -211,9 +212,9 @@ class BatchRun:
         """The clients' error, and whether the instance failed (None: it is gone,
         release the grant without blaming the worker)."""
         code = exc.code
-        if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT):
-            return StageError(code, exc.details or "model execution failed"), False
-        if code == grpc.StatusCode.NOT_FOUND:  # the instance was unloaded meanwhile
+        if exc.reason in _MODEL_FAILURES:  # the model, not the worker, failed the batch
+            return StageError.of(exc.reason, exc.details or "model execution failed"), False
+        if exc.reason == pb.MODEL_NOT_FOUND:  # the instance was unloaded meanwhile
             return unavailable(f"model '{self.model}' instance went away: {exc.details}"), None
         log.warning(
             "worker failed during execution",

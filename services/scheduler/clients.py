@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from stageserve.errors import StageError, code_from_int, unavailable
+from stageserve.errors import StageError, reason_of, status_code, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.net import stage_channel
@@ -81,10 +81,8 @@ class RateLimiterClient:
                     f"rate limiter at {self.address} did not answer within {timeout_s:.0f}s"
                 ),
             )
-            if resp.code:
-                raise StageError(
-                    code_from_int(resp.code), f"rate limiter at {self.address}: {resp.message}"
-                )
+            if resp.failure:
+                raise StageError.of(resp.failure, f"rate limiter at {self.address}: {resp.message}")
         except StageError as err:
             STAGE_RPC_ERRORS.labels("scheduler", "ratelimiter", "Acquire", err.code.name).inc()
             raise
@@ -150,12 +148,21 @@ class RateLimiterClient:
 
 
 class WorkerCallError(Exception):
-    """An Execute that did not succeed: the worker's answer or a broken stream."""
+    """An Execute that did not succeed: the worker's answer (its reason) or a
+    broken stream (its status code, and the reason that code stands for)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, details: str, reason: pb.FailureReason | None = None
+    ) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+        self.reason = reason_of(code) if reason is None else reason
+
+    @classmethod
+    def answered(cls, resp: pb.ExecuteResponse) -> WorkerCallError:
+        """The worker's failed answer."""
+        return cls(status_code(resp.failure), resp.message, resp.failure)
 
 
 class WorkerStream:
@@ -196,8 +203,8 @@ class WorkerStream:
                     grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s}s"
                 ),
             )
-            if resp.code:
-                raise WorkerCallError(code_from_int(resp.code), resp.message)
+            if resp.failure:
+                raise WorkerCallError.answered(resp)
         except WorkerCallError as exc:
             STAGE_RPC_ERRORS.labels("scheduler", "worker", "Execute", exc.code.name).inc()
             raise

@@ -75,8 +75,8 @@ class DecoupledBatch(Generic[Q]):
             out = pb.ScheduleResponse(
                 id=q.msg.id, more=not part.final, no_response=not part.has_response
             )
-            if part.has_response and part.response.code:
-                out.code, out.message = part.response.code, part.response.message
+            if part.has_response and part.response.failure:
+                out.failure, out.message = part.response.failure, part.response.message
             elif part.has_response:
                 out.outputs.extend(part.response.outputs)
             if part.final:
@@ -97,7 +97,7 @@ class DecoupledBatch(Generic[Q]):
             self.finished.add(index)
             out = pb.ScheduleResponse(id=q.msg.id, timing=self._timing(index))
             if err is not None:
-                out.code, out.message = err.code.value[0], err.message
+                out.failure, out.message = err.reason, err.message
             else:
                 out.no_response = True
             self.deliver(q, out)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from stageserve.config import EnsembleStep, ModelSpec
-from stageserve.errors import StageError, code_from_int, internal, invalid
+from stageserve.errors import StageError, internal, invalid
 from stageserve.generated import stageserve_pb2 as pb
 
 # Runs one request against a model (by name) and returns its response.
@@ -65,9 +65,9 @@ async def run_ensemble(
                 step = spec.steps[running.pop(task)]
                 resp, step_stats = task.result()
                 stats.extend(step_stats)
-                if resp.code:
-                    raise StageError(
-                        code_from_int(resp.code),
+                if resp.failure:
+                    raise StageError.of(
+                        resp.failure,
                         f"in ensemble '{spec.name}', step '{step.model}': {resp.message}",
                     )
                 produced = {t.name: t for t in resp.outputs}
@@ -81,9 +81,7 @@ async def run_ensemble(
     except StageError as err:
         for task in running:
             task.cancel()
-        return pb.ScheduleResponse(
-            id=msg.id, code=err.code.value[0], message=err.message, steps=stats
-        )
+        return pb.ScheduleResponse(id=msg.id, failure=err.reason, message=err.message, steps=stats)
     if readiness.pending:
         names = sorted({spec.steps[i].model for i in readiness.pending})
         return _error(msg, internal(f"ensemble '{spec.name}': steps {names} never became ready"))
@@ -103,7 +101,7 @@ async def run_ensemble(
 
 
 def _error(msg: pb.ScheduleRequest, err: StageError) -> pb.ScheduleResponse:
-    return pb.ScheduleResponse(id=msg.id, code=err.code.value[0], message=err.message)
+    return pb.ScheduleResponse(id=msg.id, failure=err.reason, message=err.message)
 
 
 async def _run_step(
@@ -137,10 +135,8 @@ async def _run_step(
         timing=resp.timing,
         batch_size=max(msg.batch_size, 1),
         duration_ns=time.monotonic_ns() - start,
-        failed=bool(resp.code),
-        code=resp.code,
+        failure=resp.failure,
         message=resp.message,
-        rejected=resp.rejected,
     )
     return resp, [*resp.steps, stat]
 

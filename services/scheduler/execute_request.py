@@ -18,9 +18,7 @@ from stageserve.generated import stageserve_pb2 as pb
 
 
 def error_response(request_id: int, err: StageError) -> pb.ScheduleResponse:
-    return pb.ScheduleResponse(
-        id=request_id, code=err.code.value[0], message=err.message, rejected=err.rejected
-    )
+    return pb.ScheduleResponse(id=request_id, failure=err.reason, message=err.message)
 
 
 def build_execute_request(

@@ -25,7 +25,6 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-import grpc
 from redis.exceptions import RedisError
 
 from services.scheduler.batch_run import BatchRun, RunState
@@ -37,7 +36,7 @@ from services.scheduler.grant_pool import GrantPool, Held, Usable
 from services.scheduler.response_order import ResponseOrder
 from services.scheduler.wakeup import Wakeup
 from stageserve.config import ModelSpec
-from stageserve.errors import StageError, queue_full, queue_timeout, unavailable
+from stageserve.errors import StageError, queue_full, queue_timeout, stage_fault, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.settings import SchedulerSettings
 from stageserve.telemetry import (
@@ -394,7 +393,7 @@ class ModelQueue:
                 q.respond(error_response(q.msg.id, err))
         except Exception as exc:
             log.exception("batch failed", extra={"model": self.model})
-            err = StageError(grpc.StatusCode.INTERNAL, f"scheduler error: {exc}")
+            err = stage_fault(f"scheduler error: {exc}")
             for q in batch:  # the gateway ignores a second answer to one request
                 q.respond(error_response(q.msg.id, err))
         finally:

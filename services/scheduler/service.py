@@ -12,7 +12,7 @@ from services.scheduler.ensemble import check_step_input, run_ensemble
 from services.scheduler.execute_request import error_response
 from services.scheduler.model_queue import ModelQueue
 from services.scheduler.sequence_queue import make_sequence_queue
-from stageserve.errors import StageError, internal, unavailable
+from stageserve.errors import StageError, stage_fault, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import LoadedModel, ModelStateStore
@@ -33,7 +33,7 @@ def _pack_responses(responses: list[pb.ScheduleResponse]) -> pb.ScheduleResponse
 
 def _scheduler_error(msg: pb.ScheduleRequest, exc: Exception) -> pb.ScheduleResponse:
     """A request whose submission raised: answered, and the stream goes on."""
-    return error_response(msg.id, internal(f"scheduler error: {type(exc).__name__}"))
+    return error_response(msg.id, stage_fault(f"scheduler error: {type(exc).__name__}"))
 
 
 class SchedulerService(pb_grpc.SchedulerServicer):
@@ -127,7 +127,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             respond(await run_ensemble(msg, loaded.spec, self._submit_step))
         except Exception as exc:  # a bug must answer the request, not hang it
             log.exception("ensemble failed", extra={"model": msg.model})
-            respond(error_response(msg.id, internal(f"ensemble error: {exc}")))
+            respond(error_response(msg.id, stage_fault(f"ensemble error: {exc}")))
 
     async def _submit_step(self, request: pb.ScheduleRequest) -> pb.ScheduleResponse:
         """One ensemble step: an internal request to a composing model."""

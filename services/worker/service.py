@@ -29,7 +29,6 @@ from services.worker.python_backend.bls import install as bls_install
 from services.worker.stale import stale_instances
 from services.worker.warmup import WarmupError
 from stageserve import redis_keys as keys
-from stageserve.errors import wire_code
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.gpus import gpu_count
@@ -54,7 +53,7 @@ def _worker_error(request: pb.ExecuteRequest, exc: Exception) -> pb.ExecuteRespo
     """A batch whose handling raised (a bug): answered, never left to hang."""
     return pb.ExecuteResponse(
         id=request.id,
-        code=wire_code(pb.BACKEND_FAILED),
+        failure=pb.BACKEND_FAILED,
         message=f"worker error: {type(exc).__name__}",
     )
 
@@ -62,7 +61,7 @@ def _worker_error(request: pb.ExecuteRequest, exc: Exception) -> pb.ExecuteRespo
 def _not_hosted(request: pb.ExecuteRequest) -> pb.ExecuteResponse:
     return pb.ExecuteResponse(
         id=request.id,
-        code=wire_code(pb.MODEL_NOT_FOUND),
+        failure=pb.MODEL_NOT_FOUND,
         message=f"instance {request.instance_id} is not hosted here",
     )
 
@@ -73,14 +72,14 @@ def _failed(inst: HostedInstance, request: pb.ExecuteRequest, exc: Exception) ->
     if isinstance(exc, InvalidInputError):
         return pb.ExecuteResponse(
             id=request.id,
-            code=wire_code(pb.INVALID_INPUT),
+            failure=pb.INVALID_INPUT,
             message=f"model '{inst.model}': {exc}",
         )
     if not isinstance(exc, BackendError):
         log.exception("execution failed", extra={"instance": inst.instance_id})
     return pb.ExecuteResponse(
         id=request.id,
-        code=wire_code(pb.BACKEND_FAILED),
+        failure=pb.BACKEND_FAILED,
         message=f"model '{inst.model}' execution failed: {exc}",
     )
 

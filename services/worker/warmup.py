@@ -151,8 +151,8 @@ def run_warmup(
             except Exception as exc:  # BackendError, or whatever the model raised
                 raise WarmupError(f"warmup '{w.name}' failed: {exc}") from exc
             elapsed = time.monotonic_ns() - t0
-            failed = response.message if response.code else ""
-            failed = failed or next((r.message for r in response.results if r.code), "")
+            failed = response.message if response.failure else ""
+            failed = failed or next((r.message for r in response.results if r.failure), "")
             if failed:  # a Python model answers errors, it does not raise them
                 raise WarmupError(f"warmup '{w.name}' failed: {failed}")
             for i, size in enumerate(sizes):

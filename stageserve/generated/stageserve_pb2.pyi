@@ -23,6 +23,8 @@ class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ALREADY_EXISTS: _ClassVar[FailureReason]
     UNIMPLEMENTED: _ClassVar[FailureReason]
     DEADLINE_EXCEEDED: _ClassVar[FailureReason]
+    UNKNOWN_FAILURE: _ClassVar[FailureReason]
+    STAGE_FAULT: _ClassVar[FailureReason]
 FAILURE_NONE: FailureReason
 INVALID_INPUT: FailureReason
 MODEL_NOT_FOUND: FailureReason
@@ -37,6 +39,8 @@ CANCELLED: FailureReason
 ALREADY_EXISTS: FailureReason
 UNIMPLEMENTED: FailureReason
 DEADLINE_EXCEEDED: FailureReason
+UNKNOWN_FAILURE: FailureReason
+STAGE_FAULT: FailureReason
 
 class Tensor(_message.Message):
     __slots__ = ("name", "datatype", "shape", "raw")
@@ -101,48 +105,42 @@ class ScheduleRequest(_message.Message):
     def __init__(self, id: _Optional[int] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., priority: _Optional[int] = ..., timeout_us: _Optional[int] = ..., config_generation: _Optional[int] = ..., sequence_id: _Optional[int] = ..., sequence_id_str: _Optional[str] = ..., sequence_start: _Optional[bool] = ..., sequence_end: _Optional[bool] = ..., request_id: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
-    __slots__ = ("id", "code", "message", "outputs", "timing", "steps", "more", "no_response", "rejected")
+    __slots__ = ("id", "failure", "message", "outputs", "timing", "steps", "more", "no_response")
     ID_FIELD_NUMBER: _ClassVar[int]
-    CODE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     NO_RESPONSE_FIELD_NUMBER: _ClassVar[int]
-    REJECTED_FIELD_NUMBER: _ClassVar[int]
     id: int
-    code: int
+    failure: FailureReason
     message: str
     outputs: _containers.RepeatedCompositeFieldContainer[Tensor]
     timing: Timing
     steps: _containers.RepeatedCompositeFieldContainer[StepStat]
     more: bool
     no_response: bool
-    rejected: bool
-    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepStat, _Mapping]]] = ..., more: _Optional[bool] = ..., no_response: _Optional[bool] = ..., rejected: _Optional[bool] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., failure: _Optional[_Union[FailureReason, str]] = ..., message: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepStat, _Mapping]]] = ..., more: _Optional[bool] = ..., no_response: _Optional[bool] = ...) -> None: ...
 
 class StepStat(_message.Message):
-    __slots__ = ("model", "version", "timing", "batch_size", "duration_ns", "failed", "code", "message", "rejected")
+    __slots__ = ("model", "version", "timing", "batch_size", "duration_ns", "failure", "message")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     DURATION_NS_FIELD_NUMBER: _ClassVar[int]
-    FAILED_FIELD_NUMBER: _ClassVar[int]
-    CODE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    REJECTED_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     timing: Timing
     batch_size: int
     duration_ns: int
-    failed: bool
-    code: int
+    failure: FailureReason
     message: str
-    rejected: bool
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., batch_size: _Optional[int] = ..., duration_ns: _Optional[int] = ..., failed: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., rejected: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., batch_size: _Optional[int] = ..., duration_ns: _Optional[int] = ..., failure: _Optional[_Union[FailureReason, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ScheduleBatch(_message.Message):
     __slots__ = ("requests",)
@@ -304,18 +302,18 @@ class GrantRequests(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[GrantRequest, _Mapping]]] = ...) -> None: ...
 
 class GrantResponse(_message.Message):
-    __slots__ = ("id", "more", "acquire", "code", "message")
+    __slots__ = ("id", "more", "acquire", "failure", "message")
     ID_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
-    CODE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     id: int
     more: bool
     acquire: AcquireResponse
-    code: int
+    failure: FailureReason
     message: str
-    def __init__(self, id: _Optional[int] = ..., more: _Optional[bool] = ..., acquire: _Optional[_Union[AcquireResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., more: _Optional[bool] = ..., acquire: _Optional[_Union[AcquireResponse, _Mapping]] = ..., failure: _Optional[_Union[FailureReason, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GrantResponses(_message.Message):
     __slots__ = ("responses",)
@@ -360,14 +358,14 @@ class RequestedOutputs(_message.Message):
     def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestOutputs(_message.Message):
-    __slots__ = ("outputs", "code", "message")
+    __slots__ = ("outputs", "failure", "message")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
-    CODE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[Tensor]
-    code: int
+    failure: FailureReason
     message: str
-    def __init__(self, outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    def __init__(self, outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., failure: _Optional[_Union[FailureReason, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class RequestInfo(_message.Message):
     __slots__ = ("request_id", "correlation_id", "correlation_id_str", "flags", "parameters_json", "padding")
@@ -428,9 +426,9 @@ class ExecuteRequest(_message.Message):
     def __init__(self, id: _Optional[int] = ..., instance_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., request_batch_sizes: _Optional[_Iterable[int]] = ..., requested: _Optional[_Iterable[_Union[RequestedOutputs, _Mapping]]] = ..., ragged_shapes: _Optional[_Iterable[_Union[RaggedShapes, _Mapping]]] = ..., request_info: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
-    __slots__ = ("id", "code", "message", "results", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "parts", "more", "execute_returned")
+    __slots__ = ("id", "failure", "message", "results", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "parts", "more", "execute_returned")
     ID_FIELD_NUMBER: _ClassVar[int]
-    CODE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_INPUT_NS_FIELD_NUMBER: _ClassVar[int]
@@ -440,7 +438,7 @@ class ExecuteResponse(_message.Message):
     MORE_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_RETURNED_FIELD_NUMBER: _ClassVar[int]
     id: int
-    code: int
+    failure: FailureReason
     message: str
     results: _containers.RepeatedCompositeFieldContainer[RequestOutputs]
     compute_input_ns: int
@@ -449,7 +447,7 @@ class ExecuteResponse(_message.Message):
     parts: _containers.RepeatedCompositeFieldContainer[DecoupledPart]
     more: bool
     execute_returned: bool
-    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., results: _Optional[_Iterable[_Union[RequestOutputs, _Mapping]]] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[DecoupledPart, _Mapping]]] = ..., more: _Optional[bool] = ..., execute_returned: _Optional[bool] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., failure: _Optional[_Union[FailureReason, str]] = ..., message: _Optional[str] = ..., results: _Optional[_Iterable[_Union[RequestOutputs, _Mapping]]] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[DecoupledPart, _Mapping]]] = ..., more: _Optional[bool] = ..., execute_returned: _Optional[bool] = ...) -> None: ...
 
 class ExecuteRequests(_message.Message):
     __slots__ = ("requests",)

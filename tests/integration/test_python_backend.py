@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypedDict
@@ -16,6 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from stageserve.net import free_port
 from stageserve_tools.examples import (
     TensorSpec,
     mlp_reference,
@@ -169,7 +171,15 @@ class TritonPythonModel:
 
 
 @pytest.fixture(scope="module")
-def py_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+def py_metrics_port() -> int:
+    """The py_stack gateway's Triton /metrics port."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def py_stack(
+    tmp_path_factory: pytest.TempPathFactory, py_metrics_port: int
+) -> Iterator[RunningStack]:
     root = tmp_path_factory.mktemp("python_repository")
     add_config = python_config_text(
         "py_add",
@@ -215,7 +225,7 @@ def py_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]
     write_mlp(root, "mlp", instance_count=1)
     write_py_preprocess(root)
     write_py_ensemble(root)
-    with running_stack(root) as s:
+    with running_stack(root, metrics_port=py_metrics_port) as s:
         yield s
 
 
@@ -299,7 +309,10 @@ def test_bytes_exact(py_stack: RunningStack) -> None:
         (5, "StatusCode.INTERNAL", "plain"),
     ],
 )
-def test_model_errors_keep_serving(py_stack: RunningStack, mode, code, message) -> None:
+def test_model_errors_keep_serving(
+    py_stack: RunningStack, py_metrics_port: int, mode, code, message
+) -> None:
+    before = _backend_failures(py_metrics_port, "py_faulty")
     with py_stack.client() as c:
         with pytest.raises(InferenceServerException) as info:
             _infer(c, "py_faulty", np.full((1, 2), mode, dtype=np.float32))
@@ -307,6 +320,21 @@ def test_model_errors_keep_serving(py_stack: RunningStack, mode, code, message) 
         assert info.value.message() == message
         ok = _infer(c, "py_faulty", np.zeros((1, 2), dtype=np.float32))
         np.testing.assert_array_equal(ok.as_numpy("OUT"), np.zeros((1, 2), np.float32))
+    if mode <= 3:
+        # A failed execute crosses the scheduler as BACKEND_FAILED: Triton 2.51
+        # counts it reason="BACKEND" (checked against it, modes 1 and 3).
+        assert _backend_failures(py_metrics_port, "py_faulty") == before + 1
+
+
+def _backend_failures(port: int, model: str) -> float:
+    """nv_inference_request_failure{reason="BACKEND"} of `model` at the gateway."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    prefix = "nv_inference_request_failure{"
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(prefix) and f'model="{model}"' in line and 'reason="BACKEND"' in line
+    )
 
 
 def test_auto_complete_config(py_stack: RunningStack) -> None:

@@ -1,7 +1,8 @@
 """services/scheduler/batch_run.py: one formed batch on its instance, and what
 its queue learns afterwards (RunState). The worker's side is a stand-in that
 answers or fails as a real worker stream does (WorkerCallError with its
-code); the integration tests run the same paths through real workers."""
+reason, or a broken stream's code); the integration tests run the same paths
+through real workers."""
 
 from __future__ import annotations
 
@@ -61,8 +62,19 @@ class Worker:
 
 
 def _failing(code: grpc.StatusCode, details: str) -> Callable:
+    """A broken stream's failure: its status code."""
+
     def answer(_request, _on_part):
         raise WorkerCallError(code, details)
+
+    return answer
+
+
+def _answering(reason: pb.FailureReason, message: str) -> Callable:
+    """The worker's failed answer: its reason, as the wire carries it."""
+
+    def answer(_request, _on_part):
+        raise WorkerCallError.answered(pb.ExecuteResponse(failure=reason, message=message))
 
     return answer
 
@@ -112,23 +124,23 @@ def test_a_batch_answers_each_request_with_its_own_outputs_and_timing() -> None:
 def test_a_per_request_error_reaches_only_its_request() -> None:
     def answer(_request, _on_part) -> pb.ExecuteResponse:
         resp = pb.ExecuteResponse()
-        resp.results.add(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="bad row")
+        resp.results.add(failure=pb.INVALID_INPUT, message="bad row")
         resp.results.add(outputs=[pb.Tensor(name="O", datatype="FP32", raw=b"ok")])
         return resp
 
     state, answers, _, _ = _run(answer)
-    assert answers[1][0].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert answers[1][0].failure == pb.INVALID_INPUT
     assert answers[1][0].message == "bad row"
-    assert answers[2][0].code == 0 and answers[2][0].outputs[0].raw == b"ok"
+    assert answers[2][0].failure == pb.FAILURE_NONE and answers[2][0].outputs[0].raw == b"ok"
     assert state.failed_instance is False
 
 
-@pytest.mark.parametrize("code", [grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT])
-def test_a_model_error_fails_the_batch_but_not_the_instance(code: grpc.StatusCode) -> None:
-    state, answers, hist, _ = _run(_failing(code, "model 'm' execution failed: boom"))
+@pytest.mark.parametrize("reason", [pb.BACKEND_FAILED, pb.INVALID_INPUT])
+def test_a_model_error_fails_the_batch_but_not_the_instance(reason: pb.FailureReason) -> None:
+    state, answers, hist, _ = _run(_answering(reason, "model 'm' execution failed: boom"))
     for rid in (1, 2):
-        assert [(a.code, a.message) for a in answers[rid]] == [
-            (code.value[0], "model 'm' execution failed: boom")
+        assert [(a.failure, a.message) for a in answers[rid]] == [
+            (reason, "model 'm' execution failed: boom")
         ]
     assert state.failed_instance is False and hist.seen == []
 
@@ -137,7 +149,7 @@ def test_a_broken_worker_fails_the_batch_and_the_instance() -> None:
     state, answers, _, _ = _run(_failing(grpc.StatusCode.UNAVAILABLE, "stream closed"))
     assert state.failed_instance is True
     message = answers[1][0].message
-    assert answers[1][0].code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert answers[1][0].failure == pb.STAGE_UNAVAILABLE
     assert "worker 10.0.0.7:5000 failed while executing model 'm' (instance m_0)" in message
     assert "UNAVAILABLE: stream closed" in message
 
@@ -150,15 +162,15 @@ def test_an_instance_unloaded_meanwhile_puts_the_batch_back_unanswered() -> None
         return True
 
     state, answers, _, _ = _run(
-        _failing(grpc.StatusCode.NOT_FOUND, "instance m_0 is not hosted here"), requeue=requeue
+        _answering(pb.MODEL_NOT_FOUND, "instance m_0 is not hosted here"), requeue=requeue
     )
     assert answers == {} and [q.msg.id for q in requeued[0]] == [1, 2]
     assert state.failed_instance is None  # released without blaming the worker
 
 
 def test_an_unloaded_instance_whose_batch_cannot_go_back_answers_unavailable() -> None:
-    state, answers, _, _ = _run(_failing(grpc.StatusCode.NOT_FOUND, "gone"))
-    assert answers[1][0].code == grpc.StatusCode.UNAVAILABLE.value[0]
+    state, answers, _, _ = _run(_answering(pb.MODEL_NOT_FOUND, "gone"))
+    assert answers[1][0].failure == pb.STAGE_UNAVAILABLE
     assert answers[1][0].message == "model 'm' instance went away: gone"
     assert state.failed_instance is None
 
@@ -194,4 +206,4 @@ def test_a_decoupled_batch_that_fails_before_returning_keeps_its_grant_for_the_q
         _failing(grpc.StatusCode.UNAVAILABLE, "stream closed"), spec=spec
     )
     assert events == [] and state.grant_returned is False and state.failed_instance is True
-    assert all(a[0].code == grpc.StatusCode.UNAVAILABLE.value[0] for a in answers.values())
+    assert all(a[0].failure == pb.STAGE_UNAVAILABLE for a in answers.values())

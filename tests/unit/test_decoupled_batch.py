@@ -51,10 +51,8 @@ def test_finish_with_an_error_answers_the_open_requests_only() -> None:
     db = DecoupledBatch(batch, 0, 2)  # default: straight to the request
     db.on_part(pb.ExecuteResponse(more=True, parts=[_part(0, True, has_response=False)]))
     db.finish(StageError(grpc.StatusCode.UNAVAILABLE, "worker gone"))
-    assert [(r.code, r.no_response) for r in batch[0].got] == [(0, True)]
-    assert [(r.code, r.message) for r in batch[1].got] == [
-        (grpc.StatusCode.UNAVAILABLE.value[0], "worker gone")
-    ]
+    assert [(r.failure, r.no_response) for r in batch[0].got] == [(pb.FAILURE_NONE, True)]
+    assert [(r.failure, r.message) for r in batch[1].got] == [(pb.STAGE_UNAVAILABLE, "worker gone")]
 
 
 def test_execute_returned_runs_on_returned_once_and_parts_go_on() -> None:

@@ -1,5 +1,5 @@
 """stageserve/errors.py: the one table from a FailureReason to what clients and
-metrics see, and the codes stages carry on the wire."""
+metrics see; stages carry the reason itself on the wire."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ import grpc
 import pytest
 
 from services.worker.python_backend import pb_utils
-from services.worker.python_backend.instance import grpc_code
+from services.worker.python_backend.instance import failure_reason
 from stageserve.errors import (
     FAILURES,
     StageError,
-    code_from_int,
     http_status,
     internal,
     invalid,
@@ -20,16 +19,17 @@ from stageserve.errors import (
     queue_full,
     queue_timeout,
     reason_of,
+    stage_fault,
+    status_code,
     triton_reason,
     unavailable,
-    wire_code,
 )
 from stageserve.generated import stageserve_pb2 as pb
 
 # reason -> (gRPC code, HTTP status, Triton's nv_inference_request_failure reason).
 # HTTP: Triton's HttpCodeFromError (NOT_FOUND 404, UNAVAILABLE 503, INTERNAL 500,
 # anything else 400).
-EXPECTED: dict[int, tuple[grpc.StatusCode, int, str]] = {
+EXPECTED: dict[pb.FailureReason, tuple[grpc.StatusCode, int, str]] = {
     pb.INVALID_INPUT: (grpc.StatusCode.INVALID_ARGUMENT, 400, "OTHER"),
     pb.MODEL_NOT_FOUND: (grpc.StatusCode.NOT_FOUND, 404, "OTHER"),
     pb.STAGE_UNAVAILABLE: (grpc.StatusCode.UNAVAILABLE, 503, "OTHER"),
@@ -43,6 +43,8 @@ EXPECTED: dict[int, tuple[grpc.StatusCode, int, str]] = {
     pb.ALREADY_EXISTS: (grpc.StatusCode.ALREADY_EXISTS, 400, "OTHER"),
     pb.UNIMPLEMENTED: (grpc.StatusCode.UNIMPLEMENTED, 400, "OTHER"),
     pb.DEADLINE_EXCEEDED: (grpc.StatusCode.DEADLINE_EXCEEDED, 400, "OTHER"),
+    pb.UNKNOWN_FAILURE: (grpc.StatusCode.UNKNOWN, 400, "OTHER"),
+    pb.STAGE_FAULT: (grpc.StatusCode.INTERNAL, 500, "OTHER"),
 }
 
 
@@ -53,24 +55,51 @@ def test_every_failure_reason_is_in_the_table() -> None:
 
 
 @pytest.mark.parametrize("reason", sorted(EXPECTED))
-def test_an_error_of_a_reason_answers_the_tables_code_and_status(reason: int) -> None:
+def test_an_error_of_a_reason_answers_the_tables_code_and_status(
+    reason: pb.FailureReason,
+) -> None:
     code, http, triton = EXPECTED[reason]
     err = StageError.of(reason, "m")
     assert (err.code, err.message, err.reason) == (code, "m", reason)
-    assert http_status(err.code) == http
-    assert FAILURES[err.reason].triton == triton
-    assert code_from_int(wire_code(reason)) == code
-    if reason_of(code, err.rejected) == reason:  # the reason its code stands for
-        assert triton_reason(err.code, err.rejected) == triton
+    assert status_code(reason) == code
+    assert http_status(err.reason) == http
+    assert triton_reason(err.reason) == triton
+    assert err.rejected == (reason == pb.QUEUE_REJECTED)
 
 
 def test_a_bare_code_stands_for_its_first_reason() -> None:
     assert reason_of(grpc.StatusCode.INTERNAL) == pb.BACKEND_FAILED
     assert reason_of(grpc.StatusCode.UNAVAILABLE) == pb.STAGE_UNAVAILABLE
-    assert reason_of(grpc.StatusCode.UNAVAILABLE, rejected=True) == pb.QUEUE_REJECTED
-    assert reason_of(grpc.StatusCode.UNKNOWN) == pb.FAILURE_NONE
-    assert http_status(grpc.StatusCode.UNKNOWN) == 400
-    assert triton_reason(grpc.StatusCode.UNKNOWN) == "OTHER"
+    assert reason_of(grpc.StatusCode.UNKNOWN) == pb.UNKNOWN_FAILURE
+    assert reason_of(grpc.StatusCode.PERMISSION_DENIED) == pb.UNKNOWN_FAILURE
+    assert StageError(grpc.StatusCode.INTERNAL, "m").reason == pb.BACKEND_FAILED
+    assert StageError(grpc.StatusCode.INTERNAL, "m", reason=pb.LOAD_FAILED).reason == (
+        pb.LOAD_FAILED
+    )
+
+
+def test_a_reason_from_a_newer_peer_answers_as_unknown() -> None:
+    newer = pb.FailureReason.ValueType(999)
+    assert (status_code(newer), http_status(newer), triton_reason(newer)) == (
+        grpc.StatusCode.UNKNOWN,
+        400,
+        "OTHER",
+    )
+    assert StageError.of(newer, "m").code == grpc.StatusCode.UNKNOWN
+
+
+@pytest.mark.parametrize(
+    ("reason", "triton"),
+    [(pb.BACKEND_FAILED, "BACKEND"), (pb.LOAD_FAILED, "OTHER"), (pb.STAGE_FAULT, "OTHER")],
+)
+def test_reasons_that_share_internal_keep_their_label_across_the_wire(
+    reason: pb.FailureReason, triton: str
+) -> None:
+    """Three reasons answer INTERNAL; the wire carries which one it was."""
+    sent = pb.ScheduleResponse(id=1, failure=reason, message="m").SerializeToString()
+    got = pb.ScheduleResponse.FromString(sent)
+    err = StageError.of(got.failure, got.message)
+    assert (err.code, triton_reason(err.reason)) == (grpc.StatusCode.INTERNAL, triton)
 
 
 def test_the_helpers_keep_tritons_codes() -> None:
@@ -78,11 +107,12 @@ def test_the_helpers_keep_tritons_codes() -> None:
     assert not_found("m").code == grpc.StatusCode.NOT_FOUND
     assert unavailable("m").code == grpc.StatusCode.UNAVAILABLE
     assert internal("m").code == grpc.StatusCode.INTERNAL
+    assert stage_fault("m").code == grpc.StatusCode.INTERNAL
     assert load_failed("m").code == grpc.StatusCode.INTERNAL  # Triton's "failed to poll"
     for refused in (queue_full("m"), queue_timeout("m")):
         assert (refused.code, refused.rejected) == (grpc.StatusCode.UNAVAILABLE, True)
         assert refused.reason == pb.QUEUE_REJECTED
-        assert triton_reason(refused.code, refused.rejected) == "REJECTED"
+        assert triton_reason(refused.reason) == "REJECTED"
 
 
 @pytest.mark.parametrize(
@@ -101,4 +131,5 @@ def test_the_helpers_keep_tritons_codes() -> None:
 def test_a_python_models_triton_error_keeps_tritons_code(
     triton_code: int, grpc_status: grpc.StatusCode
 ) -> None:
-    assert code_from_int(grpc_code(pb_utils.TritonError("m", triton_code))) == grpc_status
+    reason = failure_reason(pb_utils.TritonError("m", triton_code))
+    assert status_code(reason) == grpc_status

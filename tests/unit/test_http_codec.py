@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from services.gateway.http import codec
-from stageserve.errors import StageError, http_status
+from stageserve.errors import StageError, http_status, reason_of
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import model_config_pb2 as mc
 from stageserve.tensors import split_bytes_elements
@@ -205,8 +205,8 @@ def test_generate_fills_dims_with_batch_one() -> None:
 def test_status_codes_follow_tritons_http_mapping() -> None:
     import grpc
 
-    assert http_status(grpc.StatusCode.INVALID_ARGUMENT) == 400
-    assert http_status(grpc.StatusCode.NOT_FOUND) == 404
-    assert http_status(grpc.StatusCode.UNAVAILABLE) == 503
-    assert http_status(grpc.StatusCode.INTERNAL) == 500
-    assert http_status(grpc.StatusCode.UNIMPLEMENTED) == 400
+    assert http_status(reason_of(grpc.StatusCode.INVALID_ARGUMENT)) == 400
+    assert http_status(reason_of(grpc.StatusCode.NOT_FOUND)) == 404
+    assert http_status(reason_of(grpc.StatusCode.UNAVAILABLE)) == 503
+    assert http_status(reason_of(grpc.StatusCode.INTERNAL)) == 500
+    assert http_status(reason_of(grpc.StatusCode.UNIMPLEMENTED)) == 400

@@ -139,13 +139,13 @@ def test_batch_split_per_request(tmp_path: Path) -> None:
     c = np.full((1, 2), -1, np.float32)
     resp = inst.execute_batch(_batch([a, b, c], [[], ["OUT"], []]), None)
     assert isinstance(resp, pb.ExecuteResponse)
-    assert resp.code == 0 and len(resp.results) == 3
+    assert resp.failure == pb.FAILURE_NONE and len(resp.results) == 3
     first = {t.name: raw_to_numpy(t.raw, t.datatype, t.shape) for t in resp.results[0].outputs}
     np.testing.assert_array_equal(first["OUT"], a * 2)
     assert first["ROWS"].tolist() == [[1]]
     second = resp.results[1].outputs
     assert [t.name for t in second] == ["OUT"] and list(second[0].shape) == [3, 2]
-    assert (resp.results[2].code, resp.results[2].message) == (3, "negative")
+    assert (resp.results[2].failure, resp.results[2].message) == (pb.INVALID_INPUT, "negative")
 
 
 def test_wrong_number_of_responses(tmp_path: Path) -> None:
@@ -153,7 +153,7 @@ def test_wrong_number_of_responses(tmp_path: Path) -> None:
     a = np.ones((1, 2), np.float32)
     resp = inst.execute_batch(_batch([a, a], [[], []], ids=["short", ""]), None)
     assert isinstance(resp, pb.ExecuteResponse)
-    assert resp.code == 13
+    assert resp.failure == pb.BACKEND_FAILED
     assert "InferenceRequest(s) size is:2, and InferenceResponse(s) size is:1" in resp.message
 
 
@@ -163,7 +163,7 @@ def test_decoupled_parts_then_end(tmp_path: Path) -> None:
     req = _one_request()
     resp = inst.execute_batch(req, parts.append)
     assert isinstance(resp, pb.ExecuteResponse)
-    assert resp.code == 0 and not resp.more
+    assert resp.failure == pb.FAILURE_NONE and not resp.more
     assert all(p.more for p in parts)
     flat = [(q.request_index, q.has_response, q.final) for p in parts for q in p.parts]
     assert flat == [(0, True, False), (0, True, False), (0, False, True)]
@@ -184,7 +184,7 @@ def test_decoupled_execute_returns_before_the_finals(tmp_path: Path) -> None:
     assert not pending.last.done()
     inst.model.execute.__globals__["GO"].set()
     last = pending.last.result(timeout=10)
-    assert last.code == 0 and not last.more and not last.execute_returned
+    assert last.failure == pb.FAILURE_NONE and not last.more and not last.execute_returned
     flat = [(q.request_index, q.has_response, q.final) for p in parts for q in p.parts]
     assert flat == [(0, True, True)]
     assert parts[-1].parts[0].compute_infer_ns > 0
@@ -266,7 +266,7 @@ def test_an_unawaited_async_exec_is_cancelled_quietly_at_unload(
     try:
         resp = inst.execute_batch(_batch([np.ones((1, 2), np.float32)], [[]]), None)
         assert isinstance(resp, pb.ExecuteResponse)
-        assert resp.code == 0 and len(resp.results) == 1 and bls.sent == 1
+        assert resp.failure == pb.FAILURE_NONE and len(resp.results) == 1 and bls.sent == 1
         inst.close()
         gc.collect()
     finally:

@@ -480,7 +480,7 @@ def _run(inst: ProcessInstance, mode: int) -> dict[str, list]:
     req.requested.add()
     resp = inst.execute_batch(req, None)
     assert isinstance(resp, pb.ExecuteResponse)  # not decoupled: answered on return
-    assert resp.code == 0, resp.message
+    assert resp.failure == pb.FAILURE_NONE, resp.message
     return {
         t.name: raw_to_numpy(t.raw, t.datatype, t.shape).tolist() for t in resp.results[0].outputs
     }

@@ -142,17 +142,17 @@ def test_batches_run_in_the_stub_and_model_errors_stay_batch_errors(tmp_path: Pa
     inst = _instance(tmp_path, MODEL)
     try:
         resp = _done(inst.execute_batch(_batch(1.0, requests=3), None))
-        assert resp.code == 0 and len(resp.results) == 3
+        assert resp.failure == pb.FAILURE_NONE and len(resp.results) == 3
         pid = _pid(resp)
         assert pid != os.getpid() and alive(pid)
         failed = _done(inst.execute_batch(_batch(-2.0), None))
-        assert failed.code == 13
+        assert failed.failure == pb.BACKEND_FAILED
         assert failed.message == (
             "Failed to process the request(s) for model 'm_0_0', message: ValueError: model says no"
         )
         # no BLS client: exec() raises, as in-process
         bls = _done(inst.execute_batch(_batch(-3.0), None))
-        assert bls.code == 13
+        assert bls.failure == pb.BACKEND_FAILED
         assert bls.message.endswith(
             "message: TritonModelException: BLS requests can only be executed inside a model"
         )
@@ -170,7 +170,10 @@ def test_a_dead_stub_fails_its_batch_and_is_replaced(
     try:
         first = _pid(inst.execute_batch(_batch(1.0), None))
         dead = _done(inst.execute_batch(_batch(-1.0), None))
-        assert (dead.code, dead.message) == (13, "Stub process 'm_0_0' is not healthy.")
+        assert (dead.failure, dead.message) == (
+            pb.BACKEND_FAILED,
+            "Stub process 'm_0_0' is not healthy.",
+        )
         second = _pid(inst.execute_batch(_batch(1.0), None))
         assert second != first and not alive(first)
         os.kill(second, 9)  # killed while idle: the next batch finds a new stub
@@ -178,7 +181,10 @@ def test_a_dead_stub_fails_its_batch_and_is_replaced(
         third = _pid(inst.execute_batch(_batch(1.0), None))
         assert third not in (first, second)
         late = _done(inst.execute_batch(_batch(-4.0), None))
-        assert (late.code, late.message) == (13, "Stub process 'm_0_0' is not healthy.")
+        assert (late.failure, late.message) == (
+            pb.BACKEND_FAILED,
+            "Stub process 'm_0_0' is not healthy.",
+        )
         assert _pid(inst.execute_batch(_batch(1.0), None)) != third
     finally:
         inst.close()
@@ -201,11 +207,11 @@ def test_a_stub_that_cannot_restart_fails_batches_until_it_can(tmp_path: Path) -
         dead = _done(inst.execute_batch(_batch(-1.0), None))
         assert dead.message == "Stub process 'm_0_0' is not healthy."
         again = _done(inst.execute_batch(_batch(1.0), None))
-        assert again.code == 13
+        assert again.failure == pb.BACKEND_FAILED
         assert again.message.startswith("Stub process 'm_0_0' is not healthy: it could not")
         assert "RuntimeError: refused" in again.message
         (tmp_path / "refuse").unlink()
-        assert _done(inst.execute_batch(_batch(1.0), None)).code == 0
+        assert _done(inst.execute_batch(_batch(1.0), None)).failure == pb.FAILURE_NONE
     finally:
         inst.close()
 
@@ -225,7 +231,7 @@ def test_decoupled_finals_after_execute_returned(tmp_path: Path) -> None:
         result = inst.execute_batch(_batch(1.0, requests=2), parts.append)
         assert isinstance(result, StillSending)  # the instance is free, as in-process
         last = result.last.result(timeout=10)
-        assert last.code == 0
+        assert last.failure == pb.FAILURE_NONE
         finals = sorted(p.request_index for m in parts for p in m.parts if p.final)
         assert finals == [0, 1]
         assert any(m.execute_returned for m in parts)

@@ -59,7 +59,7 @@ class Echo(pb_grpc.SchedulerServicer):
             pack=lambda responses: pb.ScheduleResponses(responses=responses),
             concurrent=self.concurrent,
             on_error=lambda request, exc: pb.ScheduleResponse(
-                id=request.id, code=13, message=f"failed: {type(exc).__name__}"
+                id=request.id, failure=pb.STAGE_FAULT, message=f"failed: {type(exc).__name__}"
             ),
             on_message_end=lambda: self.message_ends.append(len(self.handled)),
         ):
@@ -204,7 +204,7 @@ async def test_a_raising_handler_is_answered_and_the_stream_goes_on(port):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         link = _link(channel)
         failed, ok = await asyncio.gather(link.call(_req("boom")), link.call(_req("echo", "x")))
-        assert failed.code == 13 and failed.message == "failed: ValueError"
+        assert failed.failure == pb.STAGE_FAULT and failed.message == "failed: ValueError"
         assert "secret" not in failed.message
         assert ok.message == "x"
         assert (await link.call(_req("echo", "y"))).message == "y"
@@ -223,7 +223,7 @@ async def test_on_message_end_runs_once_per_message_after_all_its_handlers(port)
         answers = await asyncio.gather(
             link.call(_req("echo", "a")), link.call(_req("boom", "b")), link.call(_req("echo", "c"))
         )
-        assert [a.code for a in answers] == [0, 13, 0]
+        assert [a.failure for a in answers] == [pb.FAILURE_NONE, pb.STAGE_FAULT, pb.FAILURE_NONE]
         assert servicer.messages_in == 2
         assert servicer.message_ends == [1, 4]  # after the 1st handler, then after the 4th
         await link.close()

@@ -192,7 +192,7 @@ class HttpFront:
         try:
             return endpoint, await handler(request, *args)
         except StageError as err:
-            return endpoint, error_response(http_status(err.code), err.message)
+            return endpoint, error_response(http_status(err.reason), err.message)
         except Exception as exc:
             log.exception("unexpected error", extra={"endpoint": endpoint, "error": repr(exc)})
             return endpoint, error_response(500, f"internal error in {endpoint}")

@@ -31,10 +31,12 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+import grpc
+
 from services.worker.python_backend import pb_utils
 from services.worker.python_backend.bls_wire import ResponseFeed, ResponseIterator
 from stageserve.datatypes import from_numpy
-from stageserve.errors import StageError, code_from_int
+from stageserve.errors import StageError, invalid, not_found, status_code
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.model_state import LoadedModel, ModelStateStore
@@ -46,23 +48,24 @@ from stageserve.statistics import StatsBook
 from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
 from stageserve.validation import validate_infer
 
-# grpc.StatusCode value -> pb_utils.TritonError code (the inverse of Triton's mapping).
+# the status code a failure's reason has -> pb_utils.TritonError code (the
+# inverse of Triton's mapping; INTERNAL for a code Triton's errors lack)
 _TRITON_CODES = {
-    2: pb_utils.TritonError.UNKNOWN,
-    13: pb_utils.TritonError.INTERNAL,
-    5: pb_utils.TritonError.NOT_FOUND,
-    3: pb_utils.TritonError.INVALID_ARG,
-    14: pb_utils.TritonError.UNAVAILABLE,
-    12: pb_utils.TritonError.UNSUPPORTED,
-    6: pb_utils.TritonError.ALREADY_EXISTS,
-    1: pb_utils.TritonError.CANCELLED,
+    grpc.StatusCode.UNKNOWN: pb_utils.TritonError.UNKNOWN,
+    grpc.StatusCode.INTERNAL: pb_utils.TritonError.INTERNAL,
+    grpc.StatusCode.NOT_FOUND: pb_utils.TritonError.NOT_FOUND,
+    grpc.StatusCode.INVALID_ARGUMENT: pb_utils.TritonError.INVALID_ARG,
+    grpc.StatusCode.UNAVAILABLE: pb_utils.TritonError.UNAVAILABLE,
+    grpc.StatusCode.UNIMPLEMENTED: pb_utils.TritonError.UNSUPPORTED,
+    grpc.StatusCode.ALREADY_EXISTS: pb_utils.TritonError.ALREADY_EXISTS,
+    grpc.StatusCode.CANCELLED: pb_utils.TritonError.CANCELLED,
 }
 
 
-def _error(code: int, message: str) -> pb_utils.InferenceResponse:
-    return pb_utils.InferenceResponse(
-        error=pb_utils.TritonError(message, _TRITON_CODES.get(code, pb_utils.TritonError.INTERNAL))
-    )
+def _error(reason: pb.FailureReason, message: str) -> pb_utils.InferenceResponse:
+    """A failed BLS response: a FailureReason as the model's TritonError."""
+    code = _TRITON_CODES.get(status_code(reason), pb_utils.TritonError.INTERNAL)
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
 
 def _answer(
@@ -155,13 +158,16 @@ class BlsClient:
             loaded = await self._model(request.model_name())
             if loaded is None:
                 return _answer(
-                    _error(5, f"Request for unknown model: '{request.model_name()}' is not found"),
+                    _error(
+                        pb.MODEL_NOT_FOUND,
+                        f"Request for unknown model: '{request.model_name()}' is not found",
+                    ),
                     feed,
                 )
             if loaded.spec.decoupled and not decoupled:
                 return _answer(
                     _error(
-                        3,
+                        pb.INVALID_INPUT,
                         f"model '{request.model_name()}' is decoupled: "
                         f"use exec(decoupled=True) / async_exec(decoupled=True)",
                     ),
@@ -169,7 +175,7 @@ class BlsClient:
                 )
             schedule = self._schedule_request(request, loaded)
         except StageError as err:
-            return _answer(_error(err.code.value[0], err.message), feed)
+            return _answer(_error(err.reason, err.message), feed)
         start = time.monotonic_ns()
         earlier: list[pb.ScheduleResponse] = []
         on_more = (
@@ -178,7 +184,7 @@ class BlsClient:
         try:
             resp = await self.link.schedule(schedule, on_more=on_more)
         except StageError as err:
-            resp = pb.ScheduleResponse(code=err.code.value[0], message=err.message)
+            resp = pb.ScheduleResponse(failure=err.reason, message=err.message)
         self._record(schedule, resp, time.monotonic_ns() - start)
         if feed is not None:
             return _answer(self._response(request, resp), feed)
@@ -190,7 +196,10 @@ class BlsClient:
         try:
             await self.infer(request, True, feed)
         except asyncio.CancelledError:  # the worker stops: never leave the caller waiting
-            feed.put(_error(14, "BLS request cancelled: the worker is stopping"), last=True)
+            feed.put(
+                _error(pb.STAGE_UNAVAILABLE, "BLS request cancelled: the worker is stopping"),
+                last=True,
+            )
             raise
         except Exception as exc:  # raised to the caller, as a call without decoupled would
             feed.fail(exc)
@@ -199,31 +208,27 @@ class BlsClient:
     def _response(
         request: pb_utils.InferenceRequest, resp: pb.ScheduleResponse
     ) -> pb_utils.InferenceResponse:
-        if resp.code:
-            return _error(resp.code, resp.message)
+        if resp.failure:
+            return _error(resp.failure, resp.message)
         try:
             outputs = [
                 pb_utils.Tensor(t.name, raw_to_numpy(t.raw, t.datatype, t.shape))
                 for t in resp.outputs
             ]
         except TensorError as exc:
-            return _error(13, f"BLS response from '{request.model_name()}': {exc}")
+            return _error(pb.BACKEND_FAILED, f"BLS response from '{request.model_name()}': {exc}")
         return pb_utils.InferenceResponse(outputs)
 
     def _record(self, request: pb.ScheduleRequest, resp: pb.ScheduleResponse, ns: int) -> None:
         for st in resp.steps:  # an ensemble's composing executions
-            if st.failed:
-                self.recorder.failure(
-                    st.model, st.version, st.duration_ns, code_from_int(st.code), st.rejected
-                )
+            if st.failure:
+                self.recorder.failure(st.model, st.version, st.duration_ns, st.failure)
             else:
                 self.recorder.success(
                     st.model, st.version, st.duration_ns, st.batch_size, st.timing
                 )
-        if resp.code:
-            self.recorder.failure(
-                request.model, request.version, ns, code_from_int(resp.code), resp.rejected
-            )
+        if resp.failure:
+            self.recorder.failure(request.model, request.version, ns, resp.failure)
         else:
             self.recorder.success(
                 request.model, request.version, ns, request.batch_size, resp.timing
@@ -237,17 +242,14 @@ class BlsClient:
         if version <= 0:
             version = max(loaded.versions)
         elif version not in loaded.versions:
-            raise StageError(
-                code_from_int(5),
-                f"Request for unknown model: '{name}' version {version} is not found",
-            )
+            raise not_found(f"Request for unknown model: '{name}' version {version} is not found")
         infer = gs.ModelInferRequest(model_name=name, id=request.request_id())
         for tensor in request.inputs():
             arr = tensor.as_numpy()
             try:
                 dt = from_numpy(arr.dtype)
             except KeyError as exc:
-                raise StageError(code_from_int(3), str(exc)) from None
+                raise invalid(str(exc)) from None
             infer.inputs.add(name=tensor.name(), datatype=dt.triton, shape=list(arr.shape))
             infer.raw_input_contents.append(numpy_to_raw(arr, dt))
         for output in request.requested_output_names():

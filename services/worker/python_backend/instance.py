@@ -27,7 +27,6 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 
 from services.worker.backends import BackendError, Emit, StillSending
@@ -35,13 +34,13 @@ from services.worker.python_backend import pb_utils
 from services.worker.python_backend.loader import ModelImportError, import_model_file
 from stageserve.config import ModelSpec
 from stageserve.datatypes import from_numpy
-from stageserve.errors import wire_code
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
 
 log = logging.getLogger(__name__)
 
-INTERNAL = wire_code(pb.BACKEND_FAILED)
+#: the reason of a batch or request the model failed (INTERNAL to the client)
+INTERNAL = pb.BACKEND_FAILED
 # pb_utils.TritonError codes -> the FailureReason they stand for (Triton's mapping).
 _REASONS = {
     pb_utils.TritonError.INTERNAL: pb.BACKEND_FAILED,
@@ -51,21 +50,18 @@ _REASONS = {
     pb_utils.TritonError.UNSUPPORTED: pb.UNIMPLEMENTED,
     pb_utils.TritonError.ALREADY_EXISTS: pb.ALREADY_EXISTS,
     pb_utils.TritonError.CANCELLED: pb.CANCELLED,
+    pb_utils.TritonError.UNKNOWN: pb.UNKNOWN_FAILURE,
 }
-_UNKNOWN = grpc.StatusCode.UNKNOWN.value[0]  # TritonError.UNKNOWN: no reason of ours
-
 
 
 class PythonModelError(BackendError):
     """initialize (or the import) failed: the model does not load."""
 
 
-def grpc_code(error: pb_utils.TritonError) -> int:
-    """The grpc.StatusCode value of a model's TritonError (INTERNAL for a code
-    Triton does not define)."""
-    if error.code() == pb_utils.TritonError.UNKNOWN:
-        return _UNKNOWN
-    return wire_code(_REASONS.get(error.code(), pb.BACKEND_FAILED))
+def failure_reason(error: pb_utils.TritonError) -> pb.FailureReason:
+    """The FailureReason of a model's TritonError (BACKEND_FAILED, INTERNAL to
+    the client, for a code Triton does not define)."""
+    return _REASONS.get(error.code(), pb.BACKEND_FAILED)
 
 
 class PythonInstance:
@@ -245,14 +241,14 @@ class PythonInstance:
         """One response as the request's outputs (only the `requested` ones), or its error."""
         if not isinstance(resp, pb_utils.InferenceResponse):
             return pb.RequestOutputs(
-                code=INTERNAL,
+                failure=INTERNAL,
                 message=f"model '{self.spec.name}' returned {type(resp).__name__}, "
                 f"not an InferenceResponse",
             )
         if resp.has_error():
             error = resp.error()
             assert error is not None
-            return pb.RequestOutputs(code=grpc_code(error), message=error.message())
+            return pb.RequestOutputs(failure=failure_reason(error), message=error.message())
         wanted = set(requested)
         result = pb.RequestOutputs()
         for tensor in resp.output_tensors():
@@ -262,7 +258,7 @@ class PythonInstance:
                 result.outputs.append(self._tensor(tensor))
             except (TensorError, KeyError, ValueError) as exc:
                 return pb.RequestOutputs(
-                    code=INTERNAL,
+                    failure=INTERNAL,
                     message=f"model '{self.spec.name}' output '{tensor.name()}': {exc}",
                 )
         return result
@@ -406,7 +402,7 @@ class _Senders:
                 pb.DecoupledPart(
                     request_index=index,
                     has_response=True,
-                    response=pb.RequestOutputs(code=INTERNAL, message=message),
+                    response=pb.RequestOutputs(failure=INTERNAL, message=message),
                     final=True,
                 )
             )
@@ -435,8 +431,8 @@ def _split_ragged(arr: np.ndarray, shapes: pb.RaggedShapes, requests: int) -> li
     return out
 
 
-def _failed(code: int, message: str) -> pb.ExecuteResponse:
-    return pb.ExecuteResponse(code=code, message=message)
+def _failed(reason: pb.FailureReason, message: str) -> pb.ExecuteResponse:
+    return pb.ExecuteResponse(failure=reason, message=message)
 
 
 def config_json(config: Any) -> str:

@@ -317,7 +317,7 @@ class ProcessInstance:
             stub = self._current()
         except PythonModelError as exc:
             return pb.ExecuteResponse(
-                code=INTERNAL,
+                failure=INTERNAL,
                 message=f"Stub process '{self.instance_name}' is not healthy: "
                 f"it could not restart: {exc}",
             )
@@ -385,7 +385,7 @@ def _fail(batch: _Batch, message: str) -> None:
                         pb.DecoupledPart(
                             request_index=index,
                             has_response=True,
-                            response=pb.RequestOutputs(code=INTERNAL, message=message),
+                            response=pb.RequestOutputs(failure=INTERNAL, message=message),
                             final=True,
                         )
                     ],
@@ -394,7 +394,7 @@ def _fail(batch: _Batch, message: str) -> None:
         batch.open.clear()
         _resolve(batch, pb.ExecuteResponse())
         return
-    _resolve(batch, pb.ExecuteResponse(code=INTERNAL, message=message))
+    _resolve(batch, pb.ExecuteResponse(failure=INTERNAL, message=message))
 
 
 def _stop(stub: _Stub) -> None:

@@ -163,7 +163,7 @@ def _run_batch(instance: PythonInstance, channel: StubSocket, batch_id: int, raw
         result = instance.execute_batch(pb.ExecuteRequest.FromString(raw), emit)
     except Exception as exc:  # a bug of ours, not the model's: answer, never hang
         log.exception("stub execute failed", extra={"instance": instance.instance_name})
-        done(pb.ExecuteResponse(code=INTERNAL, message=f"stub execute failed: {exc}"))
+        done(pb.ExecuteResponse(failure=INTERNAL, message=f"stub execute failed: {exc}"))
         return
     if isinstance(result, StillSending):
         result.last.add_done_callback(lambda f: done(f.result()))

@@ -79,16 +79,34 @@ class Child:
     # worker there was reported failed on every grant (bench.chaos: first
     # success 11.6 s after a worker kill, against 0.5-1.9 s on a new port).
     pin_address: bool = True
+    # Flags whose value a restart sets (flag -> value), see RESTART_FLAGS.
+    restart_flags: dict[str, str] = field(default_factory=dict)
 
     def restart_cmd(self) -> list[str]:
-        """The command line again; a pinned stage listens on the address it
-        announced, so peers' channels to it reconnect by themselves."""
+        """The command line again, with restart_flags set; a pinned stage
+        listens on the address it announced, so peers' channels to it
+        reconnect by themselves."""
         cmd = list(self.cmd)
+        for flag, value in self.restart_flags.items():
+            if flag in cmd:
+                cmd[cmd.index(flag) + 1] = value
+            else:
+                cmd += [flag, value]
         if self.pin_address and self.address and "--listen" in cmd:
             cmd[cmd.index("--listen") + 1] = self.address
         if self.pin_address and self.http_address and "--http-port" in cmd:
             cmd[cmd.index("--http-port") + 1] = self.http_address.rsplit(":", 1)[1]
         return cmd
+
+
+# A gateway the supervisor starts again runs its startup load again, and a
+# model that fails there (a model dropped into the repository since, a config
+# edited into an error) must not end it: --exit-on-error is Triton's answer to
+# a server *start* that failed, and Triton has no supervisor. Exiting would make
+# the supervisor start it again, for ever, and the stack would never serve
+# again. So a restarted gateway serves what loads; what did not is in the
+# repository index, in its log and in ServerReady (--strict-readiness).
+RESTART_FLAGS = {"gateway": {"--exit-on-error": "false"}}
 
 
 def _pump(child: Child, proc: subprocess.Popen, ready: threading.Event) -> None:
@@ -119,6 +137,7 @@ def spawn_service(child: Child, cmd: list[str]) -> None:
         process_group=0,  # Ctrl-C reaches the launcher only; it stops children in order
     )
     child.proc, child.cmd, child.ready = proc, cmd, threading.Event()
+    child.startup_failures = None  # this run's, once it says
     threading.Thread(target=_pump, args=(child, proc, child.ready), daemon=True).start()
 
 
@@ -152,7 +171,12 @@ class Stack:
         cmd = [sys.executable, "-m", "stageserve.cli", *args]
         if self.log_verbose:
             cmd += ["--log-verbose", str(self.log_verbose)]
-        child = Child(name, proc=None, pin_address=args[0] != "worker")  # type: ignore[arg-type]
+        child = Child(
+            name,
+            proc=None,  # type: ignore[arg-type]
+            pin_address=args[0] != "worker",
+            restart_flags=dict(RESTART_FLAGS.get(args[0], {})),
+        )
         spawn_service(child, cmd)
         if "--metrics-port" in args:
             child.metrics_port = int(args[args.index("--metrics-port") + 1])

@@ -5,6 +5,9 @@ port (the embedded Redis, which comes back empty: the stages rebuild what it
 held, see docs/deployment.md). Peers keep their gRPC channels to that address
 and reconnect on their own; nothing needs to re-resolve anything.
 
+A restarted gateway serves the models that load and does not exit for those
+that fail (launcher.RESTART_FLAGS: --exit-on-error is about the stack's start).
+
 Restarts follow stageserve/restart_policy.py, are logged (`stage exited`,
 `stage restarting`, `stage restarted` with the downtime) and counted in
 `stageserve_stage_restarts_total{stage}`, served on the supervisor's own
@@ -104,15 +107,15 @@ class Supervisor:
                 self._spawn(watch, now)
         elif self._is_ready(child):
             watch.state, watch.since = RUNNING, now
-            log.warning(
-                "stage restarted",
-                extra={
-                    "stage": child.name,
-                    "address": child.address,
-                    "pid": child.proc.pid,
-                    "down_s": round(now - watch.down_since, 3),
-                },
-            )
+            extra: dict[str, object] = {
+                "stage": child.name,
+                "address": child.address,
+                "pid": child.proc.pid,
+                "down_s": round(now - watch.down_since, 3),
+            }
+            if child.startup_failures:  # a gateway serves on without these (launcher.RESTART_FLAGS)
+                extra["models_not_loaded"] = sorted({f["model"] for f in child.startup_failures})
+            log.warning("stage restarted", extra=extra)
         elif child.proc.poll() is not None:
             self._failed(watch, now, child.proc.returncode)
         elif now - watch.since > self.start_timeout_s:

@@ -9,20 +9,25 @@ while it runs, what ServerLive / ServerReady / ModelReady answer on gRPC and
 HTTP. The same probe runs ``stageserve up`` and the real Triton 2.51 (its
 Python-backend twin of the ONNX model, bench/triton_model.py, loads the same
 bytes and fails on the same corrupt file).
+
+The fronts are asked only once the server said it opened them (Triton's
+"Started ..." log lines, `stageserve up`'s announce line), which both do only
+after their startup load decided: their first answers are final. Triton's
+ports are chosen before it starts and bound only after its models load, so
+another process on the machine can take one meanwhile; Triton then exits 1
+("already in use"), which says nothing about the flags: the cell runs again
+on fresh ports. `stageserve up` binds port 0 and announces what it got.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import functools
+import re
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 from bench.references import (
     BENCH_DIR,
@@ -34,6 +39,7 @@ from bench.references import (
 )
 from stageserve.net import free_port
 from stageserve_tools.examples import write_model
+from tests.integration.up_process import UpProcess
 
 CORRUPT_ONNX = b"this is not an ONNX model\n"
 MODELS = ("good", "bad")
@@ -51,15 +57,21 @@ class Outcome:
     bad_ready: bool | None = None
 
 
-def write_repository(root: Path, triton: bool) -> Path:
+def write_probe_model(root: Path, name: str, triton: bool, corrupt: bool) -> Path:
+    """An identity ONNX model named `name` (its model.onnx not ONNX when
+    `corrupt`); for Triton with the Python-backend model.py that runs it."""
     model = bench_model("identity")
+    text = triton_config_text(model) if triton else stageserve_config_text(model)
+    text = text.replace('name: "identity"', f'name: "{name}"')
+    model_dir = write_model(root, name, CORRUPT_ONNX if corrupt else model.onnx, text)
+    if triton:
+        (model_dir / "1" / "model.py").write_bytes((BENCH_DIR / "triton_model.py").read_bytes())
+    return model_dir
+
+
+def write_repository(root: Path, triton: bool) -> Path:
     for name in MODELS:
-        text = triton_config_text(model) if triton else stageserve_config_text(model)
-        text = text.replace('name: "identity"', f'name: "{name}"')
-        onnx = model.onnx if name == "good" else CORRUPT_ONNX
-        model_dir = write_model(root, name, onnx, text)
-        if triton:
-            (model_dir / "1" / "model.py").write_bytes((BENCH_DIR / "triton_model.py").read_bytes())
+        write_probe_model(root, name, triton, corrupt=name == "bad")
     return root
 
 
@@ -103,69 +115,74 @@ def _answers(grpc_url: str, http_url: str) -> Outcome | None:
     return both[0]
 
 
-def _collect(stream: IO[str] | None, into: list[str]) -> threading.Thread:
-    """Read a pipe to its end in a thread (a full pipe would block the server)."""
-    assert stream is not None
-    thread = threading.Thread(target=lambda: into.extend(stream), daemon=True)
-    thread.start()
-    return thread
-
-
 def _watch(
-    proc: subprocess.Popen,
-    grpc_url: str,
-    http_url: str,
-    timeout_s: float,
-    started: Callable[[], bool] = lambda: True,
+    proc: subprocess.Popen, fronts: Callable[[], tuple[str, str] | None], timeout_s: float
 ) -> Outcome:
-    """Wait for the process to exit or its fronts to answer, once `started`
-    says its startup is over (Triton opens its fronts only after its startup
-    loads, so there the first answers count)."""
+    """Wait for the process to exit, or for `fronts` to give its (gRPC, HTTP)
+    addresses (once the server said it opened them) and for them to answer."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         code = proc.poll()
         if code is not None:
             return Outcome(code)
-        answers = _answers(grpc_url, http_url) if started() else None
+        urls = fronts()
+        answers = _answers(*urls) if urls is not None else None
         if answers is not None:
-            time.sleep(1.0)  # a server about to exit would have done so by now
-            code = proc.poll()
-            return Outcome(code) if code is not None else answers
+            return answers
         time.sleep(0.2)
     raise TimeoutError(f"no answer and no exit within {timeout_s:.0f}s")
 
 
-def probe_triton(workdir: Path, mode: str, exit_on_error: bool, strict: bool) -> Outcome:
+_TRITON_FRONT = re.compile(r"Started (GRPCInferenceService|HTTPService) at (\S+?)\"")
+PORT_TAKEN = "already in use"
+PORT_TRIES = 3
+
+
+def _triton_fronts(log: Path) -> tuple[str, str] | None:
+    """The addresses Triton logged it serves on, once it logged both."""
+    started = dict(_TRITON_FRONT.findall(log.read_text(errors="replace")))
+    if "GRPCInferenceService" in started and "HTTPService" in started:
+        return started["GRPCInferenceService"], started["HTTPService"]
+    return None
+
+
+def probe_triton(
+    workdir: Path, mode: str, exit_on_error: bool, strict: bool
+) -> tuple[Outcome, Path]:
+    """Triton's outcome, and its log."""
     install = find_triton()
     repo = workdir / "triton_repo"
     if not repo.exists():
         write_repository(repo, triton=True)
-    grpc_port, http_port = free_port(), free_port()
-    cmd = [
-        str(install.binary),
-        "--model-repository", str(repo),
-        "--backend-directory", str(install.make_backend_dir(workdir / "triton_backends")),
-        "--grpc-port", str(grpc_port), "--grpc-address", "127.0.0.1",
-        "--http-port", str(http_port), "--http-address", "127.0.0.1",
-        "--allow-metrics", "false",
-        "--disable-auto-complete-config",
-        "--exit-timeout-secs", "5",
-        *flag_args(mode, exit_on_error, strict),
-    ]  # fmt: skip
-    log = (workdir / f"triton-{mode}-{exit_on_error}-{strict}.log").open("wb")
-    proc = subprocess.Popen(
-        cmd,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=install.env(),
-        cwd=workdir,
-        start_new_session=True,
-    )
-    try:
-        return _watch(proc, f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}", 180)
-    finally:
-        stop_process(proc)
-        log.close()
+    for attempt in range(1, PORT_TRIES + 1):
+        cmd = [
+            str(install.binary),
+            "--model-repository", str(repo),
+            "--backend-directory", str(install.make_backend_dir(workdir / "triton_backends")),
+            "--grpc-port", str(free_port()), "--grpc-address", "127.0.0.1",
+            "--http-port", str(free_port()), "--http-address", "127.0.0.1",
+            "--allow-metrics", "false",
+            "--disable-auto-complete-config",
+            "--exit-timeout-secs", "5",
+            *flag_args(mode, exit_on_error, strict),
+        ]  # fmt: skip
+        log_path = workdir / f"triton-{mode}-{exit_on_error}-{strict}-{attempt}.log"
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=install.env(),
+                cwd=workdir,
+                start_new_session=True,
+            )
+            try:
+                outcome = _watch(proc, functools.partial(_triton_fronts, log_path), 180)
+            finally:
+                stop_process(proc)
+        if outcome.exit_code is None or PORT_TAKEN not in log_path.read_text(errors="replace"):
+            return outcome, log_path
+    return outcome, log_path
 
 
 def probe_stageserve(
@@ -176,48 +193,14 @@ def probe_stageserve(
     repo = workdir / "stageserve_repo"
     if not repo.exists():
         write_repository(repo, triton=False)
-    grpc_port, http_port = free_port(), free_port()
-    cmd = [
-        sys.executable, "-m", "stageserve.cli", "up",
-        "--model-repository", str(repo),
-        "--grpc-port", str(grpc_port), "--grpc-address", "127.0.0.1",
-        "--http-port", str(http_port), "--http-address", "127.0.0.1",
-        "--metrics-port", str(free_port()),
-        "--device", "cpu",
-        *flag_args(mode, exit_on_error, strict),
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=os.environ.copy(),
-        start_new_session=True,
-    )
-    out: list[str] = []
-    err: list[str] = []
-    readers = [_collect(proc.stdout, out), _collect(proc.stderr, err)]
-    try:
-        outcome = _watch(
-            proc,
-            f"127.0.0.1:{grpc_port}",
-            f"127.0.0.1:{http_port}",
-            180,
-            started=lambda: any('"stageserve up"' in line for line in out),
-        )
-    finally:
-        stop_process(proc)
-        for reader in readers:
-            reader.join(10)
-    return outcome, [e for e in map(_event, (*out, *err)) if e.get("event") == "model not loaded"]
 
+    def fronts() -> tuple[str, str] | None:
+        info = up.info()
+        return None if info is None else (info["grpc"], info["http"])
 
-def _event(line: str) -> dict[str, str]:
-    try:
-        parsed = json.loads(line)
-    except ValueError:
-        return {}
-    return parsed if isinstance(parsed, dict) else {}
+    with UpProcess(repo, flag_args(mode, exit_on_error, strict)) as up:
+        outcome = _watch(up.proc, fronts, 180)
+    return outcome, up.events("model not loaded")
 
 
 if __name__ == "__main__":  # record Triton's table: python -m tests.integration.startup_flags
@@ -227,5 +210,5 @@ if __name__ == "__main__":  # record Triton's table: python -m tests.integration
         for mode in ("none", "explicit"):
             for exit_on_error in (True, False):
                 for strict in (True, False):
-                    got = probe_triton(Path(tmp), mode, exit_on_error, strict)
+                    got, _ = probe_triton(Path(tmp), mode, exit_on_error, strict)
                     print(f"({mode!r}, {exit_on_error}, {strict}): {got},", flush=True)

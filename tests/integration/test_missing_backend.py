@@ -27,12 +27,10 @@ from stageserve.autocomplete_options import AutoComplete
 from stageserve.settings import settings_from_env
 from stageserve_tools.examples import write_python_model, write_simple
 from tests.integration.helpers import RPC_TIMEOUT_S, index_states, infer_simple
+from tests.integration.no_torch import TORCH_FIX, torchless_path
 from tests.stack import running_stack, wait_until
 
-TORCH_FIX = "pip install 'stageserve[torch]'"
 MISSING = "stageserve_test_not_installed"
-
-_NO_TORCH = "raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n"
 
 _MISSING_IMPORT_CONFIG = """\
 name: "py_missing"
@@ -51,14 +49,6 @@ class TritonPythonModel:
     def execute(self, requests):
         return []
 """
-
-
-def _torchless_path(tmp_path: Path) -> str:
-    """A PYTHONPATH on which `import torch` raises ModuleNotFoundError."""
-    blocker = tmp_path / "no_torch"
-    (blocker / "torch").mkdir(parents=True)
-    (blocker / "torch" / "__init__.py").write_text(_NO_TORCH)
-    return os.pathsep.join(p for p in (str(blocker), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def _load_failures(err: str, model: str) -> list[dict]:
@@ -88,7 +78,7 @@ def test_missing_torch_and_python_import_fail_once_with_the_fix(
     write_simple(repo)
     write_torch_two_io(repo)
     write_python_model(repo, "py_missing", _MISSING_IMPORT_SOURCE, _MISSING_IMPORT_CONFIG)
-    env_path = _torchless_path(tmp_path)
+    env_path = torchless_path(tmp_path)
     blocked = subprocess.run(
         [sys.executable, "-c", "import torch"],
         env={**os.environ, "PYTHONPATH": env_path},

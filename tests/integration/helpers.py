@@ -272,6 +272,11 @@ def two_paths(
                 sched2.address,
                 "--model-repository",
                 str(root),
+                # a port of its own: the default (Triton's 8000) may be taken
+                "--http-address",
+                "127.0.0.1",
+                "--http-port",
+                "0",
                 *gateway_args,
             ],
         )

@@ -223,6 +223,11 @@ def test_two_rate_limiters_share_one_set_of_counts(limited, repo):
             sched2.address,
             "--model-repository",
             str(repo),
+            # a port of its own: the default (Triton's 8000) may be taken
+            "--http-address",
+            "127.0.0.1",
+            "--http-port",
+            "0",
         ],
     )
     # ga through the first path, gb through the second: G (count 1) still

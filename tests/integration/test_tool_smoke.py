@@ -127,7 +127,7 @@ SMOKE: dict[str, Smoke] = {
             "{tmp}",
             *TINY_PERF,
         ),
-        "stageserve",
+        "StageServe",
         (_no_perf_analyzer,),
     ),  # fmt: skip
     # CPU EP: no GPU here; the same code path picks CUDA where there is one.
@@ -201,6 +201,10 @@ SMOKE: dict[str, Smoke] = {
             "1",
             "-p",
             "300",
+            # a start-up check, not a measurement: any stable-enough window will do
+            # on a loaded machine (perf_analyzer gives up after 10 windows)
+            "-s",
+            "100",
         ),
         "id16",
         (_no_perf_analyzer,),

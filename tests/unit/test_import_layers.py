@@ -69,3 +69,22 @@ def test_a_crossing_import_breaks_its_contract(
     assert any(line.startswith(broken) for line in broken_lines), result.stdout
     importer = module.removesuffix(".py").replace("/", ".")
     assert importer in result.stdout, result.stdout  # the report names the importer
+
+
+def test_the_import_graph_in_the_docs_names_every_module() -> None:
+    """docs/architecture.md's import graph lists the modules of each layer: a
+    module added, renamed or deleted without it fails here."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    graph = text[text.index("## Import graph") :]
+    graph = graph[: graph.index("\n## ", 1)]
+    named = {word.strip("`(),;:.") for word in graph.split()}
+    # bare module names; a path (tests/...) or a user's model.py is prose
+    named = {w for w in named if w.endswith(".py") and "/" not in w and w != "model.py"}
+    files = {
+        p.name
+        for package in PACKAGES
+        for p in (ROOT / package).rglob("*.py")
+        if p.name != "__init__.py" and "generated" not in p.parts
+    }
+    assert files - named == set(), "modules missing from the import graph"
+    assert named - files == set(), "the import graph names modules that do not exist"

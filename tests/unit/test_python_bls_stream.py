@@ -374,11 +374,19 @@ class TritonPythonModel:
 """
 
 
+# How long PAIR_CALLER blocks its loop waiting for both calls to reach the
+# worker: only reached when async_exec does not send before it is awaited.
+ARRIVAL_WAIT_S = 10.0
+
 # Calls "gen" twice with async_exec (IN[0] = 1: decoupled=True), blocks its
-# loop GAP_S, then awaits both with asyncio.wait. A: when it began to
-# await (time.monotonic(), one clock for every process), V: the values.
+# loop until the worker has both calls (a file each in ARRIVED, written by
+# the fake worker client; at most ARRIVAL_WAIT_S), then awaits both with
+# asyncio.wait. A: when it began to await (time.monotonic(), one clock for
+# every process), V: the values. Waiting on the arrivals, not for a fixed
+# time, keeps the test independent of how fast a loaded machine delivers them.
 PAIR_CALLER = f"""\
 import asyncio
+import pathlib
 import time
 
 import numpy as np
@@ -392,7 +400,10 @@ class TritonPythonModel:
                                            inputs=[]).async_exec(decoupled=decoupled)
                  for _ in range(2)]
         assert all(isinstance(c, asyncio.Future) for c in calls), calls
-        time.sleep({GAP_S})  # no await: only calls already sent reach the worker
+        arrived = pathlib.Path(ARRIVED)
+        deadline = time.monotonic() + {ARRIVAL_WAIT_S}
+        while len(list(arrived.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # no await: only calls already sent reach the worker
         awaiting = time.monotonic()
         done, pending = await asyncio.wait(calls)
         values = []
@@ -417,22 +428,27 @@ class _FakeWorkerClient:
     """pb_utils.InferenceRequest._bls in the worker: "gen" streams 0, 1, final
     (or, not decoupled, answers 7)."""
 
-    def __init__(self) -> None:
+    def __init__(self, arrived: Path | None = None) -> None:
         self.calls = 0
         self.sent_at: list[float] = []  # time.monotonic() of each call's arrival
+        self.arrived = arrived  # a file per call is written here, after sent_at
+
+    def _arrival(self) -> None:
+        self.calls += 1
+        self.sent_at.append(time.monotonic())
+        if self.arrived is not None:
+            (self.arrived / str(self.calls)).touch()
 
     def stream(self, request: pb_utils.InferenceRequest) -> ResponseIterator:
         assert request.model_name() == "gen"
-        self.calls += 1
-        self.sent_at.append(time.monotonic())
+        self._arrival()
         feed = ResponseFeed()
         _later(feed, (0, 0), (GAP_S, 1), (0, None))
         return ResponseIterator(feed)
 
     def response(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
         assert request.model_name() == "gen"
-        self.calls += 1
-        self.sent_at.append(time.monotonic())
+        self._arrival()
         return _response(7)
 
 
@@ -445,16 +461,23 @@ def stub_instance(tmp_path: Path) -> Iterator[tuple[ProcessInstance, _FakeWorker
 
 @pytest.fixture
 def stub_pair(tmp_path: Path) -> Iterator[tuple[ProcessInstance, _FakeWorkerClient]]:
-    yield from _stub_instance(tmp_path, PAIR_CALLER, [("A", "FP64", (1,)), ("V", "INT64", (-1,))])
+    arrived = tmp_path / "arrived"
+    arrived.mkdir()
+    yield from _stub_instance(
+        tmp_path,
+        f"ARRIVED = {str(arrived)!r}\n{PAIR_CALLER}",
+        [("A", "FP64", (1,)), ("V", "INT64", (-1,))],
+        arrived,
+    )
 
 
 def _stub_instance(
-    tmp_path: Path, source: str, outputs: list
+    tmp_path: Path, source: str, outputs: list, arrived: Path | None = None
 ) -> Iterator[tuple[ProcessInstance, _FakeWorkerClient]]:
     text = python_config_text("caller", [("IN", "INT32", (1,))], outputs, max_batch_size=0)
     (tmp_path / "1").mkdir()
     (tmp_path / "1" / "model.py").write_text(source)
-    fake = _FakeWorkerClient()
+    fake = _FakeWorkerClient(arrived)
     saved, pb_utils.InferenceRequest._bls = pb_utils.InferenceRequest._bls, fake
     inst = ProcessInstance(
         tmp_path / "1" / "model.py",

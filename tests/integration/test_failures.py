@@ -20,9 +20,9 @@ from tritonclient.utils import InferenceServerException
 from stageserve.examples import write_mlp, write_simple
 from tests.integration.helpers import (
     RPC_TIMEOUT_S,
+    granted_instances,
     infer_simple,
     mlp_input,
-    redis_client,
     registered_instances,
     registered_workers,
     stack_retrying,
@@ -114,27 +114,13 @@ class Load:
         return [o for o in self.outcomes if o.status != "ok"]
 
 
-def busy_instances(redis_url: str) -> set[str]:
-    """Instances holding an execution grant right now (rate limiter keys in Redis)."""
-    r = redis_client(redis_url)
-    try:
-        out = set()
-        for gid in r.zrange("ss:rl:grants", 0, -1):
-            iid = r.hget(f"ss:rl:grant:{gid.decode()}", "instance")
-            if iid:
-                out.add(iid.decode())
-        return out
-    finally:
-        r.close()
-
-
 def watch_busy(redis_url: str, worker: str, timeout_s: float, model: str = "mlp") -> set[str]:
     """Sample busy instances until one of `worker`'s for `model` shows up (or
     time runs out)."""
     seen: set[str] = set()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        seen |= busy_instances(redis_url)
+        seen |= granted_instances(redis_url)
         if any(i.startswith(f"{worker}/{model}/") for i in seen):
             break
         time.sleep(0.002)
@@ -362,4 +348,6 @@ def test_idle_scheduler_returns_its_grants(one_worker: RunningStack) -> None:
     c = s.client()
     for _ in range(3):
         infer_simple(c)
-    assert wait_until(lambda: not busy_instances(s.redis_url), 3.0), busy_instances(s.redis_url)
+    assert wait_until(lambda: not granted_instances(s.redis_url), 10.0), granted_instances(
+        s.redis_url
+    )

@@ -58,15 +58,29 @@ def _later(feed: ResponseFeed, *steps) -> threading.Thread:
 
 
 def test_iterator_yields_each_response_as_it_comes() -> None:
+    """Ordered by events, not timed: the second response is fed only once the
+    caller has the first (or after 10 s, if wait_first waited for more)."""
     feed = ResponseFeed()
-    start = time.monotonic()
-    _later(feed, (GAP_S, 0), (GAP_S, 1), (0, None))
+    first_fed, caller_has_first = threading.Event(), threading.Event()
+    fed_second = threading.Event()
+
+    def feeder() -> None:
+        time.sleep(GAP_S)
+        feed.put(_response(0))
+        first_fed.set()
+        caller_has_first.wait(10)
+        feed.put(_response(1))
+        fed_second.set()
+        feed.put(pb_utils.InferenceResponse([]), last=True)
+
+    threading.Thread(target=feeder, daemon=True).start()
     responses = ResponseIterator(feed).wait_first()  # exec() returns with the first
-    returned = time.monotonic() - start
-    got = [(time.monotonic() - start, _value(r)) for r in responses]
-    assert [v for _, v in got] == [0, 1, None]  # the final flag alone: an empty response
-    assert returned > GAP_S - 0.01  # not before the first response
-    assert got[1][0] - returned > GAP_S / 2  # nor with the second
+    assert first_fed.is_set()  # not before the first response
+    assert _value(next(responses)) == 0
+    assert not fed_second.is_set()  # nor with the second
+    caller_has_first.set()
+    # the final flag alone: an empty response
+    assert [_value(r) for r in responses] == [1, None]
     assert responses.finished
 
 
@@ -167,19 +181,26 @@ class _FakeLink:
         values: list[int],
         raise_at_end: Exception | None = None,
         final: int | None = None,
+        gate: threading.Event | None = None,
     ) -> None:
         self.values = values
         self.raise_at_end = raise_at_end
         self.final = final  # the last response's OUT; None: the final flag alone
+        self.gate = gate  # set: the rest after the first response waits for it (10 s at most)
         self.sent = 0  # requests received
+        self.streamed = 0  # responses handed to on_more
 
     async def schedule(self, request, on_more=None) -> pb.ScheduleResponse:
         self.sent += 1
-        for v in self.values:
+        for i, v in enumerate(self.values):
             resp = pb.ScheduleResponse(more=True)
             _out(resp, v)
             on_more(resp)
-            await asyncio.sleep(GAP_S)
+            self.streamed += 1
+            if i == 0 and self.gate is not None:
+                await asyncio.to_thread(self.gate.wait, 10)
+            else:
+                await asyncio.sleep(GAP_S)
         if self.raise_at_end is not None:
             raise self.raise_at_end
         if self.final is not None:
@@ -228,16 +249,19 @@ def _request() -> pb_utils.InferenceRequest:
 
 @pytest.mark.parametrize("use_async", [False, True])
 def test_client_streams_from_its_loop(client: BlsClient, use_async: bool) -> None:
-    start = time.monotonic()
+    """Ordered by events, not timed: the link streams the second response only
+    once the caller has the first (or after 10 s, if the call waited for more)."""
+    gate = threading.Event()
+    link = _FakeLink([0, 1], gate=gate)
+    client.link = link  # type: ignore[assignment]  # fake
     if use_async:
         responses = asyncio.run(client.execute_async(_request(), True))
     else:
         responses = client.execute(_request(), True)
-    returned = time.monotonic() - start
-    got = [(time.monotonic() - start, _value(r)) for r in responses]
-    assert [v for _, v in got] == [0, 1, None]
-    assert returned < GAP_S / 2  # with the first response, not at the end
-    assert got[1][0] - got[0][0] > GAP_S / 2
+    assert _value(next(responses)) == 0
+    assert link.streamed == 1  # returned with the first response, not at the end
+    gate.set()
+    assert [_value(r) for r in responses] == [1, None]
     assert wait_for(lambda: not client._streams)  # the call is gone once ended
 
 

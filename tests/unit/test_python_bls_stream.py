@@ -366,8 +366,12 @@ def wait_for(predicate, timeout_s: float = 5.0) -> bool:
 # Calls "gen" with exec(decoupled=True) (IN[0] = 1: async_exec; 2: reads one
 # response, drops the iterator, then calls again and reads all). T: seconds
 # from the call when each response came, R: when exec returned, V: values.
+# A file in RETURNED each time exec returns: the fake worker client streams
+# a call's second response only after it (_FakeWorkerClient.returned).
 STUB_CALLER = """\
+import pathlib
 import time
+import uuid
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -380,12 +384,14 @@ class TritonPythonModel:
                                         inputs=[])
         if mode == 2:
             first = bls.exec(decoupled=True)
+            pathlib.Path(RETURNED, uuid.uuid4().hex).touch()
             next(first)
             del first
         start = time.monotonic()
         responses = await bls.async_exec(decoupled=True) if mode == 1 else bls.exec(
             decoupled=True)
         returned = time.monotonic() - start
+        pathlib.Path(RETURNED, uuid.uuid4().hex).touch()
         arrived, values = [], []
         for r in responses:
             arrived.append(time.monotonic() - start)
@@ -452,10 +458,15 @@ class _FakeWorkerClient:
     """pb_utils.InferenceRequest._bls in the worker: "gen" streams 0, 1, final
     (or, not decoupled, answers 7)."""
 
-    def __init__(self, arrived: Path | None = None) -> None:
+    def __init__(self, arrived: Path | None = None, returned: Path | None = None) -> None:
         self.calls = 0
         self.sent_at: list[float] = []  # time.monotonic() of each call's arrival
         self.arrived = arrived  # a file per call is written here, after sent_at
+        # Set: a call's second response is streamed only once the caller's
+        # exec has returned that call (its n-th file here; 10 s at most), and
+        # `in_order` records, per call, whether it had.
+        self.returned = returned
+        self.in_order: list[bool] = []
 
     def _arrival(self) -> None:
         self.calls += 1
@@ -467,8 +478,19 @@ class _FakeWorkerClient:
         assert request.model_name() == "gen"
         self._arrival()
         feed = ResponseFeed()
-        _later(feed, (0, 0), (GAP_S, 1), (0, None))
+        if self.returned is None:
+            _later(feed, (0, 0), (GAP_S, 1), (0, None))
+        else:
+            threading.Thread(target=self._gated, args=(feed, self.calls), daemon=True).start()
         return ResponseIterator(feed)
+
+    def _gated(self, feed: ResponseFeed, call: int) -> None:
+        assert self.returned is not None
+        returned = self.returned
+        feed.put(_response(0), False)
+        self.in_order.append(wait_for(lambda: len(list(returned.iterdir())) >= call, 10.0))
+        feed.put(_response(1), False)
+        feed.put(pb_utils.InferenceResponse([]), True)
 
     def response(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
         assert request.model_name() == "gen"
@@ -478,8 +500,13 @@ class _FakeWorkerClient:
 
 @pytest.fixture
 def stub_instance(tmp_path: Path) -> Iterator[tuple[ProcessInstance, _FakeWorkerClient]]:
+    returned = tmp_path / "returned"
+    returned.mkdir()
     yield from _stub_instance(
-        tmp_path, STUB_CALLER, [("T", "FP64", (-1,)), ("R", "FP64", (1,)), ("V", "INT64", (-1,))]
+        tmp_path,
+        f"RETURNED = {str(returned)!r}\n{STUB_CALLER}",
+        [("T", "FP64", (-1,)), ("R", "FP64", (1,)), ("V", "INT64", (-1,))],
+        returned=returned,
     )
 
 
@@ -496,12 +523,16 @@ def stub_pair(tmp_path: Path) -> Iterator[tuple[ProcessInstance, _FakeWorkerClie
 
 
 def _stub_instance(
-    tmp_path: Path, source: str, outputs: list, arrived: Path | None = None
+    tmp_path: Path,
+    source: str,
+    outputs: list,
+    arrived: Path | None = None,
+    returned: Path | None = None,
 ) -> Iterator[tuple[ProcessInstance, _FakeWorkerClient]]:
     text = python_config_text("caller", [("IN", "INT32", (1,))], outputs, max_batch_size=0)
     (tmp_path / "1").mkdir()
     (tmp_path / "1" / "model.py").write_text(source)
-    fake = _FakeWorkerClient(arrived)
+    fake = _FakeWorkerClient(arrived, returned)
     saved, pb_utils.InferenceRequest._bls = pb_utils.InferenceRequest._bls, fake
     inst = ProcessInstance(
         tmp_path / "1" / "model.py",
@@ -538,9 +569,9 @@ def test_stub_gets_each_response_as_it_comes(stub_instance, mode: int) -> None:
     inst, fake = stub_instance
     out = _run(inst, mode)
     assert out["V"] == [0, 1, -1]
-    arrived, returned = out["T"], out["R"][0]
-    assert arrived[1] - arrived[0] > GAP_S / 2
-    assert returned < arrived[1] - GAP_S / 2
+    # each exec returned with its first response, before the second was sent
+    assert fake.in_order == [True] * fake.calls
+    assert out["R"][0] < out["T"][1]
     assert fake.calls == (2 if mode == 2 else 1)
 
 

@@ -134,10 +134,20 @@ def test_an_iterator_dropped_early_drops_what_still_comes() -> None:
 
 
 def test_wait_first_async_never_blocks_its_loop() -> None:
-    async def main() -> tuple[int, list[int | None]]:
+    """The first response is fed only once the caller's loop has ticked 5
+    times while awaiting it (10 s at most: a blocked loop never ticks)."""
+    ticks = 0
+    ticked_while_waiting = threading.Event()
+
+    def feeder(feed: ResponseFeed) -> None:
+        if wait_for(lambda: ticks >= 5, timeout_s=10):
+            ticked_while_waiting.set()
+        feed.put(_response(0))
+        feed.put(pb_utils.InferenceResponse([]), last=True)
+
+    async def main() -> list[int | None]:
+        nonlocal ticks
         feed = ResponseFeed()
-        _later(feed, (GAP_S, 0), (0, None))
-        ticks = 0
 
         async def tick() -> None:
             nonlocal ticks
@@ -146,13 +156,13 @@ def test_wait_first_async_never_blocks_its_loop() -> None:
                 ticks += 1
 
         ticker = asyncio.create_task(tick())
+        threading.Thread(target=feeder, args=(feed,), daemon=True).start()
         responses = await ResponseIterator(feed).wait_first_async()
         ticker.cancel()
-        return ticks, [_value(r) for r in responses]
+        return [_value(r) for r in responses]
 
-    ticks, values = asyncio.run(main())
-    assert values == [0, None]
-    assert ticks > 5  # the loop ran while the first response was awaited
+    assert asyncio.run(main()) == [0, None]
+    assert ticked_while_waiting.is_set()  # the loop ran while the first response was awaited
 
 
 def test_a_cancelled_async_caller_leaves_the_feed_working() -> None:

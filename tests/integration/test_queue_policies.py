@@ -547,5 +547,5 @@ def test_reload_turning_preserve_ordering_on_keeps_answering(
         c.infer("reloaded", [_input(x)], client_timeout=RPC_TIMEOUT_S)
     _set_dynamic_batching(repo, "reloaded", "preserve_ordering: true")
     c.load_model("reloaded", client_timeout=RPC_TIMEOUT_S)
-    r = c.infer("reloaded", [_input(x)], client_timeout=3.0)
+    r = c.infer("reloaded", [_input(x)], client_timeout=RPC_TIMEOUT_S)  # a hang fails it
     np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), x)

@@ -27,8 +27,16 @@ GRPC_OPTIONS = [
     # for slower restarts, and costs a connection attempt a second while the
     # peer is down.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # Despite its name, gRPC core reads this as the shortest time a connection
+    # attempt gets to complete (the subchannel's min_connect_timeout), not as a
+    # backoff. At 100 ms, a peer whose HTTP/2 handshake came later (a process
+    # starved on a loaded machine) failed the first RPC with UNAVAILABLE
+    # "connection attempt timed out before receiving SETTINGS frame" (seen in
+    # test_torch at load average 7; tests/unit/test_stage_channel_connect.py).
+    # A refused connection (the peer is down) still fails at once, so the
+    # redial pacing above is unchanged.
+    ("grpc.min_reconnect_backoff_ms", 5_000),
 ]
 SERVER_OPTIONS = [
     *GRPC_OPTIONS,

@@ -6,6 +6,7 @@ import asyncio
 import faulthandler
 import json
 import logging
+import math
 import signal
 import sys
 
@@ -30,6 +31,11 @@ STARTUP_MARKER = "STAGESERVE_STARTUP"
 # grace is stuck (a worker has been seen alive 20 s after its launcher was
 # killed), and a stuck stage must not outlive its launcher.
 SHUTDOWN_SLACK_S = 10.0
+# The faulthandler watchdog is cancelled as the interpreter finalizes, so a
+# hang after that (a C/C++ library's exit-time destructor, run by exit()) is
+# not covered by it: SIGALRM's default action ends the process this long
+# after the watchdog's deadline, whatever state the interpreter is in.
+EXIT_BACKSTOP_S = 2
 
 
 def announce_ready(service: str, address: str, extra: dict | None = None) -> None:
@@ -104,12 +110,17 @@ def _stop_on_signals(stop: asyncio.Event, deadline_s: float) -> None:
     A plain signal handler rather than loop.add_signal_handler: Python runs it
     on the main thread even while the event loop is blocked (in a lock wait,
     say), so the watchdog is armed whatever state teardown is in. The watchdog
-    is faulthandler's C thread: it needs neither the GIL nor the loop.
+    is faulthandler's C thread: it needs neither the GIL nor the loop. It
+    dumps every thread's stack and exits; the kernel's alarm (SIGALRM, default
+    action: terminate) ends the process EXIT_BACKSTOP_S later if it is then
+    past the interpreter's finalization, where faulthandler no longer runs.
     """
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: int, _frame: object) -> None:
         faulthandler.dump_traceback_later(deadline_s, exit=True)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(math.ceil(deadline_s) + EXIT_BACKSTOP_S)
         loop.call_soon_threadsafe(stop.set)
 
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -239,6 +239,23 @@ def registered_instances(redis_url: str, model: str, version: int = 1) -> set[st
         r.close()
 
 
+def granted_instances(redis_url: str) -> set[str]:
+    """Instances holding an execution grant right now (rate limiter keys in
+    Redis). A scheduler asks for a grant when it has a request to run and
+    keeps spare ones it is not using for a while (grant_pool.py), so a grant
+    is not proof of an execution."""
+    r = redis_client(redis_url)
+    try:
+        out = set()
+        for gid in r.zrange("ss:rl:grants", 0, -1):
+            iid = r.hget(f"ss:rl:grant:{gid.decode()}", "instance")
+            if iid:
+                out.add(iid.decode())
+        return out
+    finally:
+        r.close()
+
+
 def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

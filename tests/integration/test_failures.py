@@ -20,9 +20,9 @@ from tritonclient.utils import InferenceServerException
 from stageserve_tools.examples import write_mlp, write_simple
 from tests.integration.helpers import (
     RPC_TIMEOUT_S,
+    granted_instances,
     infer_simple,
     mlp_input,
-    redis_client,
     registered_instances,
     registered_workers,
     stack_retrying,
@@ -41,11 +41,25 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("failures_repository")
     write_simple(root, "simple")
     write_mlp(root, "mlp", instance_count=2)
-    # Every execution takes 5 ms, so a killed worker always has batches in
-    # flight (a fast model may be between batches at the instant of the kill).
-    with (root / "mlp" / "config.pbtxt").open("a") as config:
-        config.write('parameters { key: "execute_delay_ms" value { string_value: "5" } }\n')
+    _execute_delay(root / "mlp", 5)
+    # For the killed-worker test: each request its own batch (no dynamic
+    # batching) taking SLOW_MS, and more clients than instances, so every
+    # instance is executing whenever the victim is killed. A grant in Redis
+    # alone does not show that: the scheduler keeps spare grants it is not
+    # using (grant_pool.py), and killing a worker whose only grants are
+    # spare fails nothing.
+    write_mlp(root, SLOW, sizes=(256, 16, 10), instance_count=2, dynamic_batching=False)
+    _execute_delay(root / SLOW, SLOW_MS)
     return root
+
+
+SLOW = "mlp_unbatched"
+SLOW_MS = 300
+
+
+def _execute_delay(model_dir: Path, ms: int) -> None:
+    with (model_dir / "config.pbtxt").open("a") as config:
+        config.write(f'parameters {{ key: "execute_delay_ms" value {{ string_value: "{ms}" }} }}\n')
 
 
 @dataclass
@@ -59,9 +73,10 @@ class Outcome:
 class Load:
     """Client threads sending mlp requests back to back until stopped."""
 
-    def __init__(self, url: str, threads: int, batch: int = 8) -> None:
+    def __init__(self, url: str, threads: int, batch: int = 8, model: str = "mlp") -> None:
         self.url = url
         self.batch = batch
+        self.model = model
         self.outcomes: list[Outcome] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -73,7 +88,7 @@ class Load:
         while not self._stop.is_set():
             t0 = time.monotonic()
             try:
-                out = c.infer("mlp", inputs, client_timeout=RPC_TIMEOUT_S).as_numpy("OUTPUT0")
+                out = c.infer(self.model, inputs, client_timeout=RPC_TIMEOUT_S).as_numpy("OUTPUT0")
                 assert out.shape == (self.batch, 10)
                 outcome = Outcome(t0, time.monotonic(), "ok")
             except InferenceServerException as exc:
@@ -99,34 +114,21 @@ class Load:
         return [o for o in self.outcomes if o.status != "ok"]
 
 
-def busy_instances(redis_url: str) -> set[str]:
-    """Instances holding an execution grant right now (rate limiter keys in Redis)."""
-    r = redis_client(redis_url)
-    try:
-        out = set()
-        for gid in r.zrange("ss:rl:grants", 0, -1):
-            iid = r.hget(f"ss:rl:grant:{gid.decode()}", "instance")
-            if iid:
-                out.add(iid.decode())
-        return out
-    finally:
-        r.close()
-
-
-def watch_busy(redis_url: str, worker: str, timeout_s: float) -> set[str]:
-    """Sample busy instances until one of `worker` shows up (or time runs out)."""
+def watch_busy(redis_url: str, worker: str, timeout_s: float, model: str = "mlp") -> set[str]:
+    """Sample busy instances until one of `worker`'s for `model` shows up (or
+    time runs out)."""
     seen: set[str] = set()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        seen |= busy_instances(redis_url)
-        if any(i.startswith(worker + "/") for i in seen):
+        seen |= granted_instances(redis_url)
+        if any(i.startswith(f"{worker}/{model}/") for i in seen):
             break
         time.sleep(0.002)
     return seen
 
 
-def worker_instances(redis_url: str, wid: str) -> set[str]:
-    return {i for i in registered_instances(redis_url, "mlp") if i.startswith(wid + "/")}
+def worker_instances(redis_url: str, wid: str, model: str = "mlp") -> set[str]:
+    return {i for i in registered_instances(redis_url, model) if i.startswith(wid + "/")}
 
 
 # ------------------------------------------------------------ killed worker
@@ -138,6 +140,7 @@ def two_workers(repo: Path) -> Iterator[RunningStack]:
         wids = {worker_id(w.proc.pid) for w in s.workers}
         assert wait_until(lambda: registered_workers(s.redis_url) == wids, 15)
         assert wait_until(lambda: len(registered_instances(s.redis_url, "mlp")) == 4, 30)
+        assert wait_until(lambda: len(registered_instances(s.redis_url, SLOW)) == 4, 30)
         yield s
 
 
@@ -149,15 +152,17 @@ def test_killed_worker_fails_its_requests_fast_then_survivor_serves(
     victim_id, survivor_id = worker_id(victim.proc.pid), worker_id(survivor.proc.pid)
     assert len(worker_instances(s.redis_url, victim_id)) == 2
 
-    with Load(s.url, threads=6) as load:
-        assert wait_until(lambda: load.ok() >= 20, 20)
+    # Twice as many clients as instances: two requests wait in the queue
+    # for each instance, so all four execute all the time.
+    with Load(s.url, threads=8, batch=1, model=SLOW) as load:
+        assert wait_until(lambda: load.ok() >= 8, 30)
         # the victim is taking load before the kill
-        seen = watch_busy(s.redis_url, victim_id, 5)
+        seen = watch_busy(s.redis_url, victim_id, 5, SLOW)
         killed_at = time.monotonic()
         victim.proc.kill()
         victim.proc.wait(5)
         time.sleep(1.5)
-    assert any(i.startswith(victim_id + "/") for i in seen), seen
+    assert any(i.startswith(f"{victim_id}/{SLOW}/") for i in seen), seen
 
     failed = load.failed()
     after_kill = [o for o in load.outcomes if o.end > killed_at]
@@ -175,8 +180,11 @@ def test_killed_worker_fails_its_requests_fast_then_survivor_serves(
 
     # the rate limiter forgets the dead worker and its instances
     assert wait_until(lambda: registered_workers(s.redis_url) == {survivor_id}, BOUND_S)
-    assert registered_instances(s.redis_url, "mlp") == worker_instances(s.redis_url, survivor_id)
-    assert len(worker_instances(s.redis_url, survivor_id)) == 2
+    for model in ("mlp", SLOW):
+        assert registered_instances(s.redis_url, model) == worker_instances(
+            s.redis_url, survivor_id, model
+        )
+        assert len(worker_instances(s.redis_url, survivor_id, model)) == 2
 
     # and every new request succeeds on the survivor
     c = s.client()
@@ -340,4 +348,6 @@ def test_idle_scheduler_returns_its_grants(one_worker: RunningStack) -> None:
     c = s.client()
     for _ in range(3):
         infer_simple(c)
-    assert wait_until(lambda: not busy_instances(s.redis_url), 3.0), busy_instances(s.redis_url)
+    assert wait_until(lambda: not granted_instances(s.redis_url), 10.0), granted_instances(
+        s.redis_url
+    )

@@ -23,6 +23,7 @@ from stageserve import redis_keys as keys
 from stageserve_tools.examples import write_simple
 from tests.integration.helpers import (
     client,
+    granted_instances,
     infer_simple,
     registered_instances,
     stack_retrying,
@@ -104,7 +105,8 @@ def test_changed_model_reloads_and_in_flight_request_finishes_on_old_version(pol
 
     t = threading.Thread(target=in_flight)
     t.start()
-    time.sleep(0.4)  # it is executing (1.5 s) when version 2 appears
+    # it is executing (1.5 s from its grant) when version 2 appears
+    assert wait_until(lambda: _granted(polled, "versioned", 1) == 1, BOUND_S)
     staged = tmp_path / "2"
     shutil.copytree(model_dir / "1", staged)
     staged.rename(model_dir / "2")  # Triton's default policy serves the latest: 2
@@ -123,10 +125,24 @@ def test_changed_model_reloads_and_in_flight_request_finishes_on_old_version(pol
         return params["execute_delay_ms"].string_value == "0"
 
     assert wait_until(delay_gone, BOUND_S)
-    start = time.monotonic()
+    # the new config runs: the server's compute time, not the client's wall
+    # clock (which a loaded machine stretches), is under the old 1.5 s delay
+    before = _compute_ns(c, "versioned", "2")
     infer_simple(c, model="versioned")
-    assert time.monotonic() - start < 1.0  # the new config runs
+    count, ns = (a - b for a, b in zip(_compute_ns(c, "versioned", "2"), before, strict=True))
+    assert count == 1 and ns < 1.5e9, (count, ns)
     c.close()
+
+
+def _compute_ns(c, model: str, version: str) -> tuple[int, int]:
+    """(executions, their compute_infer time in ns) from Triton's statistics."""
+    (st,) = c.get_inference_statistics(model, version, as_json=False).model_stats
+    return st.inference_stats.compute_infer.count, st.inference_stats.compute_infer.ns
+
+
+def _granted(running: RunningStack, model: str, version: int) -> int:
+    """Grants held on `model`'s `version` instances: each has a request to run."""
+    return sum(f"/{model}/{version}/" in i for i in granted_instances(running.redis_url))
 
 
 def test_removed_model_is_unloaded(polled):
@@ -245,7 +261,8 @@ def test_two_gateways_reload_a_changed_model_once_in_flight_finishes_on_old(two_
     threads = [threading.Thread(target=in_flight, args=(u,)) for u in (running.url, url_b)]
     for t in threads:
         t.start()
-    time.sleep(0.4)  # both executing (1.5 s) when version 2 appears
+    # both executing (1.5 s from their grants) when version 2 appears
+    assert wait_until(lambda: _granted(running, "versioned", 1) == 2, BOUND_S)
     staged = tmp_path / "2"
     shutil.copytree(model_dir / "1", staged)
     staged.rename(model_dir / "2")

@@ -126,8 +126,12 @@ class TritonPythonModel:
 """
 
 # The time its execute began (time.monotonic(): one clock for every process).
+# T: when it ran (time.monotonic(), one clock for every process); a file in
+# MARKS (set when the model is written) for each request, after the stamp.
 STAMP = """\
+import pathlib
 import time
+import uuid
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -136,16 +140,22 @@ import triton_python_backend_utils as pb_utils
 class TritonPythonModel:
     def execute(self, requests):
         now = time.monotonic()
+        for _ in requests:
+            pathlib.Path(MARKS, uuid.uuid4().hex).touch()
         return [pb_utils.InferenceResponse([pb_utils.Tensor("T", np.array([now]))])
                 for _ in requests]
 """
 
 # async_exec() as in Triton 2.51: sends py_stamp two requests and py_gen a
-# decoupled one, blocks its loop 0.5 s (no await), then awaits the three with
-# asyncio.wait. T: when py_stamp ran them, relative to when the caller began
-# to await (< 0: before); W: how long that await took; OUT: py_gen's outputs.
+# decoupled one, blocks its loop (no await) until py_stamp has run both (its
+# files in MARKS; at most 10 s), then awaits the three with asyncio.wait.
+# T: when py_stamp ran them, relative to when the caller began to await
+# (< 0: before); OUT: py_gen's outputs. Waiting on py_stamp's files, not for
+# a fixed time, keeps the test independent of how fast a loaded machine runs
+# them; if async_exec sent only when awaited, the wait would time out first.
 ASYNC_CALLER = """\
 import asyncio
+import pathlib
 import time
 
 import numpy as np
@@ -155,14 +165,17 @@ import triton_python_backend_utils as pb_utils
 class TritonPythonModel:
     async def execute(self, requests):
         x = pb_utils.get_input_tensor_by_name(requests[0], "IN")
+        marks = pathlib.Path(MARKS)
+        before = len(list(marks.iterdir()))
         stamps = [pb_utils.InferenceRequest(model_name="py_stamp", requested_output_names=["T"],
                                             inputs=[x]).async_exec() for _ in range(2)]
         gen = pb_utils.InferenceRequest(model_name="py_gen", requested_output_names=["OUT"],
                                         inputs=[x]).async_exec(decoupled=True)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while len(list(marks.iterdir())) < before + 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # no await: only requests already sent can run
         awaiting = time.monotonic()
         done, pending = await asyncio.wait([*stamps, gen])
-        waited = time.monotonic() - awaiting
         answers = await asyncio.gather(*stamps)
         assert all(isinstance(a, pb_utils.InferenceResponse) for a in answers), answers
         responses = gen.result()
@@ -171,7 +184,6 @@ class TritonPythonModel:
         stamped = [pb_utils.get_output_tensor_by_name(a, "T").as_numpy()[0] for a in answers]
         return [pb_utils.InferenceResponse([
             pb_utils.Tensor("T", np.array(stamped) - awaiting),
-            pb_utils.Tensor("W", np.array([waited])),
             pb_utils.Tensor("OUT", np.stack(parts))])]
 """
 STUB = '\nparameters { key: "STAGESERVE_INSTANCE_PROCESS" value { string_value: "true" } }\n'
@@ -224,10 +236,13 @@ def bls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack
             max_batch_size=0,
         ),
     )
+    marks = root.parent / f"{root.name}_stamps"
+    marks.mkdir()
+    header = f"MARKS = {str(marks)!r}\n"
     write_python_model(
         root,
         "py_stamp",
-        STAMP,
+        header + STAMP,
         python_config_text(
             "py_stamp", [("IN", "FP32", (4,))], [("T", "FP64", (1,))], max_batch_size=0
         ),
@@ -236,10 +251,10 @@ def bls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack
         config = python_config_text(
             name,
             [("IN", "FP32", (4,))],
-            [("T", "FP64", (2,)), ("W", "FP64", (1,)), ("OUT", "FP32", (3, 4))],
+            [("T", "FP64", (2,)), ("OUT", "FP32", (3, 4))],
             max_batch_size=0,
         )
-        write_python_model(root, name, ASYNC_CALLER, config + extra)
+        write_python_model(root, name, header + ASYNC_CALLER, config + extra)
     with running_stack(root) as s:
         yield s
 
@@ -329,5 +344,4 @@ def test_async_exec_runs_before_the_caller_awaits(bls_stack: RunningStack, model
     with bls_stack.client() as c:
         r = c.infer(model, [inp])
     assert (r.as_numpy("T") < 0).all(), r.as_numpy("T")  # ran while the caller was blocked
-    assert r.as_numpy("W")[0] < 0.25  # every answer was in already
     np.testing.assert_array_equal(r.as_numpy("OUT"), np.stack([x, x * 2, x * 3]))

@@ -12,7 +12,6 @@ configs are UNAVAILABLE with the reason while the rest serves.
 from __future__ import annotations
 
 import queue
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,12 +28,13 @@ from stageserve_tools.examples import (
 from tests.integration.helpers import (
     RPC_TIMEOUT_S,
     expect_error,
+    granted_instances,
     index_states,
     model_stats,
     stack_retrying,
     tensor_input,
 )
-from tests.stack import RunningStack
+from tests.stack import RunningStack, wait_until
 
 INVALID = "StatusCode.INVALID_ARGUMENT"
 UNAVAILABLE = "StatusCode.UNAVAILABLE"
@@ -166,7 +166,8 @@ def test_requests_of_different_lengths_share_a_batch(stack: RunningStack) -> Non
     shapes = [(1, 5), (1, 1), (1, 9), (2, 3), (1, 4), (1, 2), (1, 6)]  # 7 requests, 8 items
     xs = [_values(rows, length, 100 + k) for k, (rows, length) in enumerate(shapes)]
     send(0, xs[0])
-    time.sleep(DELAY_MS / 3000)  # the first one is executing now
+    # the first one is executing (DELAY_MS from its grant) when the others come
+    assert wait_until(lambda: _granted(stack, "ragged_slow") == 1, RPC_TIMEOUT_S)
     for k in range(1, len(xs)):
         send(k, xs[k])
     for _ in xs:
@@ -182,6 +183,10 @@ def test_requests_of_different_lengths_share_a_batch(stack: RunningStack) -> Non
     # the six requests (7 items) that queued behind the first ran as one batch
     sizes = {b.batch_size: b.compute_infer.count for b in after.batch_stats}
     assert sizes.get(7, 0) >= 1, sizes
+
+
+def _granted(stack: RunningStack, model: str) -> int:
+    return sum(f"/{model}/" in i for i in granted_instances(stack.redis_url))
 
 
 def test_ragged_input_still_has_to_match_its_dims(stack: RunningStack) -> None:

@@ -16,6 +16,7 @@ import pytest
 from stageserve_tools.examples import config_text, write_model
 from tests.integration.helpers import (
     RPC_TIMEOUT_S,
+    granted_instances,
     registered_instances,
     stack_retrying,
     tensor_input,
@@ -63,7 +64,11 @@ def test_reload_removing_a_version_lets_its_queued_requests_finish_on_it(
             client_timeout=RPC_TIMEOUT_S,
             callback=lambda result, error, k=k: answers.put((k, result, error, time.monotonic())),
         )
-    time.sleep(DELAY_MS / 1000 / 2)  # one executes, the others wait in the scheduler's queue
+    # one executes (DELAY_MS from its grant), the others wait in the scheduler's queue
+    assert wait_until(
+        lambda: sum("/drained/1/" in i for i in granted_instances(stack.redis_url)) == 1,
+        RPC_TIMEOUT_S,
+    )
     # version 2 appears; the policy (latest 1) drops version 1
     _write(tmp_path, 2)
     (tmp_path / "drained" / "2").rename(stack.repository / "drained" / "2")

@@ -387,7 +387,7 @@ def test_explicit_unload_during_steady_load_never_hangs(explicit: RunningStack) 
     threads = [threading.Thread(target=hammer) for _ in range(4)]
     for t in threads:
         t.start()
-    time.sleep(0.3)
+    assert wait_until(lambda: "ok" in outcomes, RPC_TIMEOUT_S)  # served before the unload
     c.unload_model("identity_fp32", client_timeout=RPC_TIMEOUT_S)
     time.sleep(0.2)
     stop.set()
@@ -427,12 +427,17 @@ def _reload_under_load(running: RunningStack, reloads: int = 4) -> list[str]:
     threads = [threading.Thread(target=hammer) for _ in range(2)]
     for t in threads:
         t.start()
+    # Some requests served before each reload and after the last: counted,
+    # not timed (a loaded machine serves fewer in a fixed time).
+    served = 0
     try:
         for _ in range(reloads):
-            time.sleep(0.3)
+            served += 3
+            assert wait_until(lambda n=served: outcomes.count("ok") >= n, RPC_TIMEOUT_S)
             c.load_model("mlp", client_timeout=RPC_TIMEOUT_S)
             assert _ready(c, "mlp")
-        time.sleep(0.3)
+        served += 3
+        assert wait_until(lambda n=served: outcomes.count("ok") >= n, RPC_TIMEOUT_S)
     finally:
         stop.set()
         for t in threads:

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _STAGE = textwrap.dedent(
     """
-    import asyncio, sys, threading, time
+    import asyncio, ctypes, sys, threading, time
     import grpc
     from stageserve import service_runtime
 
@@ -28,6 +28,12 @@ _STAGE = textwrap.dedent(
 
     def teardown_that_never_ends():
         threading.Event().wait()  # a lock wait nobody will release
+
+    def exit_that_never_ends():
+        # A C exit-time handler (as a library's static destructor is) that
+        # blocks: exit() runs it after the interpreter finalized.
+        libc = ctypes.CDLL(None)
+        libc.__cxa_atexit(ctypes.cast(libc.pause, ctypes.c_void_p), None, None)
 
     async def main():
         server = grpc.aio.server()
@@ -38,6 +44,8 @@ _STAGE = textwrap.dedent(
         finally:
             if sys.argv[2] == "hang":
                 teardown_that_never_ends()
+            if sys.argv[2] == "hang_at_exit":
+                exit_that_never_ends()
 
     asyncio.run(main())
     """
@@ -76,6 +84,15 @@ def test_a_stuck_teardown_is_ended_with_every_thread_stack() -> None:
     assert proc.returncode == 1
     assert 1.4 <= took < 10, took  # grace 0.5 s + slack 1 s, then gone
     assert "Timeout" in stderr and "teardown_that_never_ends" in stderr, stderr
+
+
+def test_a_hang_after_the_interpreter_finalized_is_ended_by_the_alarm() -> None:
+    proc = _start(slack_s=1.0, mode="hang_at_exit")
+    stderr, took = _terminate(proc)
+    # faulthandler's watchdog is gone by then; SIGALRM's default action ends
+    # it at ceil(grace 0.5 s + slack 1 s) + EXIT_BACKSTOP_S = 4 s
+    assert proc.returncode == -signal.SIGALRM, (proc.returncode, stderr)
+    assert 3.5 <= took < 10, took
 
 
 def test_a_clean_teardown_exits_zero_before_the_watchdog() -> None:

@@ -17,7 +17,13 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from stageserve.net import free_port
+from stageserve.service_runtime import EXIT_BACKSTOP_S, SHUTDOWN_SLACK_S
 from tests.procs import alive
+
+#: The longest a stage may live after its SIGTERM: its gRPC grace (5 s), the
+#: watchdog's slack, the alarm's backstop (service_runtime), plus 5 s for a
+#: loaded machine to schedule the exit.
+STAGE_EXIT_BOUND_S = 5 + SHUTDOWN_SLACK_S + 1 + EXIT_BACKSTOP_S + 5
 
 
 def _start_up(repository: Path, stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, dict]:
@@ -93,7 +99,7 @@ def test_killed_launcher_leaves_no_orphans(example_repository: Path, tmp_path: P
     pids = info["pids"]
     proc.kill()  # SIGKILL: no chance to clean up; children die with it
     proc.wait(10)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + STAGE_EXIT_BOUND_S
     while time.monotonic() < deadline and any(alive(p) for p in pids.values()):
         time.sleep(0.1)
     leftover = [n for n, p in pids.items() if alive(p)]

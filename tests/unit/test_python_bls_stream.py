@@ -58,15 +58,29 @@ def _later(feed: ResponseFeed, *steps) -> threading.Thread:
 
 
 def test_iterator_yields_each_response_as_it_comes() -> None:
+    """Ordered by events, not timed: the second response is fed only once the
+    caller has the first (or after 10 s, if wait_first waited for more)."""
     feed = ResponseFeed()
-    start = time.monotonic()
-    _later(feed, (GAP_S, 0), (GAP_S, 1), (0, None))
+    first_fed, caller_has_first = threading.Event(), threading.Event()
+    fed_second = threading.Event()
+
+    def feeder() -> None:
+        time.sleep(GAP_S)
+        feed.put(_response(0))
+        first_fed.set()
+        caller_has_first.wait(10)
+        feed.put(_response(1))
+        fed_second.set()
+        feed.put(pb_utils.InferenceResponse([]), last=True)
+
+    threading.Thread(target=feeder, daemon=True).start()
     responses = ResponseIterator(feed).wait_first()  # exec() returns with the first
-    returned = time.monotonic() - start
-    got = [(time.monotonic() - start, _value(r)) for r in responses]
-    assert [v for _, v in got] == [0, 1, None]  # the final flag alone: an empty response
-    assert returned > GAP_S - 0.01  # not before the first response
-    assert got[1][0] - returned > GAP_S / 2  # nor with the second
+    assert first_fed.is_set()  # not before the first response
+    assert _value(next(responses)) == 0
+    assert not fed_second.is_set()  # nor with the second
+    caller_has_first.set()
+    # the final flag alone: an empty response
+    assert [_value(r) for r in responses] == [1, None]
     assert responses.finished
 
 
@@ -120,10 +134,20 @@ def test_an_iterator_dropped_early_drops_what_still_comes() -> None:
 
 
 def test_wait_first_async_never_blocks_its_loop() -> None:
-    async def main() -> tuple[int, list[int | None]]:
+    """The first response is fed only once the caller's loop has ticked 5
+    times while awaiting it (10 s at most: a blocked loop never ticks)."""
+    ticks = 0
+    ticked_while_waiting = threading.Event()
+
+    def feeder(feed: ResponseFeed) -> None:
+        if wait_for(lambda: ticks >= 5, timeout_s=10):
+            ticked_while_waiting.set()
+        feed.put(_response(0))
+        feed.put(pb_utils.InferenceResponse([]), last=True)
+
+    async def main() -> list[int | None]:
+        nonlocal ticks
         feed = ResponseFeed()
-        _later(feed, (GAP_S, 0), (0, None))
-        ticks = 0
 
         async def tick() -> None:
             nonlocal ticks
@@ -132,13 +156,13 @@ def test_wait_first_async_never_blocks_its_loop() -> None:
                 ticks += 1
 
         ticker = asyncio.create_task(tick())
+        threading.Thread(target=feeder, args=(feed,), daemon=True).start()
         responses = await ResponseIterator(feed).wait_first_async()
         ticker.cancel()
-        return ticks, [_value(r) for r in responses]
+        return [_value(r) for r in responses]
 
-    ticks, values = asyncio.run(main())
-    assert values == [0, None]
-    assert ticks > 5  # the loop ran while the first response was awaited
+    assert asyncio.run(main()) == [0, None]
+    assert ticked_while_waiting.is_set()  # the loop ran while the first response was awaited
 
 
 def test_a_cancelled_async_caller_leaves_the_feed_working() -> None:
@@ -167,19 +191,26 @@ class _FakeLink:
         values: list[int],
         raise_at_end: Exception | None = None,
         final: int | None = None,
+        gate: threading.Event | None = None,
     ) -> None:
         self.values = values
         self.raise_at_end = raise_at_end
         self.final = final  # the last response's OUT; None: the final flag alone
+        self.gate = gate  # set: the rest after the first response waits for it (10 s at most)
         self.sent = 0  # requests received
+        self.streamed = 0  # responses handed to on_more
 
     async def schedule(self, request, on_more=None) -> pb.ScheduleResponse:
         self.sent += 1
-        for v in self.values:
+        for i, v in enumerate(self.values):
             resp = pb.ScheduleResponse(more=True)
             _out(resp, v)
             on_more(resp)
-            await asyncio.sleep(GAP_S)
+            self.streamed += 1
+            if i == 0 and self.gate is not None:
+                await asyncio.to_thread(self.gate.wait, 10)
+            else:
+                await asyncio.sleep(GAP_S)
         if self.raise_at_end is not None:
             raise self.raise_at_end
         if self.final is not None:
@@ -228,16 +259,19 @@ def _request() -> pb_utils.InferenceRequest:
 
 @pytest.mark.parametrize("use_async", [False, True])
 def test_client_streams_from_its_loop(client: BlsClient, use_async: bool) -> None:
-    start = time.monotonic()
+    """Ordered by events, not timed: the link streams the second response only
+    once the caller has the first (or after 10 s, if the call waited for more)."""
+    gate = threading.Event()
+    link = _FakeLink([0, 1], gate=gate)
+    client.link = link  # type: ignore[assignment]  # fake
     if use_async:
         responses = asyncio.run(client.execute_async(_request(), True))
     else:
         responses = client.execute(_request(), True)
-    returned = time.monotonic() - start
-    got = [(time.monotonic() - start, _value(r)) for r in responses]
-    assert [v for _, v in got] == [0, 1, None]
-    assert returned < GAP_S / 2  # with the first response, not at the end
-    assert got[1][0] - got[0][0] > GAP_S / 2
+    assert _value(next(responses)) == 0
+    assert link.streamed == 1  # returned with the first response, not at the end
+    gate.set()
+    assert [_value(r) for r in responses] == [1, None]
     assert wait_for(lambda: not client._streams)  # the call is gone once ended
 
 
@@ -342,8 +376,12 @@ def wait_for(predicate, timeout_s: float = 5.0) -> bool:
 # Calls "gen" with exec(decoupled=True) (IN[0] = 1: async_exec; 2: reads one
 # response, drops the iterator, then calls again and reads all). T: seconds
 # from the call when each response came, R: when exec returned, V: values.
+# A file in RETURNED each time exec returns: the fake worker client streams
+# a call's second response only after it (_FakeWorkerClient.returned).
 STUB_CALLER = """\
+import pathlib
 import time
+import uuid
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -356,12 +394,14 @@ class TritonPythonModel:
                                         inputs=[])
         if mode == 2:
             first = bls.exec(decoupled=True)
+            pathlib.Path(RETURNED, uuid.uuid4().hex).touch()
             next(first)
             del first
         start = time.monotonic()
         responses = await bls.async_exec(decoupled=True) if mode == 1 else bls.exec(
             decoupled=True)
         returned = time.monotonic() - start
+        pathlib.Path(RETURNED, uuid.uuid4().hex).touch()
         arrived, values = [], []
         for r in responses:
             arrived.append(time.monotonic() - start)
@@ -374,11 +414,19 @@ class TritonPythonModel:
 """
 
 
+# How long PAIR_CALLER blocks its loop waiting for both calls to reach the
+# worker: only reached when async_exec does not send before it is awaited.
+ARRIVAL_WAIT_S = 10.0
+
 # Calls "gen" twice with async_exec (IN[0] = 1: decoupled=True), blocks its
-# loop GAP_S, then awaits both with asyncio.wait. A: when it began to
-# await (time.monotonic(), one clock for every process), V: the values.
+# loop until the worker has both calls (a file each in ARRIVED, written by
+# the fake worker client; at most ARRIVAL_WAIT_S), then awaits both with
+# asyncio.wait. A: when it began to await (time.monotonic(), one clock for
+# every process), V: the values. Waiting on the arrivals, not for a fixed
+# time, keeps the test independent of how fast a loaded machine delivers them.
 PAIR_CALLER = f"""\
 import asyncio
+import pathlib
 import time
 
 import numpy as np
@@ -392,7 +440,10 @@ class TritonPythonModel:
                                            inputs=[]).async_exec(decoupled=decoupled)
                  for _ in range(2)]
         assert all(isinstance(c, asyncio.Future) for c in calls), calls
-        time.sleep({GAP_S})  # no await: only calls already sent reach the worker
+        arrived = pathlib.Path(ARRIVED)
+        deadline = time.monotonic() + {ARRIVAL_WAIT_S}
+        while len(list(arrived.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # no await: only calls already sent reach the worker
         awaiting = time.monotonic()
         done, pending = await asyncio.wait(calls)
         values = []
@@ -417,44 +468,84 @@ class _FakeWorkerClient:
     """pb_utils.InferenceRequest._bls in the worker: "gen" streams 0, 1, final
     (or, not decoupled, answers 7)."""
 
-    def __init__(self) -> None:
+    def __init__(self, arrived: Path | None = None, returned: Path | None = None) -> None:
         self.calls = 0
         self.sent_at: list[float] = []  # time.monotonic() of each call's arrival
+        self.arrived = arrived  # a file per call is written here, after sent_at
+        # Set: a call's second response is streamed only once the caller's
+        # exec has returned that call (its n-th file here; 10 s at most), and
+        # `in_order` records, per call, whether it had.
+        self.returned = returned
+        self.in_order: dict[int, bool] = {}  # call number: in time
+        self.feeders: list[threading.Thread] = []
+
+    def _arrival(self) -> None:
+        self.calls += 1
+        self.sent_at.append(time.monotonic())
+        if self.arrived is not None:
+            (self.arrived / str(self.calls)).touch()
 
     def stream(self, request: pb_utils.InferenceRequest) -> ResponseIterator:
         assert request.model_name() == "gen"
-        self.calls += 1
-        self.sent_at.append(time.monotonic())
+        self._arrival()
         feed = ResponseFeed()
-        _later(feed, (0, 0), (GAP_S, 1), (0, None))
+        if self.returned is None:
+            _later(feed, (0, 0), (GAP_S, 1), (0, None))
+        else:
+            feeder = threading.Thread(target=self._gated, args=(feed, self.calls), daemon=True)
+            self.feeders.append(feeder)
+            feeder.start()
         return ResponseIterator(feed)
+
+    def _gated(self, feed: ResponseFeed, call: int) -> None:
+        assert self.returned is not None
+        returned = self.returned
+        feed.put(_response(0), False)
+        self.in_order[call] = wait_for(lambda: len(list(returned.iterdir())) >= call, 10.0)
+        feed.put(_response(1), False)
+        feed.put(pb_utils.InferenceResponse([]), True)
 
     def response(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
         assert request.model_name() == "gen"
-        self.calls += 1
-        self.sent_at.append(time.monotonic())
+        self._arrival()
         return _response(7)
 
 
 @pytest.fixture
 def stub_instance(tmp_path: Path) -> Iterator[tuple[ProcessInstance, _FakeWorkerClient]]:
+    returned = tmp_path / "returned"
+    returned.mkdir()
     yield from _stub_instance(
-        tmp_path, STUB_CALLER, [("T", "FP64", (-1,)), ("R", "FP64", (1,)), ("V", "INT64", (-1,))]
+        tmp_path,
+        f"RETURNED = {str(returned)!r}\n{STUB_CALLER}",
+        [("T", "FP64", (-1,)), ("R", "FP64", (1,)), ("V", "INT64", (-1,))],
+        returned=returned,
     )
 
 
 @pytest.fixture
 def stub_pair(tmp_path: Path) -> Iterator[tuple[ProcessInstance, _FakeWorkerClient]]:
-    yield from _stub_instance(tmp_path, PAIR_CALLER, [("A", "FP64", (1,)), ("V", "INT64", (-1,))])
+    arrived = tmp_path / "arrived"
+    arrived.mkdir()
+    yield from _stub_instance(
+        tmp_path,
+        f"ARRIVED = {str(arrived)!r}\n{PAIR_CALLER}",
+        [("A", "FP64", (1,)), ("V", "INT64", (-1,))],
+        arrived,
+    )
 
 
 def _stub_instance(
-    tmp_path: Path, source: str, outputs: list
+    tmp_path: Path,
+    source: str,
+    outputs: list,
+    arrived: Path | None = None,
+    returned: Path | None = None,
 ) -> Iterator[tuple[ProcessInstance, _FakeWorkerClient]]:
     text = python_config_text("caller", [("IN", "INT32", (1,))], outputs, max_batch_size=0)
     (tmp_path / "1").mkdir()
     (tmp_path / "1" / "model.py").write_text(source)
-    fake = _FakeWorkerClient()
+    fake = _FakeWorkerClient(arrived, returned)
     saved, pb_utils.InferenceRequest._bls = pb_utils.InferenceRequest._bls, fake
     inst = ProcessInstance(
         tmp_path / "1" / "model.py",
@@ -491,9 +582,11 @@ def test_stub_gets_each_response_as_it_comes(stub_instance, mode: int) -> None:
     inst, fake = stub_instance
     out = _run(inst, mode)
     assert out["V"] == [0, 1, -1]
-    arrived, returned = out["T"], out["R"][0]
-    assert arrived[1] - arrived[0] > GAP_S / 2
-    assert returned < arrived[1] - GAP_S / 2
+    # each exec returned with its first response, before the second was sent
+    for feeder in fake.feeders:  # a dropped call's feeder may still be finishing
+        feeder.join(15)
+    assert fake.in_order == {call: True for call in range(1, fake.calls + 1)}
+    assert out["R"][0] < out["T"][1]
     assert fake.calls == (2 if mode == 2 else 1)
 
 

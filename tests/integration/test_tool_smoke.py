@@ -262,7 +262,7 @@ SMOKE: dict[str, Smoke] = {
             "--workers",
             "1",
             "--load-seconds",
-            "1",
+            "2",
             "--render",
             "{tmp}",
             "--render-load-seconds",

@@ -1038,8 +1038,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         start_server(ns.command, Path(tmp), models, **options) as server,
     ):
         check_consistency(server.url, models)
-        print(f"{ns.command} ready at {server.url} (consistency check passed); Ctrl-C stops it")
+        # Ctrl-C may arrive while the ready line is still being written.
         with contextlib.suppress(KeyboardInterrupt):
+            print(f"{ns.command} ready at {server.url} (consistency check passed); Ctrl-C stops it")
             while all(p.poll() is None for p in server.procs):
                 time.sleep(0.5)
     return 0

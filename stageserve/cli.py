@@ -387,20 +387,29 @@ def main(argv: list[str] | None = None) -> int:
             args.advertise,
             args.scheduler,
         )
-    if args.command != "gateway" and args.metrics_port:
-        from stageserve.telemetry import serve_metrics
+    from stageserve.net import ListenFailed
 
-        serve_metrics(args.metrics_port)
-    if args.command == "gateway":
-        from services.gateway.startup import EXIT_CODE, StartupLoadFailed
+    try:
+        if args.command != "gateway" and args.metrics_port:
+            from stageserve.telemetry import serve_metrics
 
-        try:
-            asyncio.run(coro)
-        except StartupLoadFailed as exc:
-            log.error("exiting (--exit-on-error)", extra={"error": str(exc)})
-            return EXIT_CODE
-        return 0
-    asyncio.run(coro)
+            serve_metrics(args.metrics_port)
+        if args.command == "gateway":
+            from services.gateway.startup import EXIT_CODE, StartupLoadFailed
+
+            try:
+                asyncio.run(coro)
+            except StartupLoadFailed as exc:
+                log.error("exiting (--exit-on-error)", extra={"error": str(exc)})
+                return EXIT_CODE
+            return 0
+        asyncio.run(coro)
+    except ListenFailed as exc:  # tritonserver's one line and exit code for a taken port
+        from stageserve.service_runtime import announce_failed
+
+        log.error(str(exc))
+        announce_failed(str(exc))
+        return 1
     return 0
 
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, TextIO
 from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.gpus import AUTO, gpu_count, worker_devices
 from stageserve.net import free_port
-from stageserve.service_runtime import READY_MARKER, STARTUP_MARKER
+from stageserve.service_runtime import FAILED_MARKER, READY_MARKER, STARTUP_MARKER
 from stageserve.settings import SupervisorSettings, settings_from_env
 
 if TYPE_CHECKING:
@@ -74,6 +74,8 @@ class Child:
     restarts: int = 0
     # The gateway's startup loads that failed ({model, version, reason} each), once it says
     startup_failures: list[dict[str, str]] | None = None
+    # Why it exited before it was ready, when it said (FAILED_MARKER)
+    last_error: str = ""
     # Restart on the announced address (peers were given it). Not for workers:
     # they announce themselves in the registry, and a scheduler treats the
     # address of a worker that died as broken until it answers, so a new
@@ -121,6 +123,8 @@ def _pump(child: Child, proc: subprocess.Popen, ready: threading.Event) -> None:
             ready.set()
         elif line.startswith(STARTUP_MARKER):
             child.startup_failures = json.loads(line[len(STARTUP_MARKER) :])
+        elif line.startswith(FAILED_MARKER):
+            child.last_error = json.loads(line[len(FAILED_MARKER) :])
         else:
             sys.stdout.write(line)
             sys.stdout.flush()
@@ -139,6 +143,7 @@ def spawn_service(child: Child, cmd: list[str]) -> None:
     )
     child.proc, child.cmd, child.ready = proc, cmd, threading.Event()
     child.startup_failures = None  # this run's, once it says
+    child.last_error = ""
     threading.Thread(target=_pump, args=(child, proc, child.ready), daemon=True).start()
 
 
@@ -185,7 +190,8 @@ class Stack:
         if not child.ready.wait(timeout_s) or not child.address:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.proc.wait(2)  # it closed its stdout: its exit code is moments away
-            raise RuntimeError(f"{name} did not become ready (exit code {child.proc.poll()})")
+            why = f": {child.last_error}" if child.last_error else ""
+            raise RuntimeError(f"{name} did not become ready (exit code {child.proc.poll()}){why}")
         return child
 
     def supervise(

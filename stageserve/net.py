@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import socket
 
 import grpc
@@ -64,13 +65,52 @@ def stage_channel(address: str, tls: StageTls | None) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(address, credentials, options=options)
 
 
+class ListenFailed(RuntimeError):
+    """A server could not bind its address. The message is tritonserver's for
+    the same failure (`failed to start GRPC service: Unavailable - Socket
+    '0.0.0.0:8001' already in use`): the one line a user reads before the
+    process exits 1, as Triton's does."""
+
+
+def listen_failed(front: str, listen: str, error: OSError | None = None) -> ListenFailed:
+    """`front` as Triton names it: "GRPC", "HTTP" or "Metrics". Without
+    `error` (grpc's bind failure carries no errno) a plain socket retries the
+    bind to learn why."""
+    if error is None:
+        error = _bind_error(listen)
+    if error is not None and error.errno == errno.EADDRINUSE:
+        why = "already in use"
+    elif error is not None:
+        why = f"cannot be bound: {error.strerror}"
+    else:
+        why = "cannot be bound"
+    return ListenFailed(f"failed to start {front} service: Unavailable - Socket '{listen}' {why}")
+
+
+def _bind_error(listen: str) -> OSError | None:
+    host, port = listen.rsplit(":", 1)
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((host, int(port)))
+    except OSError as exc:
+        return exc
+    except ValueError:  # a port that is not a number
+        return None
+    return None
+
+
 def add_stage_port(server: grpc.aio.Server, listen: str, tls: StageTls | None) -> int:
     """Bind an internal stage's server: with `tls` (Settings.stage_tls) clients
     must present a certificate signed by the stage CA; None: plaintext. 0 when
-    it cannot bind."""
-    if tls is None:
-        return server.add_insecure_port(listen)
-    credentials = grpc.ssl_server_credentials(
-        [(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True
-    )
-    return server.add_secure_port(listen, credentials)
+    it cannot bind (grpcio answers 0 or raises RuntimeError, by version)."""
+    try:
+        if tls is None:
+            return server.add_insecure_port(listen)
+        credentials = grpc.ssl_server_credentials(
+            [(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True
+        )
+        return server.add_secure_port(listen, credentials)
+    except RuntimeError:
+        return 0

@@ -13,7 +13,7 @@ import sys
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from stageserve.net import add_stage_port
+from stageserve.net import add_stage_port, listen_failed
 from stageserve.stage_tls import StageTls
 
 log = logging.getLogger(__name__)
@@ -22,6 +22,9 @@ READY_MARKER = "STAGESERVE_READY"
 # The gateway's startup load outcome: a JSON list of {model, version, reason}
 # for each startup model that is not ready (`stageserve up` prints a summary).
 STARTUP_MARKER = "STAGESERVE_STARTUP"
+# Why a stage exits before it is ready (a port it cannot bind), for the
+# launcher's "did not become ready" line: a JSON string.
+FAILED_MARKER = "STAGESERVE_FAILED"
 
 # How long after SIGTERM/SIGINT, beyond the gRPC grace, a stage may take to
 # finish its teardown (deregistering, finalizing models, closing clients)
@@ -47,6 +50,11 @@ def announce_ready(service: str, address: str, extra: dict | None = None) -> Non
 def announce_startup(failures: list[dict[str, str]]) -> None:
     """One machine-readable line on stdout once the startup models are loaded."""
     print(f"{STARTUP_MARKER} {json.dumps(failures)}", flush=True)
+
+
+def announce_failed(reason: str) -> None:
+    """One machine-readable line on stdout: why this stage ends before ready."""
+    print(f"{FAILED_MARKER} {json.dumps(reason)}", flush=True)
 
 
 async def run_server(
@@ -77,7 +85,7 @@ async def run_server(
         host = listen.rsplit(":", 1)[0]
         port = add_stage_port(server, listen, stage_tls)
         if port == 0:
-            raise RuntimeError(f"{service}: cannot listen on {listen}")
+            raise listen_failed("GRPC", listen)
         address = f"{host}:{port}"
     await server.start()
     serving = health_pb2.HealthCheckResponse.SERVING

@@ -24,6 +24,8 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram, generate_late
 from prometheus_client.metrics_core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from stageserve.net import listen_failed
+
 # ------------------------------------------------------------------- Triton
 
 TRITON_FAMILIES: dict[str, tuple[str, str]] = {
@@ -348,8 +350,12 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def serve_metrics(port: int, host: str = "0.0.0.0") -> ThreadingHTTPServer:
-    """Serve /metrics from a daemon thread; returns the server (port 0 picks one)."""
-    server = ThreadingHTTPServer((host, port), _Handler)
+    """Serve /metrics from a daemon thread; returns the server (port 0 picks one).
+    A port it cannot bind raises ListenFailed with Triton's message."""
+    try:
+        server = ThreadingHTTPServer((host, port), _Handler)
+    except OSError as exc:
+        raise listen_failed("Metrics", f"{host}:{port}", exc) from None
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     psutil.cpu_percent(interval=None)  # prime: the first reading is meaningless

@@ -21,7 +21,7 @@ from services.gateway.startup import StartupLoadFailed, report, startup_failures
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
-from stageserve.net import SERVER_OPTIONS, stage_channel
+from stageserve.net import SERVER_OPTIONS, listen_failed, stage_channel
 from stageserve.redis_connect import connect
 from stageserve.scheduler_link import SchedulerLink
 from stageserve.service_runtime import run_server
@@ -89,8 +89,11 @@ async def serve(
     if http_listen is not None:
         host, port = http_listen.rsplit(":", 1)
         front = HttpFront(dataplane, gateway.http_restrictions)
-        http = http_server(front, host, int(port), gateway.http_server)
-        await http.start()
+        try:
+            http = http_server(front, host, int(port), gateway.http_server)
+            await http.start()
+        except OSError as exc:
+            raise listen_failed("HTTP", http_listen, exc) from None
         announce["http"] = http.address
 
     poller = RepositoryPoller(lifecycle, repository, gateway.repository_poll_secs)

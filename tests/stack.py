@@ -68,8 +68,10 @@ def start_stack(
     ratelimiter_args: tuple[str, ...] = (),
     repository_poll_secs: float = 15.0,
     metrics_port: int = 0,
+    stage_metrics: bool = False,
 ) -> RunningStack:
-    """metrics_port: the gateway's Triton /metrics (0: none)."""
+    """metrics_port: the gateway's Triton /metrics (0: none); stage_metrics:
+    the other stages serve /metrics too (each Child's metrics_port)."""
     stack = Stack()
     try:
         s = start_services(
@@ -83,6 +85,7 @@ def start_stack(
             ratelimiter_args=ratelimiter_args,
             repository_poll_secs=repository_poll_secs,
             metrics_port=metrics_port,
+            stage_metrics=stage_metrics,
         )
     except BaseException:
         stack.stop()

@@ -49,8 +49,6 @@ INVALID = "StatusCode.INVALID_ARGUMENT"
 
 #: time after a blocker's grant by which its batch has surely left the batcher
 SETTLE_S = 0.15
-#: gap between requests that must reach the scheduler in this order
-GAP_S = 0.01
 
 # name: (max_batch_size, instances, dynamic_batching body, execute_delay_ms)
 MODELS: dict[str, tuple[int, int, str, int]] = {
@@ -78,7 +76,8 @@ MODELS: dict[str, tuple[int, int, str, int]] = {
     ),
     "ordered": (8, 2, "preserve_ordering: true", 0),
     "unordered": (8, 2, "", 0),
-    "shapes": (8, 1, "", 500),
+    # six requests queue one by one behind the blocker (_send_queued)
+    "shapes": (8, 1, "", 1000),
     "reloaded": (8, 1, "", 0),
 }
 
@@ -127,7 +126,11 @@ def metrics_port() -> int:
 @pytest.fixture(scope="module")
 def qstack(repo: Path, metrics_port: int) -> Iterator[RunningStack]:
     with stack_retrying(
-        repo, control_mode="explicit", load_models=("*",), metrics_port=metrics_port
+        repo,
+        control_mode="explicit",
+        load_models=("*",),
+        metrics_port=metrics_port,
+        stage_metrics=True,  # the scheduler's queue depth: _send_queued
     ) as s:
         c = s.client()
         # One request first: on a fresh gateway, concurrent first requests can
@@ -237,6 +240,28 @@ class Calls:
         return [o.tag for o in sorted(self.outcomes, key=lambda o: o.done_at)]
 
 
+def _queued(qstack: RunningStack, model: str) -> float:
+    """`model`'s requests waiting in the scheduler's queue (its
+    nv_inference_pending_request_count)."""
+    url = f"http://127.0.0.1:{qstack.scheduler.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith("nv_inference_pending_request_count{") and f'model="{model}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _send_queued(qstack: RunningStack, calls: Calls, tag: str, **kwargs) -> Outcome:
+    """Send one more request behind a blocker and return once the scheduler
+    queued it: requests sent this way reach the queue in the order sent,
+    however loaded the machine (a fixed gap between sends is no such bound)."""
+    depth = _queued(qstack, calls.model)
+    outcome = calls.send(tag, **kwargs)
+    queued = wait_until(lambda: _queued(qstack, calls.model) == depth + 1, RPC_TIMEOUT_S, 0.005)
+    assert queued, f"{tag}: not queued behind the blocker (did the blocker finish first?)"
+    return outcome
+
+
 def _blocked(qstack: RunningStack, model: str) -> tuple[grpcclient.InferenceServerClient, Calls]:
     """A client and a Calls whose first request ("blocker") is executing."""
     c = qstack.client()
@@ -272,8 +297,7 @@ def test_high_priority_request_overtakes_queued_low_priority_ones(qstack: Runnin
     _, calls = _blocked(qstack, "prio")
     # priority 2 is the default level; 0 and out-of-range (9 > 2 levels) mean it too
     for tag, priority in (("low-2", 2), ("low-0", 0), ("low-9", 9)):
-        calls.send(tag, priority=priority)
-        time.sleep(GAP_S)
+        _send_queued(qstack, calls, tag, priority=priority)
     calls.send("high", priority=1)
     calls.wait()
     for o in calls.outcomes:
@@ -292,7 +316,6 @@ def test_max_queue_size_rejects_overflow_with_unavailable(qstack: RunningStack) 
     blocker = calls.outcomes[0]
     for k in range(6):
         calls.send(f"q{k}")
-        time.sleep(GAP_S / 4)
     calls.wait()
     blocker.ok()
     queued = calls.outcomes[1:]
@@ -344,8 +367,7 @@ def test_timeout_override_without_default_timeout_is_ignored(qstack: RunningStac
     # no default there is nothing to shorten, so its timeout is ignored.
     _, calls = _blocked(qstack, "override_on")
     blocker = calls.outcomes[0]
-    timed = calls.send("timed", timeout=200_000)  # microseconds
-    time.sleep(GAP_S)
+    timed = _send_queued(qstack, calls, "timed", timeout=200_000)  # microseconds
     patient = calls.send("patient")
     calls.wait()
     blocker.ok()
@@ -386,8 +408,8 @@ def test_timeout_delay_puts_expired_requests_behind_live_ones(qstack: RunningSta
     # max_batch_size 2, blocker 600 ms; default timeout 10 s, overridable
     _, calls = _blocked(qstack, "delayed")
     blocker = calls.outcomes[0]
-    expired = [calls.send("expired-1", timeout=30_000), calls.send("expired-2", timeout=30_000)]
-    time.sleep(0.08)  # both are past their 30 ms now
+    expired = [_send_queued(qstack, calls, f"expired-{k}", timeout=30_000) for k in (1, 2)]
+    time.sleep(0.08)  # both queued, and past their 30 ms now
     live = [calls.send("live-1"), calls.send("live-2")]
     calls.wait()
     for o in calls.outcomes:
@@ -466,8 +488,7 @@ def test_requests_of_different_shapes_never_share_a_batch(qstack: RunningStack) 
     calls.send("blocker", shape=(1, 2))
     _executing(qstack, "shapes")
     for tag, width in (("a1", 4), ("a2", 4), ("a3", 4), ("b1", 6), ("b2", 6), ("a4", 4)):
-        calls.send(tag, shape=(1, width))
-        time.sleep(GAP_S)
+        _send_queued(qstack, calls, tag, shape=(1, width))
     calls.wait()
     for o in calls.outcomes:
         o.ok()  # every request got its own data and shape back
@@ -477,8 +498,8 @@ def test_requests_of_different_shapes_never_share_a_batch(qstack: RunningStack) 
     assert after.execution_count - before.execution_count == 4
     assert _batch_counts(after) - _batch_counts(before) == Counter({1: 2, 3: 1, 2: 1})
     done = {o.tag: o.done_at for o in calls.outcomes}
-    assert done["a1"] == pytest.approx(done["a3"], abs=0.15)
-    assert done["a3"] < done["b1"] < done["a4"]
+    # the batches ran one after another (1 s each): [a1 a2 a3] first
+    assert max(done["a1"], done["a2"], done["a3"]) < done["b1"] < done["a4"]
 
 
 # ------------------------------------------------------------------ parameters

@@ -1038,11 +1038,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         start_server(ns.command, Path(tmp), models, **options) as server,
     ):
         check_consistency(server.url, models)
-        # Ctrl-C may arrive while the ready line is still being written.
-        with contextlib.suppress(KeyboardInterrupt):
-            print(f"{ns.command} ready at {server.url} (consistency check passed); Ctrl-C stops it")
-            while all(p.poll() is None for p in server.procs):
-                time.sleep(0.5)
+        # Ctrl-C (or SIGTERM) sets an event: a KeyboardInterrupt raised inside
+        # the ready line's write (a caller may signal as soon as it reads it)
+        # has left the process killed by the signal or hung in its stop.
+        stop = threading.Event()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stop.set())
+        print(f"{ns.command} ready at {server.url} (consistency check passed); Ctrl-C stops it")
+        while not stop.wait(0.5) and all(p.poll() is None for p in server.procs):
+            pass
     return 0
 
 

@@ -38,7 +38,7 @@ def test_perf_analyzer_measures_throughput(
         model,
         4,
         measurement_ms=1000,
-        stability_pct=100,
+        stability_pct=1000,  # a functional check, not a figure: any windows will do
         protocol=protocol,
         # HTTP's first windows vary more while uvicorn warms up: more trials to settle.
         extra_args=["--max-trials", "3" if protocol == "grpc" else "10"],
@@ -80,7 +80,7 @@ def test_perf_analyzer_sends_the_benchmarks_input_rows(
             "bench_identity",
             2,
             measurement_ms=500,
-            stability_pct=100,
+            stability_pct=1000,  # a functional check, not a figure: any windows will do
             extra_args=["--max-trials", "3"],
             analyzer=analyzer,
             input_data=checked,

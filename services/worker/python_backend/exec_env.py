@@ -126,6 +126,11 @@ class EnvironmentManager:
         if not needs_unpack(known, mtime_ns):
             assert known is not None
             return known
+        if not hasattr(tarfile, "tar_filter"):  # Python 3.11.0-3.11.3: no safe extraction
+            raise ExecutionEnvError(
+                f"Cannot unpack the Python execution environment {archive}: "
+                "the worker's Python has no tarfile filters (3.11.4 or later has them)"
+            )
         folder = known.folder if known is not None else self._base_dir() / str(len(self._unpacked))
         # Into a fresh sibling first: a failed unpack leaves no half environment
         # behind, and the folder a reload reuses is never half replaced.

@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.worker.python_backend.exec_env import EnvironmentManager, ExecutionEnv
 from services.worker.python_backend.process_instance import ProcessInstance
 from stageserve.config import parse_config_text, to_spec
+from stageserve.python_exec_env import EnvironmentManager, ExecutionEnv
 from stageserve_tools.examples import python_config_text
 
 MODEL = """\

@@ -30,9 +30,13 @@ from tests.stack import RunningStack, running_stack
 OLD_NUMPY = "1.26.4"
 ENV_PARAMETER = 'parameters { key: "EXECUTION_ENV_PATH" value { string_value: "%s" } }\n'
 PROCESS = 'parameters { key: "STAGESERVE_INSTANCE_PROCESS" value { string_value: "%s" } }\n'
-# The gateway's code for any load a worker failed (docs/architecture.md);
-# Triton 2.51 answers INVALID_ARGUMENT "load failed for model ..." (checked).
-LOAD_FAILED = "StatusCode.UNAVAILABLE"
+# Triton 2.51 answers INVALID_ARGUMENT "load failed for model ..." to every
+# failed load (checked). Here the code says where it failed: a model whose
+# environment cannot be prepared fails at the gateway's auto-complete (it
+# runs auto_complete_config in the environment, as Triton does), INTERNAL;
+# a load a worker failed is UNAVAILABLE (docs/architecture.md).
+AUTOCOMPLETE_FAILED = "StatusCode.INTERNAL"
+WORKER_FAILED = "StatusCode.UNAVAILABLE"
 
 # SUM: the request's values accumulated in an int32 output; VERSION: numpy's;
 # PREFIX: the interpreter's environment; PID: the process that executed.
@@ -69,6 +73,11 @@ class TritonPythonModel:
 """
 
 
+# A model.py that imports, at its top, a package only its environment has:
+# Triton imports it there both for auto-complete and for serving.
+ENV_SOURCE = "import only_in_env\n" + SOURCE
+
+
 def _config(name: str, env: str | None, instances: int = 1, process: str | None = None) -> str:
     text = python_config_text(
         name,
@@ -99,6 +108,8 @@ def packed_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ]  # fmt: skip
     done = subprocess.run(install, capture_output=True, text=True)
     assert done.returncode == 0, f"pip could not install numpy=={OLD_NUMPY}: {done.stderr}"
+    # A package only the environment has (a model's tokenizer, say).
+    (root / "lib" / version / "site-packages" / "only_in_env.py").write_text("NAME = 'env'\n")
     return root
 
 
@@ -117,12 +128,12 @@ def env_stack(
 ) -> Iterator[RunningStack]:
     root = tmp_path_factory.mktemp("exec_env_repository")
     here = "$$TRITON_MODEL_DIRECTORY/env.tar.gz"
-    write_python_model(root, "py_env", SOURCE, _config("py_env", here, instances=2))
+    write_python_model(root, "py_env", ENV_SOURCE, _config("py_env", here, instances=2))
     shutil.copy(env_archive, root / "py_env" / "env.tar.gz")
     # The same archive, through the other model's directory: one unpack for both.
     shared = "$$TRITON_MODEL_DIRECTORY/../py_env/env.tar.gz"
-    write_python_model(root, "py_env_shared", SOURCE, _config("py_env_shared", shared))
-    write_python_model(root, "py_env_dir", SOURCE, _config("py_env_dir", str(packed_env)))
+    write_python_model(root, "py_env_shared", ENV_SOURCE, _config("py_env_shared", shared))
+    write_python_model(root, "py_env_dir", ENV_SOURCE, _config("py_env_dir", str(packed_env)))
     write_python_model(root, "py_plain", SOURCE, _config("py_plain", None))
     write_python_model(root, "py_missing", SOURCE, _config("py_missing", here))
     envdir = "$$TRITON_MODEL_DIRECTORY/envdir"
@@ -199,7 +210,7 @@ def test_the_archive_is_unpacked_once_until_it_changes(env_stack: RunningStack) 
         marker.write_text("")
 
         model_py = env_stack.repository / "py_env_shared" / "1" / "model.py"
-        model_py.write_text(SOURCE + "# reload\n")
+        model_py.write_text(ENV_SOURCE + "# reload\n")
         c.load_model("py_env_shared")  # a new version of the files: a new stub
         again = _infer(c, "py_env_shared", [1, 1])
         assert again["pid"] != first["pid"] and again["prefix"] == str(folder)
@@ -207,7 +218,7 @@ def test_the_archive_is_unpacked_once_until_it_changes(env_stack: RunningStack) 
 
         later = archive.stat().st_mtime + 10
         os.utime(archive, (later, later))
-        model_py.write_text(SOURCE + "# reload again\n")
+        model_py.write_text(ENV_SOURCE + "# reload again\n")
         c.load_model("py_env_shared")
         renewed = _infer(c, "py_env_shared", [2**31 - 1, 1])
         assert renewed["prefix"] == str(folder) and not marker.exists()
@@ -232,7 +243,7 @@ def test_a_path_that_does_not_exist_fails_the_load(env_stack: RunningStack) -> N
     <path>."; the reason is the same here."""
     error = _load_error(env_stack, "py_missing")
     path = env_stack.repository / "py_missing" / "env.tar.gz"
-    assert error.status() == LOAD_FAILED
+    assert error.status() == AUTOCOMPLETE_FAILED
     assert f"Failed to get the canonical path for {path}." in error.message()
 
 
@@ -260,17 +271,18 @@ def test_a_file_that_is_not_an_archive_fails_the_load(env_stack: RunningStack) -
     call); ours names the file and why."""
     error = _load_error(env_stack, "py_garbage")
     path = env_stack.repository / "py_garbage" / "env.tar.gz"
-    assert error.status() == LOAD_FAILED
-    assert f"Failed to unpack the Python execution environment {path}: ReadError" in (
-        error.message()
-    )
+    assert error.status() == AUTOCOMPLETE_FAILED
+    assert (
+        f"Failed to unpack the Python execution environment {path}: "
+        "not a tar archive (plain, gzip, bzip2 or xz)"
+    ) in error.message()
     with env_stack.client() as c:  # a failed unpack spoils nothing for the others
         assert _infer(c, "py_env_shared", [1, 2])["version"] == OLD_NUMPY
 
 
 def test_an_environment_cannot_run_in_the_workers_process(env_stack: RunningStack) -> None:
     error = _load_error(env_stack, "py_env_thread")
-    assert error.status() == LOAD_FAILED
+    assert error.status() == WORKER_FAILED
     assert (
         "parameter EXECUTION_ENV_PATH needs a process per instance, and parameter "
         "STAGESERVE_INSTANCE_PROCESS is 'false'" in error.message()

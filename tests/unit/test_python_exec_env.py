@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 
 from services.worker.python_backend import env_launch
-from services.worker.python_backend.exec_env import (
+from services.worker.python_backend.process_instance import InstanceProcessError, runs_in_process
+from stageserve import python_exec_env
+from stageserve.config import ModelSpec
+from stageserve.python_exec_env import (
     EnvironmentManager,
     ExecutionEnv,
     ExecutionEnvError,
@@ -23,8 +26,6 @@ from services.worker.python_backend.exec_env import (
     requested_env,
     worker_python_version,
 )
-from services.worker.python_backend.process_instance import InstanceProcessError, runs_in_process
-from stageserve.config import ModelSpec
 
 MODEL_DIR = Path("/models/m")
 
@@ -121,8 +122,9 @@ def test_a_bad_archive_fails_and_spoils_no_later_unpack(tmp_path: Path) -> None:
     manager = EnvironmentManager(tmp_path / "unpacked")
     with pytest.raises(ExecutionEnvError) as info:
         manager.prepare(str(bad))
-    assert str(info.value).startswith(
-        f"Failed to unpack the Python execution environment {bad}: ReadError"
+    assert str(info.value) == (
+        f"Failed to unpack the Python execution environment {bad}: "
+        "not a tar archive (plain, gzip, bzip2 or xz)"
     )
     assert list((tmp_path / "unpacked").iterdir()) == []  # nothing half unpacked
     # (Triton 2.51 fails every later archive after a bad one: checked.)
@@ -202,22 +204,47 @@ def test_the_stub_command_in_an_environment(tmp_path: Path, monkeypatch) -> None
     monkeypatch.setattr(sys, "path", [*sys.path, "/somewhere"])  # as PYTHONPATH puts it
     plain, plain_vars = env_launch.stub_command(7, None)
     assert plain == [sys.executable, "-m", env_launch.STUB_MODULE, "7"]
-    assert plain_vars["PYTHONPATH"].split(os.pathsep)[0] == env_launch.SOURCE_ROOT
+    assert plain_vars["PYTHONPATH"].split(os.pathsep) == [python_exec_env.SOURCE_ROOT, "/somewhere"]
 
     env = ExecutionEnv(tmp_path, tmp_path / "bin" / "python3", worker_python_version())
     argv, variables = env_launch.stub_command(7, env)
     assert argv[:2] == ["bash", "-c"]
-    assert argv[3:] == [
-        str(tmp_path),
-        str(tmp_path / "bin" / "python3"),
-        "-c",
-        env_launch.BOOT,
-        "7",
-    ]
+    assert argv[3:5] == [str(tmp_path), str(tmp_path / "bin" / "python3")]
+    assert argv[-2:] == [env_launch.STUB_MODULE, "7"]
     assert "PYTHONPATH" not in variables and variables["PYTHONNOUSERSITE"] == "1"
-    path = variables[env_launch.PATH_VARIABLE].split(os.pathsep)
-    assert path[0] == env_launch.SOURCE_ROOT
+    path = variables[python_exec_env.PATH_VARIABLE].split(os.pathsep)
+    assert path[0] == python_exec_env.SOURCE_ROOT
     assert "/somewhere" in path  # appended, never before the environment's packages
     assert any(p.endswith("site-packages") for p in path)
-    stdlib = os.path.dirname(os.__file__)
-    assert stdlib not in path
+    assert os.path.dirname(os.__file__) not in path  # the environment brings its own
+
+
+def test_a_module_runs_on_the_environments_packages_first(tmp_path: Path) -> None:
+    """A real venv whose site-packages has its own `json_probe`, shadowing
+    the one the caller's path appends: the environment's wins, and a module
+    only the caller has is found too."""
+    import venv
+
+    env_root = tmp_path / "env"
+    venv.create(env_root, with_pip=False)
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    site = env_root / "lib" / version / "site-packages"
+    (site / "probe_mod.py").write_text("WHO = 'environment'\n")
+    caller = tmp_path / "caller"
+    caller.mkdir()
+    (caller / "probe_mod.py").write_text("WHO = 'caller'\n")
+    (caller / "probe_main.py").write_text(
+        "import sys, probe_mod, grpc\nprint(probe_mod.WHO, sys.prefix, sys.argv[1:])\n"
+    )
+    env = EnvironmentManager().prepare(str(env_root))
+    import subprocess
+
+    saved = list(sys.path)
+    sys.path.append(str(caller))
+    try:
+        argv, variables = python_exec_env.module_command("probe_main", ["a", "b"], env)
+    finally:
+        sys.path[:] = saved
+    done = subprocess.run(argv, env=variables, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["environment", str(env_root), "['a',", "'b']"]

@@ -4,12 +4,6 @@ from __future__ import annotations
 
 from services.worker.backends import InstanceBackend
 from services.worker.instances import BackendMaker, Placement
-from services.worker.python_backend.exec_env import (
-    ENVIRONMENTS,
-    ExecutionEnv,
-    ExecutionEnvError,
-    requested_env,
-)
 from services.worker.python_backend.instance import PythonInstance, PythonModelError, config_json
 from services.worker.python_backend.process_instance import (
     InstanceProcessError,
@@ -19,6 +13,12 @@ from services.worker.python_backend.process_instance import (
 from services.worker.warmup import WarmupError
 from stageserve.config import InstanceGroup
 from stageserve.model_state import LoadedModel
+from stageserve.python_exec_env import (
+    ENVIRONMENTS,
+    ExecutionEnv,
+    ExecutionEnvError,
+    requested_env,
+)
 
 
 def python_backends(model: LoadedModel, version: int, process_default: bool) -> BackendMaker:
@@ -69,7 +69,7 @@ def python_backends(model: LoadedModel, version: int, process_default: bool) -> 
 
 
 def _execution_env(model: LoadedModel) -> ExecutionEnv | None:
-    """The model's EXECUTION_ENV_PATH, unpacked if need be (exec_env.py);
+    """The model's EXECUTION_ENV_PATH, unpacked if need be (stageserve/python_exec_env.py);
     None for a model that runs on the worker's own packages."""
     path = requested_env(model.spec.parameters, model.path)
     if path is None:

@@ -47,13 +47,13 @@ from services.worker.python_backend.bls_wire import (
     response_to_wire,
 )
 from services.worker.python_backend.env_launch import stub_command
-from services.worker.python_backend.exec_env import PARAMETER as ENV_PARAMETER
-from services.worker.python_backend.exec_env import ExecutionEnv
 from services.worker.python_backend.instance import INTERNAL, PythonModelError
 from services.worker.python_backend.stub import InitArgs
 from services.worker.python_backend.stub_wire import StubSocket
 from stageserve.config import ModelSpec
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve.python_exec_env import PARAMETER as ENV_PARAMETER
+from stageserve.python_exec_env import ExecutionEnv
 
 log = logging.getLogger(__name__)
 

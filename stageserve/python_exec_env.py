@@ -16,8 +16,22 @@ stub_launcher.cc, checked against Triton 2.51):
 - The environment must hold `bin/activate`, or the load fails with Triton's
   message.
 
-The folder of all unpacked environments is removed when the worker exits.
-How a stub starts in an environment is env_launch.py's job.
+The folder of all unpacked environments is removed when its process exits.
+
+Both the worker (each instance's stub) and whoever reads the repository
+(auto_complete_config, stageserve/python_autocomplete.py) run a model's
+Python in its environment, hence this module in the kernel.
+
+How a module runs in an environment (`module_command`), as Triton starts
+its stub: the environment's `bin/activate` is sourced and its `lib` goes
+first on LD_LIBRARY_PATH; then the environment's own interpreter runs the
+module. Its module search path is the environment's (standard library and
+site-packages, user site off) FIRST, then the folders StageServe's code
+needs that the environment may lack: StageServe's source and the caller's
+site-packages (grpc, protobuf, ...). So the model's packages (numpy 1.x,
+torch, a tokenizer) are the environment's, and a package the environment
+does not have comes from the caller. The caller's PYTHONPATH is not put
+before the environment's packages (it is appended, like the rest).
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tempfile
 import threading
@@ -144,9 +159,13 @@ class EnvironmentManager:
                 tar.extractall(partial, filter="tar")
         except (tarfile.TarError, OSError, EOFError) as exc:
             shutil.rmtree(partial, ignore_errors=True)
+            why = (
+                "not a tar archive (plain, gzip, bzip2 or xz)"
+                if type(exc) is tarfile.ReadError
+                else f"{type(exc).__name__}: {exc}"
+            )
             raise ExecutionEnvError(
-                f"Failed to unpack the Python execution environment {archive}: "
-                f"{type(exc).__name__}: {exc}"
+                f"Failed to unpack the Python execution environment {archive}: {why}"
             ) from exc
         shutil.rmtree(folder, ignore_errors=True)
         partial.rename(folder)
@@ -206,5 +225,65 @@ def _check(root: Path) -> ExecutionEnv:
     return ExecutionEnv(root, python, version)
 
 
-#: the worker's environments (one manager per worker process, as Triton has one per server)
+#: this process's environments (one manager per process, as Triton has one per server)
 ENVIRONMENTS = EnvironmentManager()
+
+# The environment variable that carries the folders appended to the module path.
+PATH_VARIABLE = "STAGESERVE_ENV_FALLBACK_PATH"
+# The folder that holds the `stageserve` and `services` packages.
+SOURCE_ROOT = str(Path(__file__).resolve().parents[1])
+
+# Runs first in an environment's interpreter: drops the working directory
+# `-c` puts first, appends the caller's folders, then runs the module named
+# by argv[1] as `python -m` would, with the arguments after it.
+_BOOT = (
+    "import os, runpy, sys; "
+    "sys.path[:] = [p for p in sys.path if p] + "
+    f"os.environ.pop({PATH_VARIABLE!r}).split(os.pathsep); "
+    "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)"
+)
+
+# Sourced as Triton does; the interpreter is exec'd so the module runs in the child.
+_ACTIVATE = (
+    'source "$0/bin/activate" && '
+    'LD_LIBRARY_PATH="$0/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$@"'
+)
+
+
+def module_command(
+    module: str, args: list[str], env: ExecutionEnv | None
+) -> tuple[list[str], dict[str, str]]:
+    """argv and environment variables that run `python -m module *args`: on
+    this interpreter with StageServe's source first on PYTHONPATH (env None),
+    or in `env` as this module's docstring says."""
+    if env is None:
+        path = [SOURCE_ROOT, os.environ.get("PYTHONPATH", "")]
+        return (
+            [sys.executable, "-m", module, *args],
+            {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)},
+        )
+    variables = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    variables["PYTHONNOUSERSITE"] = "1"
+    variables[PATH_VARIABLE] = os.pathsep.join(fallback_path())
+    python = [str(env.python), "-c", _BOOT, module, *args]
+    return ["bash", "-c", _ACTIVATE, str(env.root), *python], variables
+
+
+def fallback_path() -> list[str]:
+    """StageServe's source, then this process's module path without its
+    standard library (the environment brings one of the same version)."""
+    stdlib = {
+        os.path.realpath(p)
+        for p in (sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib"))
+        if p
+    }
+    out = [SOURCE_ROOT]
+    for entry in sys.path:
+        if not entry or entry.endswith(".zip"):
+            continue
+        real = os.path.realpath(entry)
+        if real in stdlib or any(real.startswith(s + os.sep + "lib-dynload") for s in stdlib):
+            continue
+        if entry not in out:
+            out.append(entry)
+    return out

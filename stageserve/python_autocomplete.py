@@ -124,6 +124,14 @@ class _Helper:
             f"{status} before answering"
         )
 
+    def stop(self) -> None:
+        """Ends the kept child, if any (after the job it may be running)."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
     def _start(self) -> subprocess.Popen:
         argv, variables = module_command(CHILD_MODULE, [], self._env)
         return subprocess.Popen(
@@ -163,6 +171,10 @@ def _run_child(name: str, job: dict, env: ExecutionEnv | None = None) -> dict:
     with _env_helpers_lock:
         helper = _env_helpers.get(env)
         if helper is None:
+            # An archive unpacked again: the child of its former unpack has
+            # the former packages imported.
+            for stale in [e for e in _env_helpers if e.root == env.root]:
+                _env_helpers.pop(stale).stop()
             helper = _env_helpers[env] = _Helper(env)
     return helper.run(name, job)
 

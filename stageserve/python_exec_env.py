@@ -93,12 +93,15 @@ def needs_unpack(known: Unpacked | None, mtime_ns: int) -> bool:
 
 @dataclass(frozen=True)
 class ExecutionEnv:
-    """A usable environment: its root, the interpreter a stub runs on, and
-    that interpreter's "major.minor"."""
+    """A usable environment: its root, the interpreter a stub runs on, that
+    interpreter's "major.minor", and the modification time (ns) of the
+    archive it was unpacked from, or of the directory: a process kept
+    running in an environment serves only while its stamp is current."""
 
     root: Path
     python: Path
     version: str
+    stamp: int = 0
 
 
 def worker_python_version() -> str:
@@ -133,7 +136,7 @@ class EnvironmentManager:
                 stamp = self._unpacked[canonical].mtime_ns
             key = (root, stamp)
             if key not in self._checked:
-                self._checked[key] = _check(root)
+                self._checked[key] = _check(root, stamp)
             return self._checked[key]
 
     def _unpack(self, archive: Path, mtime_ns: int) -> Unpacked:
@@ -185,7 +188,7 @@ class EnvironmentManager:
         return self._base
 
 
-def _check(root: Path) -> ExecutionEnv:
+def _check(root: Path, stamp: int) -> ExecutionEnv:
     """Triton's requirement (an activate script), plus ours: an interpreter
     whose major.minor is the worker's, as the stub imports the worker's
     compiled packages (grpc, protobuf)."""
@@ -222,7 +225,7 @@ def _check(root: Path) -> ExecutionEnv:
             f"The Python execution environment {root} has Python {version}; "
             f"this worker's stub needs Python {worker_python_version()}"
         )
-    return ExecutionEnv(root, python, version)
+    return ExecutionEnv(root, python, version, stamp)
 
 
 #: this process's environments (one manager per process, as Triton has one per server)

@@ -90,6 +90,7 @@ def test_an_archive_is_unpacked_once_until_its_mtime_changes(tmp_path: Path) -> 
     os.utime(archive, (later, later))
     again = manager.prepare(str(archive))
     assert again.root == first.root and manager.unpacks == 2 and not marker.exists()
+    assert again.stamp == archive.stat().st_mtime_ns != first.stamp
 
 
 def test_two_archives_get_two_folders(tmp_path: Path) -> None:
@@ -105,7 +106,8 @@ def test_a_directory_is_used_in_place(tmp_path: Path) -> None:
     folder = _env_folder(tmp_path / "env")
     manager = EnvironmentManager(tmp_path / "unpacked")
     env = manager.prepare(str(folder))
-    assert env == ExecutionEnv(folder, folder / "bin" / "python3", worker_python_version())
+    assert (env.root, env.python) == (folder, folder / "bin" / "python3")
+    assert env.version == worker_python_version() and env.stamp == folder.stat().st_mtime_ns
     assert manager.unpacks == 0 and not (tmp_path / "unpacked").exists()
 
 
@@ -248,3 +250,64 @@ def test_a_module_runs_on_the_environments_packages_first(tmp_path: Path) -> Non
     done = subprocess.run(argv, env=variables, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["environment", str(env_root), "['a',", "'b']"]
+
+
+AUTO_IN_ENV = """\
+import only_in_env
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        config.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [1]})
+        config.add_output({"name": only_in_env.NAME, "data_type": "TYPE_FP32", "dims": [1]})
+        return config
+
+    def execute(self, requests):
+        return []
+"""
+
+
+def test_auto_complete_runs_in_the_environment_current_at_each_load(tmp_path: Path) -> None:
+    """The model.py imports a module only its environment (a real venv) has;
+    once the environment changes (a new stamp), a new child serves it, not
+    the one that has the former module imported."""
+    import venv
+
+    from stageserve import python_autocomplete
+    from stageserve.repository import read_model
+
+    env_root = tmp_path / "env"
+    venv.create(env_root, with_pip=False)
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    module = env_root / "lib" / version / "site-packages" / "only_in_env.py"
+    module.write_text("NAME = 'FIRST'\n")
+    repo = tmp_path / "repo"
+    (repo / "m" / "1").mkdir(parents=True)
+    (repo / "m" / "1" / "model.py").write_text(AUTO_IN_ENV)
+    config = 'name: "m"\nbackend: "python"\n'
+    param = 'parameters { key: "EXECUTION_ENV_PATH" value { string_value: "%s" } }\n'
+    (repo / "m" / "config.pbtxt").write_text(config + param % env_root)
+    try:
+        first = read_model(repo, "m")
+        assert first.spec is not None, first.error
+        assert [o.name for o in first.spec.outputs] == ["FIRST"]
+        (former,) = [h._proc for h in python_autocomplete._env_helpers.values()]
+        assert former is not None and former.poll() is None  # kept for the next load
+
+        module.write_text("NAME = 'SECOND'\n")
+        later = env_root.stat().st_mtime + 5
+        os.utime(env_root, (later, later))
+        second = read_model(repo, "m")
+        assert second.spec is not None, second.error
+        assert [o.name for o in second.spec.outputs] == ["SECOND"]
+        assert former.poll() is not None  # the former environment's child is gone
+        assert len(python_autocomplete._env_helpers) == 1
+
+        (repo / "m" / "config.pbtxt").write_text(config)  # no environment: no module
+        plain = read_model(repo, "m")
+        assert plain.error is not None and "No module named 'only_in_env'" in plain.error
+    finally:
+        for helper in python_autocomplete._env_helpers.values():
+            helper.stop()
+        python_autocomplete._env_helpers.clear()

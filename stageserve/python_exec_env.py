@@ -9,10 +9,11 @@ stub_launcher.cc, checked against Triton 2.51):
 - A path that does not resolve fails the load: INTERNAL "Failed to get the
   canonical path for <path>." (the gateway answers it as any load failure).
 - A directory is the environment itself, used in place.
-- A file is a (conda-pack) archive, unpacked once per worker process into a
-  folder of its own under a temporary directory and reused by every instance
-  and reload of every model that names the same file, until the file's
-  modification time changes: then it is unpacked again, into the same folder.
+- A file is a (conda-pack) archive, unpacked once per process (each worker;
+  the gateway too, for auto-complete) into a folder of its own under a
+  temporary directory and reused by every instance and reload of every model
+  that names the same file, until the file's modification time changes: then
+  it is unpacked again, into the same folder.
 - The environment must hold `bin/activate`, or the load fails with Triton's
   message.
 
@@ -109,7 +110,7 @@ def worker_python_version() -> str:
 
 
 class EnvironmentManager:
-    """The worker's environments: unpacks each archive once, checks each
+    """A process's environments: unpacks each archive once, checks each
     environment once per unpack. Thread-safe: instances load concurrently."""
 
     def __init__(self, base: Path | None = None) -> None:

@@ -13,17 +13,18 @@ imports nothing of the worker), as Triton runs it in its stub process, never
 in the caller: its imports (torch, say) stay out of the gateway, and a
 model.py that exits, crashes or hangs at import fails its own load instead of
 taking the gateway down.
-The child is kept for the next model (see _Helper for the cost).
+The child is kept for the next model (see _Helper for the cost). A model
+with its own execution environment (EXECUTION_ENV_PATH) is completed by a
+child running in that environment (stageserve/python_exec_env.py), one kept
+per environment, as Triton runs its auto-complete stub there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import select
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -32,13 +33,18 @@ from google.protobuf import json_format
 
 from stageserve.config import DEFAULT_PYTHON_FILENAME, ConfigError
 from stageserve.generated import model_config_pb2 as mc
+from stageserve.python_exec_env import (
+    ENVIRONMENTS,
+    ExecutionEnv,
+    ExecutionEnvError,
+    module_command,
+    requested_env,
+)
 
 # A model.py whose import or auto_complete_config takes longer fails its load.
 CHILD_TIMEOUT_S = 120.0
 # How long a child whose stdout ended may take to exit before it is killed.
 _EXIT_GRACE_S = 5.0
-# The folder that holds the `services` package, for the child's imports.
-_SOURCE_ROOT = str(Path(__file__).resolve().parents[1])
 # The child's module: it imports the model.py with pb_utils registered.
 CHILD_MODULE = "services.worker.python_backend.autocomplete_child"
 
@@ -55,8 +61,9 @@ def complete_python(config: mc.ModelConfig, model_dir, versions: list[int]) -> N
     )
     if model_file is None:
         return  # the repository reports the missing file
+    env = _model_env(config, Path(model_dir))
     as_dict = json_format.MessageToDict(config, preserving_proto_field_name=True)
-    answer = _run_child(config.name, {"config": as_dict, "model_file": str(model_file)})
+    answer = _run_child(config.name, {"config": as_dict, "model_file": str(model_file)}, env)
     if "error" in answer:
         raise ConfigError(answer["error"])
     fresh = mc.ModelConfig()
@@ -78,9 +85,10 @@ class _Helper:
     models: the first one 113 ms (the child's start), each later one 1-2 ms;
     in-process it was 9 ms for the first and 0.4-0.9 ms for the others."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: ExecutionEnv | None = None) -> None:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
+        self._env = env  # None: this interpreter and its packages
 
     def run(self, name: str, job: dict) -> dict:
         with self._lock:
@@ -116,15 +124,18 @@ class _Helper:
             f"{status} before answering"
         )
 
-    @staticmethod
-    def _start() -> subprocess.Popen:
-        path = [_SOURCE_ROOT, os.environ.get("PYTHONPATH", "")]
+    def stop(self) -> None:
+        """Ends the kept child, if any (after the job it may be running)."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    def _start(self) -> subprocess.Popen:
+        argv, variables = module_command(CHILD_MODULE, [], self._env)
         return subprocess.Popen(
-            [sys.executable, "-m", CHILD_MODULE],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)},
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=variables
         )
 
 
@@ -149,7 +160,33 @@ def _answer_line(proc: subprocess.Popen) -> tuple[str, bool]:
 
 
 _helper = _Helper()
+# One child per execution environment, kept as _helper is.
+_env_helpers: dict[ExecutionEnv, _Helper] = {}
+_env_helpers_lock = threading.Lock()
 
 
-def _run_child(name: str, job: dict) -> dict:
-    return _helper.run(name, job)
+def _run_child(name: str, job: dict, env: ExecutionEnv | None = None) -> dict:
+    if env is None:
+        return _helper.run(name, job)
+    with _env_helpers_lock:
+        helper = _env_helpers.get(env)
+        if helper is None:
+            # An archive unpacked again: the child of its former unpack has
+            # the former packages imported.
+            for stale in [e for e in _env_helpers if e.root == env.root]:
+                _env_helpers.pop(stale).stop()
+            helper = _env_helpers[env] = _Helper(env)
+    return helper.run(name, job)
+
+
+def _model_env(config: mc.ModelConfig, model_dir: Path) -> ExecutionEnv | None:
+    """The model's execution environment, unpacked if need be; None when it
+    names none. Raises ConfigError with the reason it cannot be used."""
+    parameters = {key: value.string_value for key, value in config.parameters.items()}
+    path = requested_env(parameters, model_dir)
+    if path is None:
+        return None
+    try:
+        return ENVIRONMENTS.prepare(path)
+    except ExecutionEnvError as exc:
+        raise ConfigError(str(exc)) from exc

@@ -33,10 +33,8 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
-import os
 import socket
 import subprocess
-import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,11 +46,14 @@ from services.worker.python_backend.bls_wire import (
     request_from_wire,
     response_to_wire,
 )
+from services.worker.python_backend.env_launch import stub_command
 from services.worker.python_backend.instance import INTERNAL, PythonModelError
 from services.worker.python_backend.stub import InitArgs
 from services.worker.python_backend.stub_wire import StubSocket
 from stageserve.config import ModelSpec
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve.python_exec_env import PARAMETER as ENV_PARAMETER
+from stageserve.python_exec_env import ExecutionEnv
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,6 @@ log = logging.getLogger(__name__)
 PARAMETER = "STAGESERVE_INSTANCE_PROCESS"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
-# The folder that holds the `services` package, for the stub's imports.
-_SOURCE_ROOT = str(Path(__file__).resolve().parents[3])
 # How often the reader looks at the stub's exit while no message comes: a
 # process the model forked may hold the socket, and then no end of file comes.
 _EXIT_POLL_S = 0.2
@@ -80,14 +79,22 @@ class InstanceProcessError(ValueError):
 
 def runs_in_process(spec: ModelSpec, default: bool) -> bool:
     """True: this model's instances each get a stub process. `default`, for a
-    model that does not say: WorkerSettings.python_instance_process."""
+    model that does not say: WorkerSettings.python_instance_process. A model
+    with an execution environment (EXECUTION_ENV_PATH) always does: its
+    packages cannot be the worker's; saying "false" for it fails the load."""
     value = spec.parameters.get(PARAMETER)
+    own_env = bool(spec.parameters.get(ENV_PARAMETER))
     if value is None:
-        return default
+        return default or own_env
     text = value.strip().lower()
     if text in _TRUE:
         return True
     if text in _FALSE:
+        if own_env:
+            raise InstanceProcessError(
+                f"model '{spec.name}': parameter {ENV_PARAMETER} needs a process per "
+                f"instance, and parameter {PARAMETER} is {value!r}"
+            )
         return False
     raise InstanceProcessError(
         f"model '{spec.name}': parameter {PARAMETER} must be true or false, not {value!r}"
@@ -149,8 +156,10 @@ class ProcessInstance:
         kind: str,
         device_id: int,
         version: int,
+        execution_env: ExecutionEnv | None = None,
     ) -> None:
         self.spec = spec
+        self._env = execution_env  # None: the worker's own interpreter and packages
         self.instance_name = instance_name
         self.decoupled = spec.decoupled
         self._init = InitArgs(
@@ -169,13 +178,9 @@ class ProcessInstance:
 
     def _start(self) -> _Stub:
         parent, child = socket.socketpair()
-        path = [_SOURCE_ROOT, os.environ.get("PYTHONPATH", "")]
+        argv, variables = stub_command(child.fileno(), self._env)
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "services.worker.python_backend.stub", str(child.fileno())],
-                pass_fds=[child.fileno()],
-                env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)},
-            )
+            proc = subprocess.Popen(argv, pass_fds=[child.fileno()], env=variables)
         finally:
             child.close()
         stub = _Stub(proc, StubSocket(parent))

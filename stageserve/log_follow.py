@@ -57,7 +57,7 @@ class LogFollower:
 
     def sync(self, client: redis.Redis) -> None:
         """Read the hash and log under what it says from now on."""
-        settings = from_redis(self.base, client.hgetall(keys.LOG_SETTINGS))  # type: ignore[arg-type]
+        settings = from_redis(self.base, client.hgetall(keys.LOG_SETTINGS))
         if apply_log_settings(settings):
             log.info("log settings changed", extra={"settings": settings.as_json()})
 
@@ -89,7 +89,8 @@ class LogFollower:
                 delay = RETRY_S
                 while not self._stop.is_set():
                     pubsub.get_message(timeout=self.resync_s)
-                    self.sync(client)
+                    if not self._stop.is_set():
+                        self.sync(client)
             except (redis.RedisError, OSError):
                 self._stop.wait(delay)
                 delay = min(delay * 2, RETRY_CAP_S)
@@ -102,8 +103,8 @@ def follow(redis_url: str, base: LogSettings, environ: dict[str, str] | None = N
     """Follow the stack's settings from now on, and have the processes this
     one starts follow them too (`environ`, default os.environ, gains ENV:
     call this before any thread that reads the environment starts)."""
-    follower = LogFollower(redis_url, base)
-    follower.start()
     target = os.environ if environ is None else environ
     target[ENV] = json.dumps({"redis": redis_url, "settings": base.as_json()})
+    follower = LogFollower(redis_url, base)
+    follower.start()
     return follower

@@ -203,20 +203,20 @@ def to_redis(changes: Mapping[str, Value]) -> dict[str, str]:
     return {key: json.dumps(value) for key, value in changes.items() if key in ORDER}
 
 
-def from_redis(base: LogSettings, fields: Mapping[bytes | str, bytes | str]) -> LogSettings:
+def from_redis(base: LogSettings, fields: Mapping[Any, Any]) -> LogSettings:
     """`base` (this process's flags) with the stack's settings hash over it; a
     field this version does not know or cannot read is left out."""
     changes: dict[str, Value] = {}
-    for raw_key, raw_value in fields.items():
+    for raw_key, raw_value in fields.items():  # bytes from Redis
         key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
         if key not in ORDER:
             continue
         try:
-            value = json.loads(raw_value)
+            value: Any = json.loads(raw_value)
         except ValueError:
             continue
         kind = _kind(key)
-        if type(value) is not kind or (key == "log_format" and value not in FORMATS):
+        if not _json_is(value, kind) or (key == "log_format" and value not in FORMATS):
             continue
         changes[key] = int32_level(value) if kind is int else value
     return base.updated(changes)

@@ -28,8 +28,12 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from stageserve.log_settings import ISO8601, LogSettings
+
+if TYPE_CHECKING:
+    from stageserve.log_follow import LogFollower
 
 _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None)))
 # Python's level for each Triton verbose level: DEBUG is 1, DEBUG - 1 is 2, ...
@@ -61,7 +65,7 @@ class JsonFormatter(logging.Formatter):
         self.service = service
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {
+        entry: dict[str, object] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
             + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
@@ -195,15 +199,18 @@ def _apply(state: _Logging, settings: LogSettings) -> None:
     logging.getLogger().setLevel(root_level(settings))
 
 
-def setup_child_logging(service: str, environ: Mapping[str, str] = os.environ) -> None:
+def setup_child_logging(
+    service: str, environ: Mapping[str, str] = os.environ
+) -> LogFollower | None:
     """Logging for a process a stage started (a Python model's stub): under
     the stage's startup settings, following the stack's, as FOLLOW_ENV hands
     them on; without it, Triton's defaults on stderr. An environment without
-    the Redis client (a model's own) keeps the stage's startup settings."""
+    the Redis client (a model's own) keeps the stage's startup settings.
+    The follower, when there is one."""
     raw = environ.get(FOLLOW_ENV)
     if raw is None:
         setup_logging(service)
-        return
+        return None
     handed = json.loads(raw)
     base = LogSettings(**handed["settings"])
     setup_logging(service, settings=base)
@@ -213,5 +220,7 @@ def setup_child_logging(service: str, environ: Mapping[str, str] = os.environ) -
         logging.getLogger(__name__).warning(
             "not following the stack's log settings", extra={"error": str(exc)}
         )
-        return
-    LogFollower(handed["redis"], base).start()
+        return None
+    follower = LogFollower(handed["redis"], base)
+    follower.start()
+    return follower

@@ -9,6 +9,9 @@ this gateway's settings afterwards, as Triton answers its own.
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import grpc
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -27,6 +30,8 @@ from stageserve.log_settings import (
 )
 from stageserve.logs import apply_log_settings, current_settings
 
+log = logging.getLogger(__name__)
+
 NOT_STORED = "log settings not changed: the stack's Redis did not answer"
 
 
@@ -44,11 +49,14 @@ class LogControl:
         it has one (what came before the error stays changed, as in Triton)."""
         if update.changes:
             try:
-                await self.redis.hset(keys.LOG_SETTINGS, mapping=to_redis(update.changes))
+                fields: dict[Any, Any] = to_redis(update.changes)
+                await self.redis.hset(keys.LOG_SETTINGS, mapping=fields)
                 await self.redis.publish(keys.LOG_EVENTS, "1")
             except (RedisError, OSError):
                 raise unavailable(NOT_STORED) from None
-            apply_log_settings(current_settings().updated(update.changes))
+            settings = current_settings().updated(update.changes)
+            if apply_log_settings(settings):
+                log.info("log settings changed", extra={"settings": settings.as_json()})
         if update.error is not None:
             raise update.error
         return current_settings()

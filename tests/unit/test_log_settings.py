@@ -279,3 +279,20 @@ def test_a_child_takes_its_stages_settings_from_the_environment(
         follower.stop()
     assert setup_child_logging("worker-stub", {}) is None
     assert current_settings() == LogSettings()
+
+
+def test_tritons_log_flags_make_a_stages_own_settings() -> None:
+    from stageserve.cli import build_parser
+    from stageserve.log_options import log_settings_of
+
+    args = build_parser().parse_args(
+        ["scheduler", "--redis-url", "redis://x", "--log-verbose", "2", "--log-info", "false"]
+        + ["--log-format", "ISO8601", "--log-file", "/tmp/s.log"]
+    )
+    assert log_settings_of(args) == LogSettings(
+        log_file="/tmp/s.log", log_info=False, log_verbose_level=2, log_format="ISO8601"
+    )
+    defaults = build_parser().parse_args(["worker", "--redis-url", "redis://x"])
+    assert log_settings_of(defaults) == LogSettings()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["worker", "--redis-url", "r", "--log-format", "iso8601"])

@@ -263,7 +263,7 @@ class HttpFront:
                 return "cuda_shm_unregister", self.cuda_shm_unregister, "POST", (region,)
             return "unknown", None, "", ()
         if p[1] == "logging":  # GET and POST, as Triton
-            return "logging", self.logging if n == 2 else None, ANY_METHOD, ()
+            return "logging", self.log_settings if n == 2 else None, ANY_METHOD, ()
         if p[1] in ("trace", "logging"):
             return p[1], self.unsupported, "GET" if p[-1] in ("status", "setting") else "POST", ()
         return "unknown", None, "", ()
@@ -460,7 +460,7 @@ class HttpFront:
         self.dp.cuda_shm_unregister(gs.CudaSharedMemoryUnregisterRequest(name=region))
         return Response(200)
 
-    async def logging(self, request: Request) -> Response:
+    async def log_settings(self, request: Request) -> Response:
         if self.dp.log_control is None:
             raise unsupported_error("logging")
         status, doc = await http_log_settings(self.dp.log_control, request.method, request.body)

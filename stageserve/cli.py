@@ -25,6 +25,7 @@ from services.ratelimiter.options import (
 from stageserve.autocomplete_options import DEFAULT_MAX_BATCH_SIZE, AutoComplete
 from stageserve.gpus import parse_workers
 from stageserve.grpc_io import use_grpc_io
+from stageserve.log_options import STAGES, add_log_flags, log_settings_of
 from stageserve.logs import setup_logging
 from stageserve.security_options import add_flags as add_security_flags
 from stageserve.security_options import (
@@ -59,6 +60,7 @@ def _env(name: str, default: str | None = None) -> str | None:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-verbose", type=int, default=0, help="0 = info, 1+ = debug")
+    add_log_flags(p)
 
 
 def _redis(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -317,7 +319,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {len(names)} models to {args.directory}")
         return 0
 
-    setup_logging(args.command, args.log_verbose)
+    log_settings = log_settings_of(args)
+    setup_logging(args.command, settings=log_settings)
+    if args.command in STAGES:  # each stage follows the stack's (LogSettings RPC)
+        from stageserve.log_follow import follow
+
+        follow(args.redis_url, log_settings)
     if args.command == "up":
         from stageserve.launcher import up
 

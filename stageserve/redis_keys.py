@@ -46,6 +46,12 @@ Sequence batcher (scheduler; see services/scheduler/sequence_store.py):
   ss:seq:{model}:{ver}:{cid}:q     list  backlog: "{owner}:{n}" per unfinished request,
                                          arrival order, head = the one allowed to run
   ss:seq-owner:{owner}             str   a scheduler's liveness (PX, heartbeated)
+
+Log settings (LogSettings RPC, /v2/logging; see stageserve/log_follow.py):
+  ss:log:settings             hash  setting name -> JSON value, the settings a
+                                    gateway was asked to change; over each
+                                    stage's own flags
+  ss:log:events               pub/sub channel: the hash changed (message "1")
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ MODEL_EVENTS = PREFIX + "models:events"
 GENERATION_COUNTER = PREFIX + "models:generation"
 MODEL_PUBLISHERS = PREFIX + "models:publishers"
 RL_PREFIX = PREFIX + "rl:"
+LOG_SETTINGS = PREFIX + "log:settings"
+LOG_EVENTS = PREFIX + "log:events"
 
 
 def model(name: str) -> str:

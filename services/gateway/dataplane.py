@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from services.gateway import cuda_shared_memory
+from services.gateway.log_control import LogControl
 from services.gateway.model_lifecycle import ModelLifecycle
 from services.gateway.model_table import ModelTable
 from services.gateway.overrides import OverrideArea
@@ -73,6 +74,7 @@ class DataPlane:
         self.stats = StatsBook(self._generation_of)
         self.recorder = RequestRecorder(self.stats)
         self.shared: SharedStats | None = None  # set by the server: fleet-wide totals
+        self.log_control: LogControl | None = None  # set by the server: LogSettings
         self._inflight_watched: set[str] = set()
         self.ready = False
         # Triton's --strict-readiness: ServerReady also needs every model ready

@@ -11,6 +11,7 @@ import grpc
 from services.gateway.dataplane import DataPlane
 from services.gateway.http.app import HttpFront
 from services.gateway.http.server import HttpServer, http_server
+from services.gateway.log_control import LogControl
 from services.gateway.model_lifecycle import ModelLifecycle
 from services.gateway.model_table import ModelTable
 from services.gateway.poller import RepositoryPoller
@@ -74,6 +75,7 @@ async def serve(
     dataplane.strict_readiness = gateway.strict_readiness
     dataplane.shared = SharedStats(redis, dataplane.stats, gateway.stats_publish_s)
     dataplane.shared.start()
+    dataplane.log_control = LogControl(redis)
     republisher = Republisher(lifecycle, redis, gateway)
     await republisher.check()  # marks the model set as known before loading
     republisher.start()

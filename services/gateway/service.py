@@ -24,6 +24,7 @@ from typing import TypeVar
 import grpc
 
 from services.gateway.dataplane import DataPlane
+from services.gateway.log_control import grpc_log_settings
 from services.gateway.python_models import mark_final
 from stageserve.errors import StageError
 from stageserve.generated import grpc_service_pb2 as gs
@@ -249,6 +250,14 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
         self, request: gs.RepositoryModelUnloadRequest, context
     ) -> gs.RepositoryModelUnloadResponse:
         return await self.dataplane.unload(request)
+
+    # ------------------------------------------------------------ log settings
+
+    @grpc_errors
+    async def LogSettings(self, request: gs.LogSettingsRequest, context) -> gs.LogSettingsResponse:
+        if self.dataplane.log_control is None:
+            raise StageError(grpc.StatusCode.UNIMPLEMENTED, "log settings are not served here")
+        return await grpc_log_settings(self.dataplane.log_control, request)
 
 
 def _stream_error(request: gs.ModelInferRequest, message: str) -> gs.ModelStreamInferResponse:

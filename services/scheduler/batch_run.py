@@ -86,6 +86,9 @@ class BatchRun:
         """Execute `batch` on `grant`'s instance and answer it. `give_back`
         returns the grant early (a decoupled batch whose execute returned);
         otherwise the queue returns it once this ends."""
+        if log.isEnabledFor(logging.DEBUG):  # Triton's verbose level 1
+            extra = {"model": self.model, "size": len(batch), "instance": grant.instance_id}
+            log.debug("batch formed", extra=extra)
         job = None
         # Before the try: a sequence batch can end before it is built (nothing
         # claimable, Redis down) and the finally reads it.

@@ -190,6 +190,8 @@ class WorkerService(pb_grpc.WorkerServicer):
 
         def handle(request: pb.ExecuteRequest, respond) -> Awaitable[None] | None:
             nonlocal starting
+            if log.isEnabledFor(logging.DEBUG):  # Triton's verbose level 1
+                log.debug("executing batch", extra={"instance": request.instance_id})
             answer = None if starting else self._run_inline(request)
             if answer is not None:
                 respond(answer)

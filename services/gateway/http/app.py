@@ -26,6 +26,7 @@ from prometheus_client import Histogram
 from services.gateway.cuda_shared_memory import check_http_register
 from services.gateway.dataplane import DataPlane
 from services.gateway.http import codec
+from services.gateway.log_control import http_log_settings
 from stageserve.errors import StageError, http_status, internal, invalid
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
@@ -93,6 +94,9 @@ def json_response(doc: Any, status: int = 200) -> Response:
 def error_response(status: int, message: str) -> Response:
     return json_response({"error": message}, status)
 
+
+# A route's method when its handler answers more than one (and 405 to the rest).
+ANY_METHOD = "*"
 
 # Called with the request, then the route's path arguments (model, version, ...).
 Handler = Callable[..., Awaitable[Response]]
@@ -187,7 +191,7 @@ class HttpFront:
             if request.headers.get(key) != value:  # as Triton: 403 with its words
                 message = f"This API is restricted, expecting header '{header}'"
                 return endpoint, error_response(403, message)
-        if request.method != method:
+        if method != ANY_METHOD and request.method != method:
             return endpoint, error_response(405, "Method Not Allowed")
         try:
             return endpoint, await handler(request, *args)
@@ -258,6 +262,8 @@ class HttpFront:
             if rest == ["unregister"]:
                 return "cuda_shm_unregister", self.cuda_shm_unregister, "POST", (region,)
             return "unknown", None, "", ()
+        if p[1] == "logging":  # GET and POST, as Triton
+            return "logging", self.log_settings if n == 2 else None, ANY_METHOD, ()
         if p[1] in ("trace", "logging"):
             return p[1], self.unsupported, "GET" if p[-1] in ("status", "setting") else "POST", ()
         return "unknown", None, "", ()
@@ -453,6 +459,12 @@ class HttpFront:
     async def cuda_shm_unregister(self, request: Request, region: str) -> Response:
         self.dp.cuda_shm_unregister(gs.CudaSharedMemoryUnregisterRequest(name=region))
         return Response(200)
+
+    async def log_settings(self, request: Request) -> Response:
+        if self.dp.log_control is None:
+            raise unsupported_error("logging")
+        status, doc = await http_log_settings(self.dp.log_control, request.method, request.body)
+        return json_response(doc, status)
 
     async def unsupported(self, request: Request) -> Response:
         raise unsupported_error(request.parts[1])

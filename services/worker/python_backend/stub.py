@@ -56,7 +56,7 @@ from services.worker.python_backend.loader import register_pb_utils
 from services.worker.python_backend.stub_wire import StubSocket
 from stageserve.config import ModelSpec
 from stageserve.generated import stageserve_pb2 as pb
-from stageserve.logs import setup_logging
+from stageserve.logs import setup_child_logging
 from stageserve.settings import settings_from_env
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ def serve(channel: StubSocket) -> None:
 
 
 def main(argv: list[str]) -> None:
-    setup_logging("worker-stub")
+    setup_child_logging("worker-stub")  # follows the stack's log settings
     # The stub's settings: the worker's environment, which it inherits.
     limit_blas_threads(os.environ, settings_from_env().worker.blas_threads)
     register_pb_utils()

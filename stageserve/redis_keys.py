@@ -46,6 +46,13 @@ Sequence batcher (scheduler; see services/scheduler/sequence_store.py):
   ss:seq:{model}:{ver}:{cid}:q     list  backlog: "{owner}:{n}" per unfinished request,
                                          arrival order, head = the one allowed to run
   ss:seq-owner:{owner}             str   a scheduler's liveness (PX, heartbeated)
+
+Response cache (gateways with --cache-config redis; services/gateway/response_cache.py):
+  ss:rc:e:{key}               str   a cached response (hex of the request key)
+  ss:rc:recency               zset  key -> last use (ss:rc:clock), oldest evicted first
+  ss:rc:sizes                 hash  key -> bytes of its entry
+  ss:rc:bytes                 str   bytes held by every entry (kept under the budget)
+  ss:rc:clock                 str   counter ordering uses
 """
 
 from __future__ import annotations
@@ -57,6 +64,11 @@ MODEL_EVENTS = PREFIX + "models:events"
 GENERATION_COUNTER = PREFIX + "models:generation"
 MODEL_PUBLISHERS = PREFIX + "models:publishers"
 RL_PREFIX = PREFIX + "rl:"
+CACHE_ENTRY_PREFIX = PREFIX + "rc:e:"
+CACHE_RECENCY = PREFIX + "rc:recency"
+CACHE_SIZES = PREFIX + "rc:sizes"
+CACHE_BYTES = PREFIX + "rc:bytes"
+CACHE_CLOCK = PREFIX + "rc:clock"
 
 
 def model(name: str) -> str:

@@ -20,6 +20,7 @@ from stageserve import redis_keys as keys
 from stageserve.cache_options import DEFAULT_REDIS_SIZE, CacheConfig, parse_cache_config
 from stageserve.config import ConfigError, parse_config_text, to_spec
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve.settings import Settings
 from stageserve.statistics import ModelVersionStats
 
 
@@ -250,3 +251,21 @@ def test_miss_adds_lookup_and_insert_to_the_request() -> None:
     got = st.to_pb("m", 1)
     assert (got.inference_stats.success.count, got.inference_stats.success.ns) == (1, 1070)
     assert (got.inference_stats.cache_miss.count, got.inference_stats.cache_miss.ns) == (1, 70)
+
+
+# ---------------------------------------------------------------- the flag
+
+
+@pytest.mark.parametrize("command", ["up", "gateway"])
+def test_cache_config_flag_reaches_the_gateway_settings(command: str) -> None:
+    from stageserve.cli import _settings, build_parser
+
+    parser = build_parser()
+    extra = ["--model-repository", "/m", "--redis-url", "redis://r"] if command == "gateway" else []
+    flags = ["--cache-config", "redis,host=h", "--cache-config", "redis,size=100"]
+    settings = _settings(parser, parser.parse_args([command, *extra, *flags]), Settings())
+    assert settings.gateway.response_cache == CacheConfig("redis", 100, "h")
+    none = _settings(parser, parser.parse_args([command, *extra]), Settings())
+    assert none.gateway.response_cache is None
+    with pytest.raises(SystemExit):
+        _settings(parser, parser.parse_args([command, *extra, "--cache-config", "x"]), Settings())

@@ -232,7 +232,10 @@ class DataPlane:
         if self.cache is None or not spec.response_cache:
             return None, 0, None
         looked = time.monotonic_ns()
-        key = request_key(spec.name, version, generation, validated.inputs, validated.outputs)
+        # every output named is the same answer as none named (all), as in Triton
+        named = set(validated.outputs)
+        outputs = [] if named == {t.name for t in spec.outputs} else validated.outputs
+        key = request_key(spec.name, version, generation, validated.inputs, outputs)
         data = await self.cache.lookup(key)
         hit = decode_entry(data) if data is not None else None
         return key, time.monotonic_ns() - looked, hit

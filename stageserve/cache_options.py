@@ -6,11 +6,18 @@ cache may also chain keys in one value (`redis,host=h,port=6379`). Two caches:
 
 ``local,size=N``
     an LRU of N bytes in each gateway's own memory (Triton's local cache).
-``redis[,host=H,port=P,username=U,password=W,db=D,size=N]``
+``redis[,host=H,port=P,user=U,password=W,db=D,...,size=N]``
     a cache in Redis, shared by every gateway. Without host it is the stack's
-    own Redis (--redis-url). `size` (bytes, default DEFAULT_REDIS_SIZE) is the
-    budget StageServe keeps its entries under, evicting least recently used
-    ones; Redis' own maxmemory is the operator's and is left alone.
+    own Redis (--redis-url). The connection keys are Triton's redis cache's:
+    host, port, user (`username` is taken too), password, db,
+    connect_timeout and socket_timeout (ms; 0, the default, waits forever),
+    pool_size and wait_timeout (ms, default 100: how long a request waits for
+    one of the pool_size connections). Without pool_size the pool is unbounded
+    (Triton's default is one connection, which would put every lookup of a
+    gateway's concurrent requests in one line). `size` (bytes, default
+    DEFAULT_REDIS_SIZE) is the budget StageServe keeps its entries under,
+    evicting least recently used ones; Redis' own maxmemory is the
+    operator's and is left alone.
 
 Without --cache-config no response is cached, as in Triton 2.51, where a model
 that sets `response_cache { enable: true }` then loads and runs uncached.
@@ -18,15 +25,30 @@ that sets `response_cache { enable: true }` then loads and runs uncached.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import quote
 
 #: The Redis cache's byte budget when no size is given.
 DEFAULT_REDIS_SIZE = 64 * 1024 * 1024
 _KEYS = {
     "local": ("size",),
-    "redis": ("host", "port", "username", "password", "db", "size"),
+    "redis": (
+        "host",
+        "port",
+        "user",
+        "username",
+        "password",
+        "db",
+        "connect_timeout",
+        "socket_timeout",
+        "pool_size",
+        "wait_timeout",
+        "size",
+    ),
 }
+_NUMBERS = ("port", "db", "connect_timeout", "socket_timeout", "pool_size", "wait_timeout")
 
 
 @dataclass(frozen=True)
@@ -35,15 +57,19 @@ class CacheConfig:
     size: int  # byte budget
     host: str = ""  # redis: "" is the stack's own Redis
     port: int = 6379
-    username: str = ""
+    user: str = ""
     password: str = ""
     db: int = 0
+    connect_timeout: int = 0  # ms; 0: wait forever
+    socket_timeout: int = 0  # ms; 0: wait forever
+    pool_size: int = 0  # 0: unbounded
+    wait_timeout: int = 100  # ms, with pool_size
 
     def redis_url(self) -> str:
         """The Redis a `redis` cache with a host uses."""
         auth = ""
-        if self.username or self.password:
-            auth = f"{self.username}:{self.password}@"
+        if self.user or self.password:
+            auth = f"{quote(self.user, safe='')}:{quote(self.password, safe='')}@"
         return f"redis://{auth}{self.host}:{self.port}/{self.db}"
 
     def argv(self) -> list[str]:
@@ -51,10 +77,9 @@ class CacheConfig:
         pairs = [("size", str(self.size))]
         if self.kind == "redis":
             if self.host:
-                pairs += [("host", self.host), ("port", str(self.port)), ("db", str(self.db))]
-            pairs += [
-                (k, v) for k, v in (("username", self.username), ("password", self.password)) if v
-            ]
+                pairs += [("host", self.host)]
+                pairs += [(k, str(getattr(self, k))) for k in _NUMBERS]
+            pairs += [(k, v) for k, v in (("user", self.user), ("password", self.password)) if v]
         return [a for k, v in pairs for a in ("--cache-config", f"{self.kind},{k}={v}")]
 
 
@@ -75,7 +100,10 @@ def parse_cache_config(values: Sequence[str]) -> CacheConfig | None:
         if kind and name != kind:
             raise ValueError(f"--cache-config: one cache only, got {kind} and {name}")
         kind = name
-        for pair in filter(None, (p.strip() for p in rest.split(","))):
+        # a comma starts another key only before "<key>=": a value (a
+        # password) may hold commas, as in Triton's one-key-per-flag form
+        known = "|".join(_KEYS[kind])
+        for pair in filter(None, (p.strip() for p in re.split(rf",(?=(?:{known})=)", rest))):
             key, eq, val = pair.partition("=")
             if not eq or key not in _KEYS[kind]:
                 expected = ", ".join(_KEYS[kind])
@@ -87,14 +115,14 @@ def parse_cache_config(values: Sequence[str]) -> CacheConfig | None:
     size = _number(options, "size", DEFAULT_REDIS_SIZE if kind == "redis" else None)
     if kind == "local":
         return CacheConfig("local", size)
+    defaults = CacheConfig("redis", size)
     return CacheConfig(
         "redis",
         size,
         host=options.get("host", ""),
-        port=_number(options, "port", 6379),
-        username=options.get("username", ""),
+        user=options.get("user", options.get("username", "")),
         password=options.get("password", ""),
-        db=_number(options, "db", 0),
+        **{k: _number(options, k, getattr(defaults, k)) for k in _NUMBERS},
     )
 
 

@@ -27,14 +27,14 @@ import logging
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 
 from stageserve import redis_keys as keys
 from stageserve.cache_options import CacheConfig
 from stageserve.generated import stageserve_pb2 as pb
-from stageserve.redis_connect import connect
+from stageserve.redis_connect import connect, retry_options
 from stageserve.settings import RedisClientSettings
 
 log = logging.getLogger(__name__)
@@ -232,4 +232,24 @@ def open_cache(
         return LocalCache(config.size)
     if not config.host:
         return RedisCache(stack_redis, config.size)
-    return RedisCache(connect(config.redis_url(), client), config.size, owned=True)
+    return RedisCache(_own_redis(config, client), config.size, owned=True)
+
+
+def _own_redis(config: CacheConfig, client: RedisClientSettings) -> aioredis.Redis:
+    """The client of a cache's own Redis, with Triton's redis cache options:
+    timeouts in ms (0: none), pool_size connections waited for up to
+    wait_timeout ms (no pool_size: unbounded)."""
+    options: dict[str, Any] = {
+        "socket_connect_timeout": config.connect_timeout / 1000 or None,
+        "socket_timeout": config.socket_timeout / 1000 or None,
+    }
+    if not config.pool_size:
+        return connect(config.redis_url(), client, **options)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        config.redis_url(),
+        max_connections=config.pool_size,
+        timeout=config.wait_timeout / 1000,
+        **retry_options(client),
+        **options,
+    )
+    return aioredis.Redis.from_pool(pool)  # closing the client closes its pool

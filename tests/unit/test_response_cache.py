@@ -121,7 +121,7 @@ def test_redis_cache_evicts_by_bytes_and_shares_between_clients(redis_url: str) 
     async def body() -> None:
         r1, r2 = aioredis.from_url(redis_url), aioredis.from_url(redis_url)
         try:
-            await r1.flushdb()
+            await r1.delete(keys.CACHE_RECENCY, keys.CACHE_SIZES, keys.CACHE_BYTES)
             one, two = RedisCache(r1, 10), RedisCache(r2, 10)  # two gateways
             await one.insert(b"a", b"1234")
             await two.insert(b"b", b"1234")
@@ -138,6 +138,38 @@ def test_redis_cache_evicts_by_bytes_and_shares_between_clients(redis_url: str) 
         finally:
             await r1.aclose()
             await r2.aclose()
+
+    asyncio.run(body())
+
+
+def test_own_redis_with_triton_options_serves_the_cache(redis_url: str) -> None:
+    """--cache-config redis,host=...,port=... with a bounded pool and timeouts."""
+    from urllib.parse import urlparse
+
+    from services.gateway.response_cache import open_cache
+    from stageserve.settings import RedisClientSettings
+
+    where = urlparse(redis_url)
+    config = parse_cache_config(
+        [
+            f"redis,host={where.hostname},port={where.port},db=3,pool_size=2,wait_timeout=500",
+            "redis,connect_timeout=1000,socket_timeout=1000,size=100",
+        ]
+    )
+
+    async def body() -> None:
+        stack = aioredis.from_url(redis_url)
+        db3 = aioredis.from_url(f"redis://{where.hostname}:{where.port}/3")
+        await db3.flushdb()
+        cache = open_cache(config, stack, RedisClientSettings())
+        assert isinstance(cache, RedisCache) and cache.owned
+        await asyncio.gather(*(cache.insert(bytes([i]), b"v" * 10) for i in range(5)))
+        got = await asyncio.gather(*(cache.lookup(bytes([i])) for i in range(5)))
+        assert got == [b"v" * 10] * 5
+        assert await db3.get(keys.CACHE_BYTES) == b"50"  # in db 3, as configured
+        await cache.close()
+        await stack.aclose()
+        await db3.aclose()
 
     asyncio.run(body())
 
@@ -163,12 +195,30 @@ def test_cache_config_local_and_redis_as_triton_writes_them() -> None:
     assert redis == CacheConfig("redis", DEFAULT_REDIS_SIZE, "h", 7000, "", "pw", 0)
     assert parse_cache_config(["redis,host=h,port=7000,password=pw"]) == redis
     assert redis.redis_url() == "redis://:pw@h:7000/0"
+    # Triton's redis cache keys; a value may hold commas (one key per flag in Triton)
+    full = parse_cache_config(
+        [
+            "redis,host=h,user=u,password=a,b=c",
+            "redis,connect_timeout=100,socket_timeout=200,pool_size=4,wait_timeout=50",
+        ]
+    )
+    assert full == CacheConfig(
+        "redis", DEFAULT_REDIS_SIZE, "h", 6379, "u", "a,b=c", 0, 100, 200, 4, 50
+    )
+    assert full.redis_url() == "redis://u:a%2Cb%3Dc@h:6379/0"
+    assert parse_cache_config(["redis,host=h,username=u"]) == CacheConfig(
+        "redis", DEFAULT_REDIS_SIZE, "h", user="u"
+    )
     stack = parse_cache_config(["redis"])
     assert stack is not None and stack.host == "" and stack.size == DEFAULT_REDIS_SIZE
 
 
 def test_cache_config_argv_round_trips() -> None:
-    for values in (["local,size=99"], ["redis,host=h,port=1,db=2,size=5,username=u"], ["redis"]):
+    for values in (
+        ["local,size=99"],
+        ["redis,host=h,port=1,db=2,size=5,user=u,password=p,w", "redis,pool_size=3"],
+        ["redis"],
+    ):
         config = parse_cache_config(values)
         assert config is not None
         assert parse_cache_config(config.argv()[1::2]) == config

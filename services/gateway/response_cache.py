@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
+from google.protobuf.message import DecodeError
 
 from stageserve import redis_keys as keys
 from stageserve.cache_options import CacheConfig
@@ -75,8 +76,14 @@ def encode_entry(outputs: Iterable[pb.Tensor]) -> bytes:
     return pb.ScheduleResponse(outputs=outputs).SerializeToString()
 
 
-def decode_entry(data: bytes) -> list[pb.Tensor]:
-    return list(pb.ScheduleResponse.FromString(data).outputs)
+def decode_entry(data: bytes) -> list[pb.Tensor] | None:
+    """The outputs of an entry; None for bytes that are no entry (a foreign
+    writer under our keys): the request then runs as a miss."""
+    try:
+        return list(pb.ScheduleResponse.FromString(data).outputs)
+    except DecodeError:
+        log.warning("response cache entry does not decode", extra={"bytes": len(data)})
+        return None
 
 
 class LruBytes:

@@ -75,6 +75,7 @@ def test_names_do_not_run_into_each_other() -> None:
 def test_entry_round_trips_names_datatypes_shapes_bytes() -> None:
     outs = [_t("O0", RAW), _t("O1", b"\x00\x01", (1, 2), "BYTES")]
     assert decode_entry(encode_entry(outs)) == outs
+    assert decode_entry(b"\xff\xff\xff") is None  # not an entry: a miss
 
 
 # ------------------------------------------------------------------- LRU bytes

@@ -31,6 +31,27 @@ from tests.stack import RunningStack, wait_until
 
 CACHE = "response_cache { enable: true }\n"
 MODEL = "simple"
+TRITON_MODEL_PY = """
+import triton_python_backend_utils as pb_utils
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            a = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+            b = pb_utils.get_input_tensor_by_name(r, "INPUT1").as_numpy()
+            out.append(pb_utils.InferenceResponse(
+                [pb_utils.Tensor("OUTPUT0", a + b), pb_utils.Tensor("OUTPUT1", a - b)]))
+        return out
+"""
+TENSORS = "\n".join(
+    f'{kind} [ {{ name: "{kind.upper()}0" data_type: TYPE_INT32 dims: [ 16 ] }}, '
+    f'{{ name: "{kind.upper()}1" data_type: TYPE_INT32 dims: [ 16 ] }} ]'
+    for kind in ("input", "output")
+)
+REFUSED = {
+    "dec": "model_transaction_policy { decoupled: true }",
+    "seq": "sequence_batching { }",
+}
 
 
 @dataclass
@@ -48,9 +69,16 @@ def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stacks]:
     model_dir = write_simple(root)
     with (model_dir / "config.pbtxt").open("a") as f:
         f.write(CACHE)
+    for name, extra in REFUSED.items():  # refused at load, as Triton refuses them
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "1" / "model.py").write_text(TRITON_MODEL_PY)
+        (root / name / "config.pbtxt").write_text(
+            f'name: "{name}"\nbackend: "python"\nmax_batch_size: 8\n{TENSORS}\n{extra}\n{CACHE}'
+        )
     metrics_port = free_port()
     cache = ("--cache-config", "redis")
-    with two_paths(root, cache, metrics_port=metrics_port, gateway_extra=cache) as (
+    keep_going = ("--exit-on-error", "false")  # past the refused models
+    with two_paths(root, cache + keep_going, metrics_port=metrics_port, gateway_extra=cache) as (
         running,
         sched_b,
         client_b,
@@ -71,6 +99,7 @@ def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stacks]:
                 str(root),
                 "--allow-http",
                 "false",
+                *keep_going,
             ],
         )
         yield Stacks(
@@ -80,6 +109,15 @@ def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stacks]:
             grpcclient.InferenceServerClient(plain.address),
             f"http://127.0.0.1:{metrics_port}/metrics",
         )
+
+
+def test_decoupled_and_sequence_models_enabling_the_cache_are_refused(stacks: Stacks) -> None:
+    index = {m.name: m for m in stacks.running.client().get_model_repository_index().models}
+    for name, kind in (("dec", "with 'decoupled' transaction policy"), ("seq", "with sequence")):
+        assert index[name].state == "UNAVAILABLE"
+        assert (
+            f"Response Cache does not currently support model {name} {kind}" in index[name].reason
+        ), index[name].reason
 
 
 def _ab(seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -251,32 +289,13 @@ def _sequence_on_ours(stacks: Stacks) -> Observed:
     )
 
 
-TRITON_MODEL_PY = """
-import triton_python_backend_utils as pb_utils
-class TritonPythonModel:
-    def execute(self, requests):
-        out = []
-        for r in requests:
-            a = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
-            b = pb_utils.get_input_tensor_by_name(r, "INPUT1").as_numpy()
-            out.append(pb_utils.InferenceResponse(
-                [pb_utils.Tensor("OUTPUT0", a + b), pb_utils.Tensor("OUTPUT1", a - b)]))
-        return out
-"""
-
-
 def _sequence_on_triton(tmp: Path) -> Observed:
     install = find_triton()
     repo = tmp / "repo"
     (repo / MODEL / "1").mkdir(parents=True)
     (repo / MODEL / "1" / "model.py").write_text(TRITON_MODEL_PY)
-    tensors = "\n".join(
-        f'{kind} [ {{ name: "{kind.upper()}0" data_type: TYPE_INT32 dims: [ 16 ] }}, '
-        f'{{ name: "{kind.upper()}1" data_type: TYPE_INT32 dims: [ 16 ] }} ]'
-        for kind in ("input", "output")
-    )
     (repo / MODEL / "config.pbtxt").write_text(
-        f'name: "{MODEL}"\nbackend: "python"\nmax_batch_size: 8\n{tensors}\n'
+        f'name: "{MODEL}"\nbackend: "python"\nmax_batch_size: 8\n{TENSORS}\n'
         f"dynamic_batching {{ }}\n{CACHE}"
     )
     port, metrics_port = free_port(), free_port()

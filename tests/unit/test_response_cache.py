@@ -320,3 +320,46 @@ def test_cache_config_flag_reaches_the_gateway_settings(command: str) -> None:
     assert none.gateway.response_cache is None
     with pytest.raises(SystemExit):
         _settings(parser, parser.parse_args([command, *extra, "--cache-config", "x"]), Settings())
+
+
+# ------------------------------------------------------------------ metrics
+
+
+def test_hit_and_miss_move_statistics_and_triton_counters_together() -> None:
+    from stageserve.recorder import RequestRecorder
+    from stageserve.statistics import StatsBook
+    from stageserve.telemetry import TritonMetrics, model_labels
+
+    book, metrics = StatsBook(), TritonMetrics()
+    rec = RequestRecorder(book, metrics)
+    model = "cache_metrics_model"  # REGISTRY's phase histograms are process-wide
+    rec.success(model, 1, 4_000_000, 1, pb.Timing(batch_leader=True, batch_size=1))
+    rec.cache_miss(model, 1, 30_000)
+    rec.cache_hit(model, 1, 500_000, 0, 20_000)
+    labels = model_labels(model, 1)
+    got = {
+        name: metrics.get(name, labels)
+        for name in (
+            "nv_inference_request_success",
+            "nv_inference_count",
+            "nv_inference_exec_count",
+            "nv_inference_request_duration_us",
+            "nv_cache_num_hits_per_model",
+            "nv_cache_hit_duration_per_model",
+            "nv_cache_num_misses_per_model",
+            "nv_cache_miss_duration_per_model",
+        )
+    }
+    assert got == {
+        "nv_inference_request_success": 2,  # a hit is a success
+        "nv_inference_count": 1,  # not an inference
+        "nv_inference_exec_count": 1,
+        "nv_inference_request_duration_us": 4000 + 30 + 500,
+        "nv_cache_num_hits_per_model": 1,
+        "nv_cache_hit_duration_per_model": 20,
+        "nv_cache_num_misses_per_model": 1,
+        "nv_cache_miss_duration_per_model": 30,
+    }
+    st = book.of(model, 1).to_pb(model, 1).inference_stats
+    assert (st.success.count, st.cache_hit.count, st.cache_miss.count) == (2, 1, 1)
+    assert "nv_cache_num_hits_per_model{" in metrics.render()

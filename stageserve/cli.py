@@ -133,8 +133,9 @@ def _cache_config(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="as tritonserver, repeatable: local,size=<bytes> (an LRU in each gateway) or "
-        "redis[,host=H,port=P,username=U,password=W,db=D,size=<bytes>] (shared by every "
-        "gateway; no host: the stack's Redis); without it no response is cached",
+        "redis[,host=H,port=P,user=U,password=W,db=D,connect_timeout=ms,socket_timeout=ms,"
+        "pool_size=N,wait_timeout=ms,size=<bytes>] (shared by every gateway; no host: the "
+        "stack's Redis); without it no response is cached",
     )
 
 

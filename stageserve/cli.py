@@ -23,6 +23,7 @@ from services.ratelimiter.options import (
     resource_overrides,
 )
 from stageserve.autocomplete_options import DEFAULT_MAX_BATCH_SIZE, AutoComplete
+from stageserve.cache_options import parse_cache_config
 from stageserve.gpus import parse_workers
 from stageserve.grpc_io import use_grpc_io
 from stageserve.log_options import STAGES, add_log_flags, log_settings_of
@@ -128,6 +129,18 @@ def _server_name(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _cache_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cache-config",
+        action="append",
+        default=[],
+        help="as tritonserver, repeatable: local,size=<bytes> (an LRU in each gateway) or "
+        "redis[,host=H,port=P,user=U,password=W,db=D,connect_timeout=ms,socket_timeout=ms,"
+        "pool_size=N,wait_timeout=ms,size=<bytes>] (shared by every gateway; no host: the "
+        "stack's Redis); without it no response is cached",
+    )
+
+
 def _http_listen(args: argparse.Namespace) -> str | None:
     return f"{args.http_address}:{args.http_port}" if args.allow_http else None
 
@@ -160,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--grpc-address", default="0.0.0.0")
     _http(up)
     _server_name(up)
+    _cache_config(up)
     up.add_argument("--metrics-port", type=int, default=8002)
     up.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     up.add_argument("--load-model", action="append", default=[], help="repeatable; * = all")
@@ -189,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--grpc-port", type=int, default=8001)
     _http(gw)
     _server_name(gw)
+    _cache_config(gw)
     gw.add_argument("--model-repository", type=Path, required=True)
     gw.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     gw.add_argument("--load-model", action="append", default=[])
@@ -285,6 +300,8 @@ def _settings(
         parsed["grpc_restrictions"] = tuple(_security(args, restrictions_from))
         parsed["http_restrictions"] = tuple(_security(args, http_restrictions_from))
     try:
+        if hasattr(args, "cache_config"):
+            parsed["cache_config"] = parse_cache_config(args.cache_config)
         resources = resource_overrides(getattr(args, "rate_limit_resource", []))
         parsed["rate_limit_resources"] = tuple(resources.items())
         if environment is None:
@@ -351,7 +368,12 @@ def main(argv: list[str] | None = None) -> int:
             ratelimiter_args=rate_limit_argv(ratelimiter.mode, ratelimiter.resources),
             repository_poll_secs=gateway.repository_poll_secs,
             supervisor_metrics_port=args.supervisor_metrics_port,
-            gateway_extra=[*_gateway_argv(gateway), "--server-name", gateway.server_name],
+            gateway_extra=[
+                *_gateway_argv(gateway),
+                "--server-name",
+                gateway.server_name,
+                *(gateway.response_cache.argv() if gateway.response_cache else []),
+            ],
             exit_on_error=gateway.exit_on_error,
             strict_readiness=gateway.strict_readiness,
             supervisor_settings=settings.supervisor,

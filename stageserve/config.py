@@ -199,6 +199,7 @@ class ModelSpec:
     batch_outputs: tuple[BatchOutputSpec, ...] = ()
     backend: str = ""  # "python" for Triton Python-backend models (model.py)
     decoupled: bool = False  # model_transaction_policy { decoupled: true }
+    response_cache: bool = False  # response_cache { enable: true }
     warmups: tuple[WarmupSpec, ...] = ()
 
     @property
@@ -403,6 +404,8 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
             f"model '{name}': sequence_batching state is not supported for decoupled models "
             f"by StageServe"
         )
+    response_cache = bool(config.response_cache.enable)
+    _check_response_cache(name, response_cache, decoupled, sequence)
     steps = _ensemble_steps(config, inputs, outputs) if platform == ENSEMBLE_PLATFORM else ()
     batch_inputs, batch_outputs = _ragged_spec(config, platform, inputs, outputs, sequence)
     return ModelSpec(
@@ -426,8 +429,27 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
         batch_outputs=batch_outputs,
         backend=PYTHON_BACKEND if python else (config.backend or ""),
         decoupled=decoupled,
+        response_cache=response_cache,
         warmups=_warmup_specs(config, inputs, sequence),
     )
+
+
+def _check_response_cache(
+    name: str, enabled: bool, decoupled: bool, sequence: SequenceBatching | None
+) -> None:
+    """Triton 2.51 refuses to load a model that enables the response cache and
+    is decoupled or sequence-batched (with or without --cache-config), with
+    these messages."""
+    if enabled and decoupled:
+        raise ConfigError(
+            f"Response Cache does not currently support model {name} with 'decoupled' "
+            "transaction policy. Please disable the response cache."
+        )
+    if enabled and sequence is not None:
+        raise ConfigError(
+            f"Response Cache does not currently support model {name} with sequence "
+            "batching scheduler. Please disable the response cache."
+        )
 
 
 def _rate_limiter_resources(

@@ -69,6 +69,31 @@ class RequestRecorder:
         c_infer.observe(timing.compute_infer_ns / 1e9)
         c_out.observe(timing.compute_output_ns / 1e9)
 
+    def cache_hit(
+        self, model: str, version: int, request_ns: int, queue_ns: int, lookup_ns: int
+    ) -> None:
+        """A request answered from the response cache: Triton 2.51's figures
+        for a hit (a success, its request and queue time, the hit; no
+        inference count, no execution, no compute phases)."""
+        self.book.of(model, version).record_cache_hit(request_ns, queue_ns, lookup_ns)
+        labels, phases = self._labels_of(model, version)
+        inc = self.triton.inc
+        inc("nv_inference_request_success", labels)
+        inc("nv_inference_request_duration_us", labels, request_ns // 1000)
+        inc("nv_inference_queue_duration_us", labels, queue_ns // 1000)
+        inc("nv_cache_num_hits_per_model", labels)
+        inc("nv_cache_hit_duration_per_model", labels, lookup_ns // 1000)
+        phases[0].observe(request_ns / 1e9)
+
+    def cache_miss(self, model: str, version: int, lookup_insert_ns: int) -> None:
+        """The cache's share of a request that missed (its success recorded by success())."""
+        self.book.of(model, version).record_cache_miss(lookup_insert_ns)
+        labels, _ = self._labels_of(model, version)
+        inc = self.triton.inc
+        inc("nv_inference_request_duration_us", labels, lookup_insert_ns // 1000)
+        inc("nv_cache_num_misses_per_model", labels)
+        inc("nv_cache_miss_duration_per_model", labels, lookup_insert_ns // 1000)
+
     def failure(
         self,
         model: str,

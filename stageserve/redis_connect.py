@@ -15,6 +15,8 @@ are written so that this costs at most a grant held until its lease ends.
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -23,13 +25,18 @@ from redis.exceptions import ConnectionError, TimeoutError
 from stageserve.settings import RedisClientSettings
 
 
-def connect(url: str, client: RedisClientSettings) -> aioredis.Redis:
-    """A client of `url` retrying as `client` (the settings tree's redis_client) says."""
-    return aioredis.from_url(
-        url,
-        retry=Retry(
+def retry_options(client: RedisClientSettings) -> dict[str, Any]:
+    """The connection options that retry as `client` says."""
+    return {
+        "retry": Retry(
             ExponentialBackoff(cap=client.backoff_cap_s, base=client.backoff_base_s),
             client.retries,
         ),
-        retry_on_error=[ConnectionError, TimeoutError],
-    )
+        "retry_on_error": [ConnectionError, TimeoutError],
+    }
+
+
+def connect(url: str, client: RedisClientSettings, **options: Any) -> aioredis.Redis:
+    """A client of `url` retrying as `client` (the settings tree's redis_client)
+    says; `options` are more connection options (timeouts)."""
+    return aioredis.from_url(url, **retry_options(client), **options)

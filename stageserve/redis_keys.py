@@ -52,6 +52,13 @@ Log settings (LogSettings RPC, /v2/logging; see stageserve/log_follow.py):
                                     gateway was asked to change; over each
                                     stage's own flags
   ss:log:events               pub/sub channel: the hash changed (message "1")
+
+Response cache (gateways with --cache-config redis; services/gateway/response_cache.py):
+  ss:rc:e:{key}               str   a cached response (hex of the request key)
+  ss:rc:recency               zset  key -> last use (ss:rc:clock), oldest evicted first
+  ss:rc:sizes                 hash  key -> bytes of its entry
+  ss:rc:bytes                 str   bytes held by every entry (kept under the budget)
+  ss:rc:clock                 str   counter ordering uses
 """
 
 from __future__ import annotations
@@ -65,6 +72,12 @@ MODEL_PUBLISHERS = PREFIX + "models:publishers"
 RL_PREFIX = PREFIX + "rl:"
 LOG_SETTINGS = PREFIX + "log:settings"
 LOG_EVENTS = PREFIX + "log:events"
+
+CACHE_ENTRY_PREFIX = PREFIX + "rc:e:"
+CACHE_RECENCY = PREFIX + "rc:recency"
+CACHE_SIZES = PREFIX + "rc:sizes"
+CACHE_BYTES = PREFIX + "rc:bytes"
+CACHE_CLOCK = PREFIX + "rc:clock"
 
 
 def model(name: str) -> str:

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from stageserve import grpc_io, stage_tls
 from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
+from stageserve.cache_options import CacheConfig
 from stageserve.grpc_io import GrpcIo
 from stageserve.security_options import Restriction, TlsOptions
 from stageserve.stage_tls import StageTls
@@ -192,6 +193,9 @@ class GatewaySettings:
     # embedded mode, kept for the comparison in docs/benchmarks.md
     # (services/gateway/http/server.py says why uvicorn is the default).
     http_server: str = one_of("uvicorn", "granian")
+    # Triton's --cache-config (stageserve/cache_options.py): the response cache
+    # of the models that enable one; None: nothing cached, as Triton without it.
+    response_cache: CacheConfig | None = flag(None, "cache_config")
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,8 @@ class ModelVersionStats:
     compute_input: Duration = field(default_factory=Duration)
     compute_infer: Duration = field(default_factory=Duration)
     compute_output: Duration = field(default_factory=Duration)
+    cache_hit: Duration = field(default_factory=Duration)
+    cache_miss: Duration = field(default_factory=Duration)
     inference_count: int = 0
     execution_count: int = 0
     last_inference_ms: int = 0
@@ -68,6 +70,22 @@ class ModelVersionStats:
             b.compute_infer.add(timing.compute_infer_ns)
             b.compute_output.add(timing.compute_output_ns)
 
+    def record_cache_hit(self, request_ns: int, queue_ns: int, lookup_ns: int) -> None:
+        """A request answered from the response cache, as Triton 2.51 counts it
+        (measured against it: tests/integration/test_response_cache.py): a
+        success with its queue time (until the lookup began) and the lookup
+        as cache_hit; no inference, execution nor last_inference."""
+        self.success.add(request_ns)
+        self.queue.add(queue_ns)
+        self.cache_hit.add(lookup_ns)
+
+    def record_cache_miss(self, lookup_insert_ns: int) -> None:
+        """The cache's share of a request that missed and was run (its success
+        recorded apart): lookup plus insertion, added to the request's
+        duration too, as Triton does."""
+        self.success.ns += max(0, lookup_insert_ns)
+        self.cache_miss.add(lookup_insert_ns)
+
     def record_failure(self, request_ns: int) -> None:
         self.fail.add(request_ns)
         self.last_inference_ms = int(time.time() * 1000)
@@ -86,6 +104,8 @@ class ModelVersionStats:
                 compute_input=self.compute_input.to_pb(),
                 compute_infer=self.compute_infer.to_pb(),
                 compute_output=self.compute_output.to_pb(),
+                cache_hit=self.cache_hit.to_pb(),
+                cache_miss=self.cache_miss.to_pb(),
             ),
             batch_stats=[
                 gs.InferBatchStatistics(

@@ -44,6 +44,16 @@ TRITON_FAMILIES: dict[str, tuple[str, str]] = {
         "counter",
         "Total output extraction time, microseconds",
     ),
+    "nv_cache_num_hits_per_model": ("counter", "Number of cache hits per model"),
+    "nv_cache_hit_duration_per_model": (
+        "counter",
+        "Total cache hit duration per model, in microseconds",
+    ),
+    "nv_cache_num_misses_per_model": ("counter", "Number of cache misses per model"),
+    "nv_cache_miss_duration_per_model": (
+        "counter",
+        "Total cache miss (insert+lookup) duration per model, in microseconds",
+    ),
     "nv_inference_pending_request_count": ("gauge", "Requests queued, awaiting execution"),
     "nv_model_load_duration_secs": ("gauge", "Time the last load of the model took, seconds"),
     "nv_cpu_utilization": ("gauge", "CPU utilization, 0.0 to 1.0"),

@@ -69,9 +69,11 @@ def start_stack(
     repository_poll_secs: float = 15.0,
     metrics_port: int = 0,
     stage_metrics: bool = False,
+    gateway_extra: tuple[str, ...] = (),
 ) -> RunningStack:
     """metrics_port: the gateway's Triton /metrics (0: none); stage_metrics:
-    the other stages serve /metrics too (each Child's metrics_port)."""
+    the other stages serve /metrics too (each Child's metrics_port);
+    gateway_extra: more gateway flags."""
     stack = Stack()
     try:
         s = start_services(
@@ -86,6 +88,7 @@ def start_stack(
             repository_poll_secs=repository_poll_secs,
             metrics_port=metrics_port,
             stage_metrics=stage_metrics,
+            gateway_extra=gateway_extra,
         )
     except BaseException:
         stack.stop()

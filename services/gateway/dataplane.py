@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from services.gateway import cuda_shared_memory
 from services.gateway.log_control import LogControl
@@ -26,8 +26,15 @@ from services.gateway.python_models import (
     python_request_fields,
     stream_partials,
 )
+from services.gateway.response_cache import (
+    ResponseCache,
+    decode_entry,
+    encode_entry,
+    request_key,
+)
 from services.gateway.shared_memory import Region, SystemSharedMemory
 from stageserve import __version__
+from stageserve.config import ModelSpec
 from stageserve.errors import StageError, internal, invalid, unavailable
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
@@ -36,7 +43,7 @@ from stageserve.scheduler_link import SchedulerLink
 from stageserve.shared_stats import SharedStats
 from stageserve.statistics import StatsBook, requested_versions
 from stageserve.telemetry import GATEWAY_INFLIGHT
-from stageserve.validation import SharedRef, validate_infer
+from stageserve.validation import SharedRef, ValidatedRequest, validate_infer
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +88,8 @@ class DataPlane:
         self.strict_readiness = True
         self.shm = SystemSharedMemory()
         self.overrides = OverrideArea()  # RepositoryModelLoad's config/file overrides
+        # --cache-config's response cache (set by the server); None: nothing cached
+        self.cache: ResponseCache | None = None
 
     # ------------------------------------------------------------ health/meta
 
@@ -164,6 +173,14 @@ class DataPlane:
             for name, ref in validated.shared_outputs.items():
                 held[name] = self.shm.acquire(ref.region)
                 held[name].check(ref.offset, ref.byte_size)  # Triton checks before running
+            cache_key, lookup_ns, hit = await self._cache_lookup(
+                entry.generation, spec, version, validated
+            )
+            if hit is not None:
+                out = _response(entry.name, version, request.id, hit, held, validated)
+                request_ns = time.monotonic_ns() - start
+                self.recorder.cache_hit(entry.name, version, request_ns, 0, lookup_ns)
+                return out
             scheduled = True
             resp = await self.scheduler.schedule(
                 pb.ScheduleRequest(
@@ -188,16 +205,7 @@ class DataPlane:
             self._record_steps(resp)
             if resp.failure:
                 raise StageError.of(resp.failure, resp.message)
-            out = gs.ModelInferResponse(
-                model_name=entry.name, model_version=str(version), id=request.id
-            )
-            for t in resp.outputs:
-                out.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
-                if t.name in held:  # as Triton: the bytes go to the region, the entry stays empty
-                    _write_shared(held[t.name], validated.shared_outputs[t.name], t)
-                    out.raw_output_contents.append(b"")
-                else:
-                    out.raw_output_contents.append(t.raw)
+            out = _response(entry.name, version, request.id, resp.outputs, held, validated)
         except StageError as err:
             # A request refused before scheduling (invalid) is no failure in
             # Triton 2.51's statistics nor metrics (measured: bench/triton_diff.py).
@@ -211,7 +219,28 @@ class DataPlane:
         self.recorder.success(
             entry.name, version, time.monotonic_ns() - start, validated.batch_size, resp.timing
         )
+        if cache_key is not None and self.cache is not None:
+            inserted = time.monotonic_ns()
+            await self.cache.insert(cache_key, encode_entry(resp.outputs))
+            insert_ns = time.monotonic_ns() - inserted
+            self.recorder.cache_miss(entry.name, version, lookup_ns + insert_ns)
         return out
+
+    async def _cache_lookup(
+        self, generation: int, spec: ModelSpec, version: int, validated: ValidatedRequest
+    ) -> tuple[bytes | None, int, list[pb.Tensor] | None]:
+        """(key, lookup ns, cached outputs or None) for a model that enables the
+        response cache on a gateway that keeps one; (None, 0, None) otherwise."""
+        if self.cache is None or not spec.response_cache:
+            return None, 0, None
+        looked = time.monotonic_ns()
+        # every output named is the same answer as none named (all), as in Triton
+        named = set(validated.outputs)
+        outputs = [] if named == {t.name for t in spec.outputs} else validated.outputs
+        key = request_key(spec.name, version, generation, validated.inputs, outputs)
+        data = await self.cache.lookup(key)
+        hit = decode_entry(data) if data is not None else None
+        return key, time.monotonic_ns() - looked, hit
 
     def _read_shared(self, ref: SharedRef) -> bytes:
         region = self.shm.acquire(ref.region)
@@ -341,6 +370,25 @@ class DataPlane:
                 f"explicit model {what} is not allowed: model control mode is "
                 f"'{self.lifecycle.control_mode}' (start with --model-control-mode explicit)"
             )
+
+
+def _response(
+    model: str,
+    version: int,
+    request_id: str,
+    outputs: Iterable[pb.Tensor],
+    held: dict[str, Region],
+    validated: ValidatedRequest,
+) -> gs.ModelInferResponse:
+    out = gs.ModelInferResponse(model_name=model, model_version=str(version), id=request_id)
+    for t in outputs:
+        out.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+        if t.name in held:  # as Triton: the bytes go to the region, the entry stays empty
+            _write_shared(held[t.name], validated.shared_outputs[t.name], t)
+            out.raw_output_contents.append(b"")
+        else:
+            out.raw_output_contents.append(t.raw)
+    return out
 
 
 def _write_shared(region: Region, ref: SharedRef, t: pb.Tensor) -> None:

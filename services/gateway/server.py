@@ -16,6 +16,7 @@ from services.gateway.model_lifecycle import ModelLifecycle
 from services.gateway.model_table import ModelTable
 from services.gateway.poller import RepositoryPoller
 from services.gateway.republish import Republisher
+from services.gateway.response_cache import open_cache
 from services.gateway.security import RestrictedProtocols, server_credentials
 from services.gateway.service import InferenceService
 from services.gateway.startup import StartupLoadFailed, report, startup_failures
@@ -76,6 +77,7 @@ async def serve(
     dataplane.shared = SharedStats(redis, dataplane.stats, gateway.stats_publish_s)
     dataplane.shared.start()
     dataplane.log_control = LogControl(redis)
+    dataplane.cache = open_cache(gateway.response_cache, redis, settings.redis_client)
     republisher = Republisher(lifecycle, redis, gateway)
     await republisher.check()  # marks the model set as known before loading
     republisher.start()
@@ -143,6 +145,8 @@ async def serve(
         if http is not None:
             await http.stop()
         await dataplane.shared.close()
+        if dataplane.cache is not None:
+            await dataplane.cache.close()
         dataplane.overrides.close()
         await link.close()
         await rl_channel.close()

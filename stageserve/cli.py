@@ -40,6 +40,7 @@ from stageserve.settings import (
     settings_from_env,
     with_flags,
 )
+from stageserve.tracing import TraceConfigError, parse_trace_config
 
 log = logging.getLogger("stageserve")
 
@@ -126,6 +127,17 @@ def _server_name(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _trace_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trace-config",
+        action="append",
+        default=[],
+        help="Triton's [<mode>,]<setting>=<value>, repeatable: mode=triton|opentelemetry, "
+        "rate=, level=OFF|TIMESTAMPS|TENSORS, count=, triton,file=, triton,log-frequency=, "
+        "opentelemetry,url=, opentelemetry,resource=<key>=<value>",
+    )
+
+
 def _http_listen(args: argparse.Namespace) -> str | None:
     return f"{args.http_address}:{args.http_port}" if args.allow_http else None
 
@@ -164,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     _startup_flags(up)
     _poll_secs(up)
     _autocomplete(up)
+    _trace_config(up)
     up.add_argument(
         "--workers",
         type=parse_workers,
@@ -193,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     _startup_flags(gw)
     _poll_secs(gw)
     _autocomplete(gw)
+    _trace_config(gw)
     gw.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
     gw.add_argument("--ratelimiter", default=_env("STAGESERVE_RATELIMITER"), required=False)
     gw.add_argument("--scheduler", default=_env("STAGESERVE_SCHEDULER"), required=False)
@@ -282,6 +296,12 @@ def _settings(
         parsed["public_tls"] = _security(args, tls_from)
         parsed["grpc_restrictions"] = tuple(_security(args, restrictions_from))
         parsed["http_restrictions"] = tuple(_security(args, http_restrictions_from))
+    if hasattr(args, "trace_config"):
+        try:
+            parse_trace_config(args.trace_config)
+        except TraceConfigError as exc:
+            parser.error(str(exc))
+        parsed["trace_config"] = tuple(args.trace_config)
     try:
         resources = resource_overrides(getattr(args, "rate_limit_resource", []))
         parsed["rate_limit_resources"] = tuple(resources.items())
@@ -344,7 +364,12 @@ def main(argv: list[str] | None = None) -> int:
             ratelimiter_args=rate_limit_argv(ratelimiter.mode, ratelimiter.resources),
             repository_poll_secs=gateway.repository_poll_secs,
             supervisor_metrics_port=args.supervisor_metrics_port,
-            gateway_extra=[*_gateway_argv(gateway), "--server-name", gateway.server_name],
+            gateway_extra=[
+                *_gateway_argv(gateway),
+                "--server-name",
+                gateway.server_name,
+                *(f"--trace-config={c}" for c in gateway.trace_config),
+            ],
             exit_on_error=gateway.exit_on_error,
             strict_readiness=gateway.strict_readiness,
             supervisor_settings=settings.supervisor,

@@ -46,6 +46,11 @@ Sequence batcher (scheduler; see services/scheduler/sequence_store.py):
   ss:seq:{model}:{ver}:{cid}:q     list  backlog: "{owner}:{n}" per unfinished request,
                                          arrival order, head = the one allowed to run
   ss:seq-owner:{owner}             str   a scheduler's liveness (PX, heartbeated)
+
+Tracing (stageserve/trace_store.py):
+  ss:trace:state     str   the stack's trace settings (JSON: startup config, global, per model)
+  ss:trace:counts    hash  setting uid -> traces it may still take (-1: unlimited)
+  ss:trace:events    pub/sub channel: the settings changed
 """
 
 from __future__ import annotations
@@ -57,6 +62,9 @@ MODEL_EVENTS = PREFIX + "models:events"
 GENERATION_COUNTER = PREFIX + "models:generation"
 MODEL_PUBLISHERS = PREFIX + "models:publishers"
 RL_PREFIX = PREFIX + "rl:"
+TRACE_STATE = PREFIX + "trace:state"
+TRACE_COUNTS = PREFIX + "trace:counts"
+TRACE_EVENTS = PREFIX + "trace:events"
 
 
 def model(name: str) -> str:

@@ -192,6 +192,9 @@ class GatewaySettings:
     # embedded mode, kept for the comparison in docs/benchmarks.md
     # (services/gateway/http/server.py says why uvicorn is the default).
     http_server: str = one_of("uvicorn", "granian")
+    # Triton's --trace-config, as given (stageserve/tracing.py parses it): the
+    # stack's startup trace settings, seeded in Redis by the first gateway.
+    trace_config: tuple[str, ...] = flag((), "trace_config")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from services.gateway.python_models import (
     stream_partials,
 )
 from services.gateway.shared_memory import Region, SystemSharedMemory
+from services.gateway.trace_settings import TraceSettingError, TraceSettings
 from stageserve import __version__
 from stageserve.errors import StageError, internal, invalid, unavailable
 from stageserve.generated import grpc_service_pb2 as gs
@@ -78,6 +79,7 @@ class DataPlane:
         # Triton's --strict-readiness: ServerReady also needs every model ready
         self.strict_readiness = True
         self.shm = SystemSharedMemory()
+        self.traces: TraceSettings | None = None  # set by the server
         self.overrides = OverrideArea()  # RepositoryModelLoad's config/file overrides
 
     # ------------------------------------------------------------ health/meta
@@ -154,6 +156,8 @@ class DataPlane:
         assert spec is not None
         if entry.name not in self._inflight_watched:
             self._watch_inflight(entry.name)
+        if self.traces is not None and self.traces.active:  # untraced: this check only
+            await self.traces.sample(entry.name)
         self.models.begin(entry, version)
         held: dict[str, Region] = {}  # output -> its region, released when the request ends
         scheduled = False
@@ -279,6 +283,26 @@ class DataPlane:
         return gs.CudaSharedMemoryUnregisterResponse()
 
     # ------------------------------------------------------------- statistics
+
+    # ------------------------------------------------------------- tracing
+
+    async def trace_setting(
+        self, model: str, settings: dict[str, list[str] | None] | None
+    ) -> dict[str, list[str]]:
+        """Triton's TraceSetting: `settings` None reads, else updates (a None
+        or empty value clears that field). INVALID_ARGUMENT or UNIMPLEMENTED
+        with Triton's message when refused."""
+        if model and not self.models.ready_now(model):
+            raise invalid(f"Request for unknown model : {model}")
+        if self.traces is None:
+            raise StageError.of(pb.UNIMPLEMENTED, "tracing is not enabled on this gateway")
+        try:
+            if settings is None:
+                return await self.traces.get(model)
+            return await self.traces.update(model, settings)
+        except TraceSettingError as err:
+            reason = pb.UNIMPLEMENTED if err.unimplemented else pb.INVALID_INPUT
+            raise StageError.of(reason, err.message) from None
 
     def _generation_of(self, model: str) -> int:
         entry = self.models.entries.get(model)

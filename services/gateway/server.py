@@ -18,6 +18,7 @@ from services.gateway.republish import Republisher
 from services.gateway.security import RestrictedProtocols, server_credentials
 from services.gateway.service import InferenceService
 from services.gateway.startup import StartupLoadFailed, report, startup_failures
+from services.gateway.trace_settings import TraceSettings
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
@@ -28,6 +29,8 @@ from stageserve.service_runtime import run_server
 from stageserve.settings import Settings
 from stageserve.shared_stats import SharedStats
 from stageserve.telemetry import serve_metrics
+from stageserve.trace_store import TraceStore
+from stageserve.tracing import parse_trace_config
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,8 @@ async def serve(
     dataplane.strict_readiness = gateway.strict_readiness
     dataplane.shared = SharedStats(redis, dataplane.stats, gateway.stats_publish_s)
     dataplane.shared.start()
+    dataplane.traces = TraceSettings(TraceStore(redis), parse_trace_config(gateway.trace_config))
+    await dataplane.traces.start()
     republisher = Republisher(lifecycle, redis, gateway)
     await republisher.check()  # marks the model set as known before loading
     republisher.start()
@@ -138,6 +143,7 @@ async def serve(
         if http is not None:
             await http.stop()
         await dataplane.shared.close()
+        await dataplane.traces.close()
         dataplane.overrides.close()
         await link.close()
         await rl_channel.close()

@@ -250,6 +250,20 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
     ) -> gs.RepositoryModelUnloadResponse:
         return await self.dataplane.unload(request)
 
+    # ---------------------------------------------------------------- trace
+
+    @grpc_errors
+    async def TraceSetting(
+        self, request: gs.TraceSettingRequest, context
+    ) -> gs.TraceSettingResponse:
+        # A read has no settings; an update names some (an empty list clears one).
+        settings = {k: list(v.value) or None for k, v in request.settings.items()}
+        answer = await self.dataplane.trace_setting(request.model_name, settings or None)
+        out = gs.TraceSettingResponse()
+        for key, values in answer.items():
+            out.settings[key].value.extend(values)
+        return out
+
 
 def _stream_error(request: gs.ModelInferRequest, message: str) -> gs.ModelStreamInferResponse:
     return gs.ModelStreamInferResponse(

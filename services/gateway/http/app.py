@@ -30,6 +30,7 @@ from stageserve.errors import StageError, http_status, internal, invalid
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.security_options import Restriction, restrictions_by_group
+from stageserve.tracing import http_json, http_update
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ class HttpFront:
             if request.headers.get(key) != value:  # as Triton: 403 with its words
                 message = f"This API is restricted, expecting header '{header}'"
                 return endpoint, error_response(403, message)
-        if request.method != method:
+        if request.method != method and request.method not in method.split(","):
             return endpoint, error_response(405, "Method Not Allowed")
         try:
             return endpoint, await handler(request, *args)
@@ -222,6 +223,8 @@ class HttpFront:
                     return "unknown", None, "", ()
             if not rest:
                 return "model_metadata", self.model_metadata, "GET", (model, version)
+            if rest == ["trace", "setting"] and not version:
+                return "trace", self.trace_setting, "GET,POST", (model,)
             if len(rest) == 1:
                 action = rest[0]
                 route = self._MODEL_ROUTES.get(action)
@@ -258,6 +261,8 @@ class HttpFront:
             if rest == ["unregister"]:
                 return "cuda_shm_unregister", self.cuda_shm_unregister, "POST", (region,)
             return "unknown", None, "", ()
+        if p[1:] == ["trace", "setting"]:
+            return "trace", self.trace_setting, "GET,POST", ("",)
         if p[1] in ("trace", "logging"):
             return p[1], self.unsupported, "GET" if p[-1] in ("status", "setting") else "POST", ()
         return "unknown", None, "", ()
@@ -453,6 +458,25 @@ class HttpFront:
     async def cuda_shm_unregister(self, request: Request, region: str) -> Response:
         self.dp.cuda_shm_unregister(gs.CudaSharedMemoryUnregisterRequest(name=region))
         return Response(200)
+
+    async def trace_setting(self, request: Request, model: str) -> Response:
+        """Triton's trace extension: GET reads, POST updates (null clears a
+        field). Triton answers a value of the wrong JSON type, or a body that
+        is no JSON, with 500 and its parser's words."""
+        settings = None
+        if request.method == "POST":
+            try:
+                settings = http_update(json.loads(request.body))
+            except ValueError as exc:
+                return error_response(500, f"failed to parse the request JSON buffer: {exc}")
+            except TypeError as exc:
+                return error_response(500, str(exc))
+        try:
+            answer = await self.dp.trace_setting(model, settings)
+        except StageError as err:
+            status = 501 if err.reason == pb.UNIMPLEMENTED else http_status(err.reason)
+            return error_response(status, err.message)
+        return json_response(http_json(answer))
 
     async def unsupported(self, request: Request) -> Response:
         raise unsupported_error(request.parts[1])

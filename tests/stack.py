@@ -68,8 +68,10 @@ def start_stack(
     ratelimiter_args: tuple[str, ...] = (),
     repository_poll_secs: float = 15.0,
     metrics_port: int = 0,
+    gateway_extra: tuple[str, ...] = (),
 ) -> RunningStack:
-    """metrics_port: the gateway's Triton /metrics (0: none)."""
+    """metrics_port: the gateway's Triton /metrics (0: none); gateway_extra:
+    more gateway flags (e.g. --trace-config)."""
     stack = Stack()
     try:
         s = start_services(
@@ -83,6 +85,7 @@ def start_stack(
             ratelimiter_args=ratelimiter_args,
             repository_poll_secs=repository_poll_secs,
             metrics_port=metrics_port,
+            gateway_extra=gateway_extra,
         )
     except BaseException:
         stack.stop()

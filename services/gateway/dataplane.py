@@ -25,6 +25,7 @@ from services.gateway.python_models import (
     python_request_fields,
     stream_partials,
 )
+from services.gateway.request_trace import RequestTrace
 from services.gateway.shared_memory import Region, SystemSharedMemory
 from services.gateway.trace_settings import TraceSettingError, TraceSettings
 from stageserve import __version__
@@ -142,12 +143,15 @@ class DataPlane:
         raw_contents: Sequence[bytes] | None = None,
         *,
         stream: DecoupledStream | None = None,
+        traceparent: str = "",
     ) -> gs.ModelInferResponse:
         """`raw_contents` stands for request.raw_input_contents (validation.py).
 
         A decoupled model needs `stream` (decoupled_stream()): its earlier
         responses go there and this returns the final one (see stream.last());
-        without one, a decoupled model is refused as Triton's ModelInfer does."""
+        without one, a decoupled model is refused as Triton's ModelInfer does.
+        `traceparent`: the client's W3C trace context, the parent of this
+        request's spans when it is traced."""
         if stream is None:
             check_unary_allowed(self.models, request)
         start = time.monotonic_ns()
@@ -156,33 +160,39 @@ class DataPlane:
         assert spec is not None
         if entry.name not in self._inflight_watched:
             self._watch_inflight(entry.name)
+        trace: RequestTrace | None = None
         if self.traces is not None and self.traces.active:  # untraced: this check only
-            await self.traces.sample(entry.name)
+            trace = await self.traces.begin(entry.name, version, traceparent, start)
         self.models.begin(entry, version)
         held: dict[str, Region] = {}  # output -> its region, released when the request ends
         scheduled = False
         try:
             validated = validate_infer(request, spec, self._read_shared, raw_contents)
+            if trace is not None:
+                trace.validated(start, time.monotonic_ns())
             for name, ref in validated.shared_outputs.items():
                 held[name] = self.shm.acquire(ref.region)
                 held[name].check(ref.offset, ref.byte_size)  # Triton checks before running
             scheduled = True
+            scheduled_request = pb.ScheduleRequest(
+                model=entry.name,
+                version=version,
+                inputs=validated.inputs,
+                outputs=validated.outputs,
+                batch_size=validated.batch_size,
+                priority=validated.priority,
+                timeout_us=validated.timeout_us,
+                config_generation=entry.generation,
+                sequence_id=validated.sequence_id,
+                sequence_id_str=validated.sequence_id_str,
+                sequence_start=validated.sequence_start,
+                sequence_end=validated.sequence_end,
+                **python_request_fields(spec, request),
+            )
+            if trace is not None:
+                scheduled_request.traceparent = trace.traceparent()
             resp = await self.scheduler.schedule(
-                pb.ScheduleRequest(
-                    model=entry.name,
-                    version=version,
-                    inputs=validated.inputs,
-                    outputs=validated.outputs,
-                    batch_size=validated.batch_size,
-                    priority=validated.priority,
-                    timeout_us=validated.timeout_us,
-                    config_generation=entry.generation,
-                    sequence_id=validated.sequence_id,
-                    sequence_id_str=validated.sequence_id_str,
-                    sequence_start=validated.sequence_start,
-                    sequence_end=validated.sequence_end,
-                    **python_request_fields(spec, request),
-                ),
+                scheduled_request,
                 on_more=stream_partials(stream, entry.name, version, request.id),
             )
             if stream is not None:
@@ -205,8 +215,13 @@ class DataPlane:
             # Triton 2.51's statistics nor metrics (measured: bench/triton_diff.py).
             if scheduled:
                 self.recorder.failure(entry.name, version, time.monotonic_ns() - start, err.reason)
+            if trace is not None:
+                trace.end(time.monotonic_ns(), err.message)
+                trace = None
             raise
         finally:
+            if trace is not None:
+                trace.end(time.monotonic_ns())
             for region in held.values():
                 self.shm.release(region)
             self.models.end(entry, version)

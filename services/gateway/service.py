@@ -140,7 +140,10 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
         start = time.perf_counter()
         code = "INTERNAL"
         try:
-            response = await self.dataplane.infer(request)
+            traceparent = ""
+            if self.dataplane.traces is not None and self.dataplane.traces.active:
+                traceparent = _traceparent(context)
+            response = await self.dataplane.infer(request, traceparent=traceparent)
             code = "OK"
             return response
         except StageError as err:
@@ -263,6 +266,14 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
         for key, values in answer.items():
             out.settings[key].value.extend(values)
         return out
+
+
+def _traceparent(context) -> str:
+    """The client's W3C traceparent metadata, if it sent one."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "traceparent":
+            return value if isinstance(value, str) else value.decode("latin-1")
+    return ""
 
 
 def _stream_error(request: gs.ModelInferRequest, message: str) -> gs.ModelStreamInferResponse:

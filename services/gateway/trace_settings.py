@@ -14,9 +14,12 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 
+from services.gateway.request_trace import RequestTrace
 from stageserve import redis_keys as keys
+from stageserve.trace_spans import SpanEmitter
 from stageserve.trace_store import TraceStore
 from stageserve.tracing import (
+    MODE_OPENTELEMETRY,
     Sampler,
     Setting,
     TraceConfig,
@@ -38,6 +41,7 @@ class TraceSettings:
         self.state: TraceState | None = None
         self._samplers: dict[str, Sampler] = {}  # setting uid -> its sampler here
         self._task: asyncio.Task | None = None
+        self._emitter: SpanEmitter | None = None
 
     async def start(self) -> None:
         await self.store.seed(self.config)
@@ -48,6 +52,8 @@ class TraceSettings:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._emitter is not None:
+            await asyncio.to_thread(self._emitter.close)  # exports what is buffered
 
     # ----------------------------------------------------------------- API
 
@@ -72,6 +78,20 @@ class TraceSettings:
             return None
         setting = state.effective(model)
         return self._samplers.get(setting.uid)
+
+    async def begin(
+        self, model: str, version: int, client_traceparent: str, start_ns: int
+    ) -> RequestTrace | None:
+        """The trace of this request when it is sampled (only called while
+        `active`); None when it is not traced."""
+        setting = await self.sample(model)
+        if setting is None or self.state is None:
+            return None
+        if self.state.config.mode != MODE_OPENTELEMETRY:
+            return None
+        if self._emitter is None:
+            self._emitter = SpanEmitter("gateway", self.state.config)
+        return RequestTrace(self._emitter, model, version, client_traceparent, start_ns)
 
     async def sample(self, model: str) -> Setting | None:
         """The setting this request is traced under, or None (only called

@@ -313,7 +313,10 @@ class HttpFront:
         parsed = codec.parse_infer(body, header_length, model, version)
         if self.dp.is_decoupled(parsed.request.model_name):  # as Triton's HTTP front
             raise invalid("HTTP end point doesn't support models with decoupled transaction policy")
-        result = await self.dp.infer(parsed.request, parsed.raw)
+        traceparent = ""
+        if self.dp.traces is not None and self.dp.traces.active:
+            traceparent = request.headers.get(b"traceparent", b"").decode("latin-1")
+        result = await self.dp.infer(parsed.request, parsed.raw, traceparent=traceparent)
         body, json_length = codec.encode_infer(result, parsed)
         if json_length is None:
             headers = [(b"content-type", b"application/json")]

@@ -1,6 +1,6 @@
 """OpenTelemetry tracing through every stage: one sampled request's spans,
 each exported over OTLP/gRPC by the process that did the work (gateway,
-scheduler, worker), arrive at a real OTLP receiver (opentelemetry-proto's
+scheduler, rate limiter, worker), arrive at a real OTLP receiver (opentelemetry-proto's
 TraceService on a free port, in this process) in one trace, under the
 client's W3C traceparent, each parented as the stages pass their context on
 in the internal messages."""
@@ -141,8 +141,11 @@ def test_one_request_spans_every_stage_in_one_trace(
     client_span = "00f067aa0ba902b7"
     with traced_stack.client() as c:
         c.infer("identity", [_input()], headers={"traceparent": f"00-{TRACE_ID}-{client_span}-01"})
-    spans = receiver[0].trace(TRACE_ID, STAGE_SPANS)
+    # the first request of the model's queue waits for a grant from the rate limiter
+    spans = receiver[0].trace(TRACE_ID, STAGE_SPANS | {"grant"})
     root = spans["InferRequest"]
+    assert spans["grant"].parent_id == root.span_id
+    assert spans["grant"].service == "stageserve-ratelimiter"
     assert root.parent_id == client_span  # the client's traceparent is honoured
     assert root.service == "stageserve-gateway"
     assert spans["validation"].parent_id == root.span_id

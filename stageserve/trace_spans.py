@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from stageserve.tracing import TraceConfig
+from stageserve.tracing import MODE_OPENTELEMETRY, TraceConfig
 
 log = logging.getLogger(__name__)
 
@@ -168,8 +168,8 @@ class StageSpans:
             except Exception as exc:  # Redis away: this request's spans are lost
                 log.warning("trace settings unavailable", extra={"error": repr(exc)})
                 return None
-            if state is None:
-                return None
+            if state is None or state.config.mode != MODE_OPENTELEMETRY:
+                return None  # triton mode: the gateway writes the trace file
             self._emitter = SpanEmitter(self.service, state.config)
         return self._emitter
 

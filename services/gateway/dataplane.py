@@ -25,7 +25,7 @@ from services.gateway.python_models import (
     python_request_fields,
     stream_partials,
 )
-from services.gateway.request_trace import RequestTrace
+from services.gateway.request_trace import FileRequestTrace, RequestTrace
 from services.gateway.shared_memory import Region, SystemSharedMemory
 from services.gateway.trace_settings import TraceSettingError, TraceSettings
 from stageserve import __version__
@@ -160,9 +160,10 @@ class DataPlane:
         assert spec is not None
         if entry.name not in self._inflight_watched:
             self._watch_inflight(entry.name)
-        trace: RequestTrace | None = None
+        trace: RequestTrace | FileRequestTrace | None = None
         if self.traces is not None and self.traces.active:  # untraced: this check only
-            trace = await self.traces.begin(entry.name, version, traceparent, start)
+            trace = await self.traces.begin(entry.name, version, traceparent, request.id, start)
+        timing: pb.Timing | None = None
         self.models.begin(entry, version)
         held: dict[str, Region] = {}  # output -> its region, released when the request ends
         scheduled = False
@@ -197,6 +198,7 @@ class DataPlane:
             )
             if stream is not None:
                 stream.final(resp)
+            timing = resp.timing
             self._record_steps(resp)
             if resp.failure:
                 raise StageError.of(resp.failure, resp.message)
@@ -216,12 +218,12 @@ class DataPlane:
             if scheduled:
                 self.recorder.failure(entry.name, version, time.monotonic_ns() - start, err.reason)
             if trace is not None:
-                trace.end(time.monotonic_ns(), err.message)
+                trace.end(time.monotonic_ns(), err.message, timing)
                 trace = None
             raise
         finally:
             if trace is not None:
-                trace.end(time.monotonic_ns())
+                trace.end(time.monotonic_ns(), timing=timing)
             for region in held.values():
                 self.shm.release(region)
             self.models.end(entry, version)

@@ -14,7 +14,8 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 
-from services.gateway.request_trace import RequestTrace
+from services.gateway.request_trace import FileRequestTrace, RequestTrace
+from services.gateway.trace_file import TraceFile
 from stageserve import redis_keys as keys
 from stageserve.trace_spans import SpanEmitter
 from stageserve.trace_store import TraceStore
@@ -42,6 +43,7 @@ class TraceSettings:
         self._samplers: dict[str, Sampler] = {}  # setting uid -> its sampler here
         self._task: asyncio.Task | None = None
         self._emitter: SpanEmitter | None = None
+        self._files: dict[str, TraceFile] = {}  # triton mode: by path
 
     async def start(self) -> None:
         await self.store.seed(self.config)
@@ -54,6 +56,8 @@ class TraceSettings:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._emitter is not None:
             await asyncio.to_thread(self._emitter.close)  # exports what is buffered
+        for file in self._files.values():
+            file.close()
 
     # ----------------------------------------------------------------- API
 
@@ -80,15 +84,21 @@ class TraceSettings:
         return self._samplers.get(setting.uid)
 
     async def begin(
-        self, model: str, version: int, client_traceparent: str, start_ns: int
-    ) -> RequestTrace | None:
+        self, model: str, version: int, client_traceparent: str, request_id: str, start_ns: int
+    ) -> RequestTrace | FileRequestTrace | None:
         """The trace of this request when it is sampled (only called while
         `active`); None when it is not traced."""
         setting = await self.sample(model)
         if setting is None or self.state is None:
             return None
         if self.state.config.mode != MODE_OPENTELEMETRY:
-            return None
+            values = setting.values
+            file = self._files.get(values.file)
+            if file is None or file.log_frequency != values.log_frequency:
+                if file is not None:
+                    file.close()
+                file = self._files[values.file] = TraceFile(values.file, values.log_frequency)
+            return FileRequestTrace(file, model, version, request_id, start_ns)
         if self._emitter is None:
             self._emitter = SpanEmitter("gateway", self.state.config)
         return RequestTrace(self._emitter, model, version, client_traceparent, start_ns)

@@ -202,6 +202,9 @@ class BatchRun:
                 batch_leader=leader,
             )
             leader = False
+            if q.msg.traceparent:
+                timing.enqueue_ns = q.enqueue_ns
+                timing.execute_end_ns = time.monotonic_ns()
             if result.failure:  # a per-request error (a Python model's response)
                 self.deliver(
                     q,

@@ -55,20 +55,24 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., raw: _Optional[bytes] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_ns", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "batch_size", "batch_leader")
+    __slots__ = ("queue_ns", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "batch_size", "batch_leader", "enqueue_ns", "execute_end_ns")
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_INPUT_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_INFER_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_OUTPUT_NS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     BATCH_LEADER_FIELD_NUMBER: _ClassVar[int]
+    ENQUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTE_END_NS_FIELD_NUMBER: _ClassVar[int]
     queue_ns: int
     compute_input_ns: int
     compute_infer_ns: int
     compute_output_ns: int
     batch_size: int
     batch_leader: bool
-    def __init__(self, queue_ns: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_leader: _Optional[bool] = ...) -> None: ...
+    enqueue_ns: int
+    execute_end_ns: int
+    def __init__(self, queue_ns: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_leader: _Optional[bool] = ..., enqueue_ns: _Optional[int] = ..., execute_end_ns: _Optional[int] = ...) -> None: ...
 
 class ScheduleRequest(_message.Message):
     __slots__ = ("id", "model", "version", "inputs", "outputs", "batch_size", "priority", "timeout_us", "config_generation", "sequence_id", "sequence_id_str", "sequence_start", "sequence_end", "request_id", "parameters_json", "traceparent")

@@ -51,3 +51,46 @@ def test_compute_phases_end_to_end() -> None:
         ("compute_infer", 895, 995),
         ("compute_output", 995, 1000),
     ]
+
+
+def test_triton_trace_records() -> None:
+    from services.gateway.trace_file import trace_records
+
+    timing = pb.Timing(
+        queue_ns=10,
+        compute_input_ns=5,
+        compute_infer_ns=50,
+        compute_output_ns=5,
+        enqueue_ns=110,
+        execute_end_ns=200,
+    )
+    records = trace_records(3, "m", 1, "rid", 100, 210, timing)
+    assert records[0] == {"id": 3, "model_name": "m", "model_version": 1, "request_id": "rid"}
+    stamps = [(r["timestamps"][0]["name"], r["timestamps"][0]["ns"]) for r in records[1:]]
+    assert stamps == [
+        ("REQUEST_START", 100),
+        ("QUEUE_START", 110),
+        ("COMPUTE_START", 120),
+        ("COMPUTE_INPUT_END", 145),
+        ("COMPUTE_OUTPUT_START", 195),
+        ("COMPUTE_END", 200),
+        ("REQUEST_END", 210),
+    ]
+    # a request refused before the scheduler: only its start and end
+    assert [r.get("timestamps") for r in trace_records(4, "m", 1, "", 1, 2, None)][1:] == [
+        [{"name": "REQUEST_START", "ns": 1}],
+        [{"name": "REQUEST_END", "ns": 2}],
+    ]
+
+
+def test_trace_file_log_frequency_writes_index_files(tmp_path) -> None:
+    import json
+
+    from services.gateway.trace_file import TraceFile
+
+    f = TraceFile(str(tmp_path / "t.json"), log_frequency=2)
+    for i in range(3):
+        f.add([{"id": i}])
+    assert json.loads((tmp_path / "t.json.0").read_text()) == [{"id": 0}, {"id": 1}]
+    f.close()
+    assert json.loads((tmp_path / "t.json.1").read_text()) == [{"id": 2}]

@@ -166,3 +166,15 @@ def test_http_bodies() -> None:
         http_update({"trace_rate": 7})
     with pytest.raises(TypeError, match="non-array"):
         http_update({"trace_level": "TIMESTAMPS"})
+
+
+def test_trace_config_flag_reaches_the_gateway_settings() -> None:
+    from stageserve.cli import _settings, build_parser
+
+    parser = build_parser()
+    argv = ["up", "--trace-config", "mode=opentelemetry", "--trace-config=rate=5"]
+    settings = _settings(parser, parser.parse_args(argv), environment=None)
+    assert settings.gateway.trace_config == ("mode=opentelemetry", "rate=5")
+    assert parse_trace_config(settings.gateway.trace_config).values.rate == 5
+    with pytest.raises(SystemExit):
+        _settings(parser, parser.parse_args(["up", "--trace-config", "rate=x"]), None)

@@ -42,6 +42,7 @@ from stageserve.settings import (
     settings_from_env,
     with_flags,
 )
+from stageserve.tracing import TraceConfigError, parse_trace_config
 
 log = logging.getLogger("stageserve")
 
@@ -141,6 +142,17 @@ def _cache_config(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _trace_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trace-config",
+        action="append",
+        default=[],
+        help="Triton's [<mode>,]<setting>=<value>, repeatable: mode=triton|opentelemetry, "
+        "rate=, level=OFF|TIMESTAMPS|TENSORS, count=, triton,file=, triton,log-frequency=, "
+        "opentelemetry,url=, opentelemetry,resource=<key>=<value>",
+    )
+
+
 def _http_listen(args: argparse.Namespace) -> str | None:
     return f"{args.http_address}:{args.http_port}" if args.allow_http else None
 
@@ -180,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     _startup_flags(up)
     _poll_secs(up)
     _autocomplete(up)
+    _trace_config(up)
     up.add_argument(
         "--workers",
         type=parse_workers,
@@ -210,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     _startup_flags(gw)
     _poll_secs(gw)
     _autocomplete(gw)
+    _trace_config(gw)
     gw.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
     gw.add_argument("--ratelimiter", default=_env("STAGESERVE_RATELIMITER"), required=False)
     gw.add_argument("--scheduler", default=_env("STAGESERVE_SCHEDULER"), required=False)
@@ -299,6 +313,12 @@ def _settings(
         parsed["public_tls"] = _security(args, tls_from)
         parsed["grpc_restrictions"] = tuple(_security(args, restrictions_from))
         parsed["http_restrictions"] = tuple(_security(args, http_restrictions_from))
+    if hasattr(args, "trace_config"):
+        try:
+            parse_trace_config(args.trace_config)
+        except TraceConfigError as exc:
+            parser.error(str(exc))
+        parsed["trace_config"] = tuple(args.trace_config)
     try:
         if hasattr(args, "cache_config"):
             parsed["cache_config"] = parse_cache_config(args.cache_config)
@@ -373,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--server-name",
                 gateway.server_name,
                 *(gateway.response_cache.argv() if gateway.response_cache else []),
+                *(f"--trace-config={c}" for c in gateway.trace_config),
             ],
             exit_on_error=gateway.exit_on_error,
             strict_readiness=gateway.strict_readiness,

@@ -59,6 +59,11 @@ Response cache (gateways with --cache-config redis; services/gateway/response_ca
   ss:rc:sizes                 hash  key -> bytes of its entry
   ss:rc:bytes                 str   bytes held by every entry (kept under the budget)
   ss:rc:clock                 str   counter ordering uses
+
+Tracing (stageserve/trace_store.py):
+  ss:trace:state     str   the stack's trace settings (JSON: startup config, global, per model)
+  ss:trace:counts    hash  setting uid -> traces it may still take (-1: unlimited)
+  ss:trace:events    pub/sub channel: the settings changed
 """
 
 from __future__ import annotations
@@ -78,6 +83,10 @@ CACHE_RECENCY = PREFIX + "rc:recency"
 CACHE_SIZES = PREFIX + "rc:sizes"
 CACHE_BYTES = PREFIX + "rc:bytes"
 CACHE_CLOCK = PREFIX + "rc:clock"
+
+TRACE_STATE = PREFIX + "trace:state"
+TRACE_COUNTS = PREFIX + "trace:counts"
+TRACE_EVENTS = PREFIX + "trace:events"
 
 
 def model(name: str) -> str:

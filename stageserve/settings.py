@@ -196,6 +196,9 @@ class GatewaySettings:
     # Triton's --cache-config (stageserve/cache_options.py): the response cache
     # of the models that enable one; None: nothing cached, as Triton without it.
     response_cache: CacheConfig | None = flag(None, "cache_config")
+    # Triton's --trace-config, as given (stageserve/tracing.py parses it): the
+    # stack's startup trace settings, seeded in Redis by the first gateway.
+    trace_config: tuple[str, ...] = flag((), "trace_config")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from services.gateway.python_models import (
     python_request_fields,
     stream_partials,
 )
+from services.gateway.request_trace import FileRequestTrace, RequestTrace
 from services.gateway.response_cache import (
     ResponseCache,
     decode_entry,
@@ -33,6 +34,7 @@ from services.gateway.response_cache import (
     request_key,
 )
 from services.gateway.shared_memory import Region, SystemSharedMemory
+from services.gateway.trace_settings import TraceSettingError, TraceSettings
 from stageserve import __version__
 from stageserve.config import ModelSpec
 from stageserve.errors import StageError, internal, invalid, unavailable
@@ -87,6 +89,7 @@ class DataPlane:
         # Triton's --strict-readiness: ServerReady also needs every model ready
         self.strict_readiness = True
         self.shm = SystemSharedMemory()
+        self.traces: TraceSettings | None = None  # set by the server
         self.overrides = OverrideArea()  # RepositoryModelLoad's config/file overrides
         # --cache-config's response cache (set by the server); None: nothing cached
         self.cache: ResponseCache | None = None
@@ -151,12 +154,15 @@ class DataPlane:
         raw_contents: Sequence[bytes] | None = None,
         *,
         stream: DecoupledStream | None = None,
+        traceparent: str = "",
     ) -> gs.ModelInferResponse:
         """`raw_contents` stands for request.raw_input_contents (validation.py).
 
         A decoupled model needs `stream` (decoupled_stream()): its earlier
         responses go there and this returns the final one (see stream.last());
-        without one, a decoupled model is refused as Triton's ModelInfer does."""
+        without one, a decoupled model is refused as Triton's ModelInfer does.
+        `traceparent`: the client's W3C trace context, the parent of this
+        request's spans when it is traced."""
         if stream is None:
             check_unary_allowed(self.models, request)
         start = time.monotonic_ns()
@@ -165,11 +171,17 @@ class DataPlane:
         assert spec is not None
         if entry.name not in self._inflight_watched:
             self._watch_inflight(entry.name)
+        trace: RequestTrace | FileRequestTrace | None = None
+        if self.traces is not None and self.traces.active:  # untraced: this check only
+            trace = await self.traces.begin(entry.name, version, traceparent, request.id, start)
+        timing: pb.Timing | None = None
         self.models.begin(entry, version)
         held: dict[str, Region] = {}  # output -> its region, released when the request ends
         scheduled = False
         try:
             validated = validate_infer(request, spec, self._read_shared, raw_contents)
+            if trace is not None:
+                trace.validated(start, time.monotonic_ns())
             for name, ref in validated.shared_outputs.items():
                 held[name] = self.shm.acquire(ref.region)
                 held[name].check(ref.offset, ref.byte_size)  # Triton checks before running
@@ -182,26 +194,30 @@ class DataPlane:
                 self.recorder.cache_hit(entry.name, version, request_ns, 0, lookup_ns)
                 return out
             scheduled = True
+            scheduled_request = pb.ScheduleRequest(
+                model=entry.name,
+                version=version,
+                inputs=validated.inputs,
+                outputs=validated.outputs,
+                batch_size=validated.batch_size,
+                priority=validated.priority,
+                timeout_us=validated.timeout_us,
+                config_generation=entry.generation,
+                sequence_id=validated.sequence_id,
+                sequence_id_str=validated.sequence_id_str,
+                sequence_start=validated.sequence_start,
+                sequence_end=validated.sequence_end,
+                **python_request_fields(spec, request),
+            )
+            if trace is not None:
+                scheduled_request.traceparent = trace.traceparent()
             resp = await self.scheduler.schedule(
-                pb.ScheduleRequest(
-                    model=entry.name,
-                    version=version,
-                    inputs=validated.inputs,
-                    outputs=validated.outputs,
-                    batch_size=validated.batch_size,
-                    priority=validated.priority,
-                    timeout_us=validated.timeout_us,
-                    config_generation=entry.generation,
-                    sequence_id=validated.sequence_id,
-                    sequence_id_str=validated.sequence_id_str,
-                    sequence_start=validated.sequence_start,
-                    sequence_end=validated.sequence_end,
-                    **python_request_fields(spec, request),
-                ),
+                scheduled_request,
                 on_more=stream_partials(stream, entry.name, version, request.id),
             )
             if stream is not None:
                 stream.final(resp)
+            timing = resp.timing
             self._record_steps(resp)
             if resp.failure:
                 raise StageError.of(resp.failure, resp.message)
@@ -211,8 +227,13 @@ class DataPlane:
             # Triton 2.51's statistics nor metrics (measured: bench/triton_diff.py).
             if scheduled:
                 self.recorder.failure(entry.name, version, time.monotonic_ns() - start, err.reason)
+            if trace is not None:
+                trace.end(time.monotonic_ns(), err.message, timing)
+                trace = None
             raise
         finally:
+            if trace is not None:
+                trace.end(time.monotonic_ns(), timing=timing)
             for region in held.values():
                 self.shm.release(region)
             self.models.end(entry, version)
@@ -310,6 +331,26 @@ class DataPlane:
         return gs.CudaSharedMemoryUnregisterResponse()
 
     # ------------------------------------------------------------- statistics
+
+    # ------------------------------------------------------------- tracing
+
+    async def trace_setting(
+        self, model: str, settings: dict[str, list[str] | None] | None
+    ) -> dict[str, list[str]]:
+        """Triton's TraceSetting: `settings` None reads, else updates (a None
+        or empty value clears that field). INVALID_ARGUMENT or UNIMPLEMENTED
+        with Triton's message when refused."""
+        if model and not self.models.ready_now(model):
+            raise invalid(f"Request for unknown model : {model}")
+        if self.traces is None:
+            raise StageError.of(pb.UNIMPLEMENTED, "tracing is not enabled on this gateway")
+        try:
+            if settings is None:
+                return await self.traces.get(model)
+            return await self.traces.update(model, settings)
+        except TraceSettingError as err:
+            reason = pb.UNIMPLEMENTED if err.unimplemented else pb.INVALID_INPUT
+            raise StageError.of(reason, err.message) from None
 
     def _generation_of(self, model: str) -> int:
         entry = self.models.entries.get(model)

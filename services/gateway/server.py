@@ -20,6 +20,7 @@ from services.gateway.response_cache import open_cache
 from services.gateway.security import RestrictedProtocols, server_credentials
 from services.gateway.service import InferenceService
 from services.gateway.startup import StartupLoadFailed, report, startup_failures
+from services.gateway.trace_settings import TraceSettings
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
@@ -30,6 +31,8 @@ from stageserve.service_runtime import run_server
 from stageserve.settings import Settings
 from stageserve.shared_stats import SharedStats
 from stageserve.telemetry import serve_metrics
+from stageserve.trace_store import TraceStore
+from stageserve.tracing import parse_trace_config
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,8 @@ async def serve(
     dataplane.shared.start()
     dataplane.log_control = LogControl(redis)
     dataplane.cache = open_cache(gateway.response_cache, redis, settings.redis_client)
+    dataplane.traces = TraceSettings(TraceStore(redis), parse_trace_config(gateway.trace_config))
+    await dataplane.traces.start()
     republisher = Republisher(lifecycle, redis, gateway)
     await republisher.check()  # marks the model set as known before loading
     republisher.start()
@@ -147,6 +152,7 @@ async def serve(
         await dataplane.shared.close()
         if dataplane.cache is not None:
             await dataplane.cache.close()
+        await dataplane.traces.close()
         dataplane.overrides.close()
         await link.close()
         await rl_channel.close()

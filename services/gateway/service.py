@@ -141,7 +141,10 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
         start = time.perf_counter()
         code = "INTERNAL"
         try:
-            response = await self.dataplane.infer(request)
+            traceparent = ""
+            if self.dataplane.traces is not None and self.dataplane.traces.active:
+                traceparent = _traceparent(context)
+            response = await self.dataplane.infer(request, traceparent=traceparent)
             code = "OK"
             return response
         except StageError as err:
@@ -258,6 +261,28 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
         if self.dataplane.log_control is None:
             raise StageError(grpc.StatusCode.UNIMPLEMENTED, "log settings are not served here")
         return await grpc_log_settings(self.dataplane.log_control, request)
+
+    # ---------------------------------------------------------------- trace
+
+    @grpc_errors
+    async def TraceSetting(
+        self, request: gs.TraceSettingRequest, context
+    ) -> gs.TraceSettingResponse:
+        # A read has no settings; an update names some (an empty list clears one).
+        settings = {k: list(v.value) or None for k, v in request.settings.items()}
+        answer = await self.dataplane.trace_setting(request.model_name, settings or None)
+        out = gs.TraceSettingResponse()
+        for key, values in answer.items():
+            out.settings[key].value.extend(values)
+        return out
+
+
+def _traceparent(context) -> str:
+    """The client's W3C traceparent metadata, if it sent one."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "traceparent":
+            return value if isinstance(value, str) else value.decode("latin-1")
+    return ""
 
 
 def _stream_error(request: gs.ModelInferRequest, message: str) -> gs.ModelStreamInferResponse:

@@ -23,6 +23,7 @@ from services.ratelimiter.registry import (
     RedisRegistry,
     Resource,
 )
+from stageserve import trace_spans
 from stageserve.errors import invalid
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
@@ -168,7 +169,10 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
         lease_ms = request.lease_ms or self.settings.default_grant_lease_ms
         started = time.monotonic()
         deadline = started + request.wait_ms / 1000.0
+        start_ns = time.monotonic_ns() if request.traceparent else 0
         resp = await self._acquire(model, version, lease_ms, deadline)
+        if request.traceparent:
+            await record_grant_span(request, resp, start_ns, time.monotonic_ns())
         waited = time.monotonic() - started
         RATELIMITER_WAIT.labels(model, str(version)).observe(waited)
         if resp.granted:
@@ -314,6 +318,23 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             await asyncio.sleep(period_s)
 
 
+async def record_grant_span(
+    request: pb.AcquireRequest, resp: pb.AcquireResponse, start_ns: int, end_ns: int
+) -> None:
+    """The "grant" span of an acquire a traced request waits for: from the
+    acquire's arrival to its answer, under the request's gateway span."""
+    parent = trace_spans.parse_traceparent(request.traceparent)
+    stage = trace_spans.STAGE
+    emitter = await stage.emitter() if stage is not None and parent is not None else None
+    if emitter is None:
+        return
+    attributes = {"stageserve.granted": resp.granted, "stageserve.model": request.model}
+    if resp.granted:
+        attributes["stageserve.instance"] = resp.instance.instance_id
+    span, _ = emitter.start("grant", parent, start_ns, attributes)
+    emitter.end(span, end_ns, "" if resp.granted else resp.reason)
+
+
 async def serve(listen: str, redis_url: str, settings: Settings) -> None:
     """`settings.ratelimiter`: the rate limit mode, resource overrides and figures."""
     from stageserve.net import SERVER_OPTIONS
@@ -324,6 +345,7 @@ async def serve(listen: str, redis_url: str, settings: Settings) -> None:
     rate_limit, resource_overrides = rl.mode, dict(rl.resources)
     redis = connect(redis_url, settings.redis_client)
     await redis.ping()
+    spans = trace_spans.configure("ratelimiter", redis)  # traced requests' grant spans
     registry = RedisRegistry(redis, mode=rate_limit, settings=rl)
     await registry.set_overrides(resource_overrides)
     log.info(
@@ -343,4 +365,5 @@ async def serve(listen: str, redis_url: str, settings: Settings) -> None:
     finally:
         for task in background:
             task.cancel()
+        await asyncio.to_thread(spans.close)
         await redis.aclose()

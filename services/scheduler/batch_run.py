@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from services.scheduler.batch_spans import start_batch_spans
 from services.scheduler.batch_strategy import Queued
 from services.scheduler.clients import Granted, WorkerCallError, WorkerClients
 from services.scheduler.decoupled import DecoupledBatch
@@ -131,11 +132,17 @@ class BatchRun:
                     # final, so its next request runs after this one ended.
                     on_returned=returned if job is None else None,
                 )
+            spans = None
+            if any(q is not None and q.msg.traceparent for q in rows):
+                spans = await start_batch_spans(rows, request, grant.instance_id, compute_start)
             try:
                 resp = await self.workers.execute(
                     grant.worker_address, request, decoupled.on_part if decoupled else None
                 )
             except WorkerCallError as exc:
+                if spans is not None:
+                    spans.end(time.monotonic_ns(), exc.details or "execution failed")
+                    spans = None
                 err, state.failed_instance = self._execution_error(exc, grant)
                 ran = decoupled is not None and (decoupled.sent_any or decoupled.returned)
                 if state.failed_instance is None and not ran and self.requeue(batch):
@@ -151,6 +158,8 @@ class BatchRun:
                     if q is not None:
                         self.deliver(q, error_response(q.msg.id, err))
                 return
+            if spans is not None:
+                spans.end(time.monotonic_ns())
             if decoupled is not None:
                 decoupled.finish(None)
                 if job is not None:  # a decoupled model's states: not supported (config.py)
@@ -196,6 +205,9 @@ class BatchRun:
                 batch_leader=leader,
             )
             leader = False
+            if q.msg.traceparent:
+                timing.enqueue_ns = q.enqueue_ns
+                timing.execute_end_ns = time.monotonic_ns()
             if result.failure:  # a per-request error (a Python model's response)
                 self.deliver(
                     q,

@@ -103,8 +103,9 @@ class RateLimiterClient:
             except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
                 log.warning("grant renewal failed", extra={"error": str(exc)})
 
-    async def acquire(self, model: str, version: int) -> Granted | None:
-        """A grant, or None when every instance stayed busy for wait_ms.
+    async def acquire(self, model: str, version: int, traceparent: str = "") -> Granted | None:
+        """A grant, or None when every instance stayed busy for wait_ms;
+        `traceparent`: a traced request waits for it (the rate limiter's span).
 
         Raises StageError (UNAVAILABLE) when no instance exists, or the rate
         limiter or its Redis cannot be reached.
@@ -114,6 +115,8 @@ class RateLimiterClient:
                 model=model, version=version, wait_ms=self.wait_ms, lease_ms=self.lease_ms
             )
         )
+        if traceparent:
+            request.acquire.traceparent = traceparent
         resp = await self._acquire_call(request, self.wait_ms / 1000.0 + 5.0)
         if resp.granted:
             self.held.add(resp.grant_id)

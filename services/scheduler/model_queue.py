@@ -83,6 +83,7 @@ class ModelQueue:
         self._grant_event = asyncio.Event()
         self.grants: GrantPool[Granted] = GrantPool(settings.grant_reuse_s, settings.standby_hold_s)
         self._acquiring: asyncio.Task | None = None
+        self._traced_waiting = ""  # a traced request's traceparent, until a grant is asked
         self._tasks: set[asyncio.Task] = set()
         self._deadline_changed = Wakeup()
         self._order: ResponseOrder[tuple[Respond, pb.ScheduleResponse]] = ResponseOrder()
@@ -131,6 +132,8 @@ class ModelQueue:
         """Queue a request. wake=False: the caller submits more (the rest of an
         incoming message) and calls wake() after the last of them."""
         queued = Queued(msg, respond, time.monotonic_ns())
+        if msg.traceparent:  # the next grant acquired is the one it waits for
+            self._traced_waiting = msg.traceparent
         try:
             has_deadline = self.strategy.add(queued)
         except QueueFull as exc:
@@ -270,7 +273,8 @@ class ModelQueue:
 
     async def _acquire_into_spare(self) -> None:
         try:
-            grant = await self.ratelimiter.acquire(self.model, self.version)
+            traced, self._traced_waiting = self._traced_waiting, ""
+            grant = await self.ratelimiter.acquire(self.model, self.version, traced)
             if grant is not None:
                 self.grants.acquired(grant, time.monotonic())
         except StageError as err:

@@ -12,6 +12,7 @@ from services.scheduler.ensemble import check_step_input, run_ensemble
 from services.scheduler.execute_request import error_response
 from services.scheduler.model_queue import ModelQueue
 from services.scheduler.sequence_queue import make_sequence_queue
+from stageserve import trace_spans
 from stageserve.errors import StageError, stage_fault, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
@@ -206,6 +207,7 @@ async def serve(listen: str, redis_url: str, ratelimiter_address: str, settings:
 
     redis = connect(redis_url, settings.redis_client)
     await redis.ping()
+    spans = trace_spans.configure("scheduler", redis)  # traced requests' spans
     ratelimiter = RateLimiterClient(ratelimiter_address, settings.scheduler, settings.stage_tls)
     workers = WorkerClients(settings.scheduler.execute_timeout_s, settings.stage_tls)
     service = SchedulerService(ModelStateStore(redis), ratelimiter, workers, settings.scheduler)
@@ -218,4 +220,5 @@ async def serve(listen: str, redis_url: str, ratelimiter_address: str, settings:
             queue.close()
         await ratelimiter.close()
         await workers.close()
+        await asyncio.to_thread(spans.close)
         await redis.aclose()

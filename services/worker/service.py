@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 
 from services.worker.backends import BackendError, InvalidInputError, StillSending
 from services.worker.blas_threads import limit_blas_threads
+from services.worker.compute_spans import record_compute_spans
 from services.worker.hosting import host_version
 from services.worker.instances import HostedInstance, placements
 from services.worker.publishers import PublisherWatch
@@ -29,6 +30,7 @@ from services.worker.python_backend.bls import install as bls_install
 from services.worker.stale import stale_instances
 from services.worker.warmup import WarmupError
 from stageserve import redis_keys as keys
+from stageserve import trace_spans
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.gpus import gpu_count
@@ -93,6 +95,8 @@ def _answered(
     c_in.observe(resp.compute_input_ns / 1e9)
     c_infer.observe(resp.compute_infer_ns / 1e9)
     c_out.observe(resp.compute_output_ns / 1e9)
+    if request.traceparents:  # some request of the batch is traced
+        record_compute_spans(request, resp, time.monotonic_ns())
     return resp
 
 
@@ -405,6 +409,7 @@ async def serve(
     limit_blas_threads(os.environ, settings.worker.blas_threads)
     redis = connect(redis_url, settings.redis_client)
     await redis.ping()
+    spans = trace_spans.configure("worker", redis)  # traced requests' spans
     worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
     channel = stage_channel(ratelimiter_address, settings.stage_tls)
     service = WorkerService(
@@ -448,4 +453,5 @@ async def serve(
         if bls is not None:
             await bls.close()
         await channel.close()
+        await asyncio.to_thread(spans.close)
         await redis.aclose()

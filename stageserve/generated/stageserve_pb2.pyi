@@ -55,23 +55,27 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., raw: _Optional[bytes] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_ns", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "batch_size", "batch_leader")
+    __slots__ = ("queue_ns", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "batch_size", "batch_leader", "enqueue_ns", "execute_end_ns")
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_INPUT_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_INFER_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_OUTPUT_NS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     BATCH_LEADER_FIELD_NUMBER: _ClassVar[int]
+    ENQUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTE_END_NS_FIELD_NUMBER: _ClassVar[int]
     queue_ns: int
     compute_input_ns: int
     compute_infer_ns: int
     compute_output_ns: int
     batch_size: int
     batch_leader: bool
-    def __init__(self, queue_ns: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_leader: _Optional[bool] = ...) -> None: ...
+    enqueue_ns: int
+    execute_end_ns: int
+    def __init__(self, queue_ns: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_leader: _Optional[bool] = ..., enqueue_ns: _Optional[int] = ..., execute_end_ns: _Optional[int] = ...) -> None: ...
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("id", "model", "version", "inputs", "outputs", "batch_size", "priority", "timeout_us", "config_generation", "sequence_id", "sequence_id_str", "sequence_start", "sequence_end", "request_id", "parameters_json")
+    __slots__ = ("id", "model", "version", "inputs", "outputs", "batch_size", "priority", "timeout_us", "config_generation", "sequence_id", "sequence_id_str", "sequence_start", "sequence_end", "request_id", "parameters_json", "traceparent")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +91,7 @@ class ScheduleRequest(_message.Message):
     SEQUENCE_END_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     id: int
     model: str
     version: int
@@ -102,7 +107,8 @@ class ScheduleRequest(_message.Message):
     sequence_end: bool
     request_id: str
     parameters_json: str
-    def __init__(self, id: _Optional[int] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., priority: _Optional[int] = ..., timeout_us: _Optional[int] = ..., config_generation: _Optional[int] = ..., sequence_id: _Optional[int] = ..., sequence_id_str: _Optional[str] = ..., sequence_start: _Optional[bool] = ..., sequence_end: _Optional[bool] = ..., request_id: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, id: _Optional[int] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., priority: _Optional[int] = ..., timeout_us: _Optional[int] = ..., config_generation: _Optional[int] = ..., sequence_id: _Optional[int] = ..., sequence_id_str: _Optional[str] = ..., sequence_start: _Optional[bool] = ..., sequence_end: _Optional[bool] = ..., request_id: _Optional[str] = ..., parameters_json: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
     __slots__ = ("id", "failure", "message", "outputs", "timing", "steps", "more", "no_response")
@@ -248,16 +254,18 @@ class DeregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("model", "version", "wait_ms", "lease_ms")
+    __slots__ = ("model", "version", "wait_ms", "lease_ms", "traceparent")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     wait_ms: int
     lease_ms: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("granted", "grant_id", "instance", "reason", "holds_resources", "failure")
@@ -408,7 +416,7 @@ class RaggedShapes(_message.Message):
     def __init__(self, input: _Optional[str] = ..., rank: _Optional[int] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("id", "instance_id", "inputs", "request_batch_sizes", "requested", "ragged_shapes", "request_info")
+    __slots__ = ("id", "instance_id", "inputs", "request_batch_sizes", "requested", "ragged_shapes", "request_info", "traceparents")
     ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -416,6 +424,7 @@ class ExecuteRequest(_message.Message):
     REQUESTED_FIELD_NUMBER: _ClassVar[int]
     RAGGED_SHAPES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_INFO_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
     id: int
     instance_id: str
     inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
@@ -423,7 +432,8 @@ class ExecuteRequest(_message.Message):
     requested: _containers.RepeatedCompositeFieldContainer[RequestedOutputs]
     ragged_shapes: _containers.RepeatedCompositeFieldContainer[RaggedShapes]
     request_info: _containers.RepeatedCompositeFieldContainer[RequestInfo]
-    def __init__(self, id: _Optional[int] = ..., instance_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., request_batch_sizes: _Optional[_Iterable[int]] = ..., requested: _Optional[_Iterable[_Union[RequestedOutputs, _Mapping]]] = ..., ragged_shapes: _Optional[_Iterable[_Union[RaggedShapes, _Mapping]]] = ..., request_info: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ...) -> None: ...
+    traceparents: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[int] = ..., instance_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., request_batch_sizes: _Optional[_Iterable[int]] = ..., requested: _Optional[_Iterable[_Union[RequestedOutputs, _Mapping]]] = ..., ragged_shapes: _Optional[_Iterable[_Union[RaggedShapes, _Mapping]]] = ..., request_info: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., traceparents: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
     __slots__ = ("id", "failure", "message", "results", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "parts", "more", "execute_returned")

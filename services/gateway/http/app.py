@@ -31,6 +31,7 @@ from stageserve.errors import StageError, http_status, internal, invalid
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.security_options import Restriction, restrictions_by_group
+from stageserve.tracing import http_json, http_update
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ class HttpFront:
             if request.headers.get(key) != value:  # as Triton: 403 with its words
                 message = f"This API is restricted, expecting header '{header}'"
                 return endpoint, error_response(403, message)
-        if method != ANY_METHOD and request.method != method:
+        if method != ANY_METHOD and request.method not in method.split(","):
             return endpoint, error_response(405, "Method Not Allowed")
         try:
             return endpoint, await handler(request, *args)
@@ -226,6 +227,8 @@ class HttpFront:
                     return "unknown", None, "", ()
             if not rest:
                 return "model_metadata", self.model_metadata, "GET", (model, version)
+            if rest == ["trace", "setting"] and not version:
+                return "trace", self.trace_setting, "GET,POST", (model,)
             if len(rest) == 1:
                 action = rest[0]
                 route = self._MODEL_ROUTES.get(action)
@@ -264,6 +267,8 @@ class HttpFront:
             return "unknown", None, "", ()
         if p[1] == "logging":  # GET and POST, as Triton
             return "logging", self.log_settings if n == 2 else None, ANY_METHOD, ()
+        if p[1:] == ["trace", "setting"]:
+            return "trace", self.trace_setting, "GET,POST", ("",)
         if p[1] in ("trace", "logging"):
             return p[1], self.unsupported, "GET" if p[-1] in ("status", "setting") else "POST", ()
         return "unknown", None, "", ()
@@ -314,7 +319,10 @@ class HttpFront:
         parsed = codec.parse_infer(body, header_length, model, version)
         if self.dp.is_decoupled(parsed.request.model_name):  # as Triton's HTTP front
             raise invalid("HTTP end point doesn't support models with decoupled transaction policy")
-        result = await self.dp.infer(parsed.request, parsed.raw)
+        traceparent = ""
+        if self.dp.traces is not None and self.dp.traces.active:
+            traceparent = request.headers.get(b"traceparent", b"").decode("latin-1")
+        result = await self.dp.infer(parsed.request, parsed.raw, traceparent=traceparent)
         body, json_length = codec.encode_infer(result, parsed)
         if json_length is None:
             headers = [(b"content-type", b"application/json")]
@@ -465,6 +473,25 @@ class HttpFront:
             raise unsupported_error("logging")
         status, doc = await http_log_settings(self.dp.log_control, request.method, request.body)
         return json_response(doc, status)
+
+    async def trace_setting(self, request: Request, model: str) -> Response:
+        """Triton's trace extension: GET reads, POST updates (null clears a
+        field). Triton answers a value of the wrong JSON type, or a body that
+        is no JSON, with 500 and its parser's words."""
+        settings = None
+        if request.method == "POST":
+            try:
+                settings = http_update(json.loads(request.body))
+            except ValueError as exc:
+                return error_response(500, f"failed to parse the request JSON buffer: {exc}")
+            except TypeError as exc:
+                return error_response(500, str(exc))
+        try:
+            answer = await self.dp.trace_setting(model, settings)
+        except StageError as err:
+            status = 501 if err.reason == pb.UNIMPLEMENTED else http_status(err.reason)
+            return error_response(status, err.message)
+        return json_response(http_json(answer))
 
     async def unsupported(self, request: Request) -> Response:
         raise unsupported_error(request.parts[1])

@@ -1,0 +1,74 @@
+"""`stageserve up --gateways N|auto`: the count, and the flags each gateway gets."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from stageserve.cli import build_parser
+from stageserve.scale_out import auto_gateways, gateway_count, parse_gateways
+from stageserve.settings import StackSettings, settings_from
+
+
+@pytest.mark.parametrize(
+    ("cores", "expected"), [(1, 1), (2, 1), (3, 1), (4, 1), (8, 2), (16, 4), (64, 4)]
+)
+def test_auto_is_one_gateway_per_four_cores_capped(cores: int, expected: int) -> None:
+    assert auto_gateways(cores, StackSettings()) == expected
+
+
+def test_auto_follows_its_settings() -> None:
+    assert auto_gateways(16, StackSettings(auto_gateway_cores=2, auto_gateways_max=6)) == 6
+    assert auto_gateways(16, StackSettings(auto_gateway_cores=0)) == 4  # 0 per: at least 1 core
+
+
+def test_auto_settings_from_the_environment() -> None:
+    env = {"STAGESERVE_STACK_AUTO_GATEWAY_CORES": "2", "STAGESERVE_STACK_AUTO_GATEWAYS_MAX": "3"}
+    stack = settings_from({}, env).stack
+    assert gateway_count("auto", stack, cores=16) == 3
+
+
+def test_a_count_is_taken_as_given() -> None:
+    assert gateway_count(3, StackSettings(), cores=2) == 3
+    with pytest.raises(ValueError, match="--gateways"):
+        gateway_count(0, StackSettings())
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "two"])
+def test_parse_rejects(bad: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_gateways(bad)
+
+
+def test_up_takes_gateways_and_the_gateway_tritons_reuse_flags() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["up"]).gateways == 1
+    assert parser.parse_args(["up", "--gateways", "auto"]).gateways == "auto"
+    assert parser.parse_args(["up", "--gateways", "2"]).gateways == 2
+    gw = ["gateway", "--model-repository", "/m", "--redis-url", "redis://x"]
+    args = parser.parse_args([*gw, "--reuse-grpc-port", "true", "--reuse-http-port", "1"])
+    settings = settings_from(args, {}).gateway
+    assert settings.reuse_grpc_port and settings.reuse_http_port
+    plain = settings_from(parser.parse_args(gw), {}).gateway
+    assert not plain.reuse_grpc_port and not plain.reuse_http_port
+
+
+def test_the_http_front_shares_its_port_only_when_asked() -> None:
+    from services.gateway.http.server import _listen
+
+    first = _listen("127.0.0.1", 0, reuse_port=True)
+    try:
+        port = first.getsockname()[1]
+        second = _listen("127.0.0.1", port, reuse_port=True)
+        second.close()
+        with pytest.raises(OSError):  # without it the bind fails, as Triton's does
+            _listen("127.0.0.1", port).close()
+    finally:
+        first.close()
+    alone = _listen("127.0.0.1", 0)
+    try:
+        with pytest.raises(OSError):
+            _listen("127.0.0.1", alone.getsockname()[1], reuse_port=True).close()
+    finally:
+        alone.close()

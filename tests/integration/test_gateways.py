@@ -25,6 +25,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from stageserve.net import free_port
+from stageserve_tools.examples import python_config_text, write_python_model
 from tests.integration.up_process import UpProcess
 from tests.procs import alive
 from tests.stack import wait_until
@@ -192,3 +193,62 @@ def test_http_health_answers_on_the_shared_port(up: UpProcess) -> None:
                 assert r.status == 200
         except urllib.error.URLError as exc:  # pragma: no cover - the assertion's message
             pytest.fail(f"{url}: {exc}")
+
+
+#: The slow model's initialize: how long its gateway's startup load takes at least.
+SLOW_INIT_S = 3.0
+
+_SLOW_SOURCE = f"""\
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        time.sleep({SLOW_INIT_S})
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)]))
+        return responses
+"""
+
+
+def _live_not_ready(url: str) -> bool | None:
+    """None: no connection; True: a server answered live but not ready."""
+    try:
+        with grpcclient.InferenceServerClient(url) as c:
+            live = c.is_server_live(client_timeout=1)
+            return bool(live) and not c.is_server_ready(client_timeout=1)
+    except Exception:  # noqa: BLE001 - refused, reset, timed out: no server answered
+        return None
+
+
+def test_a_port_sharing_gateway_takes_connections_only_once_loaded(tmp_path: Path) -> None:
+    """Alone, a gateway serves health while its startup models load (ServerLive
+    true, ServerReady false); one that shares its port (--gateways 2) opens it
+    only once they are loaded, so a connection the kernel gives it never finds
+    models it has not loaded. (With --gateways 1 the same probe does see the
+    live-not-ready gateway.)"""
+    write_python_model(
+        tmp_path,
+        "slow",
+        _SLOW_SOURCE,
+        python_config_text(
+            "slow", [("INPUT0", "FP32", (4,))], [("OUTPUT0", "FP32", (4,))], max_batch_size=8
+        ),
+    )
+    port = free_port()
+    with UpProcess(tmp_path, ["--gateways", "2", "--grpc-port", str(port)]) as running:
+        answered_unready = False
+        deadline = time.monotonic() + 120
+        while running.info() is None and running.proc.poll() is None:
+            assert time.monotonic() < deadline, "stageserve up did not start"
+            answered_unready = answered_unready or bool(_live_not_ready(f"127.0.0.1:{port}"))
+            time.sleep(0.05)
+        assert running.info() is not None, "".join(running.err[-20:])
+        assert _live_not_ready(f"127.0.0.1:{port}") is False  # now open, and ready
+    assert not answered_unready

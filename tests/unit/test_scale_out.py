@@ -72,3 +72,25 @@ def test_the_http_front_shares_its_port_only_when_asked() -> None:
             _listen("127.0.0.1", alone.getsockname()[1], reuse_port=True).close()
     finally:
         alone.close()
+
+
+def test_a_startup_failure_is_summarized_once_however_many_gateways_saw_it() -> None:
+    import io
+    import json
+
+    from stageserve.launcher import Child, Stack, print_startup_summary
+
+    failure = {"model": "broken", "version": "", "reason": "bad config"}
+    other = {"model": "other", "version": "1", "reason": "no backend"}
+    stack = Stack()
+    stack.children = [
+        Child("gateway", proc=None, startup_failures=[failure, other]),  # type: ignore[arg-type]
+        Child("gateway-1", proc=None, startup_failures=[failure]),  # type: ignore[arg-type]
+    ]
+    out = io.StringIO()
+    print_startup_summary(stack, out)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert lines == [
+        {"event": "model not loaded", **failure},
+        {"event": "model not loaded", **other},
+    ]

@@ -230,10 +230,14 @@ class StackSettings:
     # with 4 gateways on one port 9,359-9,604 on ~4.4 cores, with 8 gateways
     # 7,725 on 4.8 cores (one scheduler and one worker bind: more gateways
     # only add contention). Each gateway with its share of the scheduler and
-    # worker is ~4 cores' worth of work at that peak; on 2 cores a second
-    # gateway competes with the scheduler and worker for the same cores
-    # (docs/benchmarks.md, bench.scale), so auto is 1 there. GPUs do not
-    # enter: the gateway's work (protocol, tensors in and out) is CPU work.
+    # worker is ~4 cores' worth of work at that peak. On 2 cores a second
+    # gateway competes with the scheduler and worker for the same cores:
+    # bench.scale, identity c=32, two rounds, gave no throughput gain and more
+    # CPU per inference (gateways ~425 -> ~630 us, scheduler ~167 -> ~248,
+    # worker ~118 -> ~168: each gateway's stream carries half the requests,
+    # so fewer ride per message and batch; docs/benchmarks.md), so auto is 1
+    # there. GPUs do not enter: the gateway's work (protocol, tensors in and
+    # out) is CPU work.
     auto_gateway_cores: int = 4
     auto_gateways_max: int = 4
 

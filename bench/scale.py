@@ -11,11 +11,12 @@ three models, and runs perf_analyzer against each at each concurrency:
 * ``cnn``: the compute-bound CNN of bench/cnn.py.
 
 For every point it prints throughput, p50 and p99 (perf_analyzer, gRPC by
-default), and per stage (gateway, scheduler, ratelimiter, worker, redis; the
-processes of a kind summed) the cores it used and its CPU microseconds per
-inference: psutil's user+system CPU time of each stage's pid (and its
-children) before and after the perf_analyzer run, divided by the inferences
-ModelStatistics counted in between (read after the gateways' statistics
+default), the inferences per model execution (ModelStatistics), and per
+stage (gateway, scheduler, ratelimiter, worker, redis; the processes of a
+kind summed) the cores it used and its CPU microseconds per inference:
+psutil's user+system CPU time of each stage's pid (and its children) before
+and after the perf_analyzer run, divided by the inferences ModelStatistics
+counted in between (read after the gateways' statistics
 publish period, so every gateway's share is in). It runs on any host: on a
 2-core machine it records the per-stage costs, on a many-core host the
 headline. Figures: docs/benchmarks.md.
@@ -124,6 +125,7 @@ class Point:
     p50_us: float
     p99_us: float
     cores: float  # every process of the stack
+    batch: float | None  # inferences per model execution
     stable: bool
     stages: dict[str, StageCost] = field(default_factory=dict)
 
@@ -133,7 +135,8 @@ def stage_cpu(pids: dict[str, list[int]]) -> dict[str, float]:
     return {stage: tree_cpu_seconds(p) for stage, p in pids.items()}
 
 
-def inference_count(url: str, model: str) -> int:
+def inference_counts(url: str, model: str) -> tuple[int, int]:
+    """(inferences, model executions) from ModelStatistics."""
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
@@ -141,7 +144,10 @@ def inference_count(url: str, model: str) -> int:
         stats = client.get_inference_statistics(model)
     finally:
         client.close()
-    return sum(s.inference_count for s in stats.model_stats)
+    return (
+        sum(s.inference_count for s in stats.model_stats),
+        sum(s.execution_count for s in stats.model_stats),
+    )
 
 
 def measure(
@@ -156,7 +162,7 @@ def measure(
     """One perf_analyzer run and the stages' CPU over it."""
     pct, trials, stable = args.stability_pct, args.max_trials, True
     while True:
-        count0 = inference_count(url, model.name)
+        count0, executions0 = inference_counts(url, model.name)
         cpu0, t0 = stage_cpu(pids), time.monotonic()
         try:
             result = run_perf(
@@ -182,7 +188,8 @@ def measure(
     # Every gateway publishes its statistics each stats_publish_s: wait one
     # period (and some) so the count holds every gateway's share.
     time.sleep(settle_s)
-    inferences = inference_count(url, model.name) - count0
+    count1, executions1 = inference_counts(url, model.name)
+    inferences, executions = count1 - count0, executions1 - executions0
     stages = {}
     for stage, procs in pids.items():
         used = cpu1[stage] - cpu0[stage]
@@ -199,13 +206,14 @@ def measure(
         result.p50_us,
         result.p99_us,
         sum(s.cores for s in stages.values()),
+        inferences / executions if executions > 0 else None,
         stable,
         stages,
     )
 
 
 def format_points(points: Sequence[Point]) -> str:
-    head = ["model", "c", "infer/s", "p50 ms", "p99 ms", "cores"]
+    head = ["model", "c", "infer/s", "p50 ms", "p99 ms", "batch", "cores"]
     stages = [s for s in STAGES if any(s in p.stages for p in points)]
     head += [f"{SHORT[s]} us/inf" for s in stages] + [f"{SHORT[s]} cores" for s in stages]
     rows = []
@@ -216,6 +224,7 @@ def format_points(points: Sequence[Point]) -> str:
             f"{p.throughput:,.0f}",
             f"{p.p50_us / 1000:.2f}",
             f"{p.p99_us / 1000:.2f}",
+            "-" if p.batch is None else f"{p.batch:.1f}",
             f"{p.cores:.2f}" + ("" if p.stable else " (unstable)"),
         ]
         for s in stages:

@@ -94,3 +94,34 @@ def test_a_startup_failure_is_summarized_once_however_many_gateways_saw_it() -> 
         {"event": "model not loaded", **failure},
         {"event": "model not loaded", **other},
     ]
+
+
+def test_grpc_shares_a_port_unless_told_not_to() -> None:
+    """Why the gateway sets grpc.so_reuseport from --reuse-grpc-port, 0 included:
+    grpc core shares a port by default, so a second gateway on a taken port
+    would silently split its connections instead of failing the bind."""
+    from concurrent import futures
+
+    import grpc
+
+    from stageserve.net import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    servers = []
+
+    def bind(options: list[tuple[str, int]]) -> bool:
+        server = grpc.server(futures.ThreadPoolExecutor(1), options=options)
+        servers.append(server)
+        try:
+            return server.add_insecure_port(address) != 0
+        except RuntimeError:  # "Failed to bind to address"
+            return False
+
+    try:
+        assert bind([("grpc.so_reuseport", 1)])
+        assert bind([])  # grpc's default joins it
+        assert bind([("grpc.so_reuseport", 1)])
+        assert not bind([("grpc.so_reuseport", 0)])  # --reuse-grpc-port false: refused
+    finally:
+        for server in servers:
+            server.stop(None)

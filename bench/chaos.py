@@ -42,6 +42,9 @@ from stageserve.launcher import Stack, start_services
 from stageserve_tools.examples import build_example_repository
 
 STAGES = ("worker-0", "scheduler", "ratelimiter", "gateway", "redis")
+#: More stages to pick with --stages once there are more gateways (--gateways N):
+#: `gateway-1` is the second gateway on the same ports.
+EXTRA_STAGES = ("gateway-1",)
 HUNG_S = 10.0  # a call with no answer by then is hung (the client's deadline)
 FULL_FRACTION = 0.8  # "full throughput": this share of the pre-kill rate, per second
 SEQUENCE_LENGTH = 5
@@ -228,10 +231,12 @@ def run_chaos(
     baseline_s: float = 3.0,
     window_s: float = 8.0,
     settle_s: float = 2.0,
+    gateways: int = 1,
 ) -> list[StageResult]:
+    """`gateways`: gateway processes on the one port (`stageserve up --gateways`)."""
     stack = Stack()
     try:
-        services = start_services(stack, repository, device="cpu")
+        services = start_services(stack, repository, device="cpu", gateways=gateways)
         stack.supervise()
         load = Load(services.gateway.address, clients)
         load.start()
@@ -268,7 +273,10 @@ def table(results: list[StageResult]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__)
-    p.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
+    p.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES + EXTRA_STAGES)
+    p.add_argument(
+        "--gateways", type=int, default=1, help="gateways on the one port (gateway-1: the 2nd)"
+    )
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--baseline-s", type=float, default=3.0)
     p.add_argument("--window-s", type=float, default=8.0)
@@ -276,8 +284,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="stageserve-chaos-") as tmp:
         repository = Path(tmp) / "repository"
         build_example_repository(repository)
+        if "gateway-1" in args.stages and args.gateways < 2:
+            p.error("--stages gateway-1 needs --gateways 2 or more")
         results = run_chaos(
-            repository, tuple(args.stages), args.clients, args.baseline_s, args.window_s
+            repository,
+            tuple(args.stages),
+            args.clients,
+            args.baseline_s,
+            args.window_s,
+            gateways=args.gateways,
         )
     print(table(results))
     for r in results:

@@ -753,6 +753,48 @@ COMPOSE_STAGE_SERVICES = {
 }
 
 
+#: Gateways beside `gateway` on its ports (`stageserve up --gateways N` in compose).
+COMPOSE_EXTRA_GATEWAYS = "gateway-extra"
+
+
+def _check_compose_extra_gateways(
+    services: dict[str, dict], parsed: dict[str, argparse.Namespace]
+) -> list[str]:
+    """The extra gateways share the gateway's ports: its network namespace,
+    SO_REUSEPORT on both fronts in every one of them, no host ports and no
+    metrics port of their own (one namespace has one 8002), a replica count."""
+    name = COMPOSE_EXTRA_GATEWAYS
+    extra, args = services.get(name), parsed.get(name)
+    if extra is None:
+        return [f"compose: no service {name!r}"]
+    if args is None:
+        return []  # its command's error is reported already
+    errors = []
+    if args.command != "gateway":
+        errors.append(f"compose {name}: runs `stageserve {args.command}`, expected gateway")
+    if extra.get("network_mode") != "service:gateway":
+        errors.append(f"compose {name}: needs network_mode service:gateway (the gateway's ports)")
+    if _ports(extra) or "container_name" in extra:
+        errors.append(f"compose {name}: replicas publish no ports and have no container_name")
+    for svc_name in ("gateway", name):
+        gw = parsed.get(svc_name)
+        if gw is not None and not (gw.reuse_grpc_port and gw.reuse_http_port):
+            errors.append(
+                f"compose {svc_name}: needs --reuse-grpc-port true --reuse-http-port true "
+                "(the gateways share 8001 and 8000)"
+            )
+    if metrics_port(args) not in (0, None):
+        errors.append(f"compose {name}: --metrics-port 0 (the gateway holds 8002)")
+    if _port_of(grpc_address(args)) != GRPC_PORTS["gateway"]:
+        errors.append(f"compose {name}: gRPC port must be the gateway's {GRPC_PORTS['gateway']}")
+    replicas = (extra.get("deploy") or {}).get("replicas")
+    if replicas is None or int(replicas) < 0:
+        errors.append(f"compose {name}: needs deploy.replicas (STAGESERVE_EXTRA_GATEWAYS)")
+    if _depends_on(extra).get("gateway") != "service_healthy":
+        errors.append(f"compose {name}: must start once the gateway is healthy (models loaded)")
+    return errors
+
+
 def check_compose(normalized: Path | None = None) -> list[str]:
     errors: list[str] = []
     try:
@@ -845,6 +887,8 @@ def check_compose(normalized: Path | None = None) -> list[str]:
         deps = _depends_on(services["gateway"])
         if deps.get("examples") != "service_completed_successfully":
             errors.append("compose gateway: must wait for examples to complete successfully")
+
+    errors += _check_compose_extra_gateways(services, parsed)
 
     ex = parsed.get("examples")
     if ex is not None:
@@ -1490,6 +1534,38 @@ def _check_k8s_hpas(
     return errors
 
 
+def check_k8s_replicas() -> list[str]:
+    """kustomization.yaml's `replicas` (the gateway count of `stageserve up
+    --gateways`, in pods) names Deployments here, within their HPA's bounds."""
+    (kust,) = load_yaml_docs(K8S_DIR / "kustomization.yaml")
+    docs, errors = load_k8s()
+    objects = [o for objs in docs.values() for o in objs]
+    deployments = {o["metadata"]["name"] for o in objects if o.get("kind") == "Deployment"}
+    bounds = {
+        (o["spec"].get("scaleTargetRef") or {}).get("name"): (
+            o["spec"].get("minReplicas", 1),
+            o["spec"].get("maxReplicas", 0),
+        )
+        for o in objects
+        if o.get("kind") == "HorizontalPodAutoscaler"
+    }
+    counts = {r.get("name"): r.get("count") for r in kust.get("replicas") or []}
+    if "gateway" not in counts:
+        errors.append("k8s kustomization.yaml: no replicas count for the gateway")
+    for name, count in counts.items():
+        if name not in deployments:
+            errors.append(f"k8s kustomization.yaml: replicas of {name!r}, not a Deployment here")
+        elif not isinstance(count, int) or count < 1:
+            errors.append(f"k8s kustomization.yaml: replicas of {name} must be a count >= 1")
+        elif name in bounds and not bounds[name][0] <= count <= bounds[name][1]:
+            low, high = bounds[name]
+            errors.append(
+                f"k8s kustomization.yaml: replicas of {name} ({count}) outside its "
+                f"HorizontalPodAutoscaler's {low}..{high}"
+            )
+    return errors
+
+
 # --------------------------------------------------------------------------- Dockerfile
 
 DOCKERFILE = ROOT / "Dockerfile"
@@ -1580,6 +1656,7 @@ SECTIONS = {
     "compose": check_compose,
     "prometheus": check_prometheus,
     "k8s": check_k8s,
+    "k8s-replicas": check_k8s_replicas,
 }
 
 

@@ -28,6 +28,7 @@ from stageserve.gpus import parse_workers
 from stageserve.grpc_io import use_grpc_io
 from stageserve.log_options import STAGES, add_log_flags, log_settings_of
 from stageserve.logs import setup_logging
+from stageserve.scale_out import gateway_count, parse_gateways
 from stageserve.security_options import add_flags as add_security_flags
 from stageserve.security_options import (
     gateway_flags,
@@ -121,6 +122,19 @@ def _startup_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=_bool, nargs="?", const=True, default=True, help=what)
 
 
+def _reuse_port_flags(p: argparse.ArgumentParser) -> None:
+    """tritonserver's: several servers on one port (SO_REUSEPORT), off by default."""
+    for flag in ("--reuse-grpc-port", "--reuse-http-port"):
+        p.add_argument(
+            flag,
+            type=_bool,
+            nargs="?",
+            const=True,
+            default=None,
+            help="share the port with other gateways (SO_REUSEPORT; true|false, default false)",
+        )
+
+
 def _server_name(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--server-name",
@@ -199,6 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="worker processes to start, or auto: one per GPU (cuda:0..N-1; 1 without a GPU)",
     )
+    up.add_argument(
+        "--gateways",
+        type=parse_gateways,
+        default=1,
+        help="gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT), or auto: "
+        "by the cores present (stageserve/scale_out.py)",
+    )
     up.add_argument("--device", default="auto", help="auto | cpu | cuda:N for the workers")
     add_rate_limit_flags(up)
     up.add_argument(
@@ -225,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     _autocomplete(gw)
     _trace_config(gw)
     gw.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
+    _reuse_port_flags(gw)
     gw.add_argument("--ratelimiter", default=_env("STAGESERVE_RATELIMITER"), required=False)
     gw.add_argument("--scheduler", default=_env("STAGESERVE_SCHEDULER"), required=False)
     _redis(gw)
@@ -331,6 +353,14 @@ def _settings(
         parser.error(str(exc))
 
 
+def _gateways(parser: argparse.ArgumentParser, given: int | str, settings: Settings) -> int:
+    """`up`'s --gateways as a count (auto resolved on this host)."""
+    try:
+        return gateway_count(given, settings.stack)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def main(argv: list[str] | None = None) -> int:
     # The environment's part of the tree first, before grpc is imported: its
     # grpc_io must reach the environment before then (grpc_io.py), and a bad
@@ -382,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             load_models=args.load_model,
             redis_url=args.redis_url,
             workers=args.workers,
+            gateways=_gateways(parser, args.gateways, settings),
             device=settings.worker.device,
             log_verbose=args.log_verbose,
             autocomplete=gateway.autocomplete,

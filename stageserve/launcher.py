@@ -289,7 +289,8 @@ class StackServices:
     ratelimiter: Child
     workers: list[Child]
     scheduler: Child
-    gateway: Child
+    gateway: Child  # the first of `gateways`
+    gateways: list[Child] = field(default_factory=list)
 
 
 def start_services(
@@ -310,6 +311,7 @@ def start_services(
     gateway_extra: Sequence[str] = (),
     exit_on_error: bool = False,
     strict_readiness: bool = True,
+    gateways: int = 1,
 ) -> StackServices:
     """Start Redis (unless given) and every service, in path order, on `stack`.
 
@@ -320,6 +322,8 @@ def start_services(
 
     With stage_metrics, the internal services also serve /metrics, each on a
     free port (recorded on its Child). `http_address` None: no HTTP front.
+    `gateways`: gateway processes sharing the gRPC and HTTP ports
+    (start_gateways).
     """
     redis_url = redis_url or stack.start_redis()
     common = ["--listen", "127.0.0.1:0", "--redis-url", redis_url]
@@ -370,16 +374,60 @@ def start_services(
     if not autocomplete.enabled:
         gw_args.append("--disable-auto-complete-config")
     gw_args += gateway_extra  # e.g. Triton's TLS / restricted-protocol flags
-    gw = stack.start_service("gateway", gw_args, timeout_s=600)
-    return StackServices(redis_url, rl, worker_children, sched, gw)
+    gws = start_gateways(stack, gw_args, gateways, metrics_port, http_address is not None)
+    return StackServices(redis_url, rl, worker_children, sched, gws[0], gws)
+
+
+def start_gateways(
+    stack: Stack, gw_args: list[str], count: int, metrics_port: int, http: bool
+) -> list[Child]:
+    """`count` gateways on one gRPC and one HTTP port, one after another.
+
+    With more than one, every gateway binds both ports with SO_REUSEPORT
+    (Triton's --reuse-grpc-port / --reuse-http-port) and the kernel spreads
+    new connections over them. The first binds what `gw_args` asks (port 0:
+    the kernel's choice); the others bind the ports it announced. Each has its
+    own metrics port (a free one after the first; none when metrics_port is 0).
+
+    In sequence, not at once: the first loads the startup models and
+    publishes them in Redis; the next ones find them published with the same
+    config and adopt them (ModelLifecycle.startup), as a restarted gateway
+    does, so the stack's startup loads run once, with the first gateway's
+    --exit-on-error outcome."""
+    if count > 1:
+        gw_args = [*gw_args, "--reuse-grpc-port", "true", "--reuse-http-port", "true"]
+    first = stack.start_service("gateway", gw_args, timeout_s=600)
+    children = [first]
+    for i in range(1, count):
+        args = _with_flag(gw_args, "--listen", first.address)
+        if http:
+            args = _with_flag(args, "--http-port", first.http_address.rsplit(":", 1)[1])
+        args = _with_flag(args, "--metrics-port", str(free_port() if metrics_port else 0))
+        children.append(stack.start_service(f"gateway-{i}", args, timeout_s=600))
+    return children
+
+
+def _with_flag(args: list[str], flag: str, value: str) -> list[str]:
+    """`args` with `flag`'s value replaced (appended when absent)."""
+    out = list(args)
+    if flag in out:
+        out[out.index(flag) + 1] = value
+    else:
+        out += [flag, value]
+    return out
 
 
 def print_startup_summary(stack: Stack, out: TextIO) -> None:
     """One line per startup model that failed to load, with the reason the
-    repository index gives (e.g. the package a backend needs)."""
+    repository index gives (e.g. the package a backend needs); once, however
+    many gateways tried it."""
+    seen: set[str] = set()
     for child in stack.children:
         for failure in child.startup_failures or ():
-            print(json.dumps({"event": "model not loaded", **failure}), file=out, flush=True)
+            line = json.dumps({"event": "model not loaded", **failure})
+            if line not in seen:
+                seen.add(line)
+                print(line, file=out, flush=True)
 
 
 def up(
@@ -401,6 +449,7 @@ def up(
     exit_on_error: bool = True,
     strict_readiness: bool = True,
     supervisor_settings: SupervisorSettings | None = None,
+    gateways: int = 1,
 ) -> int:
     stack = Stack(log_verbose)
     stopping = threading.Event()
@@ -429,6 +478,7 @@ def up(
             gateway_extra=gateway_extra,
             exit_on_error=exit_on_error,
             strict_readiness=strict_readiness,
+            gateways=gateways,
         )
         # From here on a stage that exits is started again, Redis included
         # (an external Redis, --redis-url, is not ours to restart).
@@ -445,6 +495,16 @@ def up(
                     "http": services.gateway.http_address or None,
                     "redis": services.redis_url,
                     "metrics_ports": ports,
+                    "gateways": [
+                        {
+                            "name": g.name,
+                            "grpc": g.address,
+                            "http": g.http_address or None,
+                            "metrics_port": g.metrics_port or None,
+                            "pid": g.proc.pid,
+                        }
+                        for g in services.gateways
+                    ],
                     "repository": str(repository),
                     "pids": {c.name: c.proc.pid for c in stack.children},
                 }

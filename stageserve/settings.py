@@ -199,6 +199,12 @@ class GatewaySettings:
     # Triton's --trace-config, as given (stageserve/tracing.py parses it): the
     # stack's startup trace settings, seeded in Redis by the first gateway.
     trace_config: tuple[str, ...] = flag((), "trace_config")
+    # Triton's --reuse-grpc-port / --reuse-http-port: bind the public port with
+    # SO_REUSEPORT, so several gateway processes share it and the kernel
+    # spreads new connections over them (`stageserve up --gateways N` sets
+    # both). Off by default, as in Triton: a port already taken fails the bind.
+    reuse_grpc_port: bool = flag(False, "reuse_grpc_port")
+    reuse_http_port: bool = flag(False, "reuse_http_port")
 
 
 @dataclass(frozen=True)
@@ -220,6 +226,27 @@ class SupervisorSettings:
     restart_healthy_after_s: float = 10.0
     # A restarted stage that does not announce itself by then is killed and retried.
     start_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class StackSettings:
+    # `stageserve up --gateways auto`: one gateway per this many cores the
+    # launcher may use (sched_getaffinity), at least 1, at most
+    # auto_gateways_max (stageserve/scale_out.py). Measured: on a 16-core host
+    # one stack served `simple` (c=256) at 4,205-4,333 infer/s on ~1.9 cores,
+    # with 4 gateways on one port 9,359-9,604 on ~4.4 cores, with 8 gateways
+    # 7,725 on 4.8 cores (one scheduler and one worker bind: more gateways
+    # only add contention). Each gateway with its share of the scheduler and
+    # worker is ~4 cores' worth of work at that peak. On 2 cores a second
+    # gateway competes with the scheduler and worker for the same cores:
+    # bench.scale, identity c=32, two rounds, gave no throughput gain and more
+    # CPU per inference (gateways ~425 -> ~630 us, scheduler ~167 -> ~248,
+    # worker ~118 -> ~168: each gateway's stream carries half the requests,
+    # so fewer ride per message and batch; docs/benchmarks.md), so auto is 1
+    # there. GPUs do not enter: the gateway's work (protocol, tensors in and
+    # out) is CPU work.
+    auto_gateway_cores: int = 4
+    auto_gateways_max: int = 4
 
 
 def from_env(cls: type[T], service: str, environ: Mapping[str, str] = os.environ) -> T:
@@ -266,6 +293,7 @@ class Settings:
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     redis_client: RedisClientSettings = field(default_factory=RedisClientSettings)
     supervisor: SupervisorSettings = field(default_factory=SupervisorSettings)
+    stack: StackSettings = field(default_factory=StackSettings)
     # Mutual TLS between the stages: the PEM contents every internal channel
     # presents and every internal port requires; None: plaintext. Handed to
     # the code that dials or listens (stageserve/net.py).

@@ -89,21 +89,40 @@ async def serve(
     # Restricted protocols are a gRPC-front concern (Triton's --grpc-restricted-protocol);
     # unexpected errors become INTERNAL in service.py's grpc_errors.
     interceptors = [RestrictedProtocols(restrictions)] if restrictions else []
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+    # grpc core turns SO_REUSEPORT on unless told: set it as Triton's
+    # --reuse-grpc-port says, so a port another process holds fails the bind
+    # unless several gateways are meant to share it.
+    options = [*SERVER_OPTIONS, ("grpc.so_reuseport", int(gateway.reuse_grpc_port))]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     gs_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(dataplane), server)
     if metrics_port:
         serve_metrics(metrics_port)
     http: HttpServer | None = None
     announce: dict[str, str] = {}
-    if http_listen is not None:
+
+    async def open_http() -> None:
+        nonlocal http
+        if http_listen is None:
+            return
         host, port = http_listen.rsplit(":", 1)
         front = HttpFront(dataplane, gateway.http_restrictions)
         try:
-            http = http_server(front, host, int(port), gateway.http_server)
+            http = http_server(
+                front, host, int(port), gateway.http_server, reuse_port=gateway.reuse_http_port
+            )
             await http.start()
         except OSError as exc:
             raise listen_failed("HTTP", http_listen, exc) from None
         announce["http"] = http.address
+
+    # A gateway that shares its ports with others opens them once its startup
+    # models are loaded (as tritonserver opens its endpoints): the kernel
+    # hands a listener new connections as soon as it listens, and a gateway
+    # joining or restarted beside serving ones must not take requests for
+    # models it has not adopted yet. Alone, it serves health while loading.
+    sharing = gateway.reuse_grpc_port or gateway.reuse_http_port
+    if not sharing:
+        await open_http()
 
     poller = RepositoryPoller(lifecycle, repository, gateway.repository_poll_secs)
     polling: list[asyncio.Task] = []
@@ -122,6 +141,9 @@ async def serve(
     # Serve health RPCs while models load; announce once loading finished.
     loader = asyncio.create_task(load_then_ready())
     try:
+        if sharing:
+            await loader
+            await open_http()
         if tls is None:
             # The public port: plaintext, as Triton's without --grpc-use-ssl.
             await run_server(

@@ -246,6 +246,26 @@ SMOKE: dict[str, Smoke] = {
         "consistency check passed",
         until="Ctrl-C stops it",
     ),
+    "bench/scale.py": Smoke(
+        (
+            *PY,
+            "bench.scale",
+            "--gateways",
+            "2",
+            "--models",
+            "identity",
+            "--concurrency",
+            "1",
+            "--max-trials",
+            "3",
+            # a smoke run, not a figure: any 3 windows will do on a busy host
+            "--stability-pct",
+            "1000",
+            *TINY_PERF,
+        ),
+        "gw us/inf",
+        (_no_perf_analyzer,),
+    ),  # fmt: skip
     "bench/stream_vs_unary.py": Smoke(
         (*PY, "bench.stream_vs_unary", "--seconds", "0.3", "--inflight", "1"), "stream"
     ),

@@ -245,6 +245,11 @@ def _compose_json(tmp_path: Path, edit) -> Path:
         (lambda s: s["worker"].__setitem__("volumes", []), "must mount"),
         (lambda s: s["gateway"]["healthcheck"].__setitem__("test", ["CMD", "true"]), "healthcheck"),
         (lambda s: s["examples"].__setitem__("command", ["make-examples", "/x"]), "writes /x"),
+        (lambda s: s["gateway-extra"].pop("network_mode"), "network_mode service:gateway"),
+        (lambda s: s["gateway"]["command"].__setitem__(-1, "false"), "--reuse-http-port true"),
+        (lambda s: s["gateway-extra"]["command"].__setitem__(8, "8002"), "--metrics-port 0"),
+        (lambda s: s["gateway-extra"].pop("deploy"), "deploy.replicas"),
+        (lambda s: s["gateway-extra"].__setitem__("ports", ["8001:8001"]), "publish no ports"),
     ],
 )
 def test_compose_checker_catches(tmp_path, edit, message):
@@ -329,6 +334,33 @@ def test_k8s_checker_catches(tmp_path, monkeypatch, file, edit, message):
     _k8s_copy(tmp_path, monkeypatch, file, edit)
     errors = checks.check_k8s()
     assert any(message in e for e in errors), errors
+
+
+@pytest.mark.parametrize(
+    ("replicas", "message"),
+    [
+        ([], "no replicas count for the gateway"),
+        ([{"name": "gateway", "count": 9}], "outside its HorizontalPodAutoscaler's 1..8"),
+        ([{"name": "gateway", "count": 1}, {"name": "nope", "count": 1}], "not a Deployment"),
+        ([{"name": "gateway", "count": 0}], "a count >= 1"),
+    ],
+)
+def test_k8s_replica_counts_are_checked(tmp_path, monkeypatch, replicas, message):
+    _k8s_copy(
+        tmp_path,
+        monkeypatch,
+        "kustomization.yaml",
+        lambda d: d[0].__setitem__("replicas", replicas),
+    )
+    errors = checks.check_k8s_replicas()
+    assert any(message in e for e in errors), errors
+
+
+def test_compose_runs_extra_gateways_on_the_gateways_ports():
+    services = checks.load_compose()["services"]
+    extra = services["gateway-extra"]
+    assert extra["network_mode"] == "service:gateway"
+    assert int(extra["deploy"]["replicas"]) == 0  # STAGESERVE_EXTRA_GATEWAYS unset
 
 
 def test_k8s_checker_sees_unlisted_manifest(tmp_path, monkeypatch):

@@ -1,0 +1,329 @@
+"""`python -m bench.scale`: one stack, its throughput and each stage's CPU per inference.
+
+Starts one StageServe stack (`stageserve up`'s start_services, so the same
+processes `up` runs) with the given gateway and worker counts (`auto`: what
+`stageserve up --gateways auto` / `--workers auto` pick on this host), serving
+three models, and runs perf_analyzer against each at each concurrency:
+
+* ``identity``: FP32 [16] (bench.references), the per-request overhead;
+* ``identity_49k``: FP32 [3, 64, 64] (49,152 bytes per request),
+  max_batch_size 32, dynamic batching: issue 26's per-stage CPU targets;
+* ``cnn``: the compute-bound CNN of bench/cnn.py.
+
+For every point it prints throughput, p50 and p99 (perf_analyzer, gRPC by
+default), the inferences per model execution (ModelStatistics), and per
+stage (gateway, scheduler, ratelimiter, worker, redis; the processes of a
+kind summed) the cores it used and its CPU microseconds per inference:
+psutil's user+system CPU time of each stage's pid (and its children) before
+and after the perf_analyzer run, divided by the inferences ModelStatistics
+counted in between (read after the gateways' statistics
+publish period, so every gateway's share is in). It runs on any host: on a
+2-core machine it records the per-stage costs, on a many-core host the
+headline. Figures: docs/benchmarks.md.
+
+  python -m bench.scale                                  # auto counts, c=32, all 3 models
+  python -m bench.scale --gateways 2 --models identity_49k --concurrency 32 64
+  python -m bench.scale --json out.json                  # the points as JSON too
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench.perf_analyzer import PerfAnalyzerError, PerfAnalyzerUnstable, run_perf
+from bench.references import (
+    BenchModel,
+    _StageServeLogs,
+    bench_model,
+    tree_cpu_seconds,
+    wait_ready,
+)
+from stageserve.gpus import AUTO, gpu_count, worker_devices
+from stageserve.launcher import Stack, start_services
+from stageserve.scale_out import gateway_count, parse_gateways, usable_cores
+from stageserve.settings import settings_from_env
+from stageserve_tools.examples import config_text, identity_model, write_model
+
+MODELS = ("identity", "identity_49k", "cnn")
+#: The 49 KB identity of issue 26's per-stage targets.
+IDENTITY_49K_DIMS = (3, 64, 64)
+IDENTITY_49K_MAX_BATCH = 32
+#: Every other model's max_batch_size (bench.references').
+MAX_BATCH = 64
+STAGES = ("gateway", "scheduler", "ratelimiter", "worker", "redis")
+SHORT = {
+    "gateway": "gw",
+    "scheduler": "sched",
+    "ratelimiter": "rl",
+    "worker": "wk",
+    "redis": "redis",
+}
+
+
+def scale_model(name: str) -> tuple[BenchModel, int]:
+    """One of MODELS and its max_batch_size."""
+    if name == "identity_49k":
+        onnx = identity_model("FP32", IDENTITY_49K_DIMS, IDENTITY_49K_MAX_BATCH)
+        tensor = ("FP32", IDENTITY_49K_DIMS)
+        return (
+            BenchModel(
+                name,
+                onnx.SerializeToString(),
+                (("INPUT0", *tensor),),
+                (("OUTPUT0", *tensor),),
+            ),
+            IDENTITY_49K_MAX_BATCH,
+        )
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r} (choose from {', '.join(MODELS)})")
+    return bench_model(name), MAX_BATCH
+
+
+def write_repository(root: Path, models: Sequence[tuple[BenchModel, int]]) -> Path:
+    """ONNX models, one CPU instance each, dynamic batching (Triton's config)."""
+    for model, max_batch in models:
+        text = config_text(
+            model.name,
+            model.inputs,
+            model.outputs,
+            max_batch_size=max_batch,
+            dynamic_batching=True,
+        )
+        write_model(root, model.name, model.onnx, text)
+    return root
+
+
+def stage_of(child_name: str) -> str:
+    """A launcher Child's name -> its stage kind (gateway-1 -> gateway, worker-0 -> worker)."""
+    for stage in STAGES:
+        if child_name == stage or child_name.startswith(f"{stage}-"):
+            return stage
+    return child_name
+
+
+@dataclass
+class StageCost:
+    processes: int
+    cores: float
+    cpu_us_per_inf: float | None
+
+
+@dataclass
+class Point:
+    model: str
+    concurrency: int
+    protocol: str
+    throughput: float
+    p50_us: float
+    p99_us: float
+    cores: float  # every process of the stack
+    batch: float | None  # inferences per model execution
+    stable: bool
+    stages: dict[str, StageCost] = field(default_factory=dict)
+
+
+def stage_cpu(pids: dict[str, list[int]]) -> dict[str, float]:
+    """stage -> user+system CPU seconds of its processes (and their children)."""
+    return {stage: tree_cpu_seconds(p) for stage, p in pids.items()}
+
+
+def inference_counts(url: str, model: str) -> tuple[int, int]:
+    """(inferences, model executions) from ModelStatistics."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        stats = client.get_inference_statistics(model)
+    finally:
+        client.close()
+    return (
+        sum(s.inference_count for s in stats.model_stats),
+        sum(s.execution_count for s in stats.model_stats),
+    )
+
+
+def measure(
+    url: str,
+    pids: dict[str, list[int]],
+    model: BenchModel,
+    concurrency: int,
+    args: argparse.Namespace,
+    input_data: Path,
+    settle_s: float,
+) -> Point:
+    """One perf_analyzer run and the stages' CPU over it."""
+    pct, trials, stable = args.stability_pct, args.max_trials, True
+    while True:
+        count0, executions0 = inference_counts(url, model.name)
+        cpu0, t0 = stage_cpu(pids), time.monotonic()
+        try:
+            result = run_perf(
+                url if args.protocol == "grpc" else args.http_url,
+                model.name,
+                concurrency,
+                measurement_ms=args.measurement_ms,
+                stability_pct=pct,
+                extra_args=["--max-trials", str(trials)],
+                protocol=args.protocol,
+                shapes=model.input_shapes,
+                input_data=input_data,
+            )
+        except PerfAnalyzerUnstable:
+            # As bench.compare: once more over 3 windows at a relaxed
+            # criterion, and the point is marked unstable.
+            if not stable or args.unstable_retry_pct <= pct:
+                raise
+            pct, trials, stable = args.unstable_retry_pct, 3, False
+            continue
+        break
+    cpu1, wall = stage_cpu(pids), time.monotonic() - t0
+    # Every gateway publishes its statistics each stats_publish_s: wait one
+    # period (and some) so the count holds every gateway's share.
+    time.sleep(settle_s)
+    count1, executions1 = inference_counts(url, model.name)
+    inferences, executions = count1 - count0, executions1 - executions0
+    stages = {}
+    for stage, procs in pids.items():
+        used = cpu1[stage] - cpu0[stage]
+        stages[stage] = StageCost(
+            len(procs),
+            used / wall,
+            used / inferences * 1e6 if inferences > 0 else None,
+        )
+    return Point(
+        model.name,
+        concurrency,
+        args.protocol,
+        result.throughput,
+        result.p50_us,
+        result.p99_us,
+        sum(s.cores for s in stages.values()),
+        inferences / executions if executions > 0 else None,
+        stable,
+        stages,
+    )
+
+
+def format_points(points: Sequence[Point]) -> str:
+    head = ["model", "c", "infer/s", "p50 ms", "p99 ms", "batch", "cores"]
+    stages = [s for s in STAGES if any(s in p.stages for p in points)]
+    head += [f"{SHORT[s]} us/inf" for s in stages] + [f"{SHORT[s]} cores" for s in stages]
+    rows = []
+    for p in points:
+        row = [
+            p.model,
+            str(p.concurrency),
+            f"{p.throughput:,.0f}",
+            f"{p.p50_us / 1000:.2f}",
+            f"{p.p99_us / 1000:.2f}",
+            "-" if p.batch is None else f"{p.batch:.1f}",
+            f"{p.cores:.2f}" + ("" if p.stable else " (unstable)"),
+        ]
+        for s in stages:
+            us = p.stages[s].cpu_us_per_inf if s in p.stages else None
+            row.append("-" if us is None else f"{us:.0f}")
+        for s in stages:
+            row.append(f"{p.stages[s].cores:.2f}" if s in p.stages else "-")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    return "\n".join(
+        "  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in [head, *rows]
+    )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n")[0])
+    ap.add_argument("--gateways", type=parse_gateways, default=AUTO, help="N or auto")
+    ap.add_argument("--workers", default=AUTO, help="N or auto (one per GPU; 1 without)")
+    ap.add_argument("--device", default="cpu", help="the workers' --device")
+    ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[32])
+    ap.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    ap.add_argument("--measurement-ms", type=int, default=5000)
+    ap.add_argument("--stability-pct", type=int, default=20)
+    ap.add_argument("--max-trials", type=int, default=10)
+    ap.add_argument(
+        "--unstable-retry-pct",
+        type=int,
+        default=50,
+        help="no stable measurement: once more over 3 windows at this -s, marked unstable",
+    )
+    ap.add_argument("--json", type=Path, default=None, help="write the points here as JSON")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    settings = settings_from_env()
+    gateways = gateway_count(args.gateways, settings.stack)
+    workers: int | str = args.workers if args.workers == AUTO else int(args.workers)
+    gpus = gpu_count() if workers == AUTO else 0
+    worker_count = len(worker_devices(workers, args.device, gpus))
+    cores = usable_cores()
+    print(
+        f"bench.scale: {platform.node()} {cores} cores, {gpus} GPUs; "
+        f"{gateways} gateway(s) ({args.gateways}), {worker_count} worker(s) ({args.workers}), "
+        f"perf_analyzer -i {args.protocol}",
+        flush=True,
+    )
+    models = [scale_model(m) for m in args.models]
+    points: list[Point] = []
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+        work = Path(tmp)
+        repo = write_repository(work / "models", models)
+        logs = _StageServeLogs(work / "stageserve.log")
+        stack = Stack()
+        try:
+            logs.redirect_children()
+            try:
+                services = start_services(
+                    stack, repo, workers=workers, device=args.device, gateways=gateways
+                )
+            finally:
+                logs.restore_stderr()
+            url = services.gateway.address
+            args.http_url = services.gateway.http_address
+            wait_ready(url, [m.name for m, _ in models], 120, log=logs.path)
+            pids: dict[str, list[int]] = {}
+            for child in stack.children:
+                pids.setdefault(stage_of(child.name), []).append(child.proc.pid)
+            settle_s = settings.gateway.stats_publish_s + 0.5 if gateways > 1 else 0.0
+            for model, _ in models:
+                data = model.write_input_data(work / "input" / f"{model.name}.json")
+                for c in args.concurrency:
+                    try:
+                        point = measure(url, pids, model, c, args, data, settle_s)
+                    except PerfAnalyzerError as exc:
+                        print(f"{model.name} c={c}: FAILED {str(exc).splitlines()[0]}", flush=True)
+                        continue
+                    points.append(point)
+                    print(format_points([point]), flush=True)
+        finally:
+            stack.stop()
+            logs.close()
+    print()
+    print(format_points(points))
+    if args.json is not None:
+        record = {
+            "host": platform.node(),
+            "cores": cores,
+            "gpus": gpus,
+            "gateways": gateways,
+            "workers": worker_count,
+            "load_average": os.getloadavg(),
+            "points": [asdict(p) for p in points],
+        }
+        args.json.write_text(json.dumps(record, indent=2))
+    return 0 if points else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -26,6 +26,7 @@ from stageserve.autocomplete_options import DEFAULT_MAX_BATCH_SIZE, AutoComplete
 from stageserve.gpus import parse_workers
 from stageserve.grpc_io import use_grpc_io
 from stageserve.logs import setup_logging
+from stageserve.scheduler_count import parse_schedulers, scheduler_count
 from stageserve.security_options import add_flags as add_security_flags
 from stageserve.security_options import (
     gateway_flags,
@@ -171,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="worker processes to start, or auto: one per GPU (cuda:0..N-1; 1 without a GPU)",
     )
     up.add_argument("--device", default="auto", help="auto | cpu | cuda:N for the workers")
+    up.add_argument(
+        "--schedulers",
+        type=parse_schedulers,
+        default=1,
+        help="scheduler processes, sharded by model, or auto: one per 8 cores, at least 1",
+    )
     add_rate_limit_flags(up)
     up.add_argument(
         "--supervisor-metrics-port",
@@ -204,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--listen", default="0.0.0.0:9001")
     sc.add_argument("--ratelimiter", default=_env("STAGESERVE_RATELIMITER"))
     sc.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
+    sc.add_argument("--advertise", default=None, help="address peers dial (default: bound one)")
+    sc.add_argument(
+        "--scheduler-id",
+        default=None,
+        help="name in the shard map; a restart that keeps it keeps its models (default host-pid)",
+    )
     sc.add_argument(
         "--adaptive-batch-delay-us",
         type=int,
@@ -338,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             load_models=args.load_model,
             redis_url=args.redis_url,
             workers=args.workers,
+            schedulers=scheduler_count(args.schedulers),
             device=settings.worker.device,
             log_verbose=args.log_verbose,
             autocomplete=gateway.autocomplete,
@@ -369,7 +383,14 @@ def main(argv: list[str] | None = None) -> int:
         from services.scheduler.service import serve as serve_scheduler
 
         _need(args, "ratelimiter")
-        coro = serve_scheduler(args.listen, args.redis_url, args.ratelimiter, settings)
+        coro = serve_scheduler(
+            args.listen,
+            args.redis_url,
+            args.ratelimiter,
+            settings,
+            args.scheduler_id,
+            args.advertise,
+        )
     elif args.command == "ratelimiter":
         from services.ratelimiter.service import serve as serve_ratelimiter
 

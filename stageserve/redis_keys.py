@@ -46,6 +46,14 @@ Sequence batcher (scheduler; see services/scheduler/sequence_store.py):
   ss:seq:{model}:{ver}:{cid}:q     list  backlog: "{owner}:{n}" per unfinished request,
                                          arrival order, head = the one allowed to run
   ss:seq-owner:{owner}             str   a scheduler's liveness (PX, heartbeated)
+
+Schedulers sharded by model (stageserve/shard_map.py, shard_policy.py):
+  ss:shard:members            zset  scheduler id -> lease deadline (Redis time, ms);
+                                    renewed by its heartbeat, pruned once past
+  ss:shard:addresses          hash  scheduler id -> address gateways and workers dial
+  ss:shard:owners             hash  model name -> the scheduler id that owns its queues
+  ss:shard:version            str   counter, bumped on every change of the three above
+  ss:shard:events             pub/sub channel, message = the new version
 """
 
 from __future__ import annotations
@@ -57,6 +65,13 @@ MODEL_EVENTS = PREFIX + "models:events"
 GENERATION_COUNTER = PREFIX + "models:generation"
 MODEL_PUBLISHERS = PREFIX + "models:publishers"
 RL_PREFIX = PREFIX + "rl:"
+
+
+SHARD_MEMBERS = PREFIX + "shard:members"
+SHARD_ADDRESSES = PREFIX + "shard:addresses"
+SHARD_OWNERS = PREFIX + "shard:owners"
+SHARD_VERSION = PREFIX + "shard:version"
+SHARD_EVENTS = PREFIX + "shard:events"
 
 
 def model(name: str) -> str:

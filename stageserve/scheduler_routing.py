@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 
 from stageserve.errors import unavailable
 from stageserve.generated import stageserve_pb2 as pb
-from stageserve.scheduler_link import SchedulerLink
+from stageserve.scheduler_link import SchedulerGone, SchedulerLink
 from stageserve.settings import Settings
 from stageserve.shard_map import ShardView
 
@@ -57,6 +57,9 @@ class SchedulerRouter:
         link = self.links.get(address)
         if link is None:
             link = self.links[address] = self.make_link(address)
+            view = self.view
+            if view is not None and link.give_up is None:  # a dead owner's heir gets it
+                link.give_up = lambda: view.gone(address)
         return link
 
     async def schedule(
@@ -69,7 +72,10 @@ class SchedulerRouter:
             return await self.link(self.address_for(request.model)).schedule(request, on_more)
         self.view.start()  # follows the map from the first call on (idempotent)
         version = self.view.version
-        response = await self.link(self.address_for(request.model)).schedule(request, on_more)
+        try:
+            response = await self.link(self.address_for(request.model)).schedule(request, on_more)
+        except SchedulerGone:  # died while this waited to connect: not sent, send to the heir
+            return await self.link(self.address_for(request.model)).schedule(request, on_more)
         if response.failure != pb.NOT_OWNER:
             return response
         await self.view.wait_past(version, self.resend_wait_s)

@@ -112,6 +112,16 @@ class ShardView:
                     await self.refresh()
         return True
 
+    async def gone(self, address: str) -> None:
+        """Return once `address`, a live scheduler's now, is no longer; never
+        for an address that is not in the map now (--scheduler's fallback)."""
+        if address not in self.addresses.values():
+            await asyncio.get_running_loop().create_future()  # until cancelled
+        while address in self.addresses.values():
+            if self._next is None or self._next.done():
+                self._next = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._next)
+
     # Following changes -----------------------------------------------------
 
     def start(self) -> None:

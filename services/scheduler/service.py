@@ -153,7 +153,9 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             err = unavailable(f"model '{msg.model}' version {msg.version} is not loaded")
             respond(error_response(msg.id, err))
             return
-        if await self._not_ours(msg, respond):
+        shard = self.shard  # the owned-set test inline: it runs per request
+        unowned = shard is not None and msg.model not in shard.owned
+        if unowned and await self._not_ours(msg, respond):
             return
         if cached.spec.steps:
             self._spawn(self._run_ensemble(msg, cached, respond))

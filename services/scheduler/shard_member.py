@@ -171,6 +171,7 @@ class ShardMember:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         others = [s for s in self.live if s != self.id]
+        self.live = others  # takes nothing back from here on
         for model in sorted(self.owned):
             self._move(model, self.policy.owner(model, others))
         if self._moves:

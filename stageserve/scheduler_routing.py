@@ -71,14 +71,14 @@ class SchedulerRouter:
         if self.view is None:
             return await self.link(self.address_for(request.model)).schedule(request, on_more)
         self.view.start()  # follows the map from the first call on (idempotent)
-        version = self.view.version
+        address = self.address_for(request.model)
         try:
-            response = await self.link(self.address_for(request.model)).schedule(request, on_more)
+            response = await self.link(address).schedule(request, on_more)
         except SchedulerGone:  # died while this waited to connect: not sent, send to the heir
             return await self.link(self.address_for(request.model)).schedule(request, on_more)
         if response.failure != pb.NOT_OWNER:
             return response
-        await self.view.wait_past(version, self.resend_wait_s)
+        await self.view.moved(request.model, address, self.resend_wait_s)
         return await self.link(self.address_for(request.model)).schedule(request, on_more)
 
     async def close(self) -> None:

@@ -112,6 +112,19 @@ class ShardView:
                     await self.refresh()
         return True
 
+    async def moved(self, model: str, address: str, timeout_s: float) -> bool:
+        """Wait until `model` no longer routes to `address` (the scheduler that
+        refused it) or its owner in the map changed (that scheduler took it
+        after all); False if neither happened within `timeout_s`."""
+        owner = self.owners.get(model)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.route(model) == address and self.owners.get(model) == owner:
+            left = deadline - loop.time()
+            if left <= 0 or not await self.wait_past(self.version, left):
+                return False
+        return True
+
     async def gone(self, address: str) -> None:
         """Return once `address`, a live scheduler's now, is no longer; never
         for an address that is not in the map now (--scheduler's fallback)."""

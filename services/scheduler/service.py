@@ -247,6 +247,34 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         )
 
 
+async def _join_shards(
+    service: SchedulerService, scheduler_id: str | None, address: str, settings: Settings
+) -> None:
+    """Register in the shard map and take this scheduler's models; ensemble
+    steps of models other schedulers own go to them through `service.peers`."""
+    redis = service.state.redis
+    sched = settings.scheduler
+    shard = service.shard = ShardMember(
+        redis,
+        scheduler_id or f"{socket.gethostname()}-{os.getpid()}",
+        address,
+        service.drain,
+        lease_ms=sched.shard_lease_ms,
+        heartbeat_s=sched.shard_heartbeat_s,
+    )
+    view = ShardView(redis)
+    service.peers = SchedulerRouter(
+        view,
+        None,
+        lambda peer: SchedulerLink(
+            peer, settings.gateway.scheduler_connect_timeout_s, settings.stage_tls
+        ),
+    )
+    await view.refresh()
+    view.start()
+    await shard.join()
+
+
 async def serve(
     listen: str,
     redis_url: str,
@@ -277,26 +305,8 @@ async def serve(
         raise RuntimeError(f"scheduler: cannot listen on {listen}")
     public_host = host if host not in ("0.0.0.0", "[::]") else socket.gethostname()
     address = advertise or f"{public_host}:{port}"
-    sched = settings.scheduler
-    service.shard = ShardMember(
-        redis,
-        scheduler_id or f"{socket.gethostname()}-{os.getpid()}",
-        address,
-        service.drain,
-        lease_ms=sched.shard_lease_ms,
-        heartbeat_s=sched.shard_heartbeat_s,
-    )
-    view = ShardView(redis)
-    service.peers = SchedulerRouter(
-        view,
-        None,
-        lambda peer: SchedulerLink(
-            peer, settings.gateway.scheduler_connect_timeout_s, settings.stage_tls
-        ),
-    )
-    await view.refresh()
-    view.start()
-    await service.shard.join()
+    if settings.scheduler.shard_lease_ms > 0:
+        await _join_shards(service, scheduler_id, address, settings)
     try:
         await run_server(
             server,
@@ -304,12 +314,13 @@ async def serve(
             "scheduler",
             stage_tls=settings.stage_tls,
             bound=True,
-            before_stop=service.shard.leave,
+            before_stop=service.shard.leave if service.shard is not None else None,
         )
     finally:
         for queue in service.queues.values():
             queue.close()
-        await service.peers.close()
+        if service.peers is not None:
+            await service.peers.close()
         await ratelimiter.close()
         await workers.close()
         await redis.aclose()

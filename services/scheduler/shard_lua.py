@@ -45,14 +45,16 @@ return redis.call('ZRANGEBYSCORE', members, now, '+inf')
 """
 )
 
-# ARGV: channel, scheduler id, model. 1: the model is this scheduler's
-# (taken now or already), 0: another live scheduler owns it.
+# ARGV: channel, scheduler id, model, "1" if it may take a model no live
+# scheduler owns ("0": only adopt one handed to it). 1: the model is this
+# scheduler's (taken now or already), 0: it is not.
 TAKE = (
     _PRELUDE
     + """
-local id, model = ARGV[2], ARGV[3]
+local id, model, may_take = ARGV[2], ARGV[3], ARGV[4]
 local current = redis.call('HGET', owners, model)
 if current == id then return 1 end
+if may_take ~= '1' then return 0 end
 if current then
   local deadline = redis.call('ZSCORE', members, current)
   if deadline and tonumber(deadline) >= now then return 0 end

@@ -79,11 +79,12 @@ class ShardMember:
 
     async def holds(self, model: str) -> bool:
         """Whether this scheduler may queue `model`'s request: it owns the
-        model, or takes it now (the policy names it and no live scheduler
-        owns it). Concurrent calls for one model share one Redis round trip."""
+        model, adopts it now (another scheduler handed it here), or takes it
+        now (the policy names it and no live scheduler owns it). Concurrent
+        calls for one model share one Redis round trip."""
         if model in self.owned:
             return True
-        if model in self.leaving or self.policy.owner(model, self.live) != self.id:
+        if model in self.leaving:
             return False
         claim = self._claims.get(model)
         if claim is None:
@@ -93,7 +94,11 @@ class ShardMember:
         return await asyncio.shield(claim)
 
     async def _claim(self, model: str) -> bool:
-        taken = bool(await self._take(keys=_KEYS, args=[keys.SHARD_EVENTS, self.id, model]))
+        # The policy over this scheduler's last view of the live set decides a
+        # take; an adoption needs none (the heir may not have seen the change).
+        may_take = "1" if self.policy.owner(model, self.live) == self.id else "0"
+        args = [keys.SHARD_EVENTS, self.id, model, may_take]
+        taken = bool(await self._take(keys=_KEYS, args=args))
         if taken and model not in self.leaving:
             self.owned.add(model)
             log.info("model taken", extra={"model": model, "scheduler": self.id})

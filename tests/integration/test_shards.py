@@ -173,6 +173,43 @@ def test_a_joining_scheduler_takes_its_share_with_no_request_lost(shards: Shards
         assert not (carried(child) & moving)
 
 
+def test_a_leaving_scheduler_hands_its_models_back_with_no_request_lost(shards: Shards) -> None:
+    leaver = shards.child("scheduler-2")
+    ids = [c.name for c in shards.schedulers if c is not leaver]
+    failures: list[str] = []
+    served = [0]
+    stop = threading.Event()
+
+    def load() -> None:
+        client = grpcclient.InferenceServerClient(shards.url)
+        n = 0
+        while not stop.is_set():
+            for m in IDENTITIES:
+                try:
+                    infer_identity(client, m, float(n))
+                    served[0] += 1
+                except (InferenceServerException, AssertionError) as exc:
+                    failures.append(f"{m}: {exc}")
+                n += 1
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        assert wait_until(lambda: served[0] > 20, timeout_s=10)
+        leaver.proc.send_signal(signal.SIGTERM)  # a clean stop: it hands over first
+        assert leaver.proc.wait(15) == 0
+        done = served[0]
+        assert wait_until(lambda: served[0] > done + 20, timeout_s=10)
+    finally:
+        stop.set()
+        thread.join(30)
+    shards.schedulers.remove(leaver)
+    assert not failures, failures[:5]
+    assert "scheduler-2" not in shards.live()
+    owners = shards.owners()
+    assert {m: owners[m] for m in IDENTITIES} == assign(IDENTITIES, ids)
+
+
 def test_a_killed_scheduler_s_sequence_continues_on_a_survivor(shards: Shards) -> None:
     client = grpcclient.InferenceServerClient(shards.url)
     owner = shards.owners()["acc"]

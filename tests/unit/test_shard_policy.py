@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from stageserve.cli import build_parser
 from stageserve.scheduler_count import auto_schedulers, parse_schedulers
 from stageserve.shard_policy import Rendezvous, assign
 
@@ -58,3 +59,8 @@ def test_schedulers_flag() -> None:
         with pytest.raises(Exception, match="expected"):
             parse_schedulers(bad)
     assert [auto_schedulers(c) for c in (1, 2, 7, 8, 16, 64)] == [1, 1, 1, 1, 2, 8]
+    assert build_parser().parse_args(["up", "--schedulers", "2"]).schedulers == 2
+    assert build_parser().parse_args(["up"]).schedulers == 1
+    argv = ["scheduler", "--scheduler-id", "s1", "--redis-url", "redis://127.0.0.1:1/0"]
+    scheduler = build_parser().parse_args(argv)
+    assert scheduler.scheduler_id == "s1"

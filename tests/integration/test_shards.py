@@ -27,16 +27,21 @@ from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.launcher import Child, Stack, start_scheduler, start_services
 from stageserve.shard_policy import assign
 from stageserve_tools.examples import (
+    PY_BLS_SOURCE,
+    python_config_text,
     write_accumulator,
     write_ensemble_mlp,
     write_identity,
     write_mlp,
     write_preprocess,
+    write_python_model,
 )
 from tests.stack import wait_until
 
 IDENTITIES = [f"id_{c}" for c in "abcdefgh"]
-QUEUED = [*IDENTITIES, "acc", "preprocess", "mlp"]  # every model with a queue
+# py_bls (owned by `scheduler`) calls mlp_d (owned by `scheduler-1`) from the
+# worker: a BLS call routed by the called model, not to the worker's --scheduler.
+QUEUED = [*IDENTITIES, "acc", "preprocess", "mlp", "py_bls", "mlp_d"]  # models with a queue
 ALL = [*QUEUED, "ensemble_mlp"]  # the ensemble runs its steps on their owners
 
 
@@ -82,6 +87,16 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shards]:
     write_preprocess(root)
     write_mlp(root, sizes=(256, 16, 10))
     write_ensemble_mlp(root)
+    write_mlp(root, "mlp_d", sizes=(256, 16, 10))
+    bls_config = python_config_text(
+        "py_bls",
+        [("INPUT0", "FP32", (256,))],
+        [("PROBS", "FP32", (10,)), ("LABEL", "INT64", (1,))],
+        max_batch_size=8,
+        dynamic_batching=True,
+        instance_count=1,
+    )
+    write_python_model(root, "py_bls", PY_BLS_SOURCE.replace('"mlp"', '"mlp_d"'), bls_config)
     stack = Stack()
     try:
         s = start_services(stack, root, device="cpu", schedulers=2, http_address=None)
@@ -116,9 +131,13 @@ def test_every_model_serves_and_each_queue_is_in_one_scheduler(shards: Shards) -
     raw = grpcclient.InferInput("RAW", [1, 256], "FP32")
     raw.set_data_from_numpy(np.ones((1, 256), dtype=np.float32))
     assert client.infer("ensemble_mlp", [raw]).as_numpy("PROBS").shape == (1, 10)
+    bls_in = grpcclient.InferInput("INPUT0", [1, 256], "FP32")
+    bls_in.set_data_from_numpy(np.full((1, 256), 0.5, np.float32))
+    assert client.infer("py_bls", [bls_in]).as_numpy("PROBS").shape == (1, 10)
 
     ids = [c.name for c in shards.schedulers]
     assert shards.live() == sorted(ids)
+    assert assign(["py_bls", "mlp_d"], ids) == {"py_bls": "scheduler", "mlp_d": "scheduler-1"}
     owners = shards.owners()
     assert {m: owners[m] for m in QUEUED} == assign(QUEUED, ids)
     loads = {c.name: carried(c) for c in shards.schedulers}

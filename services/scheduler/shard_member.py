@@ -31,6 +31,7 @@ import redis.asyncio as aioredis
 from services.scheduler import shard_lua
 from stageserve import redis_keys as keys
 from stageserve.shard_policy import DEFAULT_POLICY, ShardPolicy
+from stageserve.telemetry import SCHEDULER_SHARD_OWNED
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,16 @@ class ShardMember:
         self._task: asyncio.Task[None] | None = None
         self._moves: set[asyncio.Task[None]] = set()
 
+    def _own(self, model: str) -> None:
+        if model not in self.owned:
+            self.owned.add(model)
+            SCHEDULER_SHARD_OWNED.labels(model).set(1)
+
+    def _disown(self, model: str) -> None:
+        if model in self.owned:
+            self.owned.discard(model)
+            SCHEDULER_SHARD_OWNED.remove(model)
+
     # The request path ------------------------------------------------------
 
     def owns(self, model: str) -> bool:
@@ -100,7 +111,7 @@ class ShardMember:
         args = [keys.SHARD_EVENTS, self.id, model, may_take]
         taken = bool(await self._take(keys=_KEYS, args=args))
         if taken and model not in self.leaving:
-            self.owned.add(model)
+            self._own(model)
             log.info("model taken", extra={"model": model, "scheduler": self.id})
         return taken and model in self.owned
 
@@ -141,7 +152,7 @@ class ShardMember:
         # lease lapsed while it stalled) is no longer accepted here.
         for model in list(self.owned):
             if owners.get(model) != self.id:
-                self.owned.discard(model)
+                self._disown(model)
         for model in sorted(models):
             target = self.policy.owner(model, self.live)
             owner = owners.get(model)
@@ -149,13 +160,13 @@ class ShardMember:
                 if model not in self.leaving:
                     self._move(model, target)
             elif owner == self.id and model not in self.leaving:
-                self.owned.add(model)
+                self._own(model)
             elif target == self.id and (owner is None or owner not in self.live):
                 await self.holds(model)
 
     def _move(self, model: str, heir: str | None) -> None:
         self.leaving.add(model)
-        self.owned.discard(model)
+        self._disown(model)
         task = asyncio.create_task(self._hand_over(model, heir))
         self._moves.add(task)
         task.add_done_callback(self._moves.discard)

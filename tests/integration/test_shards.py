@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -71,6 +72,18 @@ class Shards:
         return next(c for c in self.schedulers if c.name == scheduler_id)
 
 
+def owned_in_metrics(child: Child) -> set[str]:
+    """The models this scheduler's /metrics says it owns."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{child.metrics_port}/metrics") as page:
+        text = page.read().decode()
+    prefix = 'stageserve_scheduler_shard_owned{model="'
+    return {
+        line[len(prefix) :].split('"', 1)[0]
+        for line in text.splitlines()
+        if line.startswith(prefix) and line.endswith(" 1.0")
+    }
+
+
 def carried(child: Child) -> set[str]:
     """The models with a queue in this scheduler (its own QueueStats)."""
     with grpc.insecure_channel(child.address) as channel:
@@ -99,7 +112,9 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shards]:
     write_python_model(root, "py_bls", PY_BLS_SOURCE.replace('"mlp"', '"mlp_d"'), bls_config)
     stack = Stack()
     try:
-        s = start_services(stack, root, device="cpu", schedulers=2, http_address=None)
+        s = start_services(
+            stack, root, device="cpu", schedulers=2, http_address=None, stage_metrics=True
+        )
         yield Shards(stack, s.redis_url, s.schedulers, s.gateway.address)
     finally:
         stack.stop()
@@ -145,6 +160,8 @@ def test_every_model_serves_and_each_queue_is_in_one_scheduler(shards: Shards) -
     assert loads[ids[0]].isdisjoint(loads[ids[1]]), loads
     for model in QUEUED:
         assert model in loads[owners[model]], (model, loads)
+    for child in shards.schedulers:  # and each one's /metrics says which it owns
+        assert owned_in_metrics(child) == {m for m, s in owners.items() if s == child.name}
 
 
 def test_a_joining_scheduler_takes_its_share_with_no_request_lost(shards: Shards) -> None:

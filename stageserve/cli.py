@@ -29,6 +29,7 @@ from stageserve.grpc_io import use_grpc_io
 from stageserve.log_options import STAGES, add_log_flags, log_settings_of
 from stageserve.logs import setup_logging
 from stageserve.scale_out import gateway_count, parse_gateways
+from stageserve.scheduler_count import parse_schedulers, scheduler_count
 from stageserve.security_options import add_flags as add_security_flags
 from stageserve.security_options import (
     gateway_flags,
@@ -221,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
         "by the cores present (stageserve/scale_out.py)",
     )
     up.add_argument("--device", default="auto", help="auto | cpu | cuda:N for the workers")
+    up.add_argument(
+        "--schedulers",
+        type=parse_schedulers,
+        default=1,
+        help="scheduler processes, sharded by model, or auto: one per 8 cores, at least 1",
+    )
     add_rate_limit_flags(up)
     up.add_argument(
         "--supervisor-metrics-port",
@@ -257,6 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--listen", default="0.0.0.0:9001")
     sc.add_argument("--ratelimiter", default=_env("STAGESERVE_RATELIMITER"))
     sc.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
+    sc.add_argument("--advertise", default=None, help="address peers dial (default: bound one)")
+    sc.add_argument(
+        "--scheduler-id",
+        default=None,
+        help="name in the shard map; a restart that keeps it keeps its models (default host-pid)",
+    )
     sc.add_argument(
         "--adaptive-batch-delay-us",
         type=int,
@@ -413,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
             redis_url=args.redis_url,
             workers=args.workers,
             gateways=_gateways(parser, args.gateways, settings),
+            schedulers=scheduler_count(args.schedulers),
             device=settings.worker.device,
             log_verbose=args.log_verbose,
             autocomplete=gateway.autocomplete,
@@ -450,7 +464,14 @@ def main(argv: list[str] | None = None) -> int:
         from services.scheduler.service import serve as serve_scheduler
 
         _need(args, "ratelimiter")
-        coro = serve_scheduler(args.listen, args.redis_url, args.ratelimiter, settings)
+        coro = serve_scheduler(
+            args.listen,
+            args.redis_url,
+            args.ratelimiter,
+            settings,
+            args.scheduler_id,
+            args.advertise,
+        )
     elif args.command == "ratelimiter":
         from services.ratelimiter.service import serve as serve_ratelimiter
 

@@ -47,6 +47,9 @@ FAILURES: dict[pb.FailureReason, Failure] = {
     pb.DEADLINE_EXCEEDED: Failure(grpc.StatusCode.DEADLINE_EXCEEDED, 400, "OTHER"),
     pb.UNKNOWN_FAILURE: Failure(grpc.StatusCode.UNKNOWN, 400, "OTHER"),
     pb.STAGE_FAULT: Failure(grpc.StatusCode.INTERNAL, 500, "OTHER"),
+    # Internal and retried by the router (stageserve/scheduler_routing.py); a
+    # client sees it only when the model's shard moved twice within one request.
+    pb.NOT_OWNER: Failure(grpc.StatusCode.UNAVAILABLE, 503, "OTHER"),
 }
 
 #: a status code told without a reason (a broken stream's, a literal) -> the

@@ -288,9 +288,11 @@ class StackServices:
     redis_url: str
     ratelimiter: Child
     workers: list[Child]
-    scheduler: Child
+    scheduler: Child  # the first of `schedulers`
     gateway: Child  # the first of `gateways`
     gateways: list[Child] = field(default_factory=list)
+    # Every scheduler, sharded by model (stageserve/shard_map.py)
+    schedulers: list[Child] = field(default_factory=list)
 
 
 def start_services(
@@ -312,6 +314,7 @@ def start_services(
     exit_on_error: bool = False,
     strict_readiness: bool = True,
     gateways: int = 1,
+    schedulers: int = 1,
 ) -> StackServices:
     """Start Redis (unless given) and every service, in path order, on `stack`.
 
@@ -324,6 +327,9 @@ def start_services(
     free port (recorded on its Child). `http_address` None: no HTTP front.
     `gateways`: gateway processes sharing the gRPC and HTTP ports
     (start_gateways).
+    `schedulers`: how many schedulers to start; they share the models between
+    them through Redis, where gateways and workers find them (the first's
+    address is their --scheduler, used until a scheduler has registered).
     """
     redis_url = redis_url or stack.start_redis()
     common = ["--listen", "127.0.0.1:0", "--redis-url", redis_url]
@@ -333,8 +339,11 @@ def start_services(
 
     rl = stack.start_service("ratelimiter", ["ratelimiter", *common, *ratelimiter_args, *metrics()])
     peers = ["--ratelimiter", rl.address]
-    # The scheduler first: workers send Python models' BLS requests to it.
-    sched = stack.start_service("scheduler", ["scheduler", *common, *peers, *metrics()])
+    # The schedulers first: workers send Python models' BLS requests to them.
+    scheduler_children = [
+        start_scheduler(stack, i, [*common, *peers, *metrics()]) for i in range(schedulers)
+    ]
+    sched = scheduler_children[0]
     worker_peers = [*peers, "--scheduler", sched.address]
     gpus = gpu_count() if workers == AUTO else 0  # --workers auto: one per GPU
     worker_children = [
@@ -375,7 +384,7 @@ def start_services(
         gw_args.append("--disable-auto-complete-config")
     gw_args += gateway_extra  # e.g. Triton's TLS / restricted-protocol flags
     gws = start_gateways(stack, gw_args, gateways, metrics_port, http_address is not None)
-    return StackServices(redis_url, rl, worker_children, sched, gws[0], gws)
+    return StackServices(redis_url, rl, worker_children, sched, gws[0], gws, scheduler_children)
 
 
 def start_gateways(
@@ -417,6 +426,13 @@ def _with_flag(args: list[str], flag: str, value: str) -> list[str]:
     return out
 
 
+def start_scheduler(stack: Stack, index: int, args: Sequence[str]) -> Child:
+    """Scheduler `index`; its shard id is stable across the supervisor's
+    restarts, so a restarted scheduler takes its own models back at once."""
+    name = "scheduler" if index == 0 else f"scheduler-{index}"
+    return stack.start_service(name, ["scheduler", *args, "--scheduler-id", name])
+
+
 def print_startup_summary(stack: Stack, out: TextIO) -> None:
     """One line per startup model that failed to load, with the reason the
     repository index gives (e.g. the package a backend needs); once, however
@@ -450,6 +466,7 @@ def up(
     strict_readiness: bool = True,
     supervisor_settings: SupervisorSettings | None = None,
     gateways: int = 1,
+    schedulers: int = 1,
 ) -> int:
     stack = Stack(log_verbose)
     stopping = threading.Event()
@@ -479,6 +496,7 @@ def up(
             exit_on_error=exit_on_error,
             strict_readiness=strict_readiness,
             gateways=gateways,
+            schedulers=schedulers,
         )
         # From here on a stage that exits is started again, Redis included
         # (an external Redis, --redis-url, is not ours to restart).

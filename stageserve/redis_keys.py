@@ -64,6 +64,14 @@ Tracing (stageserve/trace_store.py):
   ss:trace:state     str   the stack's trace settings (JSON: startup config, global, per model)
   ss:trace:counts    hash  setting uid -> traces it may still take (-1: unlimited)
   ss:trace:events    pub/sub channel: the settings changed
+
+Schedulers sharded by model (stageserve/shard_map.py, shard_policy.py):
+  ss:shard:members            zset  scheduler id -> lease deadline (Redis time, ms);
+                                    renewed by its heartbeat, pruned once past
+  ss:shard:addresses          hash  scheduler id -> address gateways and workers dial
+  ss:shard:owners             hash  model name -> the scheduler id that owns its queues
+  ss:shard:version            str   counter, bumped on every change of the three above
+  ss:shard:events             pub/sub channel, message = the new version
 """
 
 from __future__ import annotations
@@ -87,6 +95,13 @@ CACHE_CLOCK = PREFIX + "rc:clock"
 TRACE_STATE = PREFIX + "trace:state"
 TRACE_COUNTS = PREFIX + "trace:counts"
 TRACE_EVENTS = PREFIX + "trace:events"
+
+
+SHARD_MEMBERS = PREFIX + "shard:members"
+SHARD_ADDRESSES = PREFIX + "shard:addresses"
+SHARD_OWNERS = PREFIX + "shard:owners"
+SHARD_VERSION = PREFIX + "shard:version"
+SHARD_EVENTS = PREFIX + "shard:events"
 
 
 def model(name: str) -> str:

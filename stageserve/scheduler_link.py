@@ -9,7 +9,8 @@ stream: a scheduler that is down costs a client one fast error, never a hang.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -22,6 +23,14 @@ from stageserve.transport import StreamLink
 from stageserve.write_hold import WriteHold
 
 
+class SchedulerGone(StageError):
+    """The scheduler left the shard map while this end waited to connect:
+    nothing was sent, so the router may send the request to the new owner."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+
+
 class SchedulerLink:
     def __init__(
         self,
@@ -29,13 +38,18 @@ class SchedulerLink:
         connect_timeout_s: float,
         stage_tls: StageTls | None,
         hold_us: int = 0,
+        give_up: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """`connect_timeout_s`: GatewaySettings.scheduler_connect_timeout_s;
         `stage_tls`: Settings.stage_tls, the channel's mutual TLS (None: plaintext).
         `hold_us` > 0: each write may wait up to that long for more requests
         (stageserve/write_hold.py): the gateway's link, not a worker's BLS calls,
-        which a model's execute waits on."""
+        which a model's execute waits on.
+        `give_up`: awaited beside a connection attempt; when it finishes first
+        (the router saw this scheduler leave the shard map), the attempt fails
+        with SchedulerGone before anything was sent."""
         self.address = address
+        self.give_up = give_up
         self.connect_timeout_s = connect_timeout_s
         self.channel = stage_channel(address, stage_tls)
         stub = pb_grpc.SchedulerStub(self.channel)
@@ -50,6 +64,9 @@ class SchedulerLink:
         )
 
     async def _connected(self) -> None:
+        if self.give_up is not None:
+            await self._connected_unless_gone(self.give_up)
+            return
         try:
             await asyncio.wait_for(self.channel.channel_ready(), self.connect_timeout_s)
         except TimeoutError:
@@ -57,6 +74,27 @@ class SchedulerLink:
                 f"scheduler at {self.address} is unreachable (no connection within "
                 f"{self.connect_timeout_s}s)"
             ) from None
+
+    async def _connected_unless_gone(self, give_up: Callable[[], Awaitable[None]]) -> None:
+        ready = asyncio.ensure_future(self.channel.channel_ready())
+        gone = asyncio.ensure_future(give_up())
+        try:
+            done, _ = await asyncio.wait(
+                {ready, gone}, timeout=self.connect_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for task in (ready, gone):
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        if ready in done and not ready.cancelled() and ready.exception() is None:
+            return
+        if gone in done:
+            raise SchedulerGone(f"scheduler at {self.address} left the shard map")
+        raise unavailable(
+            f"scheduler at {self.address} is unreachable (no connection within "
+            f"{self.connect_timeout_s}s)"
+        )
 
     def _broken(self, code: grpc.StatusCode, details: str) -> StageError:
         return unavailable(f"scheduler at {self.address} unavailable: {code.name}: {details}")

@@ -9,6 +9,7 @@ import logging
 import math
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -67,6 +68,7 @@ async def run_server(
     bound: bool = False,
     before_ready: asyncio.Future | None = None,
     announce: dict | None = None,
+    before_stop: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Bind (unless `bound`: the caller bound it), serve gRPC health, announce
     (with `announce`'s extra fields), stop cleanly on SIGTERM/SIGINT.
@@ -105,6 +107,11 @@ async def run_server(
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
     log.info("stopping", extra={"grace_s": grace_s})
+    if before_stop is not None:  # still serving: e.g. a scheduler hands its models over
+        try:  # half the grace, so the watchdog's deadline still holds
+            await asyncio.wait_for(before_stop(), grace_s / 2)
+        except Exception as exc:
+            log.warning("before stop failed", extra={"error": repr(exc)})
     await _set_status(health_servicer, "", health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace_s)
     stopper.cancel()

@@ -118,6 +118,14 @@ class SchedulerSettings:
     adaptive_batch_delay_us: int = flag(
         2000, "adaptive_batch_delay_us", env="STAGESERVE_ADAPTIVE_BATCH_DELAY_US"
     )
+    # Sharding by model (services/scheduler/shard_member.py): a scheduler that
+    # stops renewing its lease loses its models this long after its last
+    # renewal; renewed every shard_heartbeat_s. A dead scheduler's models
+    # move within lease + heartbeat (3.5 s, inside the 5 s the stack promises).
+    # 0: this scheduler stays out of the shard map and queues every model sent
+    # to it (gateways that see no scheduler in the map use their --scheduler).
+    shard_lease_ms: int = 3000
+    shard_heartbeat_s: float = 0.5
 
 
 @dataclass(frozen=True)

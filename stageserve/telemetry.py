@@ -284,6 +284,11 @@ GATEWAY_INFLIGHT = Gauge(
 SCHEDULER_QUEUE_DEPTH = Gauge(
     "stageserve_scheduler_queue_depth", "Requests queued, not yet executing", ["model", "version"]
 )
+SCHEDULER_SHARD_OWNED = Gauge(
+    "stageserve_scheduler_shard_owned",
+    "1 for each model whose queues this scheduler owns (schedulers sharded by model)",
+    ["model"],
+)
 SCHEDULER_BATCH_SIZE = Histogram(
     "stageserve_scheduler_batch_size",
     "Batch size of each execution the scheduler dispatched",

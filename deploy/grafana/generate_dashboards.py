@@ -700,6 +700,22 @@ def stages_dashboard() -> dict:
         ),
         w=8,
     )
+    L.add(
+        timeseries(
+            "Models owned per scheduler",
+            "stageserve_scheduler_shard_owned: the models whose queues each scheduler owns "
+            "(schedulers sharded by model). A model appears under exactly one scheduler; "
+            "after a scheduler joins, leaves or dies its models move within seconds.",
+            [
+                (
+                    f"sum by (instance) (stageserve_scheduler_shard_owned{{{M}}})",
+                    "{{instance}}",
+                )
+            ],
+            "short",
+        ),
+        w=8,
+    )
 
     L.row("Rate limiter")
     wait = "stageserve_ratelimiter_wait_seconds"

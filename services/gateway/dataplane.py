@@ -41,7 +41,7 @@ from stageserve.errors import StageError, internal, invalid, unavailable
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.recorder import RequestRecorder
-from stageserve.scheduler_link import SchedulerLink
+from stageserve.scheduler_routing import SchedulerRouter
 from stageserve.shared_stats import SharedStats
 from stageserve.statistics import StatsBook, requested_versions
 from stageserve.telemetry import GATEWAY_INFLIGHT
@@ -71,7 +71,7 @@ class DataPlane:
         self,
         models: ModelTable,
         lifecycle: ModelLifecycle,
-        scheduler: SchedulerLink,
+        scheduler: SchedulerRouter,
         server_name: str = DEFAULT_SERVER_NAME,
     ) -> None:
         """`models` is read on every request; `lifecycle` only by the repository

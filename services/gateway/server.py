@@ -26,7 +26,7 @@ from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
 from stageserve.net import SERVER_OPTIONS, listen_failed, stage_channel
 from stageserve.redis_connect import connect
-from stageserve.scheduler_link import SchedulerLink
+from stageserve.scheduler_routing import scheduler_router
 from stageserve.service_runtime import run_server
 from stageserve.settings import Settings
 from stageserve.shared_stats import SharedStats
@@ -69,12 +69,7 @@ async def serve(
         gateway,
         autocomplete=gateway.autocomplete,
     )
-    link = SchedulerLink(
-        scheduler_address,
-        gateway.scheduler_connect_timeout_s,
-        settings.stage_tls,
-        gateway.scheduler_link_hold_us,
-    )
+    link = await scheduler_router(redis, scheduler_address, settings)
     dataplane = DataPlane(models, lifecycle, link, gateway.server_name)
     dataplane.strict_readiness = gateway.strict_readiness
     dataplane.shared = SharedStats(redis, dataplane.stats, gateway.stats_publish_s)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 
 import grpc
 
@@ -12,13 +14,17 @@ from services.scheduler.ensemble import check_step_input, run_ensemble
 from services.scheduler.execute_request import error_response
 from services.scheduler.model_queue import ModelQueue
 from services.scheduler.sequence_queue import make_sequence_queue
+from services.scheduler.shard_member import ShardMember
 from stageserve import trace_spans
 from stageserve.errors import StageError, stage_fault, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import LoadedModel, ModelStateStore
 from stageserve.redis_connect import connect
+from stageserve.scheduler_link import SchedulerLink
+from stageserve.scheduler_routing import SchedulerRouter
 from stageserve.settings import SchedulerSettings, Settings
+from stageserve.shard_map import ShardView
 from stageserve.transport import serve_stream
 
 log = logging.getLogger(__name__)
@@ -52,6 +58,41 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         self.models: dict[str, LoadedModel] = {}
         self.queues: dict[tuple[str, int], ModelQueue] = {}
         self._tasks: set[asyncio.Task] = set()
+        # Sharding by model (services/scheduler/shard_member.py): None serves
+        # every model (a scheduler started without a Redis membership).
+        self.shard: ShardMember | None = None
+        # Ensemble steps whose composing model another scheduler owns go there.
+        self.peers: SchedulerRouter | None = None
+
+    async def _not_ours(self, msg: pb.ScheduleRequest, respond) -> bool:
+        """Refuse (NOT_OWNER, which the gateway resends to the owner) a request
+        for a model this scheduler neither owns nor may take now."""
+        if self.shard is None or self.shard.owns(msg.model) or await self.shard.holds(msg.model):
+            return False
+        err = StageError.of(
+            pb.NOT_OWNER, f"scheduler {self.shard.id} does not own model '{msg.model}'"
+        )
+        respond(error_response(msg.id, err))
+        return True
+
+    async def drain(self, model: str, limit_s: float = 2.0) -> None:
+        """Return once no request of `model` is queued or executing here, or
+        after `limit_s` (a batch that long still finishes here; new requests
+        go to the model's next owner meanwhile)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit_s
+        while loop.time() < deadline:
+            busy = [
+                q for (m, _), q in self.queues.items() if m == model and (q.pending or q.executing)
+            ]
+            if not busy:
+                break
+            await asyncio.sleep(0.005)
+        for key in [k for k in self.queues if k[0] == model]:
+            queue = self.queues[key]
+            if not (queue.pending or queue.executing):
+                queue.close()
+                del self.queues[key]
 
     async def _model(self, name: str, generation: int) -> LoadedModel | None:
         cached = self.models.get(name)
@@ -113,6 +154,10 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             err = unavailable(f"model '{msg.model}' version {msg.version} is not loaded")
             respond(error_response(msg.id, err))
             return
+        shard = self.shard  # the owned-set test inline: it runs per request
+        unowned = shard is not None and msg.model not in shard.owned
+        if unowned and await self._not_ours(msg, respond):
+            return
         if cached.spec.steps:
             self._spawn(self._run_ensemble(msg, cached, respond))
             return
@@ -153,6 +198,9 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 f"does not support inside ensembles",
             )
         check_step_input(loaded.spec, request)
+        shard, peers = self.shard, self.peers
+        if shard is not None and peers is not None and not await shard.holds(request.model):
+            return await peers.schedule(request)  # its owner runs it
         answered: asyncio.Future[pb.ScheduleResponse] = asyncio.get_running_loop().create_future()
 
         def respond(resp: pb.ScheduleResponse) -> None:
@@ -200,9 +248,48 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         )
 
 
-async def serve(listen: str, redis_url: str, ratelimiter_address: str, settings: Settings) -> None:
-    """`settings.scheduler`: the adaptive batch hold and the scheduler's figures."""
-    from stageserve.net import SERVER_OPTIONS
+async def _join_shards(
+    service: SchedulerService, scheduler_id: str | None, address: str, settings: Settings
+) -> None:
+    """Register in the shard map and take this scheduler's models; ensemble
+    steps of models other schedulers own go to them through `service.peers`."""
+    redis = service.state.redis
+    sched = settings.scheduler
+    shard = service.shard = ShardMember(
+        redis,
+        scheduler_id or f"{socket.gethostname()}-{os.getpid()}",
+        address,
+        service.drain,
+        lease_ms=sched.shard_lease_ms,
+        heartbeat_s=sched.shard_heartbeat_s,
+    )
+    view = ShardView(redis)
+    service.peers = SchedulerRouter(
+        view,
+        None,
+        lambda peer: SchedulerLink(
+            peer, settings.gateway.scheduler_connect_timeout_s, settings.stage_tls
+        ),
+    )
+    await view.refresh()
+    view.start()
+    await shard.join()
+
+
+async def serve(
+    listen: str,
+    redis_url: str,
+    ratelimiter_address: str,
+    settings: Settings,
+    scheduler_id: str | None = None,
+    advertise: str | None = None,
+) -> None:
+    """`settings.scheduler`: the adaptive batch hold, the shard lease and the
+    scheduler's figures. `scheduler_id`: this scheduler's name in the shard
+    map (a restarted scheduler that keeps it keeps its models; default
+    host-pid); `advertise`: the address gateways and workers dial (default:
+    the bound one, a wildcard host replaced by this host's name)."""
+    from stageserve.net import SERVER_OPTIONS, add_stage_port
     from stageserve.service_runtime import run_server
 
     redis = connect(redis_url, settings.redis_client)
@@ -213,11 +300,29 @@ async def serve(listen: str, redis_url: str, ratelimiter_address: str, settings:
     service = SchedulerService(ModelStateStore(redis), ratelimiter, workers, settings.scheduler)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_SchedulerServicer_to_server(service, server)
+    # The address peers dial goes into the shard map: bind before joining.
+    host = listen.rsplit(":", 1)[0]
+    port = add_stage_port(server, listen, settings.stage_tls)
+    if port == 0:
+        raise RuntimeError(f"scheduler: cannot listen on {listen}")
+    public_host = host if host not in ("0.0.0.0", "[::]") else socket.gethostname()
+    address = advertise or f"{public_host}:{port}"
+    if settings.scheduler.shard_lease_ms > 0:
+        await _join_shards(service, scheduler_id, address, settings)
     try:
-        await run_server(server, listen, "scheduler", stage_tls=settings.stage_tls)
+        await run_server(
+            server,
+            f"{host}:{port}",
+            "scheduler",
+            stage_tls=settings.stage_tls,
+            bound=True,
+            before_stop=service.shard.leave if service.shard is not None else None,
+        )
     finally:
         for queue in service.queues.values():
             queue.close()
+        if service.peers is not None:
+            await service.peers.close()
         await ratelimiter.close()
         await workers.close()
         await asyncio.to_thread(spans.close)

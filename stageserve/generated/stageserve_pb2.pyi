@@ -25,6 +25,7 @@ class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DEADLINE_EXCEEDED: _ClassVar[FailureReason]
     UNKNOWN_FAILURE: _ClassVar[FailureReason]
     STAGE_FAULT: _ClassVar[FailureReason]
+    NOT_OWNER: _ClassVar[FailureReason]
 FAILURE_NONE: FailureReason
 INVALID_INPUT: FailureReason
 MODEL_NOT_FOUND: FailureReason
@@ -41,6 +42,7 @@ UNIMPLEMENTED: FailureReason
 DEADLINE_EXCEEDED: FailureReason
 UNKNOWN_FAILURE: FailureReason
 STAGE_FAULT: FailureReason
+NOT_OWNER: FailureReason
 
 class Tensor(_message.Message):
     __slots__ = ("name", "datatype", "shape", "raw")

@@ -279,7 +279,9 @@ def two_paths(
             "--ratelimiter",
             running.ratelimiter.address,
         ]
-        sched2 = running.stack.start_service("scheduler-2", ["scheduler", *common])
+        sched2 = running.stack.start_service(
+            "scheduler-2", ["scheduler", *common, "--scheduler-id", "scheduler-2"]
+        )
         gw2 = running.stack.start_service(
             "gateway-2",
             [

@@ -205,6 +205,8 @@ def test_two_schedulers_share_sequences(tmp_path: Path) -> None:
         # Both paths executed half of the sequence: each gateway's own share,
         # as published to Redis, is 5 (ModelStatistics answers the total, 10).
         r = redis.Redis.from_url(running.redis_url)
+        # Gateways publish their shares every stats_publish_s (1 s): wait for it.
+        assert wait_until(lambda: list(r.scan_iter("ss:stats:acc:*")))
         (key,) = list(r.scan_iter("ss:stats:acc:*"))
 
         def shares() -> list[int]:

@@ -45,6 +45,7 @@ EXPECTED: dict[pb.FailureReason, tuple[grpc.StatusCode, int, str]] = {
     pb.DEADLINE_EXCEEDED: (grpc.StatusCode.DEADLINE_EXCEEDED, 400, "OTHER"),
     pb.UNKNOWN_FAILURE: (grpc.StatusCode.UNKNOWN, 400, "OTHER"),
     pb.STAGE_FAULT: (grpc.StatusCode.INTERNAL, 500, "OTHER"),
+    pb.NOT_OWNER: (grpc.StatusCode.UNAVAILABLE, 503, "OTHER"),
 }
 
 

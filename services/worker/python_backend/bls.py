@@ -42,7 +42,9 @@ from stageserve.generated import stageserve_pb2 as pb
 from stageserve.model_state import LoadedModel, ModelStateStore
 from stageserve.recorder import RequestRecorder
 from stageserve.scheduler_link import SchedulerLink
+from stageserve.scheduler_routing import SchedulerRouter
 from stageserve.settings import Settings
+from stageserve.shard_map import ShardView
 from stageserve.shared_stats import SharedStats
 from stageserve.statistics import StatsBook
 from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
@@ -92,8 +94,13 @@ class BlsClient:
         settings: Settings,
     ) -> None:
         # A BLS call reaches the scheduler and publishes its statistics as a gateway does.
-        self.link = SchedulerLink(
-            scheduler_address, settings.gateway.scheduler_connect_timeout_s, settings.stage_tls
+        # Routed by the called model to its scheduler (stageserve/scheduler_routing.py).
+        self.link = SchedulerRouter(
+            ShardView(state.redis),
+            scheduler_address,
+            lambda address: SchedulerLink(
+                address, settings.gateway.scheduler_connect_timeout_s, settings.stage_tls
+            ),
         )
         self.model_cache_s = settings.worker.bls_model_cache_s
         self.state = state

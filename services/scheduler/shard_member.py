@@ -1,0 +1,195 @@
+"""One scheduler's membership in the sharded scheduler set.
+
+The scheduler holds a lease in Redis (ss:shard:members, renewed every
+`heartbeat_s`, lasting `lease_ms`) and owns the models the map
+(ss:shard:owners) gives it. Each heartbeat it compares the map with what
+the policy (stageserve/shard_policy.py) says over the live schedulers:
+
+- a model the policy gives it, with no live owner: it takes it;
+- a model it owns that the policy gives another: it stops accepting the
+  model's requests (they are refused NOT_OWNER, and the gateway resends
+  them once the map moved), lets the model's queues drain, then hands the
+  model to the new owner in one atomic step. So a model's queue is in one
+  scheduler at a time, and a join moves only the models the newcomer wins.
+
+A scheduler that dies stops renewing; once its lease is past (`lease_ms`),
+the next heartbeat of any survivor prunes it and takes the models the
+policy now gives that survivor. A request for a model this scheduler does
+not hold yet (the map has just handed it over, or the model is new) takes
+it at once when the policy names this scheduler (`holds`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+
+from services.scheduler import shard_lua
+from stageserve import redis_keys as keys
+from stageserve.shard_policy import DEFAULT_POLICY, ShardPolicy
+from stageserve.telemetry import SCHEDULER_SHARD_OWNED
+
+log = logging.getLogger(__name__)
+
+_KEYS = [keys.SHARD_MEMBERS, keys.SHARD_ADDRESSES, keys.SHARD_OWNERS, keys.SHARD_VERSION]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class ShardMember:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        scheduler_id: str,
+        address: str,
+        drain: Callable[[str], Awaitable[None]],
+        lease_ms: int = 3000,
+        heartbeat_s: float = 0.5,
+        policy: ShardPolicy = DEFAULT_POLICY,
+    ) -> None:
+        """`drain(model)`: returns once no request of `model` is queued or
+        executing here (bounded by the caller); called before a release."""
+        self.redis = redis
+        self.id = scheduler_id
+        self.address = address
+        self.drain = drain
+        self.lease_ms = lease_ms
+        self.heartbeat_s = heartbeat_s
+        self.policy = policy
+        self.owned: set[str] = set()  # models whose requests this scheduler accepts
+        self.leaving: set[str] = set()  # models being drained before their release
+        self.live: list[str] = [scheduler_id]  # live scheduler ids, as last renewed
+        self._renew = redis.register_script(shard_lua.RENEW)
+        self._take = redis.register_script(shard_lua.TAKE)
+        self._release = redis.register_script(shard_lua.RELEASE)
+        self._leave = redis.register_script(shard_lua.LEAVE)
+        self._claims: dict[str, asyncio.Future[bool]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._moves: set[asyncio.Task[None]] = set()
+
+    def _own(self, model: str) -> None:
+        if model not in self.owned:
+            self.owned.add(model)
+            SCHEDULER_SHARD_OWNED.labels(model).set(1)
+
+    def _disown(self, model: str) -> None:
+        if model in self.owned:
+            self.owned.discard(model)
+            SCHEDULER_SHARD_OWNED.remove(model)
+
+    # The request path ------------------------------------------------------
+
+    def owns(self, model: str) -> bool:
+        return model in self.owned
+
+    async def holds(self, model: str) -> bool:
+        """Whether this scheduler may queue `model`'s request: it owns the
+        model, adopts it now (another scheduler handed it here), or takes it
+        now (the policy names it and no live scheduler owns it). Concurrent
+        calls for one model share one Redis round trip."""
+        if model in self.owned:
+            return True
+        if model in self.leaving:
+            return False
+        claim = self._claims.get(model)
+        if claim is None:
+            claim = asyncio.ensure_future(self._claim(model))
+            self._claims[model] = claim
+            claim.add_done_callback(lambda _: self._claims.pop(model, None))
+        return await asyncio.shield(claim)
+
+    async def _claim(self, model: str) -> bool:
+        # The policy over this scheduler's last view of the live set decides a
+        # take; an adoption needs none (the heir may not have seen the change).
+        may_take = "1" if self.policy.owner(model, self.live) == self.id else "0"
+        args = [keys.SHARD_EVENTS, self.id, model, may_take]
+        taken = bool(await self._take(keys=_KEYS, args=args))
+        if taken and model not in self.leaving:
+            self._own(model)
+            log.info("model taken", extra={"model": model, "scheduler": self.id})
+        return taken and model in self.owned
+
+    # Heartbeat -------------------------------------------------------------
+
+    async def join(self) -> None:
+        """Register (the first lease) and take this scheduler's models."""
+        await self.tick()
+        self._task = asyncio.create_task(self._beat_forever())
+
+    async def _beat_forever(self) -> None:
+        failures = 0
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                await self.tick()
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: keep serving what we own
+                if not failures:
+                    log.warning("shard heartbeat failed", extra={"error": str(exc)})
+                failures += 1
+
+    async def tick(self) -> None:
+        """Renew the lease, then take and release to follow the policy."""
+        live = await self._renew(
+            keys=_KEYS, args=[keys.SHARD_EVENTS, self.id, self.address, self.lease_ms]
+        )
+        self.live = sorted(_text(s) for s in live)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hkeys(keys.MODELS)
+            pipe.hgetall(keys.SHARD_OWNERS)
+            models_raw, owners_raw = await pipe.execute()
+        owners = {_text(m): _text(s) for m, s in owners_raw.items()}
+        models = {_text(m) for m in models_raw} | set(owners)
+        # The map is the truth: a model another scheduler took (this one's
+        # lease lapsed while it stalled) is no longer accepted here.
+        for model in list(self.owned):
+            if owners.get(model) != self.id:
+                self._disown(model)
+        for model in sorted(models):
+            target = self.policy.owner(model, self.live)
+            owner = owners.get(model)
+            if owner == self.id and target != self.id:
+                if model not in self.leaving:
+                    self._move(model, target)
+            elif owner == self.id and model not in self.leaving:
+                self._own(model)
+            elif target == self.id and (owner is None or owner not in self.live):
+                await self.holds(model)
+
+    def _move(self, model: str, heir: str | None) -> None:
+        self.leaving.add(model)
+        self._disown(model)
+        task = asyncio.create_task(self._hand_over(model, heir))
+        self._moves.add(task)
+        task.add_done_callback(self._moves.discard)
+
+    async def _hand_over(self, model: str, heir: str | None) -> None:
+        try:
+            await self.drain(model)
+            args = [keys.SHARD_EVENTS, self.id, model, heir or ""]
+            await self._release(keys=_KEYS, args=args)
+            log.info("model handed over", extra={"model": model, "to": heir or "nobody"})
+        finally:
+            self.leaving.discard(model)
+
+    async def leave(self) -> None:
+        """A clean stop: hand every model to its next owner, then drop the lease."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        others = [s for s in self.live if s != self.id]
+        self.live = others  # takes nothing back from here on
+        for model in sorted(self.owned):
+            self._move(model, self.policy.owner(model, others))
+        if self._moves:
+            await asyncio.gather(*self._moves, return_exceptions=True)
+        await self._leave(keys=_KEYS, args=[keys.SHARD_EVENTS, self.id])

@@ -1,4 +1,5 @@
-"""`stageserve up --gateways 2`: two gateway processes on one gRPC and one HTTP port.
+"""`stageserve up --gateways 2 --schedulers 2`: two gateway processes on one
+gRPC and one HTTP port, two schedulers sharing the models.
 
 Both bind with SO_REUSEPORT and the kernel spreads new connections over them,
 so each test opens many connections (a client per request) and reads each
@@ -6,7 +7,8 @@ gateway's own /metrics (nv_inference_request_success counts what that
 process answered) to see both took some. kill -9 of one gateway: the other
 answers every new connection, no client waits past its timeout, and the
 supervisor brings the killed one back on the same ports, where it takes
-connections again.
+connections again. Every ready model's queues are owned by exactly one of
+the two schedulers (each scheduler's stageserve_scheduler_shard_owned).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ CLIENT_TIMEOUT_S = 10.0
 @pytest.fixture(scope="module")
 def up(example_repository: Path) -> Iterator[UpProcess]:
     with UpProcess(
-        example_repository, ["--gateways", "2", "--metrics-port", str(free_port())]
+        example_repository,
+        ["--gateways", "2", "--schedulers", "2", "--metrics-port", str(free_port())],
     ) as running:
         info = running.wait(240)
         assert info is not None, "".join(running.err[-40:])
@@ -62,6 +65,19 @@ def _success(metrics_port: int, model: str = "simple") -> float:
         for line in text.splitlines()
         if line.startswith("nv_inference_request_success{") and f'model="{model}"' in line
     )
+
+
+def _owned(metrics_port: int) -> set[str]:
+    """The models whose queues one scheduler owns (its /metrics)."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=CLIENT_TIMEOUT_S) as r:
+        text = r.read().decode()
+    prefix = "stageserve_scheduler_shard_owned{"
+    return {
+        line.split('model="', 1)[1].split('"', 1)[0]
+        for line in text.splitlines()
+        if line.startswith(prefix) and float(line.rsplit(" ", 1)[1]) == 1
+    }
 
 
 def _counts(up: UpProcess) -> list[float]:
@@ -132,6 +148,22 @@ def test_the_example_repository_serves_through_the_one_port(up: UpProcess, front
         assert "simple" in names and len(ready) >= 5
         index_names.add(frozenset(names))
     assert len(index_names) == 1
+
+
+def test_each_ready_model_is_owned_by_exactly_one_of_two_schedulers(up: UpProcess) -> None:
+    ports = _info(up)["metrics_ports"]
+    with grpcclient.InferenceServerClient(_info(up)["grpc"]) as c:
+        index = c.get_model_repository_index(as_json=True)["models"]
+    ready = {m["name"] for m in index if m.get("state") == "READY"}
+
+    def split() -> tuple[set[str], set[str]]:
+        return _owned(ports["scheduler"]), _owned(ports["scheduler-1"])
+
+    # owners take their models within a heartbeat or two of the map changing
+    assert wait_until(lambda: ready <= set.union(*split()), 10), (ready, split())
+    first, second = split()
+    assert not first & second, (first, second)
+    assert first and second, (first, second)  # ~half each: rendezvous hashing
 
 
 @pytest.mark.parametrize("front", ["grpc", "http"])

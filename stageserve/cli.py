@@ -26,7 +26,7 @@ from stageserve.autocomplete_options import DEFAULT_MAX_BATCH_SIZE, AutoComplete
 from stageserve.cache_options import parse_cache_config
 from stageserve.gpus import parse_workers
 from stageserve.grpc_io import use_grpc_io
-from stageserve.log_options import STAGES, add_log_flags, log_settings_of
+from stageserve.log_options import STAGES, add_log_flags, flag_bool, log_settings_of
 from stageserve.logs import setup_logging
 from stageserve.scale_out import gateway_count, parse_gateways
 from stageserve.scheduler_count import parse_schedulers, scheduler_count
@@ -91,20 +91,10 @@ def _autocomplete(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _bool(text: str) -> bool:
-    """tritonserver's boolean flag values."""
-    value = text.strip().lower()
-    if value in ("true", "1", "yes", "on"):
-        return True
-    if value in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
 def _http(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allow-http",
-        type=_bool,
+        type=flag_bool,
         nargs="?",
         const=True,
         default=True,
@@ -120,7 +110,7 @@ def _startup_flags(p: argparse.ArgumentParser) -> None:
         ("--exit-on-error", "exit (status 1) when a startup model fails to load"),
         ("--strict-readiness", "ServerReady only once every model is ready, else once live"),
     ):
-        p.add_argument(flag, type=_bool, nargs="?", const=True, default=True, help=what)
+        p.add_argument(flag, type=flag_bool, nargs="?", const=True, default=True, help=what)
 
 
 def _reuse_port_flags(p: argparse.ArgumentParser) -> None:
@@ -128,7 +118,7 @@ def _reuse_port_flags(p: argparse.ArgumentParser) -> None:
     for flag in ("--reuse-grpc-port", "--reuse-http-port"):
         p.add_argument(
             flag,
-            type=_bool,
+            type=flag_bool,
             nargs="?",
             const=True,
             default=None,

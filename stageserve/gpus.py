@@ -66,8 +66,9 @@ def worker_devices(workers: int | str, device: str, gpus: int) -> list[str]:
     return [device]
 
 
-def parse_workers(text: str) -> int | str:
-    """argparse type of --workers: a positive count or 'auto'."""
+def parse_count(text: str, noun: str) -> int | str:
+    """A process-count flag's value (--workers, --gateways, --schedulers): a
+    positive count or 'auto'; `noun` names one process in the error."""
     if text == AUTO:
         return AUTO
     try:
@@ -75,5 +76,10 @@ def parse_workers(text: str) -> int | str:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or '{AUTO}', got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1 worker, got {value}")
+        raise argparse.ArgumentTypeError(f"expected at least 1 {noun}, got {value}")
     return value
+
+
+def parse_workers(text: str) -> int | str:
+    """argparse type of --workers: a positive count or 'auto'."""
+    return parse_count(text, "worker")

@@ -16,7 +16,8 @@ from stageserve.log_settings import DEFAULT_FORMAT, FORMATS, LogSettings
 STAGES = ("gateway", "scheduler", "ratelimiter", "worker")
 
 
-def _bool(text: str) -> bool:
+def flag_bool(text: str) -> bool:
+    """tritonserver's boolean flag values."""
     value = text.strip().lower()
     if value in ("true", "1", "yes", "on"):
         return True
@@ -29,7 +30,7 @@ def add_log_flags(p: argparse.ArgumentParser) -> None:
     for kind in ("info", "warning", "error"):
         p.add_argument(
             f"--log-{kind}",
-            type=_bool,
+            type=flag_bool,
             nargs="?",
             const=True,
             default=True,

@@ -9,9 +9,9 @@ stageserve/settings.py (StackSettings): one gateway per
 
 from __future__ import annotations
 
-import argparse
 import os
 
+from stageserve.gpus import parse_count
 from stageserve.settings import StackSettings
 
 AUTO = "auto"
@@ -44,12 +44,4 @@ def gateway_count(gateways: int | str, settings: StackSettings, cores: int | Non
 
 def parse_gateways(text: str) -> int | str:
     """argparse type of --gateways: a positive count or 'auto'."""
-    if text == AUTO:
-        return AUTO
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or '{AUTO}', got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1 gateway, got {value}")
-    return value
+    return parse_count(text, "gateway")

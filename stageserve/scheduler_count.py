@@ -11,8 +11,9 @@ other cores to gateways and workers, which carry more CPU per inference
 
 from __future__ import annotations
 
-import argparse
 import os
+
+from stageserve.gpus import parse_count
 
 AUTO = "auto"
 CORES_PER_SCHEDULER = 8
@@ -31,15 +32,7 @@ def auto_schedulers(cores: int) -> int:
 
 def parse_schedulers(text: str) -> int | str:
     """argparse type of --schedulers: a positive count or 'auto'."""
-    if text == AUTO:
-        return AUTO
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or '{AUTO}', got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1 scheduler, got {value}")
-    return value
+    return parse_count(text, "scheduler")
 
 
 def scheduler_count(value: int | str) -> int:

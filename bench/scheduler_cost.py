@@ -40,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--schedulers", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--measurement-ms", type=int, default=4000, help="per window")
+    parser.add_argument("--stability-pct", type=int, default=20)
     args = parser.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="scheduler-cost-"))
     write_identity(root, MODEL, "FP32", dims=(16,), max_batch_size=64)
@@ -52,12 +54,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         def count() -> int:
             return client.get_inference_statistics(MODEL).model_stats[0].inference_count
 
-        run_perf(s.gateway.address, MODEL, args.concurrency, measurement_ms=2000)  # warm-up
+        window = {"measurement_ms": args.measurement_ms, "stability_pct": args.stability_pct}
+        run_perf(s.gateway.address, MODEL, args.concurrency, **window)  # warm-up
         for n in range(args.rounds):
             counted = count()
             before = {k: cpu_seconds(p) for k, p in pids.items()}
             began = time.monotonic()
-            result = run_perf(s.gateway.address, MODEL, args.concurrency, measurement_ms=4000)
+            result = run_perf(s.gateway.address, MODEL, args.concurrency, **window)
             wall = time.monotonic() - began
             inferences = max(1, count() - counted)
             spent = {k: cpu_seconds(p) - before[k] for k, p in pids.items()}

@@ -14,8 +14,9 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import overload
+from typing import Any, NoReturn, overload
 
 from services.ratelimiter.options import (
     add_rate_limit_flags,
@@ -490,19 +491,40 @@ def main(argv: list[str] | None = None) -> int:
             from services.gateway.startup import EXIT_CODE, StartupLoadFailed
 
             try:
-                asyncio.run(coro)
+                asyncio.run(_ending_on_listen_failure(coro))
             except StartupLoadFailed as exc:
                 log.error("exiting (--exit-on-error)", extra={"error": str(exc)})
                 return EXIT_CODE
             return 0
-        asyncio.run(coro)
-    except ListenFailed as exc:  # tritonserver's one line and exit code for a taken port
-        from stageserve.service_runtime import announce_failed
-
-        log.error(str(exc))
-        announce_failed(str(exc))
-        return 1
+        asyncio.run(_ending_on_listen_failure(coro))
+    except ListenFailed as exc:
+        _listen_failed(exc)
     return 0
+
+
+async def _ending_on_listen_failure(coro: Coroutine[Any, Any, None]) -> None:
+    """Run a service; a port it cannot bind ends the process at once, exit
+    code 1, as tritonserver ends. Nothing was served, so nothing is wound
+    down: a gateway that fails there has background tasks (shared statistics,
+    the shard map, trace settings) whose cancellation asyncio.run would wait
+    on, and one of them has been seen to keep that wait from ending."""
+    from stageserve.net import ListenFailed
+
+    try:
+        await coro
+    except ListenFailed as exc:
+        _listen_failed(exc)
+
+
+def _listen_failed(exc: Exception) -> NoReturn:
+    """tritonserver's one line and exit code for a port it cannot bind."""
+    from stageserve.service_runtime import announce_failed
+
+    log.error(str(exc))
+    announce_failed(str(exc))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,45 @@ SMOKE: dict[str, Smoke] = {
         "infer/s",
         (_no_perf_analyzer,),
     ),
+    "bench/cache.py": Smoke(
+        (
+            *PY,
+            "bench.cache",
+            "--caches",
+            "local",
+            "--models",
+            "mlp",
+            "--distinct",
+            "3",
+            "--rounds",
+            "1",
+        ),
+        '"hit_rate": 0.5',
+    ),  # fmt: skip
+    # The two Triton diffs run whole in test_log_settings.py / test_trace_diff.py.
+    "bench/log_settings_diff.py": Smoke(("-m", "bench.log_settings_diff", "--help"), "--record"),
+    "bench/trace_diff.py": Smoke(("-m", "bench.trace_diff", "--help"), "--verbose"),
+    # Builds an environment with numpy from PyPI; test_python_exec_env.py does that once.
+    "bench/python_exec_env.py": Smoke(("-m", "bench.python_exec_env", "--help"), "--numpy"),
+    "bench/scheduler_cost.py": Smoke(
+        (
+            *PY,
+            "bench.scheduler_cost",
+            "--concurrency",
+            "1",
+            "--rounds",
+            "1",
+            *TINY_PERF,
+            *ANY_WINDOWS,
+        ),
+        "CPU us per inference",
+        (_no_perf_analyzer,),
+    ),
+    "bench/trace_cost.py": Smoke(
+        (*PY, "bench.trace_cost", "--concurrency", "1", "--rounds", "1", *TINY_PERF, *ANY_WINDOWS),
+        "| rate 1 |",
+        (_no_perf_analyzer,),
+    ),  # fmt: skip
     "bench/ceiling.py": Smoke(
         (
             *PY,

@@ -3,7 +3,8 @@
 ``python -m bench.triton_diff`` starts both servers on free ports, each on its
 own copy of one repository (``identity``, an ensemble ``ens`` over it, a
 ``broken`` model whose config does not parse, an ensemble ``ens_ghost`` whose
-composing model is not in the repository; Triton's copy runs the ONNX files
+composing model is not in the repository, ``py_error``, a Python model that
+answers every request with an error response; Triton's copy runs the ONNX files
 through the Python-backend twin :mod:`bench.triton_model`), runs :data:`STEPS`
 in order against each, on the gRPC or the HTTP front as the step says (the
 steps change state: loads, unloads, inferences), and prints every step whose
@@ -52,7 +53,7 @@ from bench.references import (
     triton_config_text,
     wait_ready,
 )
-from stageserve_tools.examples import write_model
+from stageserve_tools.examples import python_config_text, write_model, write_python_model
 
 RPC_TIMEOUT_S = 30.0
 SETTLE_S = 10.0
@@ -81,6 +82,21 @@ GHOST_ENSEMBLE_CONFIG = ENSEMBLE_CONFIG.replace('name: "ens"', 'name: "ens_ghost
 )
 
 
+#: A Python model (the same model.py on both servers) whose every response is
+#: an error: how each server counts a request the model answered with one.
+PY_ERROR_SOURCE = """\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse(error=pb_utils.TritonError("refused by the model"))
+            for _ in requests
+        ]
+"""
+
+
 def write_repository(root: Path, triton: bool) -> Path:
     """The diff repository; ``triton=True`` writes the Python-backend twin."""
     from bench.references import stageserve_config_text
@@ -96,6 +112,10 @@ def write_repository(root: Path, triton: bool) -> Path:
     (root / "broken" / "config.pbtxt").write_text("name: 'broken' max_batch_size: [oops\n")
     (root / "ens_ghost" / "1").mkdir(parents=True)
     (root / "ens_ghost" / "config.pbtxt").write_text(GHOST_ENSEMBLE_CONFIG)
+    py_error = python_config_text(
+        "py_error", [("INPUT0", "FP32", (16,))], [("OUTPUT0", "FP32", (16,))], max_batch_size=8
+    )
+    write_python_model(root, "py_error", PY_ERROR_SOURCE, py_error)
     return root
 
 
@@ -549,6 +569,11 @@ STEPS: list[Step] = [
     Step("http metadata ens_ghost", _h_metadata("ens_ghost"), message=True, http=True),
     Step("http stats ens_ghost", _h_stats("ens_ghost"), message=True, http=True),
     Step("index with ens_ghost", _index()),
+    Step("load py_error", _load("py_error")),
+    Step("infer py_error", _infer("py_error"), message=True),
+    Step("infer py_error again", _infer("py_error"), message=True),
+    Step("stats py_error", _stats("py_error")),
+    Step("unload py_error", _unload("py_error")),
     # ---- an unloaded model on HTTP
     Step("unload identity at end", _unload("identity")),
     Step("http ready identity after unload", lambda c: c.is_model_ready("identity"), http=True),

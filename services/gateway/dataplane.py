@@ -220,6 +220,15 @@ class DataPlane:
             timing = resp.timing
             self._record_steps(resp)
             if resp.failure:
+                if resp.model_error:  # the model answered: a success in Triton's statistics
+                    scheduled = False
+                    self.recorder.success(
+                        entry.name,
+                        version,
+                        time.monotonic_ns() - start,
+                        validated.batch_size,
+                        resp.timing,
+                    )
                 raise StageError.of(resp.failure, resp.message)
             out = _response(entry.name, version, request.id, resp.outputs, held, validated)
         except StageError as err:
@@ -273,7 +282,7 @@ class DataPlane:
     def _record_steps(self, resp: pb.ScheduleResponse) -> None:
         """An ensemble's composing executions count for their own models."""
         for st in resp.steps:
-            if st.failure:
+            if st.failure and not st.model_error:
                 self.recorder.failure(st.model, st.version, st.duration_ns, st.failure)
             else:
                 self.recorder.success(

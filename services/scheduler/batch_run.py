@@ -212,7 +212,11 @@ class BatchRun:
                 self.deliver(
                     q,
                     pb.ScheduleResponse(
-                        id=q.msg.id, failure=result.failure, message=result.message, timing=timing
+                        id=q.msg.id,
+                        failure=result.failure,
+                        message=result.message,
+                        timing=timing,
+                        model_error=True,
                     ),
                 )
                 continue

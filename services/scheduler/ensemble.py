@@ -137,6 +137,7 @@ async def _run_step(
         duration_ns=time.monotonic_ns() - start,
         failure=resp.failure,
         message=resp.message,
+        model_error=resp.model_error,
     )
     return resp, [*resp.steps, stat]
 

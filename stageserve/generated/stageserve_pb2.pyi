@@ -113,7 +113,7 @@ class ScheduleRequest(_message.Message):
     def __init__(self, id: _Optional[int] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., priority: _Optional[int] = ..., timeout_us: _Optional[int] = ..., config_generation: _Optional[int] = ..., sequence_id: _Optional[int] = ..., sequence_id_str: _Optional[str] = ..., sequence_start: _Optional[bool] = ..., sequence_end: _Optional[bool] = ..., request_id: _Optional[str] = ..., parameters_json: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
-    __slots__ = ("id", "failure", "message", "outputs", "timing", "steps", "more", "no_response")
+    __slots__ = ("id", "failure", "message", "outputs", "timing", "steps", "more", "no_response", "model_error")
     ID_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class ScheduleResponse(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     NO_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ERROR_FIELD_NUMBER: _ClassVar[int]
     id: int
     failure: FailureReason
     message: str
@@ -130,10 +131,11 @@ class ScheduleResponse(_message.Message):
     steps: _containers.RepeatedCompositeFieldContainer[StepStat]
     more: bool
     no_response: bool
-    def __init__(self, id: _Optional[int] = ..., failure: _Optional[_Union[FailureReason, str]] = ..., message: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepStat, _Mapping]]] = ..., more: _Optional[bool] = ..., no_response: _Optional[bool] = ...) -> None: ...
+    model_error: bool
+    def __init__(self, id: _Optional[int] = ..., failure: _Optional[_Union[FailureReason, str]] = ..., message: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepStat, _Mapping]]] = ..., more: _Optional[bool] = ..., no_response: _Optional[bool] = ..., model_error: _Optional[bool] = ...) -> None: ...
 
 class StepStat(_message.Message):
-    __slots__ = ("model", "version", "timing", "batch_size", "duration_ns", "failure", "message")
+    __slots__ = ("model", "version", "timing", "batch_size", "duration_ns", "failure", "message", "model_error")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +143,7 @@ class StepStat(_message.Message):
     DURATION_NS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ERROR_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     timing: Timing
@@ -148,7 +151,8 @@ class StepStat(_message.Message):
     duration_ns: int
     failure: FailureReason
     message: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., batch_size: _Optional[int] = ..., duration_ns: _Optional[int] = ..., failure: _Optional[_Union[FailureReason, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    model_error: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., batch_size: _Optional[int] = ..., duration_ns: _Optional[int] = ..., failure: _Optional[_Union[FailureReason, str]] = ..., message: _Optional[str] = ..., model_error: _Optional[bool] = ...) -> None: ...
 
 class ScheduleBatch(_message.Message):
     __slots__ = ("requests",)

@@ -111,6 +111,38 @@ def test_a_dead_schedulers_models_go_to_the_survivor_after_its_lease(redis_url) 
     run(redis_url, body)
 
 
+def test_a_stalled_scheduler_is_fenced_once_its_lease_lapsed(redis_url) -> None:
+    """b stalls past its lease (no tick), a takes its models; b's fence says
+    its lease is stale, and confirming re-reads the map: b owns nothing, and
+    each model it lost is reported once (its queue is refused)."""
+
+    async def body(r, member, view, drained) -> None:
+        a, b = member("a"), member("b", SHORT_LEASE_MS)
+        lost: list[str] = []
+        b.on_lost = lost.append
+        for step in (a, b, a):
+            await step.tick()
+        await asyncio.gather(*a._moves)
+        await b.tick()
+        b_share = set(b.owned)
+        assert b_share and b.fresh()
+        assert await b.confirm(sorted(b_share)[0])  # fresh: no Redis needed
+        await asyncio.sleep(SHORT_LEASE_MS / 1000 + 0.05)  # b stalls
+        assert not b.fresh()
+        await a.tick()  # prunes b, takes its models
+        assert await owners(r) == {m: "a" for m in MODELS}
+        results = await asyncio.gather(*(b.confirm(m) for m in sorted(b_share)))
+        assert not any(results)  # no batch of a lost model runs on b
+        assert b.fresh() and not b.owned
+        assert sorted(lost) == sorted(b_share)
+        await a.tick()  # b is live again: a hands b its share back, as on a join
+        await asyncio.gather(*a._moves)
+        await b.tick()
+        assert b.owned == b_share
+
+    run(redis_url, body)
+
+
 def test_a_leaving_scheduler_hands_everything_over_and_the_view_sees_the_move(
     redis_url,
 ) -> None:

@@ -198,11 +198,15 @@ class ShardMember:
         # The map is the truth: a model another scheduler took (this one's
         # lease lapsed while it stalled) is no longer accepted here.
         for model in list(self.owned):
-            if owners.get(model) != self.id:
-                self._disown(model)
-                log.warning("model lost", extra={"model": model, "to": owners.get(model)})
-                if self.on_lost is not None:
-                    self.on_lost(model)
+            heir = owners.get(model)
+            if heir == self.id:
+                continue
+            self._disown(model)
+            # Another scheduler holds it: what is queued here goes there. No
+            # owner at all (Redis restarted empty): it is taken back below.
+            if heir is not None and self.on_lost is not None:
+                log.warning("model lost", extra={"model": model, "to": heir})
+                self.on_lost(model)
         for model in sorted(models):
             target = self.policy.owner(model, self.live)
             owner = owners.get(model)

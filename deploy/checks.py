@@ -796,6 +796,29 @@ def _check_compose_extra_gateways(
     return errors
 
 
+def _check_compose_schedulers(
+    services: dict[str, dict], parsed: dict[str, argparse.Namespace]
+) -> list[str]:
+    """The scheduler's replicas shard the models (`stageserve up --schedulers
+    N`): a replica count, and nothing two replicas would share: no
+    container_name, no host ports, no --advertise, no --scheduler-id."""
+    svc, args = services.get("scheduler"), parsed.get("scheduler")
+    if svc is None or args is None:
+        return []  # a missing service or its command's error is reported already
+    errors = []
+    replicas = (svc.get("deploy") or {}).get("replicas")
+    if replicas is None or int(replicas) < 1:
+        errors.append("compose scheduler: needs deploy.replicas >= 1 (STAGESERVE_SCHEDULERS)")
+    if "container_name" in svc or _ports(svc):
+        errors.append("compose scheduler: replicas have no container_name and no host ports")
+    if args.advertise or args.scheduler_id:
+        errors.append(
+            "compose scheduler: no --advertise or --scheduler-id (each replica registers "
+            "its own hostname and id in the shard map)"
+        )
+    return errors
+
+
 def check_compose(normalized: Path | None = None) -> list[str]:
     errors: list[str] = []
     try:
@@ -890,6 +913,7 @@ def check_compose(normalized: Path | None = None) -> list[str]:
             errors.append("compose gateway: must wait for examples to complete successfully")
 
     errors += _check_compose_extra_gateways(services, parsed)
+    errors += _check_compose_schedulers(services, parsed)
 
     ex = parsed.get("examples")
     if ex is not None:
@@ -1536,8 +1560,9 @@ def _check_k8s_hpas(
 
 
 def check_k8s_replicas() -> list[str]:
-    """kustomization.yaml's `replicas` (the gateway count of `stageserve up
-    --gateways`, in pods) names Deployments here, within their HPA's bounds."""
+    """kustomization.yaml's `replicas` (the gateway and scheduler counts of
+    `stageserve up --gateways/--schedulers`, in pods) names Deployments here,
+    within their HPA's bounds; schedulers register their pod's own address."""
     (kust,) = load_yaml_docs(K8S_DIR / "kustomization.yaml")
     docs, errors = load_k8s()
     objects = [o for objs in docs.values() for o in objs]
@@ -1551,8 +1576,10 @@ def check_k8s_replicas() -> list[str]:
         if o.get("kind") == "HorizontalPodAutoscaler"
     }
     counts = {r.get("name"): r.get("count") for r in kust.get("replicas") or []}
-    if "gateway" not in counts:
-        errors.append("k8s kustomization.yaml: no replicas count for the gateway")
+    for stage in ("gateway", "scheduler"):
+        if stage not in counts:
+            errors.append(f"k8s kustomization.yaml: no replicas count for the {stage}")
+    errors += _check_k8s_scheduler_shards(objects)
     for name, count in counts.items():
         if name not in deployments:
             errors.append(f"k8s kustomization.yaml: replicas of {name!r}, not a Deployment here")
@@ -1564,6 +1591,24 @@ def check_k8s_replicas() -> list[str]:
                 f"k8s kustomization.yaml: replicas of {name} ({count}) outside its "
                 f"HorizontalPodAutoscaler's {low}..{high}"
             )
+    return errors
+
+
+def _check_k8s_scheduler_shards(objects: list[dict]) -> list[str]:
+    """Scheduler pods shard the models: each advertises its pod IP (the
+    Service's one address would send every model's requests to any pod) and
+    keeps its default id (the pod name); a fixed --scheduler-id would be shared."""
+    errors = []
+    for o in objects:
+        if o.get("kind") != "Deployment" or o["metadata"]["name"] != "scheduler":
+            continue
+        for container in o["spec"]["template"]["spec"].get("containers") or []:
+            argv = [str(a) for a in container.get("args") or container.get("command") or []]
+            if "--scheduler-id" in argv:
+                errors.append("k8s scheduler: no --scheduler-id (replicas would share it)")
+            advertise = argv[argv.index("--advertise") + 1] if "--advertise" in argv else ""
+            if "$(POD_IP)" not in advertise:
+                errors.append("k8s scheduler: --advertise $(POD_IP):9001 (each pod's address)")
     return errors
 
 

@@ -10,6 +10,12 @@ lookup: the hot path never reads Redis.
 A model with no live owner in the map (just loaded, or its owner's lease
 ran out and no one has taken it yet) routes to the scheduler the policy
 names among the live ones; that scheduler takes it on its first request.
+
+A lease that runs out changes nothing in Redis until a survivor's heartbeat
+prunes it (then the version bumps). The view does not wait for that: it
+notes when the earliest live lease it read runs out and re-reads the map
+at the first poll past it, so a scheduler that stopped renewing leaves
+every view's routing within `lease + poll_s` even with no survivor pruning.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ class ShardView:
         self.owners: dict[str, str] = {}  # model -> scheduler id, as written
         self.addresses: dict[str, str] = {}  # live scheduler id -> address
         self._next: asyncio.Future[None] | None = None  # resolved on the next change
+        # loop.time() when the earliest live lease read runs out (re-read then)
+        self.lease_ends = float("inf")
         self._refreshing: asyncio.Task[None] | None = None
         self._follower: asyncio.Task[None] | None = None
 
@@ -73,6 +81,7 @@ class ShardView:
         await asyncio.shield(self._refreshing)
 
     async def _read(self) -> None:
+        started = asyncio.get_running_loop().time()
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.time()
             pipe.get(keys.SHARD_VERSION)
@@ -81,11 +90,17 @@ class ShardView:
             pipe.hgetall(keys.SHARD_ADDRESSES)
             now, version, owners, members, addresses = await pipe.execute()
         now_ms = redis_now_ms(now)
+        deadlines = [deadline for _, deadline in members if deadline >= now_ms]
         live = {_text(m) for m, deadline in members if deadline >= now_ms}
+        # Timed from before the read went out: never later than Redis's.
+        ends_ms = min(deadlines, default=None)
+        self.lease_ends = float("inf") if ends_ms is None else started + (ends_ms - now_ms) / 1000
         self.owners = {_text(m): _text(s) for m, s in owners.items()}
-        self.addresses = {_text(s): _text(a) for s, a in addresses.items() if _text(s) in live}
+        addresses_now = {_text(s): _text(a) for s, a in addresses.items() if _text(s) in live}
+        expired = addresses_now != self.addresses
+        self.addresses = addresses_now
         new_version = int(version or 0)
-        if new_version != self.version:
+        if new_version != self.version or expired:
             self.version = new_version
             if self._next is not None and not self._next.done():
                 self._next.set_result(None)
@@ -154,6 +169,8 @@ class ShardView:
                     message = await pubsub.get_message(timeout=self.poll_s)
                     if message is not None:
                         await self.refresh()
+                    elif asyncio.get_running_loop().time() >= self.lease_ends:
+                        await self.refresh()  # a lease ran out: drop its scheduler
                     else:
                         version = await self.redis.get(keys.SHARD_VERSION)
                         if int(version or 0) != self.version:

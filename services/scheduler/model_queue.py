@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from redis.exceptions import RedisError
 
@@ -52,6 +52,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class Fence(Protocol):
+    """May this scheduler still run the model's batches (sharding's lease,
+    services/scheduler/shard_member.py)? `fresh` is the per-batch test
+    (no I/O); `confirm` settles a stale answer with Redis."""
+
+    def fresh(self) -> bool: ...
+
+    async def confirm(self, model: str) -> bool: ...
+
+
 class ModelQueue:
     """The dispatch loop of one model version: composes a strategy (no I/O)
     and, for sequence models, the sequences' Redis adapter; does the I/O."""
@@ -78,6 +88,7 @@ class ModelQueue:
         self.ratelimiter = ratelimiter
         self.workers = workers
         self.executing = 0
+        self.fence: Fence | None = None  # None: every batch runs (no sharding)
         self._arrived = Wakeup()
         self._idle_waiting = False  # the dispatch loop waits in its idle branch
         self._grant_event = asyncio.Event()
@@ -386,7 +397,11 @@ class ModelQueue:
         """Run a batch; a bug in one batch answers its requests, never hangs them.
         However it ended, the strategy hears of it and the grant goes back."""
         state = RunState()
+        fence = self.fence
         try:
+            if fence is not None and not fence.fresh() and not await fence.confirm(self.model):
+                self._refuse(batch)
+                return
             await self._run.run(
                 self.spec, batch, held.grant, state, lambda: self._give_back(held, False)
             )
@@ -410,6 +425,21 @@ class ModelQueue:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _refuse(self, batch: list[Queued]) -> None:
+        """Answer NOT_OWNER without running: another scheduler owns the model
+        now and the gateway resends these requests there."""
+        err = StageError.of(pb.NOT_OWNER, f"this scheduler no longer owns model '{self.model}'")
+        for q in batch:
+            q.respond(error_response(q.msg.id, err))
+        if self.sequences is not None:
+            self.sequences.dropped(batch)
+
+    def refuse_pending(self) -> None:
+        """Answer every queued request NOT_OWNER (the model moved away)."""
+        failed = self.strategy.drain()
+        self._depth_changed()
+        self._refuse(failed)
 
     def _requeue(self, batch: list[Queued]) -> bool:
         """Put a batch whose instance went away back at the head of the queue."""

@@ -94,6 +94,16 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 queue.close()
                 del self.queues[key]
 
+    def lost(self, model: str) -> None:
+        """The map gave `model` to another scheduler while this one's lease
+        had lapsed: its queued requests go back to the gateways (NOT_OWNER,
+        resent to the new owner), and its queues close once their running
+        batches end."""
+        for (name, _), queue in list(self.queues.items()):
+            if name == model:
+                queue.refuse_pending()
+        self._spawn(self.drain(model))
+
     async def _model(self, name: str, generation: int) -> LoadedModel | None:
         cached = self.models.get(name)
         if cached is not None and cached.generation == generation:
@@ -137,6 +147,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                     self.workers,
                     self.settings,
                 )
+            queue.fence = self.shard  # a batch runs only under a fresh shard lease
             self.queues[key] = queue
         return queue
 
@@ -262,6 +273,7 @@ async def _join_shards(
         service.drain,
         lease_ms=sched.shard_lease_ms,
         heartbeat_s=sched.shard_heartbeat_s,
+        on_lost=service.lost,
     )
     view = ShardView(redis)
     service.peers = SchedulerRouter(

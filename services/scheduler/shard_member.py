@@ -17,6 +17,18 @@ the next heartbeat of any survivor prunes it and takes the models the
 policy now gives that survivor. A request for a model this scheduler does
 not hold yet (the map has just handed it over, or the model is new) takes
 it at once when the policy names this scheduler (`holds`).
+
+Fencing: a scheduler that stalls (SIGSTOP, a long GC or swap pause) past
+its lease may find, when it runs again, that a survivor took its models.
+Its lease is "fresh" for `lease_ms` from the moment it sent its last
+successful renewal (Redis dates the lease from a later instant, so the
+local deadline is never the later one). Before a batch runs (ModelQueue's
+fence) a stale lease is renewed and the map re-read first (`confirm`); a
+model the map now gives another scheduler is dropped (`on_lost`: its queued
+requests are refused NOT_OWNER, which gateways resend to the new owner,
+so nothing queued here runs here). With Redis unreachable the lease cannot
+be renewed, but no other scheduler can take a model either: the scheduler
+keeps serving what it owns.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
@@ -52,9 +65,12 @@ class ShardMember:
         lease_ms: int = 3000,
         heartbeat_s: float = 0.5,
         policy: ShardPolicy = DEFAULT_POLICY,
+        on_lost: Callable[[str], None] | None = None,
     ) -> None:
         """`drain(model)`: returns once no request of `model` is queued or
-        executing here (bounded by the caller); called before a release."""
+        executing here (bounded by the caller); called before a release.
+        `on_lost(model)`: the map gave a model this scheduler owned to
+        another (this scheduler's lease had lapsed); its queue must go."""
         self.redis = redis
         self.id = scheduler_id
         self.address = address
@@ -62,6 +78,8 @@ class ShardMember:
         self.lease_ms = lease_ms
         self.heartbeat_s = heartbeat_s
         self.policy = policy
+        self.on_lost = on_lost
+        self.fresh_until = 0.0  # time.monotonic() until which the lease surely holds
         self.owned: set[str] = set()  # models whose requests this scheduler accepts
         self.leaving: set[str] = set()  # models being drained before their release
         self.live: list[str] = [scheduler_id]  # live scheduler ids, as last renewed
@@ -71,6 +89,7 @@ class ShardMember:
         self._leave = redis.register_script(shard_lua.LEAVE)
         self._claims: dict[str, asyncio.Future[bool]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._ticking: asyncio.Future[None] | None = None
         self._moves: set[asyncio.Task[None]] = set()
 
     def _own(self, model: str) -> None:
@@ -115,11 +134,36 @@ class ShardMember:
             log.info("model taken", extra={"model": model, "scheduler": self.id})
         return taken and model in self.owned
 
+    # Fencing ---------------------------------------------------------------
+
+    def fresh(self) -> bool:
+        """Whether the lease surely still holds (no Redis, per batch)."""
+        return time.monotonic() < self.fresh_until
+
+    async def confirm(self, model: str) -> bool:
+        """Whether a batch of `model` may run here: renews a stale lease and
+        re-reads the map first (one shared heartbeat for concurrent callers)."""
+        if not self.fresh():
+            try:
+                await self.beat()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: nobody else can take it either
+                log.warning("shard lease unconfirmed", extra={"error": str(exc)})
+                return True
+        return model in self.owned or model in self.leaving
+
     # Heartbeat -------------------------------------------------------------
+
+    async def beat(self) -> None:
+        """One tick; a tick already running is shared, never run twice at once."""
+        if self._ticking is None or self._ticking.done():
+            self._ticking = asyncio.ensure_future(self.tick())
+        await asyncio.shield(self._ticking)
 
     async def join(self) -> None:
         """Register (the first lease) and take this scheduler's models."""
-        await self.tick()
+        await self.beat()
         self._task = asyncio.create_task(self._beat_forever())
 
     async def _beat_forever(self) -> None:
@@ -127,7 +171,7 @@ class ShardMember:
         while True:
             await asyncio.sleep(self.heartbeat_s)
             try:
-                await self.tick()
+                await self.beat()
                 failures = 0
             except asyncio.CancelledError:
                 raise
@@ -137,7 +181,10 @@ class ShardMember:
                 failures += 1
 
     async def tick(self) -> None:
-        """Renew the lease, then take and release to follow the policy."""
+        """Renew the lease, then take and release to follow the policy. The
+        lease counts as fresh only once the map is applied, so no batch runs
+        on the strength of the renewal for a model the map moved away."""
+        sent = time.monotonic()
         live = await self._renew(
             keys=_KEYS, args=[keys.SHARD_EVENTS, self.id, self.address, self.lease_ms]
         )
@@ -151,8 +198,15 @@ class ShardMember:
         # The map is the truth: a model another scheduler took (this one's
         # lease lapsed while it stalled) is no longer accepted here.
         for model in list(self.owned):
-            if owners.get(model) != self.id:
-                self._disown(model)
+            heir = owners.get(model)
+            if heir == self.id:
+                continue
+            self._disown(model)
+            # Another scheduler holds it: what is queued here goes there. No
+            # owner at all (Redis restarted empty): it is taken back below.
+            if heir is not None and self.on_lost is not None:
+                log.warning("model lost", extra={"model": model, "to": heir})
+                self.on_lost(model)
         for model in sorted(models):
             target = self.policy.owner(model, self.live)
             owner = owners.get(model)
@@ -163,6 +217,7 @@ class ShardMember:
                 self._own(model)
             elif target == self.id and (owner is None or owner not in self.live):
                 await self.holds(model)
+        self.fresh_until = sent + self.lease_ms / 1000
 
     def _move(self, model: str, heir: str | None) -> None:
         self.leaving.add(model)

@@ -1,10 +1,13 @@
 """Schedulers sharded by model, under the launcher with two schedulers: every
 model serves, each model's queue is in one scheduler (its own QueueStats say
 which models it carried), a third scheduler joining takes its share with no
-request lost, and a scheduler killed with -9 under a sequence hands the
+request lost, a scheduler stalled (SIGSTOP) past its lease loses its models
+within 5 s and, resumed, runs none of the requests it held (they are resent
+to the new owner), and a scheduler killed with -9 under a sequence hands the
 sequence, state intact, to a survivor within 5 s.
 
-One stack for the module; the tests run in file order (join, then kill).
+One stack for the module; the tests run in file order (join, leave, stall,
+then kill).
 """
 
 from __future__ import annotations
@@ -120,11 +123,13 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shards]:
         stack.stop()
 
 
-def infer_identity(client: grpcclient.InferenceServerClient, model: str, value: float) -> None:
+def infer_identity(
+    client: grpcclient.InferenceServerClient, model: str, value: float, timeout_s: float = 30
+) -> None:
     data = np.full((1, 4), value, dtype=np.float32)
     inp = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
     inp.set_data_from_numpy(data)
-    out = client.infer(model, [inp], client_timeout=30).as_numpy("OUTPUT0")
+    out = client.infer(model, [inp], client_timeout=timeout_s).as_numpy("OUTPUT0")
     np.testing.assert_array_equal(out, data)  # its own answer, not another request's
 
 
@@ -244,6 +249,73 @@ def test_a_leaving_scheduler_hands_its_models_back_with_no_request_lost(shards: 
     assert "scheduler-2" not in shards.live()
     owners = shards.owners()
     assert {m: owners[m] for m in IDENTITIES} == assign(IDENTITIES, ids)
+
+
+def batches_run(child: Child, model: str) -> float:
+    """How many batches of `model` this scheduler has dispatched (/metrics)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{child.metrics_port}/metrics") as page:
+        text = page.read().decode()
+    prefix = f'stageserve_scheduler_batch_size_count{{model="{model}",'
+    lines = [line for line in text.splitlines() if line.startswith(prefix)]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+def test_a_stalled_scheduler_loses_its_models_and_is_fenced_when_it_resumes(
+    shards: Shards,
+) -> None:
+    client = grpcclient.InferenceServerClient(shards.url)
+    assert send_acc(client, 1, 91, start=True) == 1
+    victim = shards.child(shards.owners()["acc"])
+    ids = [c.name for c in shards.schedulers]
+    mine = [m for m, s in assign(IDENTITIES, ids).items() if s == victim.name]
+    assert mine, ids
+    model = mine[0]
+    infer_identity(client, model, 1.0)
+    assert shards.owners()[model] == victim.name
+    ran_before = batches_run(victim, model)
+
+    victim.proc.send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        # Sent at once, while the map still names the stalled owner: it waits
+        # in that scheduler's stream.
+        held: list[object] = []
+
+        def send_held() -> None:
+            try:
+                infer_identity(grpcclient.InferenceServerClient(shards.url), model, 7.0)
+                held.append("ok")
+            except (InferenceServerException, AssertionError) as exc:
+                held.append(exc)
+
+        holder = threading.Thread(target=send_held)
+        holder.start()
+        # New requests reach the other scheduler once the lease ran out.
+        served_s = None
+        while time.monotonic() - stopped < 10:
+            try:
+                infer_identity(client, model, 2.0, timeout_s=0.5)  # routed to the stalled one: none
+                served_s = time.monotonic() - stopped
+                break
+            except InferenceServerException:
+                pass
+        assert served_s is not None and served_s < 5.0, served_s
+        assert shards.owners()[model] != victim.name
+        assert victim.name not in shards.live()
+        assert send_acc(client, 10, 91) == 11  # the sequence goes on, state from Redis
+        assert not held  # still waiting on the stalled scheduler
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    holder.join(30)
+    # Resumed, it found the map moved on: it refused what it held (NOT_OWNER),
+    # the gateway resent it to the new owner, and it ran no batch of the model.
+    assert held == ["ok"], held
+    assert batches_run(victim, model) == ran_before
+    assert send_acc(client, 100, 91, end=True) == 111
+    assert wait_until(lambda: victim.name in shards.live(), timeout_s=5)
+    # Back in the map, it gets its share back.
+    assert wait_until(lambda: shards.owners()[model] == assign([model], ids)[model], timeout_s=5)
+    infer_identity(client, model, 3.0)
 
 
 def test_a_killed_scheduler_s_sequence_continues_on_a_survivor(shards: Shards) -> None:

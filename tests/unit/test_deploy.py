@@ -250,6 +250,10 @@ def _compose_json(tmp_path: Path, edit) -> Path:
         (lambda s: s["gateway-extra"]["command"].__setitem__(8, "8002"), "--metrics-port 0"),
         (lambda s: s["gateway-extra"].pop("deploy"), "deploy.replicas"),
         (lambda s: s["gateway-extra"].__setitem__("ports", ["8001:8001"]), "publish no ports"),
+        (lambda s: s["scheduler"].pop("deploy"), "STAGESERVE_SCHEDULERS"),
+        (lambda s: s["scheduler"].__setitem__("container_name", "s"), "no container_name"),
+        (lambda s: s["scheduler"]["command"].extend(["--scheduler-id", "s"]), "--scheduler-id"),
+        (lambda s: s["scheduler"]["command"].extend(["--advertise", "s:9001"]), "--advertise"),
     ],
 )
 def test_compose_checker_catches(tmp_path, edit, message):
@@ -340,6 +344,7 @@ def test_k8s_checker_catches(tmp_path, monkeypatch, file, edit, message):
     ("replicas", "message"),
     [
         ([], "no replicas count for the gateway"),
+        ([{"name": "gateway", "count": 1}], "no replicas count for the scheduler"),
         ([{"name": "gateway", "count": 9}], "outside its HorizontalPodAutoscaler's 1..8"),
         ([{"name": "gateway", "count": 1}, {"name": "nope", "count": 1}], "not a Deployment"),
         ([{"name": "gateway", "count": 0}], "a count >= 1"),
@@ -354,6 +359,24 @@ def test_k8s_replica_counts_are_checked(tmp_path, monkeypatch, replicas, message
     )
     errors = checks.check_k8s_replicas()
     assert any(message in e for e in errors), errors
+
+
+def test_compose_and_k8s_take_the_scheduler_count():
+    services = checks.load_compose()["services"]
+    assert int(services["scheduler"]["deploy"]["replicas"]) == 1  # STAGESERVE_SCHEDULERS unset
+    (kust,) = checks.load_yaml_docs(checks.K8S_DIR / "kustomization.yaml")
+    assert {"name": "scheduler", "count": 1} in kust["replicas"]
+    assert checks.check_k8s_replicas() == []
+
+
+def test_k8s_scheduler_pods_advertise_their_own_address(tmp_path, monkeypatch):
+    def edit(docs: list[dict]) -> None:
+        args = docs[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+        args[args.index("--advertise") + 1] = "scheduler:9001"
+
+    _k8s_copy(tmp_path, monkeypatch, "scheduler.yaml", edit)
+    errors = checks.check_k8s_replicas()
+    assert any("--advertise $(POD_IP)" in e for e in errors), errors
 
 
 def test_compose_runs_extra_gateways_on_the_gateways_ports():

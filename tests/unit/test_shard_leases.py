@@ -111,6 +111,69 @@ def test_a_dead_schedulers_models_go_to_the_survivor_after_its_lease(redis_url) 
     run(redis_url, body)
 
 
+def test_the_view_drops_a_lapsed_lease_with_no_survivor_pruning_it(redis_url) -> None:
+    """No heartbeat prunes b (a is not ticking either), so the map's version
+    never moves: the following view still stops routing to b once b's lease
+    ran out (within lease + one poll), and a's models still route to a."""
+
+    async def body(r, member, view: ShardView, drained) -> None:
+        a, b = member("a"), member("b", SHORT_LEASE_MS)
+        for step in (a, b, a):
+            await step.tick()
+        await asyncio.gather(*a._moves)
+        await b.tick()
+        b_share = sorted(b.owned)
+        follower = ShardView(r, poll_s=0.1)
+        try:
+            await follower.refresh()
+            follower.start()
+            assert {follower.route(m) for m in b_share} == {"b:1"}
+            version = int(await r.get(keys.SHARD_VERSION))
+            loop = asyncio.get_running_loop()
+            lapsed = loop.time() + SHORT_LEASE_MS / 1000
+            while follower.route(b_share[0]) == "b:1" and loop.time() < lapsed + 2:
+                await asyncio.sleep(0.02)
+            assert loop.time() < lapsed + 0.5  # within one poll (and a load margin)
+            assert {follower.route(m) for m in b_share} == {"a:1"}
+            assert int(await r.get(keys.SHARD_VERSION)) == version  # nothing pruned b
+        finally:
+            await follower.close()
+
+    run(redis_url, body)
+
+
+def test_a_stalled_scheduler_is_fenced_once_its_lease_lapsed(redis_url) -> None:
+    """b stalls past its lease (no tick), a takes its models; b's fence says
+    its lease is stale, and confirming re-reads the map: b owns nothing, and
+    each model it lost is reported once (its queue is refused)."""
+
+    async def body(r, member, view, drained) -> None:
+        a, b = member("a"), member("b", SHORT_LEASE_MS)
+        lost: list[str] = []
+        b.on_lost = lost.append
+        for step in (a, b, a):
+            await step.tick()
+        await asyncio.gather(*a._moves)
+        await b.tick()
+        b_share = set(b.owned)
+        assert b_share and b.fresh()
+        assert await b.confirm(sorted(b_share)[0])  # fresh: no Redis needed
+        await asyncio.sleep(SHORT_LEASE_MS / 1000 + 0.05)  # b stalls
+        assert not b.fresh()
+        await a.tick()  # prunes b, takes its models
+        assert await owners(r) == {m: "a" for m in MODELS}
+        results = await asyncio.gather(*(b.confirm(m) for m in sorted(b_share)))
+        assert not any(results)  # no batch of a lost model runs on b
+        assert b.fresh() and not b.owned
+        assert sorted(lost) == sorted(b_share)
+        await a.tick()  # b is live again: a hands b its share back, as on a join
+        await asyncio.gather(*a._moves)
+        await b.tick()
+        assert b.owned == b_share
+
+    run(redis_url, body)
+
+
 def test_a_leaving_scheduler_hands_everything_over_and_the_view_sees_the_move(
     redis_url,
 ) -> None:

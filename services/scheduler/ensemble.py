@@ -15,6 +15,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+from services.scheduler.ensemble_spans import start_step_span
 from stageserve.config import EnsembleStep, ModelSpec
 from stageserve.errors import StageError, internal, invalid
 from stageserve.generated import stageserve_pb2 as pb
@@ -125,10 +126,13 @@ async def _run_step(
             pb.Tensor(name=model_in, datatype=t.datatype, shape=t.shape, raw=t.raw)
         )
     start = time.monotonic_ns()
+    span = await start_step_span(msg, request, start) if msg.traceparent else None
     try:
         resp = await submit(request)
     except StageError as err:
         resp = _error(request, err)
+    if span is not None:
+        span.end(time.monotonic_ns(), resp)
     stat = pb.StepStat(
         model=step.model,
         version=request.version,

@@ -182,6 +182,7 @@ class DataPlane:
             validated = validate_infer(request, spec, self._read_shared, raw_contents)
             if trace is not None:
                 trace.validated(start, time.monotonic_ns())
+                trace.inputs(validated.inputs)
             for name, ref in validated.shared_outputs.items():
                 held[name] = self.shm.acquire(ref.region)
                 held[name].check(ref.offset, ref.byte_size)  # Triton checks before running
@@ -221,6 +222,8 @@ class DataPlane:
             self._record_steps(resp)
             if resp.failure:
                 raise StageError.of(resp.failure, resp.message)
+            if trace is not None:
+                trace.outputs(resp.outputs)
             out = _response(entry.name, version, request.id, resp.outputs, held, validated)
         except StageError as err:
             # A request refused before scheduling (invalid) is no failure in

@@ -8,20 +8,37 @@ scheduler returns (its Timing, filled for a request with a traceparent)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from services.gateway.trace_file import TraceFile, trace_records
+from services.gateway.trace_tensors import (
+    BACKEND_OUTPUT,
+    QUEUE_INPUT,
+    tensor_events,
+    tensor_records,
+)
 from stageserve.generated import stageserve_pb2 as pb
-from stageserve.trace_spans import Parent, SpanEmitter, parse_traceparent
+from stageserve.trace_spans import Parent, SpanEmitter, parse_traceparent, wall_ns
+
+TENSORS = "TENSORS"
 
 
 class RequestTrace:
-    __slots__ = ("emitter", "root", "context")
+    __slots__ = ("emitter", "root", "context", "tensors")
 
     def __init__(
-        self, emitter: SpanEmitter, model: str, version: int, client: str, start_ns: int
+        self,
+        emitter: SpanEmitter,
+        model: str,
+        version: int,
+        client: str,
+        start_ns: int,
+        level: Sequence[str] = ("TIMESTAMPS",),
     ) -> None:
         self.emitter = emitter
+        self.tensors = TENSORS in level
         attributes = {"triton.model_name": model, "triton.model_version": version}
         parent = parse_traceparent(client) if client else None
         self.root: Any
@@ -36,16 +53,48 @@ class RequestTrace:
     def validated(self, start_ns: int, end_ns: int) -> None:
         self.emitter.span("validation", self.context, start_ns, end_ns)
 
+    def inputs(self, tensors: Iterable[pb.Tensor]) -> None:
+        """Level TENSORS: the request's inputs, events of its span."""
+        if self.tensors:
+            self._events(QUEUE_INPUT, tensors)
+
+    def outputs(self, tensors: Iterable[pb.Tensor]) -> None:
+        """Level TENSORS: the model's outputs, events of the request's span."""
+        if self.tensors:
+            self._events(BACKEND_OUTPUT, tensors)
+
+    def _events(self, activity: str, tensors: Iterable[pb.Tensor]) -> None:
+        at = wall_ns(time.monotonic_ns())
+        for name, attributes in tensor_events(activity, tensors):
+            self.root.add_event(name, attributes, timestamp=at)
+
     def end(self, end_ns: int, error: str = "", timing: pb.Timing | None = None) -> None:
         self.emitter.end(self.root, end_ns, error)
 
 
 class FileRequestTrace:
-    __slots__ = ("file", "trace_id", "model", "version", "request_id", "start_ns")
+    __slots__ = (
+        "file",
+        "trace_id",
+        "model",
+        "version",
+        "request_id",
+        "start_ns",
+        "level",
+        "tensors",
+    )
 
     def __init__(
-        self, file: TraceFile, model: str, version: int, request_id: str, start_ns: int
+        self,
+        file: TraceFile,
+        model: str,
+        version: int,
+        request_id: str,
+        start_ns: int,
+        level: Sequence[str] = ("TIMESTAMPS",),
     ) -> None:
+        self.level = tuple(level)
+        self.tensors: list[dict[str, Any]] | None = [] if TENSORS in level else None
         self.file = file
         self.trace_id = file.next_id
         file.next_id += 1
@@ -61,6 +110,16 @@ class FileRequestTrace:
     def validated(self, start_ns: int, end_ns: int) -> None:
         """Triton's file has no validation timestamp."""
 
+    def inputs(self, tensors: Iterable[pb.Tensor]) -> None:
+        """Level TENSORS: the request's inputs (TENSOR_QUEUE_INPUT)."""
+        if self.tensors is not None:
+            self.tensors += tensor_records(self.trace_id, QUEUE_INPUT, tensors)
+
+    def outputs(self, tensors: Iterable[pb.Tensor]) -> None:
+        """Level TENSORS: the model's outputs (TENSOR_BACKEND_OUTPUT)."""
+        if self.tensors is not None:
+            self.tensors += tensor_records(self.trace_id, BACKEND_OUTPUT, tensors)
+
     def end(self, end_ns: int, error: str = "", timing: pb.Timing | None = None) -> None:
         self.file.add(
             trace_records(
@@ -71,5 +130,7 @@ class FileRequestTrace:
                 self.start_ns,
                 end_ns,
                 timing,
+                self.tensors,
+                "TIMESTAMPS" in self.level,
             )
         )

@@ -34,8 +34,14 @@ def trace_records(
     start_ns: int,
     end_ns: int,
     timing: pb.Timing | None,
+    tensors: list[dict[str, Any]] | None = None,
+    timestamps: bool = True,
 ) -> list[dict[str, Any]]:
-    """One trace's entries, in Triton's order and shape."""
+    """One trace's entries, in Triton's order and shape: `tensors` (level
+    TENSORS: trace_tensors.py's records) after QUEUE_START, where Triton
+    writes them; `timestamps` False (TENSORS alone): only those, as Triton."""
+    if not timestamps:
+        return list(tensors or ())
     head: dict[str, Any] = {"id": trace_id, "model_name": model, "model_version": version}
     if request_id:
         head["request_id"] = request_id
@@ -52,7 +58,11 @@ def trace_records(
             ("COMPUTE_END", timing.execute_end_ns),
         ]
     stamps.append(("REQUEST_END", end_ns))
-    return [head] + [{"id": trace_id, "timestamps": [{"name": n, "ns": ns}]} for n, ns in stamps]
+    entries = [{"id": trace_id, "timestamps": [{"name": n, "ns": ns}]} for n, ns in stamps]
+    if tensors:
+        at = 2 if len(stamps) > 2 else 1  # after QUEUE_START, else REQUEST_START
+        entries[at:at] = tensors
+    return [head, *entries]
 
 
 class TraceFile:

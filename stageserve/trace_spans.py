@@ -190,9 +190,12 @@ class StageSpans:
         self.service = service
         self.redis = redis
         self._emitter: SpanEmitter | None = None
+        self._triton_mode = False  # the stack traces to a file: this stage emits nothing
         self._pending: set[asyncio.Task] = set()
 
     async def emitter(self) -> SpanEmitter | None:
+        if self._triton_mode:
+            return None
         if self._emitter is None:
             from stageserve.trace_store import TraceStore
 
@@ -201,7 +204,10 @@ class StageSpans:
             except Exception as exc:  # Redis away: this request's spans are lost
                 log.warning("trace settings unavailable", extra={"error": repr(exc)})
                 return None
-            if state is None or state.config.mode != MODE_OPENTELEMETRY:
+            if state is None:
+                return None
+            if state.config.mode != MODE_OPENTELEMETRY:  # fixed at the stack's start
+                self._triton_mode = True
                 return None  # triton mode: the gateway writes the trace file
             self._emitter = SpanEmitter(self.service, state.config)
         return self._emitter

@@ -220,10 +220,10 @@ class DataPlane:
                 stream.final(resp)
             timing = resp.timing
             self._record_steps(resp)
+            if trace is not None:
+                trace.answered(resp)
             if resp.failure:
                 raise StageError.of(resp.failure, resp.message)
-            if trace is not None:
-                trace.outputs(resp.outputs)
             out = _response(entry.name, version, request.id, resp.outputs, held, validated)
         except StageError as err:
             # A request refused before scheduling (invalid) is no failure in

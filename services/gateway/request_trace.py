@@ -58,10 +58,11 @@ class RequestTrace:
         if self.tensors:
             self._events(QUEUE_INPUT, tensors)
 
-    def outputs(self, tensors: Iterable[pb.Tensor]) -> None:
-        """Level TENSORS: the model's outputs, events of the request's span."""
-        if self.tensors:
-            self._events(BACKEND_OUTPUT, tensors)
+    def answered(self, resp: pb.ScheduleResponse) -> None:
+        """Level TENSORS: the model's outputs, events of the request's span
+        (an ensemble's steps emitted their own spans at the scheduler)."""
+        if self.tensors and not resp.failure:
+            self._events(BACKEND_OUTPUT, resp.outputs)
 
     def _events(self, activity: str, tensors: Iterable[pb.Tensor]) -> None:
         at = wall_ns(time.monotonic_ns())
@@ -82,6 +83,7 @@ class FileRequestTrace:
         "start_ns",
         "level",
         "tensors",
+        "steps",
     )
 
     def __init__(
@@ -95,6 +97,7 @@ class FileRequestTrace:
     ) -> None:
         self.level = tuple(level)
         self.tensors: list[dict[str, Any]] | None = [] if TENSORS in level else None
+        self.steps: Sequence[pb.StepStat] = ()
         self.file = file
         self.trace_id = file.next_id
         file.next_id += 1
@@ -115,22 +118,41 @@ class FileRequestTrace:
         if self.tensors is not None:
             self.tensors += tensor_records(self.trace_id, QUEUE_INPUT, tensors)
 
-    def outputs(self, tensors: Iterable[pb.Tensor]) -> None:
-        """Level TENSORS: the model's outputs (TENSOR_BACKEND_OUTPUT)."""
-        if self.tensors is not None:
-            self.tensors += tensor_records(self.trace_id, BACKEND_OUTPUT, tensors)
+    def answered(self, resp: pb.ScheduleResponse) -> None:
+        """Level TENSORS: the model's outputs (TENSOR_BACKEND_OUTPUT); an
+        ensemble's traced steps, each its own trace in the file."""
+        if self.tensors is not None and not resp.failure:
+            self.tensors += tensor_records(self.trace_id, BACKEND_OUTPUT, resp.outputs)
+        self.steps = [st for st in resp.steps if st.start_ns]
 
     def end(self, end_ns: int, error: str = "", timing: pb.Timing | None = None) -> None:
-        self.file.add(
-            trace_records(
-                self.trace_id,
-                self.model,
-                self.version,
+        """The trace's entries, an ensemble's composing requests' first (each
+        under a trace id of its own, with the ensemble's as parent_id, as
+        Triton writes them), all counted as one trace."""
+        timestamps = "TIMESTAMPS" in self.level
+        records = []
+        for st in self.steps if timestamps else ():
+            step_id = self.file.next_id
+            self.file.next_id += 1
+            records += trace_records(
+                step_id,
+                st.model,
+                st.version,
                 self.request_id,
-                self.start_ns,
-                end_ns,
-                timing,
-                self.tensors,
-                "TIMESTAMPS" in self.level,
+                st.start_ns,
+                st.start_ns + st.duration_ns,
+                st.timing,
+                parent_id=self.trace_id,
             )
+        records += trace_records(
+            self.trace_id,
+            self.model,
+            self.version,
+            self.request_id,
+            self.start_ns,
+            end_ns,
+            timing,
+            self.tensors,
+            timestamps,
         )
+        self.file.add(records)

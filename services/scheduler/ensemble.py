@@ -98,6 +98,8 @@ async def run_ensemble(
     timing = pb.Timing(
         compute_infer_ns=duration, batch_size=max(msg.batch_size, 1), batch_leader=True
     )
+    if msg.traceparent:  # queued (its steps ran), no execution of its own: Triton's stamps
+        timing.enqueue_ns = start
     return pb.ScheduleResponse(id=msg.id, outputs=outputs, timing=timing, steps=stats)
 
 
@@ -126,7 +128,11 @@ async def _run_step(
             pb.Tensor(name=model_in, datatype=t.datatype, shape=t.shape, raw=t.raw)
         )
     start = time.monotonic_ns()
-    span = await start_step_span(msg, request, start) if msg.traceparent else None
+    span = None
+    if msg.traceparent:
+        span = await start_step_span(msg, request, start)
+        if span is None:  # triton mode: the step's times come back in its Timing
+            request.traceparent = msg.traceparent
     try:
         resp = await submit(request)
     except StageError as err:
@@ -141,6 +147,7 @@ async def _run_step(
         duration_ns=time.monotonic_ns() - start,
         failure=resp.failure,
         message=resp.message,
+        start_ns=start if msg.traceparent else 0,
     )
     return resp, [*resp.steps, stat]
 

@@ -82,7 +82,7 @@ def test_opentelemetry_mode_records_tensors_as_span_events() -> None:
     for level, events in ((("TIMESTAMPS",), 0), (("TIMESTAMPS", "TENSORS"), 2)):
         trace = RequestTrace(emitter, "m", 1, "", 10, level)
         trace.inputs([t])
-        trace.outputs([t])
+        trace.answered(pb.ScheduleResponse(outputs=[t]))
         trace.end(20)
         emitter.provider.force_flush()
         (span,) = exporter.get_finished_spans()

@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -174,6 +175,21 @@ def test_requeued_batch_exports_both_execute_attempts_and_its_batch_spans(spans)
 class Histogram:
     def observe(self, _value: float) -> None:
         pass
+
+
+def test_a_worker_lost_mid_batch_ends_the_execute_span_with_the_error(spans) -> None:
+    q = Queued(_msg(1, _traceparent(0xA2)), lambda _r: None, 1_000)
+    lost = WorkerCallError(grpc.StatusCode.UNAVAILABLE, "stream closed")
+    answers: list[pb.ScheduleResponse] = []
+    workers: Any = Worker(lost)
+    run = BatchRun(
+        "m", workers, None, lambda _q, r: answers.append(r), lambda _b: False, Histogram()
+    )
+    asyncio.run(run.run(_spec(), [q], GRANT, RunState(), lambda: None, 1_000))
+    assert answers[0].failure == pb.STAGE_UNAVAILABLE  # no other instance re-runs it
+    (execute,) = [s for s in _finished(spans) if s.name == "execute"]
+    assert execute.status.status_code is StatusCode.ERROR
+    assert execute.status.description == "stream closed"
 
 
 # ------------------------------------------------------------ grants

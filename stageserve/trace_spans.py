@@ -1,7 +1,8 @@
 """OpenTelemetry spans of traced requests, each emitted by the stage that did
 the work, all under one trace: the gateway's root span ("InferRequest", under
 the client's W3C traceparent when it sent one) and validation, the
-scheduler's queue wait and batch execution, the worker's compute input /
+scheduler's queue wait, batch formation and execution (and an ensemble's
+composing requests), the rate limiter's grant, the worker's compute input /
 infer / output. A stage learns its parent from the `traceparent` carried in
 the internal messages (stageserve.proto) and passes its own span's on.
 

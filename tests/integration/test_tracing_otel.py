@@ -36,6 +36,16 @@ class Span:
     parent_id: str
     start_ns: int
     end_ns: int
+    events: tuple[tuple[str, str], ...] = ()  # (name, tensor name) each
+
+
+def _events(span) -> tuple[tuple[str, str], ...]:
+    """A span's events as (name, its triton.tensor.name attribute)."""
+    out = []
+    for e in span.events:
+        attrs = {a.key: a.value.string_value for a in e.attributes}
+        out.append((e.name, attrs.get("triton.tensor.name", "")))
+    return tuple(out)
 
 
 class Receiver(tsg.TraceServiceServicer):
@@ -62,6 +72,7 @@ class Receiver(tsg.TraceServiceServicer):
                             s.parent_span_id.hex(),
                             s.start_time_unix_nano,
                             s.end_time_unix_nano,
+                            _events(s),
                         )
                     )
         with self.changed:
@@ -217,3 +228,20 @@ def test_ensemble_trace_holds_each_composing_request(
         assert spans[name].parent_id == step.span_id
     assert spans["compute"].parent_id == spans["execute"].span_id
     assert ensemble.start_ns <= step.start_ns <= step.end_ns <= ensemble.end_ns
+
+
+def test_tensors_level_adds_tensor_events_to_the_request_span(
+    traced_stack: RunningStack, receiver: tuple[Receiver, int]
+) -> None:
+    trace_id = "7" * 32
+    with traced_stack.client() as c:
+        c.update_trace_settings("identity", {"trace_level": ["TIMESTAMPS", "TENSORS"]})
+        try:
+            c.infer("identity", [_input()], headers={"traceparent": f"00-{trace_id}-{'8' * 16}-01"})
+        finally:
+            c.update_trace_settings("identity", {"trace_level": None})
+    root = receiver[0].trace(trace_id, {"InferRequest"})["InferRequest"]
+    assert root.events == (
+        ("TENSOR_QUEUE_INPUT", "INPUT0"),
+        ("TENSOR_BACKEND_OUTPUT", "OUTPUT0"),
+    )

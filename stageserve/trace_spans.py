@@ -1,14 +1,15 @@
 """OpenTelemetry spans of traced requests, each emitted by the stage that did
 the work, all under one trace: the gateway's root span ("InferRequest", under
 the client's W3C traceparent when it sent one) and validation, the
-scheduler's queue wait and batch execution, the worker's compute input /
+scheduler's queue wait, batch formation and execution (and an ensemble's
+composing requests), the rate limiter's grant, the worker's compute input /
 infer / output. A stage learns its parent from the `traceparent` carried in
 the internal messages (stageserve.proto) and passes its own span's on.
 
-Spans go over OTLP/gRPC to the collector `--trace-config
-opentelemetry,url=<host:port>` names (Triton's own exporter speaks OTLP/HTTP
-to a /v1/traces URL; an http:// URL given here is used as the collector's
-address without its path), with the resource attributes of
+Spans go over OTLP to the collector `--trace-config opentelemetry,url=`
+names: OTLP/HTTP for an http(s):// URL or one with a path (Triton's form,
+`localhost:4318/v1/traces`), OTLP/gRPC for a bare `host:port` or
+`grpc://host:port` (otlp_target), with the resource attributes of
 `opentelemetry,resource=<key>=<value>` and the stage's service.name. The
 stages read that configuration from the stack's Redis the first time they
 see a traced request: an untraced one costs nothing here.
@@ -25,7 +26,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
 
 from stageserve.tracing import MODE_OPENTELEMETRY, TraceConfig
 
@@ -62,12 +62,44 @@ def parse_traceparent(text: str) -> Parent | None:
     return Parent(trace_id, span_id)
 
 
-def collector_endpoint(url: str) -> str:
-    """host:port of the OTLP/gRPC collector from Triton's url option."""
-    if "://" in url:
-        parsed = urlparse(url)
-        return parsed.netloc
-    return url.split("/", 1)[0]
+OTLP_HTTP, OTLP_GRPC = "http", "grpc"
+
+
+def otlp_target(url: str) -> tuple[str, str]:
+    """Which OTLP transport `--trace-config opentelemetry,url=` names, and
+    where to: an http:// or https:// URL is OTLP/HTTP, posted to that URL as
+    it is (Triton's exporter); so is a URL without a scheme that has a path,
+    as Triton's default `localhost:4318/v1/traces` (http:// is assumed). A
+    bare `host:port`, or `grpc://host:port`, is OTLP/gRPC to that address
+    (the collector's 4317 port)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    scheme = scheme.lower()
+    if scheme in ("http", "https"):
+        return OTLP_HTTP, url
+    if scheme == "grpc":
+        return OTLP_GRPC, rest.split("/", 1)[0]
+    if scheme:
+        raise ValueError(f"OTLP url {url!r}: the scheme must be http, https or grpc")
+    address, slash, path = rest.partition("/")
+    if slash and path:
+        return OTLP_HTTP, f"http://{rest}"
+    return OTLP_GRPC, address
+
+
+def span_exporter(url: str) -> Any:
+    """The OTLP exporter `url` names (otlp_target)."""
+    transport, target = otlp_target(url)
+    if transport == OTLP_HTTP:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter as HttpExporter,
+        )
+
+        return HttpExporter(endpoint=target)
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=target, insecure=True)
 
 
 class SpanEmitter:
@@ -75,8 +107,9 @@ class SpanEmitter:
     OpenTelemetry is imported here, by the first traced request: a stage
     that never traces does not load it."""
 
-    def __init__(self, service: str, config: TraceConfig) -> None:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    def __init__(self, service: str, config: TraceConfig, exporter: Any = None) -> None:
+        """`exporter`: where spans go (an OpenTelemetry SpanExporter); by
+        default OTLP to the configured url (span_exporter)."""
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -87,7 +120,8 @@ class SpanEmitter:
         delay_ms = int((options.get("bsp_schedule_delay") or ("5000",))[0])
         queue = int((options.get("bsp_max_queue_size") or ("2048",))[0])
         batch = int((options.get("bsp_max_export_batch_size") or ("512",))[0])
-        exporter = OTLPSpanExporter(endpoint=collector_endpoint(config.url()), insecure=True)
+        if exporter is None:
+            exporter = span_exporter(config.url())
         self.provider.add_span_processor(
             BatchSpanProcessor(
                 exporter,
@@ -157,9 +191,12 @@ class StageSpans:
         self.service = service
         self.redis = redis
         self._emitter: SpanEmitter | None = None
+        self._triton_mode = False  # the stack traces to a file: this stage emits nothing
         self._pending: set[asyncio.Task] = set()
 
     async def emitter(self) -> SpanEmitter | None:
+        if self._triton_mode:
+            return None
         if self._emitter is None:
             from stageserve.trace_store import TraceStore
 
@@ -168,7 +205,10 @@ class StageSpans:
             except Exception as exc:  # Redis away: this request's spans are lost
                 log.warning("trace settings unavailable", extra={"error": repr(exc)})
                 return None
-            if state is None or state.config.mode != MODE_OPENTELEMETRY:
+            if state is None:
+                return None
+            if state.config.mode != MODE_OPENTELEMETRY:  # fixed at the stack's start
+                self._triton_mode = True
                 return None  # triton mode: the gateway writes the trace file
             self._emitter = SpanEmitter(self.service, state.config)
         return self._emitter

@@ -132,6 +132,12 @@ def parse_trace_config(args: Sequence[str]) -> TraceConfig:
         if section not in ("", MODE_TRITON, MODE_OPENTELEMETRY):
             raise TraceConfigError(f"--trace-config: unknown trace mode {section!r}")
         if section == MODE_OPENTELEMETRY:
+            scheme, sep, _ = value.partition("://")
+            if key == "url" and sep and scheme.lower() not in ("http", "https", "grpc"):
+                raise TraceConfigError(
+                    f"--trace-config: the OTLP url's scheme must be http, https or grpc, "
+                    f"got {value!r}"
+                )
             options.setdefault(key, []).append(value)
             continue
         if key not in _GLOBAL_KEYS:

@@ -182,6 +182,7 @@ class DataPlane:
             validated = validate_infer(request, spec, self._read_shared, raw_contents)
             if trace is not None:
                 trace.validated(start, time.monotonic_ns())
+                trace.inputs(validated.inputs)
             for name, ref in validated.shared_outputs.items():
                 held[name] = self.shm.acquire(ref.region)
                 held[name].check(ref.offset, ref.byte_size)  # Triton checks before running
@@ -219,6 +220,8 @@ class DataPlane:
                 stream.final(resp)
             timing = resp.timing
             self._record_steps(resp)
+            if trace is not None:
+                trace.answered(resp)
             if resp.failure:
                 if resp.model_error:  # the model answered: a success in Triton's statistics
                     scheduled = False

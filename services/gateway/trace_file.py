@@ -34,13 +34,26 @@ def trace_records(
     start_ns: int,
     end_ns: int,
     timing: pb.Timing | None,
+    tensors: list[dict[str, Any]] | None = None,
+    timestamps: bool = True,
+    parent_id: int = 0,
 ) -> list[dict[str, Any]]:
-    """One trace's entries, in Triton's order and shape."""
+    """One trace's entries, in Triton's order and shape: `tensors` (level
+    TENSORS: trace_tensors.py's records) after QUEUE_START, where Triton
+    writes them; `timestamps` False (TENSORS alone): only those, as Triton.
+    `parent_id`: an ensemble's composing request, the ensemble's trace id.
+    A Timing without execute_end_ns (an ensemble's own) has QUEUE_START only."""
+    if not timestamps:
+        return list(tensors or ())
     head: dict[str, Any] = {"id": trace_id, "model_name": model, "model_version": version}
     if request_id:
         head["request_id"] = request_id
+    if parent_id:
+        head["parent_id"] = parent_id
     stamps = [("REQUEST_START", start_ns)]
-    if timing is not None and timing.enqueue_ns:
+    if timing is not None and timing.enqueue_ns and not timing.execute_end_ns:
+        stamps.append(("QUEUE_START", timing.enqueue_ns))
+    elif timing is not None and timing.enqueue_ns:
         compute_start = timing.enqueue_ns + timing.queue_ns
         output_start = timing.execute_end_ns - timing.compute_output_ns
         input_end = output_start - timing.compute_infer_ns
@@ -52,7 +65,11 @@ def trace_records(
             ("COMPUTE_END", timing.execute_end_ns),
         ]
     stamps.append(("REQUEST_END", end_ns))
-    return [head] + [{"id": trace_id, "timestamps": [{"name": n, "ns": ns}]} for n, ns in stamps]
+    entries = [{"id": trace_id, "timestamps": [{"name": n, "ns": ns}]} for n, ns in stamps]
+    if tensors:
+        at = 2 if len(stamps) > 2 else 1  # after QUEUE_START, else REQUEST_START
+        entries[at:at] = tensors
+    return [head, *entries]
 
 
 class TraceFile:

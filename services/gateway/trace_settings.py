@@ -98,10 +98,12 @@ class TraceSettings:
                 if file is not None:
                     file.close()
                 file = self._files[values.file] = TraceFile(values.file, values.log_frequency)
-            return FileRequestTrace(file, model, version, request_id, start_ns)
+            return FileRequestTrace(file, model, version, request_id, start_ns, values.level)
         if self._emitter is None:
             self._emitter = SpanEmitter("gateway", self.state.config)
-        return RequestTrace(self._emitter, model, version, client_traceparent, start_ns)
+        return RequestTrace(
+            self._emitter, model, version, client_traceparent, start_ns, setting.values.level
+        )
 
     async def sample(self, model: str) -> Setting | None:
         """The setting this request is traced under, or None (only called

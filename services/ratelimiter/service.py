@@ -169,10 +169,10 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
         lease_ms = request.lease_ms or self.settings.default_grant_lease_ms
         started = time.monotonic()
         deadline = started + request.wait_ms / 1000.0
-        start_ns = time.monotonic_ns() if request.traceparent else 0
+        start_ns = time.monotonic_ns() if request.traceparents else 0
         resp = await self._acquire(model, version, lease_ms, deadline)
-        if request.traceparent:
-            await record_grant_span(request, resp, start_ns, time.monotonic_ns())
+        if request.traceparents:
+            await record_grant_spans(request, resp, start_ns, time.monotonic_ns())
         waited = time.monotonic() - started
         RATELIMITER_WAIT.labels(model, str(version)).observe(waited)
         if resp.granted:
@@ -318,21 +318,26 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             await asyncio.sleep(period_s)
 
 
-async def record_grant_span(
+async def record_grant_spans(
     request: pb.AcquireRequest, resp: pb.AcquireResponse, start_ns: int, end_ns: int
 ) -> None:
-    """The "grant" span of an acquire a traced request waits for: from the
-    acquire's arrival to its answer, under the request's gateway span."""
-    parent = trace_spans.parse_traceparent(request.traceparent)
+    """A "grant" span per traced request waiting for this acquire, granted at
+    once or after a wait alike: from the acquire's arrival to its answer,
+    under the request's gateway span."""
+    parents = [p for p in map(trace_spans.parse_traceparent, request.traceparents) if p]
     stage = trace_spans.STAGE
-    emitter = await stage.emitter() if stage is not None and parent is not None else None
+    emitter = await stage.emitter() if stage is not None and parents else None
     if emitter is None:
         return
-    attributes = {"stageserve.granted": resp.granted, "stageserve.model": request.model}
+    attributes: dict[str, str | bool] = {
+        "stageserve.granted": resp.granted,
+        "stageserve.model": request.model,
+    }
     if resp.granted:
         attributes["stageserve.instance"] = resp.instance.instance_id
-    span, _ = emitter.start("grant", parent, start_ns, attributes)
-    emitter.end(span, end_ns, "" if resp.granted else resp.reason)
+    for parent in parents:
+        span, _ = emitter.start("grant", parent, start_ns, attributes)
+        emitter.end(span, end_ns, "" if resp.granted else resp.reason)
 
 
 async def serve(listen: str, redis_url: str, settings: Settings) -> None:

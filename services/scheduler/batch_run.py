@@ -83,10 +83,12 @@ class BatchRun:
         grant: Granted,
         state: RunState,
         give_back: Callable[[], None],
+        formed_ns: int = 0,
     ) -> None:
         """Execute `batch` on `grant`'s instance and answer it. `give_back`
         returns the grant early (a decoupled batch whose execute returned);
-        otherwise the queue returns it once this ends."""
+        otherwise the queue returns it once this ends. `formed_ns`: when the
+        strategy picked the batch (traced requests' "batch" span starts)."""
         if log.isEnabledFor(logging.DEBUG):  # Triton's verbose level 1
             extra = {"model": self.model, "size": len(batch), "instance": grant.instance_id}
             log.debug("batch formed", extra=extra)
@@ -134,7 +136,9 @@ class BatchRun:
                 )
             spans = None
             if any(q is not None and q.msg.traceparent for q in rows):
-                spans = await start_batch_spans(rows, request, grant.instance_id, compute_start)
+                spans = await start_batch_spans(
+                    rows, request, grant.instance_id, formed_ns or compute_start
+                )
             try:
                 resp = await self.workers.execute(
                     grant.worker_address, request, decoupled.on_part if decoupled else None

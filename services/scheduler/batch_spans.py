@@ -1,11 +1,19 @@
-"""The scheduler's spans of a batch's traced requests (stageserve/trace_spans.py):
-per traced request, "queue" (enqueued -> its batch starts) and "execute"
-(batch start -> the worker answered), both under the gateway's span the
-request carries; the worker's compute spans go under "execute", whose
-traceparent travels in ExecuteRequest.traceparents."""
+"""The scheduler's spans of a batch's traced requests (stageserve/trace_spans.py),
+per traced request, all under the gateway's span the request carries:
+
+- "queue": enqueued -> the strategy picked it into a batch;
+- "batch": picked -> the batch sent to the worker (building the worker's
+  request, a sequence batch's claim in Redis);
+- "execute": sent -> the worker answered, with the attempt number (a batch
+  whose instance went away runs again elsewhere: each attempt is a span, a
+  failed one ends with the error).
+
+The worker's compute spans go under "execute", whose traceparent travels in
+ExecuteRequest.traceparents."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,14 +35,15 @@ class BatchSpans:
 
 
 async def start_batch_spans(
-    rows: Sequence[Queued | None], request: pb.ExecuteRequest, instance: str, start_ns: int
+    rows: Sequence[Queued | None], request: pb.ExecuteRequest, instance: str, formed_ns: int
 ) -> BatchSpans | None:
-    """Record the queue spans, start the execute spans and fill the request's
-    traceparents; None when spans cannot be emitted (no trace settings)."""
+    """Record the queue and batch spans, start the execute spans and fill the
+    request's traceparents; None when spans cannot be emitted (no trace settings)."""
     stage = trace_spans.STAGE
     emitter = await stage.emitter() if stage is not None else None
     if emitter is None:
         return None
+    sent_ns = time.monotonic_ns()
     total = sum(request.request_batch_sizes)
     live = []
     parents = []
@@ -43,9 +52,12 @@ async def start_batch_spans(
         if q is None or parent is None:
             parents.append("")
             continue
-        attributes = {"stageserve.batch_size": total, "stageserve.instance": instance}
-        emitter.span("queue", parent, q.enqueue_ns, start_ns, {"stageserve.batch_size": total})
-        span, context = emitter.start("execute", parent, start_ns, attributes)
+        size = {"stageserve.batch_size": total}
+        emitter.span("queue", parent, q.enqueue_ns, formed_ns, size)
+        batch = {**size, "stageserve.instance": instance}
+        emitter.span("batch", parent, formed_ns, sent_ns, batch)
+        attributes = {**batch, "stageserve.attempt": q.attempts + 1}
+        span, context = emitter.start("execute", parent, sent_ns, attributes)
         live.append(span)
         parents.append(context.traceparent())
     request.traceparents.extend(parents)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -103,9 +103,12 @@ class RateLimiterClient:
             except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
                 log.warning("grant renewal failed", extra={"error": str(exc)})
 
-    async def acquire(self, model: str, version: int, traceparent: str = "") -> Granted | None:
+    async def acquire(
+        self, model: str, version: int, traceparents: Sequence[str] = ()
+    ) -> Granted | None:
         """A grant, or None when every instance stayed busy for wait_ms;
-        `traceparent`: a traced request waits for it (the rate limiter's span).
+        `traceparents`: the traced requests waiting for it (the rate limiter
+        emits a "grant" span under each).
 
         Raises StageError (UNAVAILABLE) when no instance exists, or the rate
         limiter or its Redis cannot be reached.
@@ -115,8 +118,8 @@ class RateLimiterClient:
                 model=model, version=version, wait_ms=self.wait_ms, lease_ms=self.lease_ms
             )
         )
-        if traceparent:
-            request.acquire.traceparent = traceparent
+        if traceparents:
+            request.acquire.traceparents.extend(traceparents)
         resp = await self._acquire_call(request, self.wait_ms / 1000.0 + 5.0)
         if resp.granted:
             self.held.add(resp.grant_id)

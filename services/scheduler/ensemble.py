@@ -15,6 +15,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+from services.scheduler.ensemble_spans import start_step_span
 from stageserve.config import EnsembleStep, ModelSpec
 from stageserve.errors import StageError, internal, invalid
 from stageserve.generated import stageserve_pb2 as pb
@@ -97,6 +98,8 @@ async def run_ensemble(
     timing = pb.Timing(
         compute_infer_ns=duration, batch_size=max(msg.batch_size, 1), batch_leader=True
     )
+    if msg.traceparent:  # queued (its steps ran), no execution of its own: Triton's stamps
+        timing.enqueue_ns = start
     return pb.ScheduleResponse(id=msg.id, outputs=outputs, timing=timing, steps=stats)
 
 
@@ -125,10 +128,17 @@ async def _run_step(
             pb.Tensor(name=model_in, datatype=t.datatype, shape=t.shape, raw=t.raw)
         )
     start = time.monotonic_ns()
+    span = None
+    if msg.traceparent:
+        span = await start_step_span(msg, request, start)
+        if span is None:  # triton mode: the step's times come back in its Timing
+            request.traceparent = msg.traceparent
     try:
         resp = await submit(request)
     except StageError as err:
         resp = _error(request, err)
+    if span is not None:
+        span.end(time.monotonic_ns(), resp)
     stat = pb.StepStat(
         model=step.model,
         version=request.version,
@@ -138,6 +148,7 @@ async def _run_step(
         failure=resp.failure,
         message=resp.message,
         model_error=resp.model_error,
+        start_ns=start if msg.traceparent else 0,
     )
     return resp, [*resp.steps, stat]
 

@@ -94,7 +94,9 @@ class ModelQueue:
         self._grant_event = asyncio.Event()
         self.grants: GrantPool[Granted] = GrantPool(settings.grant_reuse_s, settings.standby_hold_s)
         self._acquiring: asyncio.Task | None = None
-        self._traced_waiting = ""  # a traced request's traceparent, until a grant is asked
+        # traced requests queued and not yet in a batch: an acquire names them
+        # all (the rate limiter's "grant" span of each); empty when untraced
+        self._traced_waiting: list[Queued] = []
         self._tasks: set[asyncio.Task] = set()
         self._deadline_changed = Wakeup()
         self._order: ResponseOrder[tuple[Respond, pb.ScheduleResponse]] = ResponseOrder()
@@ -143,8 +145,6 @@ class ModelQueue:
         """Queue a request. wake=False: the caller submits more (the rest of an
         incoming message) and calls wake() after the last of them."""
         queued = Queued(msg, respond, time.monotonic_ns())
-        if msg.traceparent:  # the next grant acquired is the one it waits for
-            self._traced_waiting = msg.traceparent
         try:
             has_deadline = self.strategy.add(queued)
         except QueueFull as exc:
@@ -159,6 +159,8 @@ class ModelQueue:
                 )
             )
             return
+        if msg.traceparent:  # it waits for the next grant acquired
+            self._traced_waiting.append(queued)
         if has_deadline:
             self._deadline_changed.set()
         self._depth_changed()
@@ -194,6 +196,8 @@ class ModelQueue:
         rejected = self.strategy.expire(time.monotonic_ns())
         if not rejected:
             return
+        if self._traced_waiting:
+            self._untraced(rejected)
         for q in rejected:
             waited_us = (time.monotonic_ns() - q.enqueue_ns) // 1000
             q.respond(
@@ -251,6 +255,7 @@ class ModelQueue:
 
     def _fail_all(self, err: StageError) -> None:
         failed = self.strategy.drain()
+        self._traced_waiting = []
         for q in failed:
             q.respond(error_response(q.msg.id, err))
         self._depth_changed()
@@ -284,7 +289,7 @@ class ModelQueue:
 
     async def _acquire_into_spare(self) -> None:
         try:
-            traced, self._traced_waiting = self._traced_waiting, ""
+            traced = [q.msg.traceparent for q in self._traced_waiting]
             grant = await self.ratelimiter.acquire(self.model, self.version, traced)
             if grant is not None:
                 self.grants.acquired(grant, time.monotonic())
@@ -346,11 +351,11 @@ class ModelQueue:
                 held = await self._next_grant()
                 if held is None:
                     continue
-                batch = await self._form_batch()
+                batch, formed_ns = await self._form_batch()
                 if not batch:
                     self.grants.put_back(held)
                     continue
-                self._dispatch(batch, held)
+                self._dispatch(batch, held, formed_ns)
             except asyncio.CancelledError:
                 raise
             except Exception:  # keep the loop alive whatever one batch did
@@ -363,37 +368,50 @@ class ModelQueue:
         if held is None:
             return False
         self._expire()
-        batch = self.strategy.next_batch(time.monotonic_ns()).batch
+        formed_ns = time.monotonic_ns()
+        batch = self.strategy.next_batch(formed_ns).batch
         if not batch:
             self.grants.put_back(held)
             return False
         self.grants.busy()
-        self._dispatch(self._formed(batch), held)
+        self._dispatch(self._formed(batch), held, formed_ns)
         return True
 
     def _formed(self, batch: list[Queued]) -> list[Queued]:
         self._depth_changed()
+        if self._traced_waiting:
+            self._untraced(batch)
         if self._ordered:
             for q in batch:
                 q.seq = self._order.number()
         return batch
 
-    def _dispatch(self, batch: list[Queued], held: Held[Granted]) -> None:
-        self.executing += 1
-        self._spawn(self._guarded(batch, held))
+    def _untraced(self, gone: list[Queued]) -> None:
+        """Traced requests that wait for no grant any more (batched or answered)."""
+        ids = {id(q) for q in gone}
+        self._traced_waiting = [q for q in self._traced_waiting if id(q) not in ids]
+        if not len(self.strategy):  # a sequence's request dropped unbatched, say
+            self._traced_waiting = []
 
-    async def _form_batch(self) -> list[Queued]:
+    def _dispatch(self, batch: list[Queued], held: Held[Granted], formed_ns: int) -> None:
+        """`formed_ns`: when the strategy picked the batch (its "batch" span starts)."""
+        self.executing += 1
+        self._spawn(self._guarded(batch, held, formed_ns))
+
+    async def _form_batch(self) -> tuple[list[Queued], int]:
+        """A batch and when the strategy picked it; ([], 0) when none is due."""
         while True:
             self._expire()
-            decision = self.strategy.next_batch(time.monotonic_ns())
+            now_ns = time.monotonic_ns()
+            decision = self.strategy.next_batch(now_ns)
             batch = decision.batch
             if batch:
-                return self._formed(batch)
+                return self._formed(batch), now_ns
             if decision.wake_at_ns is None:
-                return []
+                return [], 0
             await self._wait_arrival(max(0.0, (decision.wake_at_ns - time.monotonic_ns()) / 1e9))
 
-    async def _guarded(self, batch: list[Queued], held: Held[Granted]) -> None:
+    async def _guarded(self, batch: list[Queued], held: Held[Granted], formed_ns: int) -> None:
         """Run a batch; a bug in one batch answers its requests, never hangs them.
         However it ended, the strategy hears of it and the grant goes back."""
         state = RunState()
@@ -403,7 +421,12 @@ class ModelQueue:
                 self._refuse(batch)
                 return
             await self._run.run(
-                self.spec, batch, held.grant, state, lambda: self._give_back(held, False)
+                self.spec,
+                batch,
+                held.grant,
+                state,
+                lambda: self._give_back(held, False),
+                formed_ns,
             )
         except RedisError as exc:  # Redis down or restarting: the client may retry
             log.warning("batch failed: Redis unavailable", extra={"error": repr(exc)})

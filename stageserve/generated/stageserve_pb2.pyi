@@ -135,7 +135,7 @@ class ScheduleResponse(_message.Message):
     def __init__(self, id: _Optional[int] = ..., failure: _Optional[_Union[FailureReason, str]] = ..., message: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepStat, _Mapping]]] = ..., more: _Optional[bool] = ..., no_response: _Optional[bool] = ..., model_error: _Optional[bool] = ...) -> None: ...
 
 class StepStat(_message.Message):
-    __slots__ = ("model", "version", "timing", "batch_size", "duration_ns", "failure", "message", "model_error")
+    __slots__ = ("model", "version", "timing", "batch_size", "duration_ns", "failure", "message", "model_error", "start_ns")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class StepStat(_message.Message):
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ERROR_FIELD_NUMBER: _ClassVar[int]
+    START_NS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     timing: Timing
@@ -152,7 +153,8 @@ class StepStat(_message.Message):
     failure: FailureReason
     message: str
     model_error: bool
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., batch_size: _Optional[int] = ..., duration_ns: _Optional[int] = ..., failure: _Optional[_Union[FailureReason, str]] = ..., message: _Optional[str] = ..., model_error: _Optional[bool] = ...) -> None: ...
+    start_ns: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., batch_size: _Optional[int] = ..., duration_ns: _Optional[int] = ..., failure: _Optional[_Union[FailureReason, str]] = ..., message: _Optional[str] = ..., model_error: _Optional[bool] = ..., start_ns: _Optional[int] = ...) -> None: ...
 
 class ScheduleBatch(_message.Message):
     __slots__ = ("requests",)
@@ -260,18 +262,18 @@ class DeregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("model", "version", "wait_ms", "lease_ms", "traceparent")
+    __slots__ = ("model", "version", "wait_ms", "lease_ms", "traceparents")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
-    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     wait_ms: int
     lease_ms: int
-    traceparent: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    traceparents: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ..., traceparents: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("granted", "grant_id", "instance", "reason", "holds_resources", "failure")

@@ -36,6 +36,16 @@ class Span:
     parent_id: str
     start_ns: int
     end_ns: int
+    events: tuple[tuple[str, str], ...] = ()  # (name, tensor name) each
+
+
+def _events(span) -> tuple[tuple[str, str], ...]:
+    """A span's events as (name, its triton.tensor.name attribute)."""
+    out = []
+    for e in span.events:
+        attrs = {a.key: a.value.string_value for a in e.attributes}
+        out.append((e.name, attrs.get("triton.tensor.name", "")))
+    return tuple(out)
 
 
 class Receiver(tsg.TraceServiceServicer):
@@ -62,6 +72,7 @@ class Receiver(tsg.TraceServiceServicer):
                             s.parent_span_id.hex(),
                             s.start_time_unix_nano,
                             s.end_time_unix_nano,
+                            _events(s),
                         )
                     )
         with self.changed:
@@ -111,7 +122,7 @@ def traced_stack(
     ]
     extra = tuple(f"--trace-config={c}" for c in config)
     with running_stack(
-        repo, control_mode="explicit", load_models=("identity",), gateway_extra=extra
+        repo, control_mode="explicit", load_models=("identity", "ens"), gateway_extra=extra
     ) as running:
         yield running
 
@@ -121,6 +132,7 @@ STAGE_SPANS = {
     "InferRequest",
     "validation",
     "queue",
+    "batch",
     "execute",
     "compute",
     "compute_input",
@@ -149,7 +161,7 @@ def test_one_request_spans_every_stage_in_one_trace(
     assert root.parent_id == client_span  # the client's traceparent is honoured
     assert root.service == "stageserve-gateway"
     assert spans["validation"].parent_id == root.span_id
-    for name in ("queue", "execute"):
+    for name in ("queue", "batch", "execute"):
         assert spans[name].parent_id == root.span_id
         assert spans[name].service == "stageserve-scheduler"
     compute = spans["compute"]
@@ -157,9 +169,10 @@ def test_one_request_spans_every_stage_in_one_trace(
     assert compute.service == "stageserve-worker"
     for name in ("compute_input", "compute_infer", "compute_output"):
         assert spans[name].parent_id == compute.span_id
-    # time nests: the request holds its queue wait and execution
+    # time nests: the request holds its queue wait, batch formation and execution
     assert root.start_ns <= spans["queue"].start_ns <= spans["queue"].end_ns
-    assert spans["queue"].end_ns <= spans["execute"].start_ns + 1
+    assert spans["queue"].end_ns == spans["batch"].start_ns
+    assert spans["batch"].end_ns == spans["execute"].start_ns
     assert spans["execute"].end_ns <= root.end_ns
 
 
@@ -190,3 +203,45 @@ def test_untraced_once_level_is_off(
     receiver[0].trace(on_id, STAGE_SPANS)
     # the gateway exports in order: the later trace arrived, the earlier request has none
     assert not [s for s in receiver[0].spans if s.trace_id == off_id]
+
+
+def test_ensemble_trace_holds_each_composing_request(
+    traced_stack: RunningStack, receiver: tuple[Receiver, int]
+) -> None:
+    trace_id = "5" * 32
+    x = grpcclient.InferInput("IN", [1, 16], "FP32")
+    x.set_data_from_numpy(np.ones((1, 16), np.float32))
+    with traced_stack.client() as c:
+        c.infer("ens", [x], headers={"traceparent": f"00-{trace_id}-{'6' * 16}-01"})
+    spans = receiver[0].trace(trace_id, {"InferRequest", "queue", "batch", "execute", "compute"})
+
+    def requests() -> list[Span]:
+        return [s for s in receiver[0].spans if s.trace_id == trace_id and s.name == "InferRequest"]
+
+    with receiver[0].changed:  # the gateway's and the scheduler's, each exported by its stage
+        assert receiver[0].changed.wait_for(lambda: len(requests()) == 2, WAIT_S)
+    (ensemble,) = [s for s in requests() if s.service == "stageserve-gateway"]
+    (step,) = [s for s in requests() if s.service == "stageserve-scheduler"]
+    assert ensemble.parent_id == "6" * 16
+    assert step.parent_id == ensemble.span_id  # the composing model's request, as Triton nests it
+    for name in ("queue", "batch", "execute"):
+        assert spans[name].parent_id == step.span_id
+    assert spans["compute"].parent_id == spans["execute"].span_id
+    assert ensemble.start_ns <= step.start_ns <= step.end_ns <= ensemble.end_ns
+
+
+def test_tensors_level_adds_tensor_events_to_the_request_span(
+    traced_stack: RunningStack, receiver: tuple[Receiver, int]
+) -> None:
+    trace_id = "7" * 32
+    with traced_stack.client() as c:
+        c.update_trace_settings("identity", {"trace_level": ["TIMESTAMPS", "TENSORS"]})
+        try:
+            c.infer("identity", [_input()], headers={"traceparent": f"00-{trace_id}-{'8' * 16}-01"})
+        finally:
+            c.update_trace_settings("identity", {"trace_level": None})
+    root = receiver[0].trace(trace_id, {"InferRequest"})["InferRequest"]
+    assert root.events == (
+        ("TENSOR_QUEUE_INPUT", "INPUT0"),
+        ("TENSOR_BACKEND_OUTPUT", "OUTPUT0"),
+    )

@@ -7,7 +7,7 @@ import pytest
 
 from services.worker.compute_spans import phases
 from stageserve.generated import stageserve_pb2 as pb
-from stageserve.trace_spans import Parent, collector_endpoint, parse_traceparent
+from stageserve.trace_spans import OTLP_GRPC, OTLP_HTTP, Parent, otlp_target, parse_traceparent
 
 
 def test_traceparent_round_trip() -> None:
@@ -33,15 +33,24 @@ def test_bad_traceparent_is_ignored(text: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("url", "endpoint"),
+    ("url", "target"),
     [
-        ("collector:4317", "collector:4317"),
-        ("http://collector:4318/v1/traces", "collector:4318"),
-        ("localhost:4317/v1/traces", "localhost:4317"),
+        ("collector:4317", (OTLP_GRPC, "collector:4317")),
+        ("grpc://collector:4317", (OTLP_GRPC, "collector:4317")),
+        ("http://collector:4318/v1/traces", (OTLP_HTTP, "http://collector:4318/v1/traces")),
+        ("HTTPS://otel.example/v1/traces", (OTLP_HTTP, "HTTPS://otel.example/v1/traces")),
+        # Triton's default url: OTLP/HTTP, no scheme
+        ("localhost:4318/v1/traces", (OTLP_HTTP, "http://localhost:4318/v1/traces")),
+        ("collector:4317/", (OTLP_GRPC, "collector:4317")),
     ],
 )
-def test_collector_endpoint(url: str, endpoint: str) -> None:
-    assert collector_endpoint(url) == endpoint
+def test_otlp_target(url: str, target: tuple[str, str]) -> None:
+    assert otlp_target(url) == target
+
+
+def test_otlp_target_refuses_other_schemes() -> None:
+    with pytest.raises(ValueError, match="http, https or grpc"):
+        otlp_target("ftp://collector:4318")
 
 
 def test_compute_phases_end_to_end() -> None:

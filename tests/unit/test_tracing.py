@@ -45,7 +45,17 @@ def test_trace_config_triton_syntax() -> None:
 
 
 @pytest.mark.parametrize(
-    "arg", ["rate", "rate=abc", "count=-2", "mode=jaeger", "level=LOUD", "foo=1", "zipkin,url=x"]
+    "arg",
+    [
+        "rate",
+        "rate=abc",
+        "count=-2",
+        "mode=jaeger",
+        "level=LOUD",
+        "foo=1",
+        "zipkin,url=x",
+        "opentelemetry,url=ftp://collector:4318",
+    ],
 )
 def test_trace_config_refuses(arg: str) -> None:
     with pytest.raises(TraceConfigError):

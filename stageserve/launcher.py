@@ -167,9 +167,11 @@ def redis_answers(port: int, timeout_s: float = 0.2) -> bool:
 
 
 class Stack:
-    def __init__(self, log_verbose: int = 0) -> None:
+    def __init__(self, log_verbose: int = 0, log_argv: Sequence[str] = ()) -> None:
         self.children: list[Child] = []
         self.log_verbose = log_verbose
+        # Log flags every service starts with (and starts again with: child.cmd)
+        self.log_argv = list(log_argv)
         self._tmp: str | None = None
         self._supervisor: Supervisor | None = None
 
@@ -177,6 +179,7 @@ class Stack:
         cmd = [sys.executable, "-m", "stageserve.cli", *args]
         if self.log_verbose:
             cmd += ["--log-verbose", str(self.log_verbose)]
+        cmd += self.log_argv
         child = Child(
             name,
             proc=None,  # type: ignore[arg-type]
@@ -467,8 +470,9 @@ def up(
     supervisor_settings: SupervisorSettings | None = None,
     gateways: int = 1,
     schedulers: int = 1,
+    log_argv: Sequence[str] = (),
 ) -> int:
-    stack = Stack(log_verbose)
+    stack = Stack(log_verbose, log_argv)
     stopping = threading.Event()
 
     def on_signal(signum, frame) -> None:

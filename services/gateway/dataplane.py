@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from services.gateway import cuda_shared_memory
+from services.gateway.cache_metrics import CacheMetrics
 from services.gateway.log_control import LogControl
 from services.gateway.model_lifecycle import ModelLifecycle
 from services.gateway.model_table import ModelTable
@@ -93,6 +94,8 @@ class DataPlane:
         self.overrides = OverrideArea()  # RepositoryModelLoad's config/file overrides
         # --cache-config's response cache (set by the server); None: nothing cached
         self.cache: ResponseCache | None = None
+        # its cache-wide nv_cache_* gauges (set with it)
+        self.cache_metrics: CacheMetrics | None = None
 
     # ------------------------------------------------------------ health/meta
 
@@ -242,8 +245,10 @@ class DataPlane:
         )
         if cache_key is not None and self.cache is not None:
             inserted = time.monotonic_ns()
-            await self.cache.insert(cache_key, encode_entry(resp.outputs))
+            usage = await self.cache.insert(cache_key, encode_entry(resp.outputs))
             insert_ns = time.monotonic_ns() - inserted
+            if self.cache_metrics is not None:
+                self.cache_metrics.inserted(usage, insert_ns)
             self.recorder.cache_miss(entry.name, version, lookup_ns + insert_ns)
         return out
 
@@ -261,7 +266,10 @@ class DataPlane:
         key = request_key(spec.name, version, generation, validated.inputs, outputs)
         data = await self.cache.lookup(key)
         hit = decode_entry(data) if data is not None else None
-        return key, time.monotonic_ns() - looked, hit
+        lookup_ns = time.monotonic_ns() - looked
+        if self.cache_metrics is not None:
+            self.cache_metrics.looked_up(hit is not None, lookup_ns)
+        return key, lookup_ns, hit
 
     def _read_shared(self, ref: SharedRef) -> bytes:
         region = self.shm.acquire(ref.region)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 
+from services.gateway.cache_metrics import CacheMetrics
 from services.gateway.dataplane import DataPlane
 from services.gateway.http.app import HttpFront
 from services.gateway.http.server import HttpServer, http_server
@@ -76,6 +77,8 @@ async def serve(
     dataplane.shared.start()
     dataplane.log_control = LogControl(redis)
     dataplane.cache = open_cache(gateway.response_cache, redis, settings.redis_client)
+    if dataplane.cache is not None:
+        dataplane.cache_metrics = CacheMetrics(dataplane.cache.size)
     dataplane.traces = TraceSettings(TraceStore(redis), parse_trace_config(gateway.trace_config))
     await dataplane.traces.start()
     republisher = Republisher(lifecycle, redis, gateway)

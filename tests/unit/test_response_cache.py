@@ -8,6 +8,7 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
+from services.gateway.cache_metrics import CacheMetrics, CacheUsage
 from services.gateway.response_cache import (
     LocalCache,
     LruBytes,
@@ -22,6 +23,7 @@ from stageserve.config import ConfigError, parse_config_text, to_spec
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.settings import Settings
 from stageserve.statistics import ModelVersionStats
+from stageserve.telemetry import TritonMetrics
 
 
 def _t(name: str, raw: bytes, shape=(1, 4), dtype: str = "FP32") -> pb.Tensor:
@@ -107,9 +109,9 @@ def test_lru_replacing_a_key_counts_its_bytes_once() -> None:
 def test_local_cache_is_the_lru() -> None:
     async def body() -> None:
         cache = LocalCache(8)
-        await cache.insert(b"k", b"12345678")
+        assert await cache.insert(b"k", b"12345678") == CacheUsage(0, 1, 8)
         assert await cache.lookup(b"k") == b"12345678"
-        await cache.insert(b"k2", b"1")
+        assert await cache.insert(b"k2", b"1") == CacheUsage(1, 1, 1)
         assert await cache.lookup(b"k") is None  # evicted: 9 bytes > 8
 
     asyncio.run(body())
@@ -124,14 +126,16 @@ def test_redis_cache_evicts_by_bytes_and_shares_between_clients(redis_url: str) 
         try:
             await r1.delete(keys.CACHE_RECENCY, keys.CACHE_SIZES, keys.CACHE_BYTES)
             one, two = RedisCache(r1, 10), RedisCache(r2, 10)  # two gateways
-            await one.insert(b"a", b"1234")
-            await two.insert(b"b", b"1234")
+            assert await one.insert(b"a", b"1234") == CacheUsage(0, 1, 4)
+            assert await two.insert(b"b", b"1234") == CacheUsage(0, 2, 8)  # the shared count
             assert await two.lookup(b"a") == b"1234"  # a is now the most recent
-            await one.insert(b"c", b"1234")  # 12 > 10: b (least recent) goes
+            # 12 > 10: b (least recent) goes
+            assert await one.insert(b"c", b"1234") == CacheUsage(1, 2, 8)
             assert await one.lookup(b"b") is None
             assert await two.lookup(b"c") == b"1234"
             assert await one.held_bytes() == 8
-            await one.insert(b"big", b"x" * 11)  # over the budget: not kept, nothing evicted
+            # over the budget: not kept, nothing evicted
+            assert await one.insert(b"big", b"x" * 11) == CacheUsage(0, 2, 8)
             assert await one.lookup(b"big") is None and await one.held_bytes() == 8
             await one.insert(b"a", b"123")  # replaced: counted once
             assert await one.held_bytes() == 7
@@ -363,3 +367,34 @@ def test_hit_and_miss_move_statistics_and_triton_counters_together() -> None:
     st = book.of(model, 1).to_pb(model, 1).inference_stats
     assert (st.success.count, st.cache_hit.count, st.cache_miss.count) == (2, 1, 1)
     assert "nv_cache_num_hits_per_model{" in metrics.render()
+
+
+def test_cache_wide_metrics_count_as_tritons() -> None:
+    """Triton 2.51's nv_cache_* gauges: present (0) once the cache is, lookups
+    split into hits and misses, durations in microseconds, entries and
+    utilization as the last insertion left the cache."""
+    metrics = TritonMetrics()
+    cache = CacheMetrics(1000, metrics)
+    text = metrics.render()
+    for name in ("nv_cache_util", "nv_cache_num_entries", "nv_cache_num_lookups"):
+        assert f"# TYPE {name} gauge\n{name} 0\n" in text
+    cache.looked_up(False, 2_500)
+    cache.inserted(CacheUsage(evicted=0, entries=1, held=250), 4_000)
+    cache.looked_up(True, 1_500)
+    cache.inserted(CacheUsage(evicted=2, entries=3, held=500), 1_000)
+    cache.inserted(None, 3_000)  # Redis away: the state stays as it was
+    got = {n: metrics.get(n, ()) for n in (
+        "nv_cache_num_lookups", "nv_cache_num_hits", "nv_cache_num_misses",
+        "nv_cache_lookup_duration", "nv_cache_insertion_duration", "nv_cache_num_evictions",
+        "nv_cache_num_entries", "nv_cache_util",
+    )}  # fmt: skip
+    assert got == {
+        "nv_cache_num_lookups": 2,
+        "nv_cache_num_hits": 1,
+        "nv_cache_num_misses": 1,
+        "nv_cache_lookup_duration": 3,  # each in whole microseconds: 2 + 1
+        "nv_cache_insertion_duration": 8,
+        "nv_cache_num_evictions": 2,
+        "nv_cache_num_entries": 3,
+        "nv_cache_util": 0.5,
+    }

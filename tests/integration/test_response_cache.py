@@ -96,9 +96,9 @@ def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stacks]:
     with (model_dir / "config.pbtxt").open("a") as f:
         f.write(CACHE)
     write_simple(root, INNER_PLAIN)
-    for name, (inner, cache) in ENSEMBLES.items():
+    for name, (inner, cached) in ENSEMBLES.items():
         (root / name / "1").mkdir(parents=True)
-        (root / name / "config.pbtxt").write_text(_ensemble_config(name, inner, cache))
+        (root / name / "config.pbtxt").write_text(_ensemble_config(name, inner, cached))
     for name, extra in REFUSED.items():  # refused at load, as Triton refuses them
         (root / name / "1").mkdir(parents=True)
         (root / name / "1" / "model.py").write_text(TRITON_MODEL_PY)
@@ -396,9 +396,9 @@ def on_triton(tmp_path_factory: pytest.TempPathFactory) -> Observed:
             f'name: "{name}"\nbackend: "python"\nmax_batch_size: 8\n{TENSORS}\n'
             f"dynamic_batching {{ }}\n{CACHE if name == MODEL else ''}"
         )
-    for name, (inner, cache) in ENSEMBLES.items():
+    for name, (inner, cached) in ENSEMBLES.items():
         (repo / name / "1").mkdir(parents=True)
-        (repo / name / "config.pbtxt").write_text(_ensemble_config(name, inner, cache))
+        (repo / name / "config.pbtxt").write_text(_ensemble_config(name, inner, cached))
     port, metrics_port = free_port(), free_port()
     cmd = [
         str(install.binary),

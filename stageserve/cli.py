@@ -270,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default: env STAGESERVE_ADAPTIVE_BATCH_DELAY_US, else {ADAPTIVE_DELAY_US}; "
         "0: off, Triton's batching exactly)",
     )
+    _cache_config(sc)
     _redis(sc)
     _common(sc)
 
@@ -435,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
             strict_readiness=gateway.strict_readiness,
             supervisor_settings=settings.supervisor,
             log_argv=log_argv(log_settings),
+            scheduler_extra=gateway.response_cache.argv() if gateway.response_cache else [],
         )
     if args.command == "gateway":
         from services.gateway.server import serve as serve_gateway

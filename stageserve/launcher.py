@@ -318,6 +318,7 @@ def start_services(
     strict_readiness: bool = True,
     gateways: int = 1,
     schedulers: int = 1,
+    scheduler_extra: Sequence[str] = (),
 ) -> StackServices:
     """Start Redis (unless given) and every service, in path order, on `stack`.
 
@@ -328,6 +329,7 @@ def start_services(
 
     With stage_metrics, the internal services also serve /metrics, each on a
     free port (recorded on its Child). `http_address` None: no HTTP front.
+    `scheduler_extra`: more scheduler flags (`up` passes --cache-config).
     `gateways`: gateway processes sharing the gRPC and HTTP ports
     (start_gateways).
     `schedulers`: how many schedulers to start; they share the models between
@@ -344,7 +346,8 @@ def start_services(
     peers = ["--ratelimiter", rl.address]
     # The schedulers first: workers send Python models' BLS requests to them.
     scheduler_children = [
-        start_scheduler(stack, i, [*common, *peers, *metrics()]) for i in range(schedulers)
+        start_scheduler(stack, i, [*common, *peers, *metrics(), *scheduler_extra])
+        for i in range(schedulers)
     ]
     sched = scheduler_children[0]
     worker_peers = [*peers, "--scheduler", sched.address]
@@ -471,6 +474,7 @@ def up(
     gateways: int = 1,
     schedulers: int = 1,
     log_argv: Sequence[str] = (),
+    scheduler_extra: Sequence[str] = (),
 ) -> int:
     stack = Stack(log_verbose, log_argv)
     stopping = threading.Event()
@@ -501,6 +505,7 @@ def up(
             strict_readiness=strict_readiness,
             gateways=gateways,
             schedulers=schedulers,
+            scheduler_extra=scheduler_extra,
         )
         # From here on a stage that exits is started again, Redis included
         # (an external Redis, --redis-url, is not ours to restart).

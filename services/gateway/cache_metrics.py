@@ -19,8 +19,7 @@ whole stack's entries as the last insertion through this gateway left them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from stageserve.response_cache import CacheUsage
 from stageserve.telemetry import TRITON, TritonMetrics
 
 COUNTS = (
@@ -32,15 +31,6 @@ COUNTS = (
     "nv_cache_insertion_duration",
 )
 STATE = ("nv_cache_num_entries", "nv_cache_util")
-
-
-@dataclass(frozen=True)
-class CacheUsage:
-    """A cache after an insertion: entries evicted by it, entries and bytes held."""
-
-    evicted: int
-    entries: int
-    held: int
 
 
 class CacheMetrics:

@@ -28,12 +28,6 @@ from services.gateway.python_models import (
     stream_partials,
 )
 from services.gateway.request_trace import FileRequestTrace, RequestTrace
-from services.gateway.response_cache import (
-    ResponseCache,
-    decode_entry,
-    encode_entry,
-    request_key,
-)
 from services.gateway.shared_memory import Region, SystemSharedMemory
 from services.gateway.trace_settings import TraceSettingError, TraceSettings
 from stageserve import __version__
@@ -42,6 +36,12 @@ from stageserve.errors import StageError, internal, invalid, unavailable
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.recorder import RequestRecorder
+from stageserve.response_cache import (
+    ResponseCache,
+    decode_entry,
+    encode_entry,
+    request_key,
+)
 from stageserve.scheduler_routing import SchedulerRouter
 from stageserve.shared_stats import SharedStats
 from stageserve.statistics import StatsBook, requested_versions
@@ -283,10 +283,17 @@ class DataPlane:
         for st in resp.steps:
             if st.failure:
                 self.recorder.failure(st.model, st.version, st.duration_ns, st.failure)
+            elif st.cache_hit:  # answered from the response cache by the scheduler
+                self.recorder.cache_hit(st.model, st.version, st.duration_ns, 0, st.cache_ns)
             else:
                 self.recorder.success(
                     st.model, st.version, st.duration_ns, st.batch_size, st.timing
                 )
+                if st.cache_miss:
+                    self.recorder.cache_miss(st.model, st.version, st.cache_ns)
+            if self.cache_metrics is not None and (st.cache_hit or st.cache_miss):
+                # a step's cache time is one figure: a hit's is its lookup's
+                self.cache_metrics.looked_up(st.cache_hit, st.cache_ns if st.cache_hit else 0)
 
     def _watch_inflight(self, model: str) -> None:
         """The in-flight gauge reads ModelTable's count (begin/end) at scrape

@@ -19,8 +19,9 @@ from stageserve.config import EnsembleStep, ModelSpec
 from stageserve.errors import StageError, internal, invalid
 from stageserve.generated import stageserve_pb2 as pb
 
-# Runs one request against a model (by name) and returns its response.
-Submit = Callable[[pb.ScheduleRequest], Awaitable[pb.ScheduleResponse]]
+# Runs one request against a model (by name) and returns its response; it
+# marks the step's StepStat when the response cache answered or kept it.
+Submit = Callable[[pb.ScheduleRequest, pb.StepStat], Awaitable[pb.ScheduleResponse]]
 
 
 class EnsembleReadiness:
@@ -125,19 +126,17 @@ async def _run_step(
             pb.Tensor(name=model_in, datatype=t.datatype, shape=t.shape, raw=t.raw)
         )
     start = time.monotonic_ns()
+    stat = pb.StepStat(model=step.model)
     try:
-        resp = await submit(request)
+        resp = await submit(request, stat)
     except StageError as err:
         resp = _error(request, err)
-    stat = pb.StepStat(
-        model=step.model,
-        version=request.version,
-        timing=resp.timing,
-        batch_size=max(msg.batch_size, 1),
-        duration_ns=time.monotonic_ns() - start,
-        failure=resp.failure,
-        message=resp.message,
-    )
+    stat.version = request.version
+    stat.timing.CopyFrom(resp.timing)
+    stat.batch_size = max(msg.batch_size, 1)
+    stat.duration_ns = time.monotonic_ns() - start
+    stat.failure = resp.failure
+    stat.message = resp.message
     return resp, [*resp.steps, stat]
 
 

@@ -8,8 +8,13 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from services.gateway.cache_metrics import CacheMetrics, CacheUsage
-from services.gateway.response_cache import (
+from services.gateway.cache_metrics import CacheMetrics
+from stageserve import redis_keys as keys
+from stageserve.cache_options import DEFAULT_REDIS_SIZE, CacheConfig, parse_cache_config
+from stageserve.config import ConfigError, parse_config_text, to_spec
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.response_cache import (
+    CacheUsage,
     LocalCache,
     LruBytes,
     RedisCache,
@@ -17,10 +22,6 @@ from services.gateway.response_cache import (
     encode_entry,
     request_key,
 )
-from stageserve import redis_keys as keys
-from stageserve.cache_options import DEFAULT_REDIS_SIZE, CacheConfig, parse_cache_config
-from stageserve.config import ConfigError, parse_config_text, to_spec
-from stageserve.generated import stageserve_pb2 as pb
 from stageserve.settings import Settings
 from stageserve.statistics import ModelVersionStats
 from stageserve.telemetry import TritonMetrics
@@ -151,7 +152,7 @@ def test_own_redis_with_triton_options_serves_the_cache(redis_url: str) -> None:
     """--cache-config redis,host=...,port=... with a bounded pool and timeouts."""
     from urllib.parse import urlparse
 
-    from services.gateway.response_cache import open_cache
+    from stageserve.response_cache import open_cache
     from stageserve.settings import RedisClientSettings
 
     where = urlparse(redis_url)

@@ -1,5 +1,6 @@
 """The response cache: a model's answers kept by request, so a repeated request
-is answered by the gateway without reaching the scheduler.
+is answered by the gateway without reaching the scheduler, and a repeated
+ensemble step by the scheduler without reaching a worker.
 
 A model opts in with `response_cache { enable: true }` and the gateway holds a
 cache when started with --cache-config (stageserve/cache_options.py):
@@ -27,12 +28,12 @@ import logging
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
 
-from services.gateway.cache_metrics import CacheUsage
 from stageserve import redis_keys as keys
 from stageserve.cache_options import CacheConfig
 from stageserve.generated import stageserve_pb2 as pb
@@ -40,6 +41,15 @@ from stageserve.redis_connect import connect, retry_options
 from stageserve.settings import RedisClientSettings
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    """A cache after an insertion: entries evicted by it, entries and bytes held."""
+
+    evicted: int
+    entries: int
+    held: int
 
 
 def request_key(

@@ -327,6 +327,73 @@ def test_cache_config_flag_reaches_the_gateway_settings(command: str) -> None:
         _settings(parser, parser.parse_args([command, *extra, "--cache-config", "x"]), Settings())
 
 
+def test_cache_config_flag_reaches_the_scheduler_settings() -> None:
+    """A scheduler keeps the cache of ensemble steps (services/scheduler/step_cache.py)."""
+    from stageserve.cli import _settings, build_parser
+
+    parser = build_parser()
+    extra = ["--redis-url", "redis://r"]
+    config = CacheConfig("local", 4096)
+    args = parser.parse_args(["scheduler", *extra, *config.argv()])
+    assert _settings(parser, args, Settings()).scheduler.response_cache == config
+    plain = parser.parse_args(["scheduler", *extra])
+    assert _settings(parser, plain, Settings()).scheduler.response_cache is None
+
+
+# ------------------------------------------------------------ ensemble steps
+
+
+def _step_spec(cache: bool):
+    text = (
+        'name: "m" platform: "onnxruntime_onnx" max_batch_size: 8 '
+        'input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ] '
+        'output [ { name: "A" data_type: TYPE_FP32 dims: [ 4 ] }, '
+        '{ name: "B" data_type: TYPE_FP32 dims: [ 4 ] } ] '
+        + ("response_cache { enable: true }" if cache else "")
+    )
+    return to_spec(parse_config_text(text))
+
+
+def test_a_step_hits_what_a_direct_request_stored_and_marks_its_stat() -> None:
+    from services.scheduler.step_cache import StepCache
+
+    async def body() -> None:
+        local = LocalCache(1 << 20)
+        steps = StepCache(local)
+        spec = _step_spec(cache=True)
+        inputs = [_t("IN", b"\x00" * 16)]
+        runs: list[int] = []
+
+        async def execute() -> pb.ScheduleResponse:
+            runs.append(1)
+            return pb.ScheduleResponse(outputs=[_t("A", b"a" * 16), _t("B", b"b" * 16)])
+
+        def step(outputs: list[str]) -> pb.ScheduleRequest:
+            return pb.ScheduleRequest(
+                model="m", version=1, config_generation=3, inputs=inputs, outputs=outputs
+            )
+
+        # every output named: the entry of a direct request for all (the gateway's key)
+        await local.insert(request_key("m", 1, 3, inputs, []), encode_entry([_t("A", b"x" * 16)]))
+        stat = pb.StepStat()
+        got = await steps.run(step(["A", "B"]), spec, stat, execute)
+        assert [t.raw for t in got.outputs] == [b"x" * 16] and not runs
+        assert stat.cache_hit and not stat.cache_miss and stat.cache_ns > 0
+        # another set of outputs: a miss, run and kept
+        stat = pb.StepStat()
+        await steps.run(step(["B"]), spec, stat, execute)
+        assert runs == [1] and stat.cache_miss and not stat.cache_hit
+        stat = pb.StepStat()
+        await steps.run(step(["B"]), spec, stat, execute)
+        assert runs == [1] and stat.cache_hit
+        # a model without response_cache: always run, nothing marked
+        stat = pb.StepStat()
+        await steps.run(step(["B"]), _step_spec(cache=False), stat, execute)
+        assert runs == [1, 1] and not (stat.cache_hit or stat.cache_miss)
+
+    asyncio.run(body())
+
+
 # ------------------------------------------------------------------ metrics
 
 

@@ -279,6 +279,15 @@ def test_without_cache_config_the_model_runs_uncached(stacks: Stacks) -> None:
     assert wait_until(lambda: _stats(stacks.running.client())["execution_count"] - executions == 2)
 
 
+def _settled(stacks: Stacks) -> None:
+    """Until both gateways report the same statistics of MODEL: each publishes
+    its own to the stack periodically, so an earlier test's requests on one
+    gateway reach the other's figures a moment later (seen as one extra hit
+    in a delta taken across that moment)."""
+    a = stacks.running.client()
+    assert wait_until(lambda: _stats(a) == _stats(stacks.gateway_b), 10)
+
+
 def test_a_hit_writes_shared_memory_outputs(stacks: Stacks) -> None:
     """Outputs asked into a system shared-memory region get the cached bytes
     there, as a run writes them (Triton 2.51 caches such requests too)."""
@@ -287,6 +296,7 @@ def test_a_hit_writes_shared_memory_outputs(stacks: Stacks) -> None:
     import tritonclient.utils.shared_memory as shm
 
     client = stacks.running.client()
+    _settled(stacks)
     tag = uuid.uuid4().hex[:8]
     a, b = _ab(400)
     region = shm.create_shared_memory_region(f"out-{tag}", f"/ss-cache-{tag}", 2 * a.nbytes)
@@ -370,6 +380,7 @@ def on_ours(stacks: Stacks) -> Observed:
     OUTPUT1 alone gets after the full answer was cached, then the ensembles;
     run once."""
     a = stacks.running.client()
+    _settled(stacks)
     before, m_before = _stats(a), _metrics(stacks.metrics_url, METRICS)
     cache_before = _cache_wide(stacks.metrics_url)
     for seed in SEQUENCE:

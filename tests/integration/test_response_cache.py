@@ -353,6 +353,7 @@ class Observed:
     cache_before: dict[str, float]  # the cache-wide gauges before the sequence
     cache_after: dict[str, float]  # ... and after it
     ensembles: dict[str, dict[str, int]]  # _ensemble_pairs
+    ensemble_lookups: float  # how far they moved nv_cache_num_lookups
 
 
 def _ensemble_pairs(client) -> dict[str, dict[str, int]]:
@@ -387,13 +388,17 @@ def on_ours(stacks: Stacks) -> Observed:
         _infer(a, 1000 + seed)
     after, m_after = _stats(a), _metrics(stacks.metrics_url, METRICS)
     cache_after = _cache_wide(stacks.metrics_url)
+    subset = set(_infer(a, 1000 + SEQUENCE[0], ("OUTPUT1",), check_names=False))
+    lookups = _cache_wide(stacks.metrics_url)["nv_cache_num_lookups"]
+    ensembles = _ensemble_pairs(a)
     return Observed(
         {k: after[k] - before[k] for k in after},
         {k: m_after.get(k, 0) - m_before.get(k, 0) for k in METRICS},
-        set(_infer(a, 1000 + SEQUENCE[0], ("OUTPUT1",), check_names=False)),
+        subset,
         cache_before,
         cache_after,
-        _ensemble_pairs(a),
+        ensembles,
+        _cache_wide(stacks.metrics_url)["nv_cache_num_lookups"] - lookups,
     )
 
 
@@ -449,7 +454,25 @@ def on_triton(tmp_path_factory: pytest.TempPathFactory) -> Observed:
         )
         cache_after = _cache_wide(metrics_url)
         subset = set(_infer(client, 1000 + SEQUENCE[0], ("OUTPUT1",), check_names=False))
-        return Observed(stats, metrics, subset, cache_before, cache_after, _ensemble_pairs(client))
+
+        def lookups() -> float:
+            return _cache_wide(metrics_url)["nv_cache_num_lookups"]
+
+        wait_until(lambda: lookups() == len(SEQUENCE) + 1, 10)
+        lookups_before = lookups()
+        ensembles = _ensemble_pairs(client)
+        # 2 top-level lookups of ens_cached, 2 of ens_over_cached's step (what
+        # ours counts); a refresh that does not come leaves the diff to fail
+        wait_until(lambda: lookups() == lookups_before + 4, 10)
+        return Observed(
+            stats,
+            metrics,
+            subset,
+            cache_before,
+            cache_after,
+            ensembles,
+            lookups() - lookups_before,
+        )
     finally:
         stop_process(proc)
 
@@ -485,6 +508,8 @@ def test_ensembles_match_triton(on_ours: Observed, on_triton: Observed) -> None:
     it is cached inside an ensemble that does not: as Triton 2.51 does."""
     ours = on_ours.ensembles
     assert ours == on_triton.ensembles, (ours, on_triton.ensembles)
+    # every lookup counts in the cache-wide gauges, inside an ensemble too
+    assert on_ours.ensemble_lookups == on_triton.ensemble_lookups == 4
     assert on_triton.ensembles["ens_cached"] == {
         "success": 2, "cache_hit": 1, "cache_miss": 1, "execution_count": 1,
     }  # fmt: skip

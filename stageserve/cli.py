@@ -27,7 +27,7 @@ from stageserve.autocomplete_options import DEFAULT_MAX_BATCH_SIZE, AutoComplete
 from stageserve.cache_options import parse_cache_config
 from stageserve.gpus import parse_workers
 from stageserve.grpc_io import use_grpc_io
-from stageserve.log_options import STAGES, add_log_flags, flag_bool, log_settings_of
+from stageserve.log_options import STAGES, add_log_flags, flag_bool, log_argv, log_settings_of
 from stageserve.logs import setup_logging
 from stageserve.scale_out import gateway_count, parse_gateways
 from stageserve.scheduler_count import parse_schedulers, scheduler_count
@@ -270,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default: env STAGESERVE_ADAPTIVE_BATCH_DELAY_US, else {ADAPTIVE_DELAY_US}; "
         "0: off, Triton's batching exactly)",
     )
+    _cache_config(sc)
     _redis(sc)
     _common(sc)
 
@@ -434,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
             exit_on_error=gateway.exit_on_error,
             strict_readiness=gateway.strict_readiness,
             supervisor_settings=settings.supervisor,
+            log_argv=log_argv(log_settings),
+            scheduler_extra=gateway.response_cache.argv() if gateway.response_cache else [],
         )
     if args.command == "gateway":
         from services.gateway.server import serve as serve_gateway

@@ -167,9 +167,11 @@ def redis_answers(port: int, timeout_s: float = 0.2) -> bool:
 
 
 class Stack:
-    def __init__(self, log_verbose: int = 0) -> None:
+    def __init__(self, log_verbose: int = 0, log_argv: Sequence[str] = ()) -> None:
         self.children: list[Child] = []
         self.log_verbose = log_verbose
+        # Log flags every service starts with (and starts again with: child.cmd)
+        self.log_argv = list(log_argv)
         self._tmp: str | None = None
         self._supervisor: Supervisor | None = None
 
@@ -177,6 +179,7 @@ class Stack:
         cmd = [sys.executable, "-m", "stageserve.cli", *args]
         if self.log_verbose:
             cmd += ["--log-verbose", str(self.log_verbose)]
+        cmd += self.log_argv
         child = Child(
             name,
             proc=None,  # type: ignore[arg-type]
@@ -315,6 +318,7 @@ def start_services(
     strict_readiness: bool = True,
     gateways: int = 1,
     schedulers: int = 1,
+    scheduler_extra: Sequence[str] = (),
 ) -> StackServices:
     """Start Redis (unless given) and every service, in path order, on `stack`.
 
@@ -325,6 +329,7 @@ def start_services(
 
     With stage_metrics, the internal services also serve /metrics, each on a
     free port (recorded on its Child). `http_address` None: no HTTP front.
+    `scheduler_extra`: more scheduler flags (`up` passes --cache-config).
     `gateways`: gateway processes sharing the gRPC and HTTP ports
     (start_gateways).
     `schedulers`: how many schedulers to start; they share the models between
@@ -341,7 +346,8 @@ def start_services(
     peers = ["--ratelimiter", rl.address]
     # The schedulers first: workers send Python models' BLS requests to them.
     scheduler_children = [
-        start_scheduler(stack, i, [*common, *peers, *metrics()]) for i in range(schedulers)
+        start_scheduler(stack, i, [*common, *peers, *metrics(), *scheduler_extra])
+        for i in range(schedulers)
     ]
     sched = scheduler_children[0]
     worker_peers = [*peers, "--scheduler", sched.address]
@@ -467,8 +473,10 @@ def up(
     supervisor_settings: SupervisorSettings | None = None,
     gateways: int = 1,
     schedulers: int = 1,
+    log_argv: Sequence[str] = (),
+    scheduler_extra: Sequence[str] = (),
 ) -> int:
-    stack = Stack(log_verbose)
+    stack = Stack(log_verbose, log_argv)
     stopping = threading.Event()
 
     def on_signal(signum, frame) -> None:
@@ -497,6 +505,7 @@ def up(
             strict_readiness=strict_readiness,
             gateways=gateways,
             schedulers=schedulers,
+            scheduler_extra=scheduler_extra,
         )
         # From here on a stage that exits is started again, Redis included
         # (an external Redis, --redis-url, is not ours to restart).

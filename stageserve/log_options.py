@@ -54,3 +54,19 @@ def log_settings_of(args: argparse.Namespace) -> LogSettings:
         log_verbose_level=max(args.log_verbose, 0),
         log_format=args.log_format,
     )
+
+
+def log_argv(settings: LogSettings) -> list[str]:
+    """The log flags that give a stage `settings` (--log-verbose aside: the
+    launcher passes that one), for `stageserve up` to hand every stage it
+    starts, and starts again."""
+    argv = [
+        *(
+            f"--log-{k}={str(getattr(settings, f'log_{k}')).lower()}"
+            for k in ("info", "warning", "error")
+        ),
+        f"--log-format={settings.log_format}",
+    ]
+    if settings.log_file:
+        argv.append(f"--log-file={settings.log_file}")
+    return argv

@@ -179,6 +179,13 @@ def _run_child(name: str, job: dict, env: ExecutionEnv | None = None) -> dict:
     return helper.run(name, job)
 
 
+class ExecutionEnvUnusable(ConfigError):
+    """The model's EXECUTION_ENV_PATH cannot be used (missing, not an
+    archive, no activate script, ...). Triton fails the model's version load
+    for it, not the repository read: INVALID_ARGUMENT "load failed for model"
+    (checked against Triton 2.51)."""
+
+
 def _model_env(config: mc.ModelConfig, model_dir: Path) -> ExecutionEnv | None:
     """The model's execution environment, unpacked if need be; None when it
     names none. Raises ConfigError with the reason it cannot be used."""
@@ -189,4 +196,4 @@ def _model_env(config: mc.ModelConfig, model_dir: Path) -> ExecutionEnv | None:
     try:
         return ENVIRONMENTS.prepare(path)
     except ExecutionEnvError as exc:
-        raise ConfigError(str(exc)) from exc
+        raise ExecutionEnvUnusable(str(exc)) from exc

@@ -53,7 +53,7 @@ Log settings (LogSettings RPC, /v2/logging; see stageserve/log_follow.py):
                                     stage's own flags
   ss:log:events               pub/sub channel: the hash changed (message "1")
 
-Response cache (gateways with --cache-config redis; services/gateway/response_cache.py):
+Response cache (gateways with --cache-config redis; stageserve/response_cache.py):
   ss:rc:e:{key}               str   a cached response (hex of the request key)
   ss:rc:recency               zset  key -> last use (ss:rc:clock), oldest evicted first
   ss:rc:sizes                 hash  key -> bytes of its entry

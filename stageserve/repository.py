@@ -22,7 +22,7 @@ from stageserve.config import (
 )
 from stageserve.generated import model_config_pb2 as mc
 from stageserve.names import model_name_problem
-from stageserve.python_autocomplete import complete_python
+from stageserve.python_autocomplete import ExecutionEnvUnusable, complete_python
 
 
 @dataclass
@@ -34,6 +34,9 @@ class RepositoryModel:
     versions: tuple[int, ...]  # versions the version_policy selects
     error: str | None = None
     fingerprint: tuple = ()  # what a reload compares: see fingerprint()
+    # The error is the model's execution environment's (python_autocomplete.
+    # ExecutionEnvUnusable): a failed version load in Triton, not a refused read.
+    env_unusable: bool = False
 
     @property
     def ok(self) -> bool:
@@ -82,7 +85,8 @@ def read_model(
         if not config.HasField("version_policy"):
             config.version_policy.latest.num_versions = 1  # Triton's default, as it reports it
     except (ConfigError, OSError) as exc:
-        return RepositoryModel(name, path, None, None, (), str(exc))
+        unusable = isinstance(exc, ExecutionEnvUnusable)
+        return RepositoryModel(name, path, None, None, (), str(exc), env_unusable=unusable)
     try:
         spec = to_spec(config)
         versions = select_versions(config, version_folders(path))

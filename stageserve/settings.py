@@ -126,6 +126,10 @@ class SchedulerSettings:
     # to it (gateways that see no scheduler in the map use their --scheduler).
     shard_lease_ms: int = 3000
     shard_heartbeat_s: float = 0.5
+    # Triton's --cache-config (stageserve/cache_options.py), as the gateways
+    # have it: the response cache of the composing models of an ensemble
+    # (services/scheduler/step_cache.py); None: ensemble steps always run.
+    response_cache: CacheConfig | None = flag(None, "cache_config")
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,19 @@ TRITON_FAMILIES: dict[str, tuple[str, str]] = {
         "counter",
         "Total cache miss (insert+lookup) duration per model, in microseconds",
     ),
+    # The response cache's, as a whole (services/gateway/cache_metrics.py):
+    # Triton 2.51's names, types and help texts.
+    "nv_cache_util": ("gauge", "Cache utilization [0.0 - 1.0]"),
+    "nv_cache_num_entries": ("gauge", "Number of responses stored in response cache"),
+    "nv_cache_num_hits": ("gauge", "Number of cache hits in response cache"),
+    "nv_cache_num_misses": ("gauge", "Number of cache misses in response cache"),
+    "nv_cache_num_lookups": ("gauge", "Number of cache lookups in response cache"),
+    "nv_cache_num_evictions": ("gauge", "Number of cache evictions in response cache"),
+    "nv_cache_lookup_duration": (
+        "gauge",
+        "Total cache lookup duration (hit and miss), in microseconds",
+    ),
+    "nv_cache_insertion_duration": ("gauge", "Total cache insertion duration, in microseconds"),
     "nv_inference_pending_request_count": ("gauge", "Requests queued, awaiting execution"),
     "nv_model_load_duration_secs": ("gauge", "Time the last load of the model took, seconds"),
     "nv_cpu_utilization": ("gauge", "CPU utilization, 0.0 to 1.0"),

@@ -70,10 +70,11 @@ def start_stack(
     metrics_port: int = 0,
     stage_metrics: bool = False,
     gateway_extra: tuple[str, ...] = (),
+    scheduler_extra: tuple[str, ...] = (),
 ) -> RunningStack:
     """metrics_port: the gateway's Triton /metrics (0: none); stage_metrics:
     the other stages serve /metrics too (each Child's metrics_port);
-    gateway_extra: more gateway flags."""
+    gateway_extra, scheduler_extra: more gateway and scheduler flags."""
     stack = Stack()
     try:
         s = start_services(
@@ -89,6 +90,7 @@ def start_stack(
             metrics_port=metrics_port,
             stage_metrics=stage_metrics,
             gateway_extra=gateway_extra,
+            scheduler_extra=scheduler_extra,
         )
     except BaseException:
         stack.stop()

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from services.gateway import cuda_shared_memory
+from services.gateway.cache_metrics import CacheMetrics
 from services.gateway.log_control import LogControl
 from services.gateway.model_lifecycle import ModelLifecycle
 from services.gateway.model_table import ModelTable
@@ -27,12 +28,6 @@ from services.gateway.python_models import (
     stream_partials,
 )
 from services.gateway.request_trace import FileRequestTrace, RequestTrace
-from services.gateway.response_cache import (
-    ResponseCache,
-    decode_entry,
-    encode_entry,
-    request_key,
-)
 from services.gateway.shared_memory import Region, SystemSharedMemory
 from services.gateway.trace_settings import TraceSettingError, TraceSettings
 from stageserve import __version__
@@ -41,6 +36,12 @@ from stageserve.errors import StageError, internal, invalid, unavailable
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.recorder import RequestRecorder
+from stageserve.response_cache import (
+    ResponseCache,
+    decode_entry,
+    encode_entry,
+    request_key,
+)
 from stageserve.scheduler_routing import SchedulerRouter
 from stageserve.shared_stats import SharedStats
 from stageserve.statistics import StatsBook, requested_versions
@@ -93,6 +94,8 @@ class DataPlane:
         self.overrides = OverrideArea()  # RepositoryModelLoad's config/file overrides
         # --cache-config's response cache (set by the server); None: nothing cached
         self.cache: ResponseCache | None = None
+        # its cache-wide nv_cache_* gauges (set with it)
+        self.cache_metrics: CacheMetrics | None = None
 
     # ------------------------------------------------------------ health/meta
 
@@ -254,8 +257,10 @@ class DataPlane:
         )
         if cache_key is not None and self.cache is not None:
             inserted = time.monotonic_ns()
-            await self.cache.insert(cache_key, encode_entry(resp.outputs))
+            usage = await self.cache.insert(cache_key, encode_entry(resp.outputs))
             insert_ns = time.monotonic_ns() - inserted
+            if self.cache_metrics is not None:
+                self.cache_metrics.inserted(usage, insert_ns)
             self.recorder.cache_miss(entry.name, version, lookup_ns + insert_ns)
         return out
 
@@ -273,7 +278,10 @@ class DataPlane:
         key = request_key(spec.name, version, generation, validated.inputs, outputs)
         data = await self.cache.lookup(key)
         hit = decode_entry(data) if data is not None else None
-        return key, time.monotonic_ns() - looked, hit
+        lookup_ns = time.monotonic_ns() - looked
+        if self.cache_metrics is not None:
+            self.cache_metrics.looked_up(hit is not None, lookup_ns)
+        return key, lookup_ns, hit
 
     def _read_shared(self, ref: SharedRef) -> bytes:
         region = self.shm.acquire(ref.region)
@@ -287,10 +295,17 @@ class DataPlane:
         for st in resp.steps:
             if st.failure and not st.model_error:
                 self.recorder.failure(st.model, st.version, st.duration_ns, st.failure)
+            elif st.cache_hit:  # answered from the response cache by the scheduler
+                self.recorder.cache_hit(st.model, st.version, st.duration_ns, 0, st.cache_ns)
             else:
                 self.recorder.success(
                     st.model, st.version, st.duration_ns, st.batch_size, st.timing
                 )
+                if st.cache_miss:
+                    self.recorder.cache_miss(st.model, st.version, st.cache_ns)
+            if self.cache_metrics is not None and (st.cache_hit or st.cache_miss):
+                # a step's cache time is one figure: a hit's is its lookup's
+                self.cache_metrics.looked_up(st.cache_hit, st.cache_ns if st.cache_hit else 0)
 
     def _watch_inflight(self, model: str) -> None:
         """The in-flight gauge reads ModelTable's count (begin/end) at scrape

@@ -35,7 +35,7 @@ from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.instance_ids import generation_of
 from stageserve.model_state import LoadedModel, ModelStateStore, files_digest
 from stageserve.names import check_model_name, model_name_problem
-from stageserve.repository import model_names, read_model
+from stageserve.repository import RepositoryModel, model_names, read_model
 from stageserve.settings import GatewaySettings
 from stageserve.telemetry import TRITON, model_labels
 
@@ -153,7 +153,7 @@ class ModelLifecycle:
 
     async def _load(self, name: str, chain: tuple[str, ...], adopt: bool, root: Path) -> bool:
         check_model_name(name)
-        if model_spec := self._ensemble_spec(root, name):
+        if model_spec := await self._ensemble_spec(root, name):
             # Composing models first (outside this model's lock): Triton loads
             # an ensemble's models with it.
             for step in model_spec.steps:
@@ -166,7 +166,7 @@ class ModelLifecycle:
                     # models that are not available"
                     raise invalid(f"failed to load '{name}': composing model '{step.model}': {why}")
         async with self._lock(name):
-            model = read_model(root, name, self.autocomplete)
+            model = await self._read(root, name)
             old = self.entries.get(name)
             if (
                 not adopt
@@ -183,7 +183,10 @@ class ModelLifecycle:
                 if in_repository and (old is None or not old.ready_versions()):
                     self.entries[name] = ModelEntry(name, reason=model.error or "")
                 log.error("model load failed", extra={"model": name, "reason": model.error})
-                raise load_failed(f"failed to load '{name}': {model.error}")
+                # Triton 2.51 fails a Python model's version load on an unusable
+                # execution environment: INVALID_ARGUMENT "load failed for model".
+                refused = invalid if model.env_unusable else load_failed
+                raise refused(f"failed to load '{name}': {model.error}")
             assert model.config is not None and model.spec is not None
             start = time.monotonic()
             published = await self.state.get(name)
@@ -251,9 +254,16 @@ class ModelLifecycle:
                 raise unavailable(f"failed to load '{name}': " + "; ".join(reasons.values()))
             return True
 
-    def _ensemble_spec(self, root: Path, name: str) -> ModelSpec | None:
-        model = read_model(root, name, self.autocomplete)
+    async def _ensemble_spec(self, root: Path, name: str) -> ModelSpec | None:
+        model = await self._read(root, name)
         return model.spec if model.spec is not None and model.spec.steps else None
+
+    async def _read(self, root: Path, name: str) -> RepositoryModel:
+        """read_model in a thread: it reads the model's files and may run
+        auto-complete, which for a Python model starts a process and may
+        unpack its execution environment (seconds for a large archive), and
+        the gateway's event loop keeps answering every other RPC meanwhile."""
+        return await asyncio.to_thread(read_model, root, name, self.autocomplete)
 
     async def _await_instances(
         self, name: str, versions: tuple[int, ...], generation: int

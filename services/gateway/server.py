@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 
+from services.gateway.cache_metrics import CacheMetrics
 from services.gateway.dataplane import DataPlane
 from services.gateway.http.app import HttpFront
 from services.gateway.http.server import HttpServer, http_server
@@ -16,7 +17,6 @@ from services.gateway.model_lifecycle import ModelLifecycle
 from services.gateway.model_table import ModelTable
 from services.gateway.poller import RepositoryPoller
 from services.gateway.republish import Republisher
-from services.gateway.response_cache import open_cache
 from services.gateway.security import RestrictedProtocols, server_credentials
 from services.gateway.service import InferenceService
 from services.gateway.startup import StartupLoadFailed, report, startup_failures
@@ -26,6 +26,7 @@ from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
 from stageserve.net import SERVER_OPTIONS, listen_failed, stage_channel
 from stageserve.redis_connect import connect
+from stageserve.response_cache import open_cache
 from stageserve.scheduler_routing import scheduler_router
 from stageserve.service_runtime import run_server
 from stageserve.settings import Settings
@@ -76,6 +77,8 @@ async def serve(
     dataplane.shared.start()
     dataplane.log_control = LogControl(redis)
     dataplane.cache = open_cache(gateway.response_cache, redis, settings.redis_client)
+    if dataplane.cache is not None:
+        dataplane.cache_metrics = CacheMetrics(dataplane.cache.size)
     dataplane.traces = TraceSettings(TraceStore(redis), parse_trace_config(gateway.trace_config))
     await dataplane.traces.start()
     republisher = Republisher(lifecycle, redis, gateway)

@@ -20,8 +20,9 @@ from stageserve.config import EnsembleStep, ModelSpec
 from stageserve.errors import StageError, internal, invalid
 from stageserve.generated import stageserve_pb2 as pb
 
-# Runs one request against a model (by name) and returns its response.
-Submit = Callable[[pb.ScheduleRequest], Awaitable[pb.ScheduleResponse]]
+# Runs one request against a model (by name) and returns its response; it
+# marks the step's StepStat when the response cache answered or kept it.
+Submit = Callable[[pb.ScheduleRequest, pb.StepStat], Awaitable[pb.ScheduleResponse]]
 
 
 class EnsembleReadiness:
@@ -133,23 +134,22 @@ async def _run_step(
         span = await start_step_span(msg, request, start)
         if span is None:  # triton mode: the step's times come back in its Timing
             request.traceparent = msg.traceparent
+    stat = pb.StepStat(model=step.model)
     try:
-        resp = await submit(request)
+        resp = await submit(request, stat)
     except StageError as err:
         resp = _error(request, err)
     if span is not None:
         span.end(time.monotonic_ns(), resp)
-    stat = pb.StepStat(
-        model=step.model,
-        version=request.version,
-        timing=resp.timing,
-        batch_size=max(msg.batch_size, 1),
-        duration_ns=time.monotonic_ns() - start,
-        failure=resp.failure,
-        message=resp.message,
-        model_error=resp.model_error,
-        start_ns=start if msg.traceparent else 0,
-    )
+    stat.version = request.version
+    stat.timing.CopyFrom(resp.timing)
+    stat.batch_size = max(msg.batch_size, 1)
+    stat.duration_ns = time.monotonic_ns() - start
+    stat.failure = resp.failure
+    stat.message = resp.message
+    stat.model_error = resp.model_error
+    if msg.traceparent:
+        stat.start_ns = start
     return resp, [*resp.steps, stat]
 
 

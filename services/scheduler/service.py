@@ -15,12 +15,14 @@ from services.scheduler.execute_request import error_response
 from services.scheduler.model_queue import ModelQueue
 from services.scheduler.sequence_queue import make_sequence_queue
 from services.scheduler.shard_member import ShardMember
+from services.scheduler.step_cache import StepCache
 from stageserve import trace_spans
 from stageserve.errors import StageError, stage_fault, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import LoadedModel, ModelStateStore
 from stageserve.redis_connect import connect
+from stageserve.response_cache import open_cache
 from stageserve.scheduler_link import SchedulerLink
 from stageserve.scheduler_routing import SchedulerRouter
 from stageserve.settings import SchedulerSettings, Settings
@@ -63,6 +65,8 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         self.shard: ShardMember | None = None
         # Ensemble steps whose composing model another scheduler owns go there.
         self.peers: SchedulerRouter | None = None
+        # --cache-config's response cache for ensemble steps; None: none kept
+        self.step_cache: StepCache | None = None
 
     async def _not_ours(self, msg: pb.ScheduleRequest, respond) -> bool:
         """Refuse (NOT_OWNER, which the gateway resends to the owner) a request
@@ -186,8 +190,11 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             log.exception("ensemble failed", extra={"model": msg.model})
             respond(error_response(msg.id, stage_fault(f"ensemble error: {exc}")))
 
-    async def _submit_step(self, request: pb.ScheduleRequest) -> pb.ScheduleResponse:
-        """One ensemble step: an internal request to a composing model."""
+    async def _submit_step(
+        self, request: pb.ScheduleRequest, stat: pb.StepStat
+    ) -> pb.ScheduleResponse:
+        """One ensemble step: an internal request to a composing model,
+        answered from the response cache where the model enables it."""
         loaded = self.models.get(request.model) or await self._model(request.model, -1)
         if loaded is None:
             raise unavailable(f"composing model '{request.model}' is not loaded")
@@ -209,6 +216,15 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 f"does not support inside ensembles",
             )
         check_step_input(loaded.spec, request)
+        if self.step_cache is None:
+            return await self._execute_step(request, loaded)
+        return await self.step_cache.run(
+            request, loaded.spec, stat, lambda: self._execute_step(request, loaded)
+        )
+
+    async def _execute_step(
+        self, request: pb.ScheduleRequest, loaded: LoadedModel
+    ) -> pb.ScheduleResponse:
         shard, peers = self.shard, self.peers
         if shard is not None and peers is not None and not await shard.holds(request.model):
             return await peers.schedule(request)  # its owner runs it
@@ -310,6 +326,8 @@ async def serve(
     ratelimiter = RateLimiterClient(ratelimiter_address, settings.scheduler, settings.stage_tls)
     workers = WorkerClients(settings.scheduler.execute_timeout_s, settings.stage_tls)
     service = SchedulerService(ModelStateStore(redis), ratelimiter, workers, settings.scheduler)
+    cache = open_cache(settings.scheduler.response_cache, redis, settings.redis_client)
+    service.step_cache = StepCache(cache) if cache is not None else None
     server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_SchedulerServicer_to_server(service, server)
     # The address peers dial goes into the shard map: bind before joining.
@@ -337,5 +355,7 @@ async def serve(
             await service.peers.close()
         await ratelimiter.close()
         await workers.close()
+        if service.step_cache is not None:
+            await service.step_cache.close()
         await asyncio.to_thread(spans.close)
         await redis.aclose()

@@ -135,7 +135,7 @@ class ScheduleResponse(_message.Message):
     def __init__(self, id: _Optional[int] = ..., failure: _Optional[_Union[FailureReason, str]] = ..., message: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepStat, _Mapping]]] = ..., more: _Optional[bool] = ..., no_response: _Optional[bool] = ..., model_error: _Optional[bool] = ...) -> None: ...
 
 class StepStat(_message.Message):
-    __slots__ = ("model", "version", "timing", "batch_size", "duration_ns", "failure", "message", "model_error", "start_ns")
+    __slots__ = ("model", "version", "timing", "batch_size", "duration_ns", "failure", "message", "model_error", "start_ns", "cache_hit", "cache_miss", "cache_ns")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,9 @@ class StepStat(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ERROR_FIELD_NUMBER: _ClassVar[int]
     START_NS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_NS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     timing: Timing
@@ -154,7 +157,10 @@ class StepStat(_message.Message):
     message: str
     model_error: bool
     start_ns: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., batch_size: _Optional[int] = ..., duration_ns: _Optional[int] = ..., failure: _Optional[_Union[FailureReason, str]] = ..., message: _Optional[str] = ..., model_error: _Optional[bool] = ..., start_ns: _Optional[int] = ...) -> None: ...
+    cache_hit: bool
+    cache_miss: bool
+    cache_ns: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., batch_size: _Optional[int] = ..., duration_ns: _Optional[int] = ..., failure: _Optional[_Union[FailureReason, str]] = ..., message: _Optional[str] = ..., model_error: _Optional[bool] = ..., start_ns: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., cache_miss: _Optional[bool] = ..., cache_ns: _Optional[int] = ...) -> None: ...
 
 class ScheduleBatch(_message.Message):
     __slots__ = ("requests",)

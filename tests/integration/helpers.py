@@ -269,7 +269,8 @@ def two_paths(
     root: Path, gateway_args: tuple[str, ...] = (), **stack_kwargs
 ) -> Iterator[tuple[RunningStack, Child, grpcclient.InferenceServerClient]]:
     """The stack plus a second scheduler and a gateway ("gateway-2", started with
-    `gateway_args` too) in front of it; `stack_kwargs` go to running_stack."""
+    `gateway_args` too) in front of it; `stack_kwargs` go to running_stack (its
+    scheduler_extra to the second scheduler too)."""
     with running_stack(root, **stack_kwargs) as running:
         common = [
             "--listen",
@@ -280,7 +281,14 @@ def two_paths(
             running.ratelimiter.address,
         ]
         sched2 = running.stack.start_service(
-            "scheduler-2", ["scheduler", *common, "--scheduler-id", "scheduler-2"]
+            "scheduler-2",
+            [
+                "scheduler",
+                *common,
+                "--scheduler-id",
+                "scheduler-2",
+                *stack_kwargs.get("scheduler_extra", ()),
+            ],
         )
         gw2 = running.stack.start_service(
             "gateway-2",

@@ -10,11 +10,14 @@ them: tests/unit/test_python_exec_env.py and below)."""
 
 from __future__ import annotations
 
+import bz2
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,13 +33,16 @@ from tests.stack import RunningStack, running_stack
 OLD_NUMPY = "1.26.4"
 ENV_PARAMETER = 'parameters { key: "EXECUTION_ENV_PATH" value { string_value: "%s" } }\n'
 PROCESS = 'parameters { key: "STAGESERVE_INSTANCE_PROCESS" value { string_value: "%s" } }\n'
-# Triton 2.51 answers INVALID_ARGUMENT "load failed for model ..." to every
-# failed load (checked). Here the code says where it failed: a model whose
-# environment cannot be prepared fails at the gateway's auto-complete (it
-# runs auto_complete_config in the environment, as Triton does), INTERNAL;
-# a load a worker failed is UNAVAILABLE (docs/architecture.md).
-AUTOCOMPLETE_FAILED = "StatusCode.INTERNAL"
+# Triton 2.51 answers INVALID_ARGUMENT "load failed for model ..." to a model
+# whose environment is missing, not an archive or without bin/activate
+# (test_the_reasons_are_tritons runs it). The gateway's auto-complete finds
+# these first (it runs auto_complete_config in the environment, as Triton
+# does) and answers Triton's code; a load a worker failed (auto-complete off,
+# or the in-process refusal) is UNAVAILABLE (docs/architecture.md).
+AUTOCOMPLETE_FAILED = "StatusCode.INVALID_ARGUMENT"
 WORKER_FAILED = "StatusCode.UNAVAILABLE"
+# py_big_env's archive: 2-4 s to unpack on the 2-core dev machine.
+BIG_ENV_MB = 256
 
 # SUM: the request's values accumulated in an int32 output; VERSION: numpy's;
 # PREFIX: the interpreter's environment; PID: the process that executed.
@@ -122,6 +128,20 @@ def env_archive(packed_env: Path) -> Path:
     return archive
 
 
+def _write_slow_archive(path: Path, megabytes: int) -> None:
+    """A bzip2'd tar of one file of zeros (no bin/activate): a few kilobytes
+    that take seconds to unpack (bzip2 streams, one per MiB, concatenated:
+    tarfile reads them as one)."""
+    member = tarfile.TarInfo("zeros.bin")
+    member.size = megabytes << 20
+    chunk = bz2.compress(bytes(1 << 20))
+    with path.open("wb") as f:
+        f.write(bz2.compress(member.tobuf(format=tarfile.GNU_FORMAT)))
+        for _ in range(megabytes):
+            f.write(chunk)
+        f.write(bz2.compress(bytes(2 * tarfile.BLOCKSIZE)))  # the end-of-archive blocks
+
+
 @pytest.fixture(scope="module")
 def env_stack(
     tmp_path_factory: pytest.TempPathFactory, packed_env: Path, env_archive: Path
@@ -144,6 +164,8 @@ def env_stack(
     write_python_model(
         root, "py_env_thread", SOURCE, _config("py_env_thread", str(env_archive), process="false")
     )
+    write_python_model(root, "py_big_env", SOURCE, _config("py_big_env", here))
+    _write_slow_archive(root / "py_big_env" / "env.tar.gz", BIG_ENV_MB)
     loaded = ("py_env", "py_env_shared", "py_env_dir", "py_plain")
     with running_stack(root, control_mode="explicit", load_models=loaded) as s:
         yield s
@@ -249,9 +271,11 @@ def test_a_path_that_does_not_exist_fails_the_load(env_stack: RunningStack) -> N
 
 def test_the_reasons_are_tritons(env_stack: RunningStack, tmp_path: Path) -> None:
     """Real Triton 2.51 on the same repository: a path that does not
-    resolve and an environment without bin/activate fail its load with the
-    reason ours gives."""
-    models = ("py_missing", "py_no_activate")
+    resolve, a file that is not an archive and an environment without
+    bin/activate fail its load with the code ours gives, the first and last
+    with the reason ours gives too (for the second ours says more than
+    Triton's "archive_read_open_filename() failed.")."""
+    models = ("py_missing", "py_no_activate", "py_garbage")
     explicit = ("--model-control-mode", "explicit")
     with (
         triton_grpc(env_stack.repository, tmp_path, [], *explicit) as url,
@@ -262,8 +286,11 @@ def test_the_reasons_are_tritons(env_stack: RunningStack, tmp_path: Path) -> Non
                 triton.load_model(model)
             message = info.value.message()
             assert message.startswith(f"load failed for model '{model}': version 1 is at ")
-            reason = message.split("UNAVAILABLE state: Internal: ", 1)[1].rstrip(";\n")
-            assert reason in _load_error(env_stack, model).message()
+            ours = _load_error(env_stack, model)
+            assert ours.status() == info.value.status() == AUTOCOMPLETE_FAILED
+            if model != "py_garbage":
+                reason = message.split("UNAVAILABLE state: Internal: ", 1)[1].rstrip(";\n")
+                assert reason in ours.message()
 
 
 def test_a_file_that_is_not_an_archive_fails_the_load(env_stack: RunningStack) -> None:
@@ -286,4 +313,41 @@ def test_an_environment_cannot_run_in_the_workers_process(env_stack: RunningStac
     assert (
         "parameter EXECUTION_ENV_PATH needs a process per instance, and parameter "
         "STAGESERVE_INSTANCE_PROCESS is 'false'" in error.message()
+    )
+
+
+def test_the_gateway_answers_while_an_archive_unpacks(env_stack: RunningStack) -> None:
+    """The gateway reads a model (auto-complete, which unpacks its archive)
+    off its event loop: ServerLive and another model's inference answer
+    while py_big_env's archive unpacks, each in a fraction of the load's
+    time, and the load then fails with Triton's code (no bin/activate)."""
+    done = threading.Event()
+    failures: list[InferenceServerException] = []
+
+    def load() -> None:
+        try:
+            with env_stack.client() as c:
+                c.load_model("py_big_env", client_timeout=120)
+        except InferenceServerException as exc:
+            failures.append(exc)
+        finally:
+            done.set()
+
+    started = time.monotonic()
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    latencies = []
+    with env_stack.client() as c:
+        while not done.is_set():
+            sent = time.monotonic()
+            assert c.is_server_live()
+            assert _infer(c, "py_plain", [40, 2])["sum"] == 42
+            latencies.append(time.monotonic() - sent)
+    loader.join(10)
+    load_s = time.monotonic() - started
+    assert len(failures) == 1 and failures[0].status() == AUTOCOMPLETE_FAILED
+    assert "The Python environment should contain an 'activate' script." in failures[0].message()
+    assert load_s > 1.0, f"the archive unpacked in {load_s:.2f}s: too fast to tell"
+    assert len(latencies) >= 3 and max(latencies) < load_s / 2, (
+        f"slowest answer {max(latencies):.2f}s of {len(latencies)} during a {load_s:.2f}s load"
     )

@@ -9,7 +9,6 @@ from __future__ import annotations
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -48,6 +47,33 @@ TENSORS = "\n".join(
     f'{{ name: "{kind.upper()}1" data_type: TYPE_INT32 dims: [ 16 ] }} ]'
     for kind in ("input", "output")
 )
+# Ensembles over the cached model and over one without the cache, the
+# ensemble's own cache on or off: Triton 2.51 caches a top-level request to
+# an ensemble that enables the cache, and a composing model's cache applies
+# inside an ensemble (checked: test_ensembles_and_cache_wide_metrics_match_triton).
+INNER_PLAIN = "inner_plain"
+ENSEMBLES = {
+    "ens_cached": (INNER_PLAIN, True),
+    "ens_over_cached": (MODEL, False),
+}
+
+
+def _ensemble_config(name: str, inner: str, cache: bool) -> str:
+    maps = "".join(
+        f' {kind} {{ key: "{t}" value: "{t}" }}'
+        for kind, names in (
+            ("input_map", ("INPUT0", "INPUT1")),
+            ("output_map", ("OUTPUT0", "OUTPUT1")),
+        )
+        for t in names
+    )
+    return (
+        f'name: "{name}"\nplatform: "ensemble"\nmax_batch_size: 8\n{TENSORS}\n'
+        f'ensemble_scheduling {{ step [ {{ model_name: "{inner}" model_version: -1{maps} }} ] }}\n'
+        + (CACHE if cache else "")
+    )
+
+
 REFUSED = {
     "dec": "model_transaction_policy { decoupled: true }",
     "seq": "sequence_batching { }",
@@ -69,6 +95,10 @@ def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stacks]:
     model_dir = write_simple(root)
     with (model_dir / "config.pbtxt").open("a") as f:
         f.write(CACHE)
+    write_simple(root, INNER_PLAIN)
+    for name, (inner, cached) in ENSEMBLES.items():
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(_ensemble_config(name, inner, cached))
     for name, extra in REFUSED.items():  # refused at load, as Triton refuses them
         (root / name / "1").mkdir(parents=True)
         (root / name / "1" / "model.py").write_text(TRITON_MODEL_PY)
@@ -78,7 +108,13 @@ def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stacks]:
     metrics_port = free_port()
     cache = ("--cache-config", "redis")
     keep_going = ("--exit-on-error", "false")  # past the refused models
-    with two_paths(root, cache + keep_going, metrics_port=metrics_port, gateway_extra=cache) as (
+    with two_paths(
+        root,
+        cache + keep_going,
+        metrics_port=metrics_port,
+        gateway_extra=cache,
+        scheduler_extra=cache,  # composing models inside ensembles
+    ) as (
         running,
         sched_b,
         client_b,
@@ -126,11 +162,15 @@ def _ab(seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _infer(
-    client, seed: int, outputs: tuple[str, ...] = (), check_names: bool = True
+    client,
+    seed: int,
+    outputs: tuple[str, ...] = (),
+    check_names: bool = True,
+    model: str = MODEL,
 ) -> dict[str, np.ndarray]:
     a, b = _ab(seed)
     requested = [grpcclient.InferRequestedOutput(o) for o in outputs] or None
-    result = client.infer(MODEL, simple_inputs(a, b), outputs=requested)
+    result = client.infer(model, simple_inputs(a, b), outputs=requested)
     got = {o.name: result.as_numpy(o.name) for o in result.get_response().outputs}
     want = {"OUTPUT0": a + b, "OUTPUT1": a - b}
     assert not check_names or set(got) == (set(outputs) or set(want))
@@ -139,8 +179,8 @@ def _infer(
     return got
 
 
-def _stats(client) -> dict[str, int]:
-    s = client.get_inference_statistics(MODEL).model_stats[0]
+def _stats(client, model: str = MODEL) -> dict[str, int]:
+    s = client.get_inference_statistics(model).model_stats[0]
     st = s.inference_stats
     return {
         "success": st.success.count,
@@ -239,6 +279,15 @@ def test_without_cache_config_the_model_runs_uncached(stacks: Stacks) -> None:
     assert wait_until(lambda: _stats(stacks.running.client())["execution_count"] - executions == 2)
 
 
+def _settled(stacks: Stacks) -> None:
+    """Until both gateways report the same statistics of MODEL: each publishes
+    its own to the stack periodically, so an earlier test's requests on one
+    gateway reach the other's figures a moment later (seen as one extra hit
+    in a delta taken across that moment)."""
+    a = stacks.running.client()
+    assert wait_until(lambda: _stats(a) == _stats(stacks.gateway_b), 10)
+
+
 def test_a_hit_writes_shared_memory_outputs(stacks: Stacks) -> None:
     """Outputs asked into a system shared-memory region get the cached bytes
     there, as a run writes them (Triton 2.51 caches such requests too)."""
@@ -247,6 +296,7 @@ def test_a_hit_writes_shared_memory_outputs(stacks: Stacks) -> None:
     import tritonclient.utils.shared_memory as shm
 
     client = stacks.running.client()
+    _settled(stacks)
     tag = uuid.uuid4().hex[:8]
     a, b = _ab(400)
     region = shm.create_shared_memory_region(f"out-{tag}", f"/ss-cache-{tag}", 2 * a.nbytes)
@@ -271,33 +321,106 @@ def test_a_hit_writes_shared_memory_outputs(stacks: Stacks) -> None:
         shm.destroy_shared_memory_region(region)
 
 
-Observed = tuple[dict[str, int], dict[str, float], set[str]]
+# The cache-wide gauges Triton 2.51 exposes with a local cache (checked).
+CACHE_WIDE = (
+    "nv_cache_util",
+    "nv_cache_num_entries",
+    "nv_cache_num_hits",
+    "nv_cache_num_misses",
+    "nv_cache_num_lookups",
+    "nv_cache_num_evictions",
+    "nv_cache_lookup_duration",
+    "nv_cache_insertion_duration",
+)
 
 
-def _sequence_on_ours(stacks: Stacks) -> Observed:
-    """The deltas of the sequence on gateway A, then the outputs a request for
-    OUTPUT1 alone gets after the full answer was cached."""
+def _cache_wide(url: str) -> dict[str, float]:
+    """Every nv_cache_* sample without labels."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("nv_cache_") and "{" not in line:
+            name, value = line.split(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+@dataclass
+class Observed:
+    stats: dict[str, int]  # the sequence's statistics of MODEL
+    metrics: dict[str, float]  # ... and its per-model metrics
+    subset: set[str]  # the outputs a request for OUTPUT1 alone gets, once cached
+    cache_before: dict[str, float]  # the cache-wide gauges before the sequence
+    cache_after: dict[str, float]  # ... and after it
+    ensembles: dict[str, dict[str, int]]  # _ensemble_pairs
+    ensemble_lookups: float  # how far they moved nv_cache_num_lookups
+
+
+def _ensemble_pairs(client) -> dict[str, dict[str, int]]:
+    """Each ensemble asked the same twice: how the statistics of every model
+    involved moved."""
+    models = (*ENSEMBLES, INNER_PLAIN, MODEL)
+    before = {m: _stats(client, m) for m in models}
+    for seed, name in enumerate(ENSEMBLES):
+        for _ in range(2):
+            _infer(client, 3000 + seed, model=name)
+    keys = ("success", "cache_hit", "cache_miss", "execution_count")
+
+    def delta() -> dict[str, dict[str, int]]:
+        now = {m: _stats(client, m) for m in models}
+        return {m: {k: now[m][k] - before[m][k] for k in keys} for m in models}
+
+    # Triton's Python backend reports a request's statistics just after answering it
+    wait_until(lambda: all(d["success"] >= 2 for m, d in delta().items() if m in ENSEMBLES))
+    return delta()
+
+
+@pytest.fixture(scope="module")
+def on_ours(stacks: Stacks) -> Observed:
+    """The deltas of the sequence on gateway A, the outputs a request for
+    OUTPUT1 alone gets after the full answer was cached, then the ensembles;
+    run once."""
     a = stacks.running.client()
+    _settled(stacks)
     before, m_before = _stats(a), _metrics(stacks.metrics_url, METRICS)
+    cache_before = _cache_wide(stacks.metrics_url)
     for seed in SEQUENCE:
         _infer(a, 1000 + seed)
     after, m_after = _stats(a), _metrics(stacks.metrics_url, METRICS)
-    return (
+    cache_after = _cache_wide(stacks.metrics_url)
+    subset = set(_infer(a, 1000 + SEQUENCE[0], ("OUTPUT1",), check_names=False))
+    lookups = _cache_wide(stacks.metrics_url)["nv_cache_num_lookups"]
+    ensembles = _ensemble_pairs(a)
+    return Observed(
         {k: after[k] - before[k] for k in after},
         {k: m_after.get(k, 0) - m_before.get(k, 0) for k in METRICS},
-        set(_infer(a, 1000 + SEQUENCE[0], ("OUTPUT1",), check_names=False)),
+        subset,
+        cache_before,
+        cache_after,
+        ensembles,
+        _cache_wide(stacks.metrics_url)["nv_cache_num_lookups"] - lookups,
     )
 
 
-def _sequence_on_triton(tmp: Path) -> Observed:
-    install = find_triton()
+@pytest.fixture(scope="module")
+def on_triton(tmp_path_factory: pytest.TempPathFactory) -> Observed:
+    """The same on real Triton 2.51 with `--cache-config local`, run once."""
+    try:
+        install = find_triton()
+    except ReferenceNotInstalled as exc:
+        pytest.skip(str(exc))
+    tmp = tmp_path_factory.mktemp("cache_triton")
     repo = tmp / "repo"
-    (repo / MODEL / "1").mkdir(parents=True)
-    (repo / MODEL / "1" / "model.py").write_text(TRITON_MODEL_PY)
-    (repo / MODEL / "config.pbtxt").write_text(
-        f'name: "{MODEL}"\nbackend: "python"\nmax_batch_size: 8\n{TENSORS}\n'
-        f"dynamic_batching {{ }}\n{CACHE}"
-    )
+    for name in (MODEL, INNER_PLAIN):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.py").write_text(TRITON_MODEL_PY)
+        (repo / name / "config.pbtxt").write_text(
+            f'name: "{name}"\nbackend: "python"\nmax_batch_size: 8\n{TENSORS}\n'
+            f"dynamic_batching {{ }}\n{CACHE if name == MODEL else ''}"
+        )
+    for name, (inner, cached) in ENSEMBLES.items():
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(_ensemble_config(name, inner, cached))
     port, metrics_port = free_port(), free_port()
     cmd = [
         str(install.binary),
@@ -315,31 +438,82 @@ def _sequence_on_triton(tmp: Path) -> Observed:
     log = tmp / "tritonserver.log"
     proc = _popen(cmd, log, env=install.env(), cwd=tmp)
     try:
-        url = f"127.0.0.1:{port}"
-        wait_ready(url, [MODEL], 120, [proc], log)
+        url, metrics_url = f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
+        wait_ready(url, [MODEL, INNER_PLAIN, *ENSEMBLES], 120, [proc], log)
         client = grpcclient.InferenceServerClient(url)
+        cache_before = _cache_wide(metrics_url)
         for seed in SEQUENCE:
             _infer(client, 1000 + seed)
         # Triton's Python backend reports a request's statistics just after answering it
         assert wait_until(lambda: _stats(client)["success"] == len(SEQUENCE))
         stats = _stats(client)
-        metrics = _metrics(f"http://127.0.0.1:{metrics_port}/metrics", METRICS)
+        metrics = _metrics(metrics_url, METRICS)
+        # Triton refreshes its cache-wide gauges every --metrics-interval-ms (2 s)
+        assert wait_until(
+            lambda: _cache_wide(metrics_url)["nv_cache_num_lookups"] == len(SEQUENCE), 10
+        )
+        cache_after = _cache_wide(metrics_url)
         subset = set(_infer(client, 1000 + SEQUENCE[0], ("OUTPUT1",), check_names=False))
-        return stats, metrics, subset
+
+        def lookups() -> float:
+            return _cache_wide(metrics_url)["nv_cache_num_lookups"]
+
+        wait_until(lambda: lookups() == len(SEQUENCE) + 1, 10)
+        lookups_before = lookups()
+        ensembles = _ensemble_pairs(client)
+        # 2 top-level lookups of ens_cached, 2 of ens_over_cached's step (what
+        # ours counts); a refresh that does not come leaves the diff to fail
+        wait_until(lambda: lookups() == lookups_before + 4, 10)
+        return Observed(
+            stats,
+            metrics,
+            subset,
+            cache_before,
+            cache_after,
+            ensembles,
+            lookups() - lookups_before,
+        )
     finally:
         stop_process(proc)
 
 
-def test_statistics_and_metrics_match_triton(stacks: Stacks, tmp_path: Path) -> None:
-    try:
-        find_triton()
-    except ReferenceNotInstalled as exc:
-        pytest.skip(str(exc))
-    ours, our_metrics, our_subset = _sequence_on_ours(stacks)
-    theirs, their_metrics, their_subset = _sequence_on_triton(tmp_path)
-    assert ours == theirs, (ours, theirs)
-    assert our_metrics == their_metrics, (our_metrics, their_metrics)
-    assert theirs["cache_hit"] == 3 and theirs["cache_miss"] == 2
+def test_statistics_and_metrics_match_triton(on_ours: Observed, on_triton: Observed) -> None:
+    ours, theirs = on_ours, on_triton
+    assert ours.stats == theirs.stats, (ours.stats, theirs.stats)
+    assert ours.metrics == theirs.metrics, (ours.metrics, theirs.metrics)
+    assert theirs.stats["cache_hit"] == 3 and theirs.stats["cache_miss"] == 2
     # Kept different on purpose (README, Response cache): Triton's key has no
     # requested outputs, so it answers every output the cached request got.
-    assert their_subset == {"OUTPUT0", "OUTPUT1"} and our_subset == {"OUTPUT1"}
+    assert theirs.subset == {"OUTPUT0", "OUTPUT1"} and ours.subset == {"OUTPUT1"}
+    # The cache-wide gauges: the same names, moved alike by the sequence
+    # (this gateway's lookups; the entries of the Redis cache it shares).
+    assert set(ours.cache_after) == set(theirs.cache_after) == set(CACHE_WIDE)
+    assert set(theirs.cache_before) == set(CACHE_WIDE)  # there from the start
+
+    def moved(o: Observed) -> dict[str, float]:
+        counts = ("nv_cache_num_entries", "nv_cache_num_hits", "nv_cache_num_misses",
+                  "nv_cache_num_lookups", "nv_cache_num_evictions")  # fmt: skip
+        return {n: o.cache_after[n] - o.cache_before[n] for n in counts}
+
+    assert moved(ours) == moved(theirs), (moved(ours), moved(theirs))
+    assert moved(theirs)["nv_cache_num_lookups"] == len(SEQUENCE)
+    for o in (ours, theirs):
+        assert 0 < o.cache_after["nv_cache_util"] <= 1
+        assert o.cache_after["nv_cache_util"] > o.cache_before["nv_cache_util"]
+
+
+def test_ensembles_match_triton(on_ours: Observed, on_triton: Observed) -> None:
+    """An ensemble that enables the cache is cached as a whole (its composing
+    model runs once for two equal requests); a composing model that enables
+    it is cached inside an ensemble that does not: as Triton 2.51 does."""
+    ours = on_ours.ensembles
+    assert ours == on_triton.ensembles, (ours, on_triton.ensembles)
+    # every lookup counts in the cache-wide gauges, inside an ensemble too
+    assert on_ours.ensemble_lookups == on_triton.ensemble_lookups == 4
+    assert on_triton.ensembles["ens_cached"] == {
+        "success": 2, "cache_hit": 1, "cache_miss": 1, "execution_count": 1,
+    }  # fmt: skip
+    assert on_triton.ensembles[INNER_PLAIN]["execution_count"] == 1
+    assert on_triton.ensembles[MODEL] == {
+        "success": 2, "cache_hit": 1, "cache_miss": 1, "execution_count": 1,
+    }  # fmt: skip

@@ -8,7 +8,13 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from services.gateway.response_cache import (
+from services.gateway.cache_metrics import CacheMetrics
+from stageserve import redis_keys as keys
+from stageserve.cache_options import DEFAULT_REDIS_SIZE, CacheConfig, parse_cache_config
+from stageserve.config import ConfigError, parse_config_text, to_spec
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.response_cache import (
+    CacheUsage,
     LocalCache,
     LruBytes,
     RedisCache,
@@ -16,12 +22,9 @@ from services.gateway.response_cache import (
     encode_entry,
     request_key,
 )
-from stageserve import redis_keys as keys
-from stageserve.cache_options import DEFAULT_REDIS_SIZE, CacheConfig, parse_cache_config
-from stageserve.config import ConfigError, parse_config_text, to_spec
-from stageserve.generated import stageserve_pb2 as pb
 from stageserve.settings import Settings
 from stageserve.statistics import ModelVersionStats
+from stageserve.telemetry import TritonMetrics
 
 
 def _t(name: str, raw: bytes, shape=(1, 4), dtype: str = "FP32") -> pb.Tensor:
@@ -107,9 +110,9 @@ def test_lru_replacing_a_key_counts_its_bytes_once() -> None:
 def test_local_cache_is_the_lru() -> None:
     async def body() -> None:
         cache = LocalCache(8)
-        await cache.insert(b"k", b"12345678")
+        assert await cache.insert(b"k", b"12345678") == CacheUsage(0, 1, 8)
         assert await cache.lookup(b"k") == b"12345678"
-        await cache.insert(b"k2", b"1")
+        assert await cache.insert(b"k2", b"1") == CacheUsage(1, 1, 1)
         assert await cache.lookup(b"k") is None  # evicted: 9 bytes > 8
 
     asyncio.run(body())
@@ -124,14 +127,16 @@ def test_redis_cache_evicts_by_bytes_and_shares_between_clients(redis_url: str) 
         try:
             await r1.delete(keys.CACHE_RECENCY, keys.CACHE_SIZES, keys.CACHE_BYTES)
             one, two = RedisCache(r1, 10), RedisCache(r2, 10)  # two gateways
-            await one.insert(b"a", b"1234")
-            await two.insert(b"b", b"1234")
+            assert await one.insert(b"a", b"1234") == CacheUsage(0, 1, 4)
+            assert await two.insert(b"b", b"1234") == CacheUsage(0, 2, 8)  # the shared count
             assert await two.lookup(b"a") == b"1234"  # a is now the most recent
-            await one.insert(b"c", b"1234")  # 12 > 10: b (least recent) goes
+            # 12 > 10: b (least recent) goes
+            assert await one.insert(b"c", b"1234") == CacheUsage(1, 2, 8)
             assert await one.lookup(b"b") is None
             assert await two.lookup(b"c") == b"1234"
             assert await one.held_bytes() == 8
-            await one.insert(b"big", b"x" * 11)  # over the budget: not kept, nothing evicted
+            # over the budget: not kept, nothing evicted
+            assert await one.insert(b"big", b"x" * 11) == CacheUsage(0, 2, 8)
             assert await one.lookup(b"big") is None and await one.held_bytes() == 8
             await one.insert(b"a", b"123")  # replaced: counted once
             assert await one.held_bytes() == 7
@@ -147,7 +152,7 @@ def test_own_redis_with_triton_options_serves_the_cache(redis_url: str) -> None:
     """--cache-config redis,host=...,port=... with a bounded pool and timeouts."""
     from urllib.parse import urlparse
 
-    from services.gateway.response_cache import open_cache
+    from stageserve.response_cache import open_cache
     from stageserve.settings import RedisClientSettings
 
     where = urlparse(redis_url)
@@ -322,6 +327,73 @@ def test_cache_config_flag_reaches_the_gateway_settings(command: str) -> None:
         _settings(parser, parser.parse_args([command, *extra, "--cache-config", "x"]), Settings())
 
 
+def test_cache_config_flag_reaches_the_scheduler_settings() -> None:
+    """A scheduler keeps the cache of ensemble steps (services/scheduler/step_cache.py)."""
+    from stageserve.cli import _settings, build_parser
+
+    parser = build_parser()
+    extra = ["--redis-url", "redis://r"]
+    config = CacheConfig("local", 4096)
+    args = parser.parse_args(["scheduler", *extra, *config.argv()])
+    assert _settings(parser, args, Settings()).scheduler.response_cache == config
+    plain = parser.parse_args(["scheduler", *extra])
+    assert _settings(parser, plain, Settings()).scheduler.response_cache is None
+
+
+# ------------------------------------------------------------ ensemble steps
+
+
+def _step_spec(cache: bool):
+    text = (
+        'name: "m" platform: "onnxruntime_onnx" max_batch_size: 8 '
+        'input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ] '
+        'output [ { name: "A" data_type: TYPE_FP32 dims: [ 4 ] }, '
+        '{ name: "B" data_type: TYPE_FP32 dims: [ 4 ] } ] '
+        + ("response_cache { enable: true }" if cache else "")
+    )
+    return to_spec(parse_config_text(text))
+
+
+def test_a_step_hits_what_a_direct_request_stored_and_marks_its_stat() -> None:
+    from services.scheduler.step_cache import StepCache
+
+    async def body() -> None:
+        local = LocalCache(1 << 20)
+        steps = StepCache(local)
+        spec = _step_spec(cache=True)
+        inputs = [_t("IN", b"\x00" * 16)]
+        runs: list[int] = []
+
+        async def execute() -> pb.ScheduleResponse:
+            runs.append(1)
+            return pb.ScheduleResponse(outputs=[_t("A", b"a" * 16), _t("B", b"b" * 16)])
+
+        def step(outputs: list[str]) -> pb.ScheduleRequest:
+            return pb.ScheduleRequest(
+                model="m", version=1, config_generation=3, inputs=inputs, outputs=outputs
+            )
+
+        # every output named: the entry of a direct request for all (the gateway's key)
+        await local.insert(request_key("m", 1, 3, inputs, []), encode_entry([_t("A", b"x" * 16)]))
+        stat = pb.StepStat()
+        got = await steps.run(step(["A", "B"]), spec, stat, execute)
+        assert [t.raw for t in got.outputs] == [b"x" * 16] and not runs
+        assert stat.cache_hit and not stat.cache_miss and stat.cache_ns > 0
+        # another set of outputs: a miss, run and kept
+        stat = pb.StepStat()
+        await steps.run(step(["B"]), spec, stat, execute)
+        assert runs == [1] and stat.cache_miss and not stat.cache_hit
+        stat = pb.StepStat()
+        await steps.run(step(["B"]), spec, stat, execute)
+        assert runs == [1] and stat.cache_hit
+        # a model without response_cache: always run, nothing marked
+        stat = pb.StepStat()
+        await steps.run(step(["B"]), _step_spec(cache=False), stat, execute)
+        assert runs == [1, 1] and not (stat.cache_hit or stat.cache_miss)
+
+    asyncio.run(body())
+
+
 # ------------------------------------------------------------------ metrics
 
 
@@ -363,3 +435,34 @@ def test_hit_and_miss_move_statistics_and_triton_counters_together() -> None:
     st = book.of(model, 1).to_pb(model, 1).inference_stats
     assert (st.success.count, st.cache_hit.count, st.cache_miss.count) == (2, 1, 1)
     assert "nv_cache_num_hits_per_model{" in metrics.render()
+
+
+def test_cache_wide_metrics_count_as_tritons() -> None:
+    """Triton 2.51's nv_cache_* gauges: present (0) once the cache is, lookups
+    split into hits and misses, durations in microseconds, entries and
+    utilization as the last insertion left the cache."""
+    metrics = TritonMetrics()
+    cache = CacheMetrics(1000, metrics)
+    text = metrics.render()
+    for name in ("nv_cache_util", "nv_cache_num_entries", "nv_cache_num_lookups"):
+        assert f"# TYPE {name} gauge\n{name} 0\n" in text
+    cache.looked_up(False, 2_500)
+    cache.inserted(CacheUsage(evicted=0, entries=1, held=250), 4_000)
+    cache.looked_up(True, 1_500)
+    cache.inserted(CacheUsage(evicted=2, entries=3, held=500), 1_000)
+    cache.inserted(None, 3_000)  # Redis away: the state stays as it was
+    got = {n: metrics.get(n, ()) for n in (
+        "nv_cache_num_lookups", "nv_cache_num_hits", "nv_cache_num_misses",
+        "nv_cache_lookup_duration", "nv_cache_insertion_duration", "nv_cache_num_evictions",
+        "nv_cache_num_entries", "nv_cache_util",
+    )}  # fmt: skip
+    assert got == {
+        "nv_cache_num_lookups": 2,
+        "nv_cache_num_hits": 1,
+        "nv_cache_num_misses": 1,
+        "nv_cache_lookup_duration": 3,  # each in whole microseconds: 2 + 1
+        "nv_cache_insertion_duration": 8,
+        "nv_cache_num_evictions": 2,
+        "nv_cache_num_entries": 3,
+        "nv_cache_util": 0.5,
+    }

@@ -1,5 +1,6 @@
 """The response cache: a model's answers kept by request, so a repeated request
-is answered by the gateway without reaching the scheduler.
+is answered by the gateway without reaching the scheduler, and a repeated
+ensemble step by the scheduler without reaching a worker.
 
 A model opts in with `response_cache { enable: true }` and the gateway holds a
 cache when started with --cache-config (stageserve/cache_options.py):
@@ -27,6 +28,7 @@ import logging
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
@@ -39,6 +41,15 @@ from stageserve.redis_connect import connect, retry_options
 from stageserve.settings import RedisClientSettings
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    """A cache after an insertion: entries evicted by it, entries and bytes held."""
+
+    evicted: int
+    entries: int
+    held: int
 
 
 def request_key(
@@ -123,9 +134,15 @@ class LruBytes:
 
 
 class ResponseCache(Protocol):
+    #: the budget, bytes
+    size: int
+
     async def lookup(self, key: bytes) -> bytes | None: ...
 
-    async def insert(self, key: bytes, value: bytes) -> None: ...
+    async def insert(self, key: bytes, value: bytes) -> CacheUsage | None:
+        """Keep `value` (unless it is larger than the budget); the cache's
+        usage after it, None when it cannot tell (a Redis error)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -134,13 +151,16 @@ class LocalCache:
     """Triton's `local` cache: this gateway's memory, `size` bytes."""
 
     def __init__(self, size: int) -> None:
+        self.size = size
         self.lru = LruBytes(size)
 
     async def lookup(self, key: bytes) -> bytes | None:
         return self.lru.get(key)
 
-    async def insert(self, key: bytes, value: bytes) -> None:
+    async def insert(self, key: bytes, value: bytes) -> CacheUsage:
+        before = self.lru.evictions
         self.lru.put(key, value)
+        return CacheUsage(self.lru.evictions - before, len(self.lru), self.lru.held)
 
     async def close(self) -> None:
         pass
@@ -155,11 +175,14 @@ end
 return value
 """
 # ARGV: key, value, budget. Evicts least recently used entries until the value
-# fits; returns -1 for a value over the budget, else how many were evicted.
+# fits; returns {evicted, entries, bytes held} (evicted -1: a value over the
+# budget, not kept).
 _INSERT = """
 local size = string.len(ARGV[2])
 local budget = tonumber(ARGV[3])
-if size > budget then return -1 end
+if size > budget then
+  return {-1, redis.call('ZCARD', KEYS[2]), tonumber(redis.call('GET', KEYS[4]) or '0')}
+end
 local old = redis.call('HGET', KEYS[3], ARGV[1])
 if old then
   redis.call('DECRBY', KEYS[4], old)
@@ -180,7 +203,7 @@ redis.call('SET', KEYS[1] .. ARGV[1], ARGV[2])
 redis.call('HSET', KEYS[3], ARGV[1], size)
 redis.call('ZADD', KEYS[2], redis.call('INCR', KEYS[5]), ARGV[1])
 redis.call('SET', KEYS[4], held + size)
-return evicted
+return {evicted, redis.call('ZCARD', KEYS[2]), held + size}
 """
 
 
@@ -214,11 +237,15 @@ class RedisCache:
             return None
         return bytes(value) if value is not None else None
 
-    async def insert(self, key: bytes, value: bytes) -> None:
+    async def insert(self, key: bytes, value: bytes) -> CacheUsage | None:
         try:
-            await self._insert(keys=self._keys, args=[key.hex(), value, self.size])
+            evicted, entries, held = await self._insert(
+                keys=self._keys, args=[key.hex(), value, self.size]
+            )
         except Exception as exc:
             log.warning("response cache insert failed", extra={"error": str(exc)})
+            return None
+        return CacheUsage(max(int(evicted), 0), int(entries), int(held))
 
     async def held_bytes(self) -> int:
         return int(await self.redis.get(keys.CACHE_BYTES) or 0)

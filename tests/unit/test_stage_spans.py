@@ -281,7 +281,7 @@ ensemble_scheduling { step [
 def test_each_composing_request_is_a_span_under_the_ensembles(spans) -> None:
     steps: list[pb.ScheduleRequest] = []
 
-    async def submit(request: pb.ScheduleRequest) -> pb.ScheduleResponse:
+    async def submit(request: pb.ScheduleRequest, stat: pb.StepStat) -> pb.ScheduleResponse:
         steps.append(request)
         return pb.ScheduleResponse(
             outputs=[pb.Tensor(name="O", datatype="FP32", shape=[1, 2], raw=bytes(8))]
@@ -305,7 +305,7 @@ def test_each_composing_request_is_a_span_under_the_ensembles(spans) -> None:
 
 
 def test_an_untraced_ensemble_costs_no_span(spans) -> None:
-    async def submit(request: pb.ScheduleRequest) -> pb.ScheduleResponse:
+    async def submit(request: pb.ScheduleRequest, stat: pb.StepStat) -> pb.ScheduleResponse:
         assert not request.traceparent
         return pb.ScheduleResponse(
             outputs=[pb.Tensor(name="O", datatype="FP32", shape=[1, 2], raw=bytes(8))]

@@ -165,6 +165,10 @@ class StageResult:
     errors: dict[str, int] = field(default_factory=dict)
     # Failures whose message carries Python exception text (house rule: never).
     python_text: int = 0
+    # Calls that ended in the window's last second: healed means answers and
+    # no failures there, whatever the throughput a busy machine allows.
+    ok_last_s: int = 0
+    failed_last_s: int = 0
 
     @property
     def leaked(self) -> int:
@@ -211,6 +215,9 @@ def judge(load: Load, result: StageResult, kill_at: float, window_s: float) -> S
             result.errors[key] = result.errors.get(key, 0) + 1
             if any(mark in c.detail for mark in PYTHON_TEXT):
                 result.python_text += 1
+    last_s = kill_at + window_s - 1.0
+    result.ok_last_s = sum(1 for c in calls if c.end >= last_s and c.outcome == "ok")
+    result.failed_last_s = sum(1 for c in calls if c.end >= last_s and c.outcome != "ok")
     after = sorted(c.end for c in load.calls if c.outcome == "ok" and c.start >= kill_at)
     if after:
         result.first_ok_s = after[0] - kill_at

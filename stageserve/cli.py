@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, NoReturn, overload
+from typing import Any, overload
 
 from services.ratelimiter.options import (
     add_rate_limit_flags,
@@ -484,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             args.scheduler,
         )
     from stageserve.net import ListenFailed
+    from stageserve.service_runtime import end_on_listen_failure
 
     try:
         if args.command != "gateway" and args.metrics_port:
@@ -501,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         asyncio.run(_ending_on_listen_failure(coro))
     except ListenFailed as exc:
-        _listen_failed(exc)
+        end_on_listen_failure(exc)
     return 0
 
 
@@ -512,22 +513,12 @@ async def _ending_on_listen_failure(coro: Coroutine[Any, Any, None]) -> None:
     the shard map, trace settings) whose cancellation asyncio.run would wait
     on, and one of them has been seen to keep that wait from ending."""
     from stageserve.net import ListenFailed
+    from stageserve.service_runtime import end_on_listen_failure
 
     try:
         await coro
     except ListenFailed as exc:
-        _listen_failed(exc)
-
-
-def _listen_failed(exc: Exception) -> NoReturn:
-    """tritonserver's one line and exit code for a port it cannot bind."""
-    from stageserve.service_runtime import announce_failed
-
-    log.error(str(exc))
-    announce_failed(str(exc))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
+        end_on_listen_failure(exc)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ import faulthandler
 import json
 import logging
 import math
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -58,6 +60,18 @@ def announce_failed(reason: str) -> None:
     print(f"{FAILED_MARKER} {json.dumps(reason)}", flush=True)
 
 
+def end_on_listen_failure(exc: Exception) -> NoReturn:
+    """tritonserver's one line and exit code (1) for a port a stage cannot
+    bind, at once: nothing was served, so nothing is wound down (a stage's
+    clean-up awaits, its background tasks' cancellation, have been seen to
+    keep such an exit from ever coming)."""
+    log.error(str(exc))
+    announce_failed(str(exc))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 async def run_server(
     server: grpc.aio.Server,
     listen: str,
@@ -87,7 +101,7 @@ async def run_server(
         host = listen.rsplit(":", 1)[0]
         port = add_stage_port(server, listen, stage_tls)
         if port == 0:
-            raise listen_failed("GRPC", listen)
+            end_on_listen_failure(listen_failed("GRPC", listen))
         address = f"{host}:{port}"
     await server.start()
     serving = health_pb2.HealthCheckResponse.SERVING

@@ -28,7 +28,7 @@ from stageserve.net import SERVER_OPTIONS, listen_failed, stage_channel
 from stageserve.redis_connect import connect
 from stageserve.response_cache import open_cache
 from stageserve.scheduler_routing import scheduler_router
-from stageserve.service_runtime import run_server
+from stageserve.service_runtime import end_on_listen_failure, run_server
 from stageserve.settings import Settings
 from stageserve.shared_stats import SharedStats
 from stageserve.telemetry import serve_metrics
@@ -110,7 +110,7 @@ async def serve(
             )
             await http.start()
         except OSError as exc:
-            raise listen_failed("HTTP", http_listen, exc) from None
+            end_on_listen_failure(listen_failed("HTTP", http_listen, exc))
         announce["http"] = http.address
 
     # A gateway that shares its ports with others opens them once its startup
@@ -149,6 +149,8 @@ async def serve(
             )
         else:  # Triton's --grpc-use-ssl: the public endpoint speaks TLS only
             port = server.add_secure_port(listen, server_credentials(tls))
+            if port == 0:
+                end_on_listen_failure(listen_failed("GRPC", listen))
             address = f"{listen.rsplit(':', 1)[0]}:{port}"
             await run_server(
                 server,

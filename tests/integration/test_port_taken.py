@@ -73,7 +73,11 @@ def test_taken_port_exits_1_with_tritons_line(front: str, held_port: int, tmp_pa
     assert [m.group(1) for m in TRITON_LINE.finditer(triton_out)] == [front], triton_out[-2000:]
 
     with UpProcess(repo, [flag, str(held_port)]) as up:
-        assert up.wait(EXIT_BOUND_S) is None, "stageserve up served on a port it cannot hold"
+        try:
+            served = up.wait(EXIT_BOUND_S)
+        except TimeoutError as exc:
+            pytest.fail(f"{exc}; its log:\n" + "".join((up.out + up.err)[-60:]))
+        assert served is None, "stageserve up served on a port it cannot hold"
         assert up.proc.returncode == 1
     output = "".join(up.out + up.err)
     assert "Traceback" not in output, output[-4000:]

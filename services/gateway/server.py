@@ -21,6 +21,7 @@ from services.gateway.security import RestrictedProtocols, server_credentials
 from services.gateway.service import InferenceService
 from services.gateway.startup import StartupLoadFailed, report, startup_failures
 from services.gateway.trace_settings import TraceSettings
+from stageserve import tensor_shm
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
@@ -77,6 +78,7 @@ async def serve(
     dataplane.log_control = LogControl(redis)
     dataplane.cache = open_cache(gateway.response_cache, redis, settings.redis_client)
     dataplane.traces = TraceSettings(TraceStore(redis), parse_trace_config(gateway.trace_config))
+    dataplane.tensor_shm = tensor_shm.install(settings.stack, redis_url, "gateway")
     await dataplane.traces.start()
     republisher = Republisher(lifecycle, redis, gateway)
     await republisher.check()  # marks the model set as known before loading
@@ -174,3 +176,4 @@ async def serve(
         await link.close()
         await rl_channel.close()
         await redis.aclose()
+        tensor_shm.uninstall()

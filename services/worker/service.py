@@ -30,7 +30,7 @@ from services.worker.python_backend.bls import install as bls_install
 from services.worker.stale import stale_instances
 from services.worker.warmup import WarmupError
 from stageserve import redis_keys as keys
-from stageserve import trace_spans
+from stageserve import tensor_shm, trace_spans
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.gpus import gpu_count
@@ -431,6 +431,7 @@ async def serve(
         raise RuntimeError(f"worker: cannot listen on {listen}")
     public_host = host if host not in ("0.0.0.0", "[::]") else socket.gethostname()
     service.address = advertise or f"{public_host}:{port}"
+    tensor_shm.install(settings.stack, redis_url, "worker")
     tasks = [
         asyncio.create_task(service.follow_models_forever(redis)),
         asyncio.create_task(service.heartbeat_forever()),
@@ -455,3 +456,4 @@ async def serve(
         await channel.close()
         await asyncio.to_thread(spans.close)
         await redis.aclose()
+        tensor_shm.uninstall()

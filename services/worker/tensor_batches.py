@@ -24,6 +24,7 @@ from services.worker.batch_io import (
 from stageserve.config import ModelSpec
 from stageserve.datatypes import from_triton
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve.tensor_shm import tensor_bytes
 from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
 
 
@@ -46,7 +47,9 @@ class TensorBatches:
         """Decode, run and split one batch (`emit` is unused: not decoupled)."""
         t0 = time.monotonic_ns()
         try:
-            feeds = {t.name: raw_to_numpy(t.raw, t.datatype, t.shape) for t in request.inputs}
+            feeds = {
+                t.name: raw_to_numpy(tensor_bytes(t), t.datatype, t.shape) for t in request.inputs
+            }
             feeds.update(self._batch_inputs(request))
         except (TensorError, BatchIOError) as exc:
             raise BackendError(f"bad input tensor: {exc}") from exc

@@ -259,9 +259,10 @@ class StackSettings:
     # its host (stageserve/tensor_shm.py): 1 on, 0 off. Each gateway and
     # worker owns a region of tensor_shm_slots x tensor_shm_slot_bytes under
     # /dev/shm (pages are only committed when touched). A tensor smaller than
-    # tensor_shm_min_bytes stays inline: writing it to the region, its
-    # reference and the free cost more than the stream copies it saves
-    # (docs/benchmarks.md, "Tensor bytes through shared memory").
+    # tensor_shm_min_bytes stays inline: for it the region write, the
+    # reference and the free outweigh the stream copies saved. 16 KiB is a
+    # first choice below the 49 KB tensor of issue 26, not yet a measured
+    # crossover (docs/benchmarks.md, "Tensor bytes through shared memory").
     tensor_shm: int = 0
     tensor_shm_min_bytes: int = 16384
     tensor_shm_slots: int = 512

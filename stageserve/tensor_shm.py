@@ -36,6 +36,7 @@ from stageserve.generated import stageserve_pb2 as pb
 from stageserve.settings import StackSettings
 from stageserve.telemetry import TENSOR_SLOTS_IN_USE
 from stageserve.tensor_region import TensorRegion, pid_alive, region_name, sweep
+from stageserve.tensors import TensorError
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,12 @@ def tensor_bytes(t: pb.Tensor) -> bytes | memoryview:
 def _part_view(part: pb.TensorPart) -> bytes | memoryview:
     if not part.region:
         return part.raw
-    region = _owned(part.region) or _peer(part.region, writable=False)
+    try:
+        region = _owned(part.region) or _peer(part.region, writable=False)
+    except OSError:
+        # a worker on another host got a reference (the gateway had not seen
+        # it join yet: services/gateway/tensor_transport.py)
+        raise TensorError(f"tensor region '{part.region}' is not on this host") from None
     return region.extent(part.offset, part.length)
 
 

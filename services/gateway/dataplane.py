@@ -34,7 +34,7 @@ from services.gateway.response_cache import (
     request_key,
 )
 from services.gateway.shared_memory import Region, SystemSharedMemory
-from services.gateway.tensor_transport import shm_eligible, shm_request
+from services.gateway.tensor_transport import TensorTransport
 from services.gateway.trace_settings import TraceSettingError, TraceSettings
 from stageserve import __version__
 from stageserve.config import ModelSpec
@@ -46,7 +46,7 @@ from stageserve.scheduler_routing import SchedulerRouter
 from stageserve.shared_stats import SharedStats
 from stageserve.statistics import StatsBook, requested_versions
 from stageserve.telemetry import GATEWAY_INFLIGHT
-from stageserve.tensor_shm import TensorShm, take_outputs
+from stageserve.tensor_shm import take_outputs
 from stageserve.validation import SharedRef, ValidatedRequest, validate_infer
 
 log = logging.getLogger(__name__)
@@ -95,9 +95,9 @@ class DataPlane:
         self.overrides = OverrideArea()  # RepositoryModelLoad's config/file overrides
         # --cache-config's response cache (set by the server); None: nothing cached
         self.cache: ResponseCache | None = None
-        # the gateway's shared-memory tensor region (set by the server when the
-        # stack's tensor_shm is on; stageserve/tensor_shm.py); None: inline bytes
-        self.tensor_shm: TensorShm | None = None
+        # the gateway's shared-memory tensor transport (set by the server when
+        # the stack's tensor_shm is on; stageserve/tensor_shm.py); None: inline bytes
+        self.tensor_transport: TensorTransport | None = None
 
     # ------------------------------------------------------------ health/meta
 
@@ -217,8 +217,8 @@ class DataPlane:
             )
             if trace is not None:
                 scheduled_request.traceparent = trace.traceparent()
-            if self.tensor_shm is not None and shm_eligible(spec):
-                staged = shm_request(self.tensor_shm, scheduled_request)
+            if self.tensor_transport is not None:
+                staged = self.tensor_transport.stage(spec, scheduled_request)
             resp = await self.scheduler.schedule(
                 scheduled_request,
                 on_more=stream_partials(stream, entry.name, version, request.id),
@@ -246,8 +246,8 @@ class DataPlane:
             for region in held.values():
                 self.shm.release(region)
             if staged:
-                assert self.tensor_shm is not None
-                self.tensor_shm.release(staged)
+                assert self.tensor_transport is not None
+                self.tensor_transport.release(staged)
             self.models.end(entry, version)
         self.recorder.success(
             entry.name, version, time.monotonic_ns() - start, validated.batch_size, resp.timing

@@ -20,6 +20,7 @@ from services.gateway.response_cache import open_cache
 from services.gateway.security import RestrictedProtocols, server_credentials
 from services.gateway.service import InferenceService
 from services.gateway.startup import StartupLoadFailed, report, startup_failures
+from services.gateway.tensor_transport import tensor_transport
 from services.gateway.trace_settings import TraceSettings
 from stageserve import tensor_shm
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
@@ -78,7 +79,11 @@ async def serve(
     dataplane.log_control = LogControl(redis)
     dataplane.cache = open_cache(gateway.response_cache, redis, settings.redis_client)
     dataplane.traces = TraceSettings(TraceStore(redis), parse_trace_config(gateway.trace_config))
-    dataplane.tensor_shm = tensor_shm.install(settings.stack, redis_url, "gateway")
+    dataplane.tensor_transport = tensor_transport(
+        tensor_shm.install(settings.stack, redis_url, "gateway"),
+        pb_grpc.RateLimiterStub(rl_channel),
+        redis,
+    )
     await dataplane.traces.start()
     republisher = Republisher(lifecycle, redis, gateway)
     await republisher.check()  # marks the model set as known before loading
@@ -173,6 +178,8 @@ async def serve(
             await dataplane.cache.close()
         await dataplane.traces.close()
         dataplane.overrides.close()
+        if dataplane.tensor_transport is not None:
+            await dataplane.tensor_transport.local.close()
         await link.close()
         await rl_channel.close()
         await redis.aclose()

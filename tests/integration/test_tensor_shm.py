@@ -76,6 +76,21 @@ def test_regions_exist_one_per_gateway_and_worker(stack: RunningStack) -> None:
     assert roles == ["gateway", "worker"]
 
 
+def test_a_request_holds_slots_while_it_runs(stack: RunningStack) -> None:
+    """The input waits in the gateway's region while the slow model runs (the
+    gateway sees the worker on its host within its refresh period)."""
+
+    def held_while_running() -> bool:
+        with ThreadPoolExecutor(1) as pool:
+            call = pool.submit(grpc_infer, stack, data(2), "identity_49k_slow")
+            held = wait_until(lambda: any(in_use(stack).values()), SLOW_MS / 1000 / 2)
+            assert call.result(RPC_TIMEOUT_S).as_numpy("OUTPUT0").tobytes() == data(2).tobytes()
+        return held
+
+    assert wait_until(held_while_running, 10, 0)
+    assert wait_until(lambda: all_free(stack), 5)
+
+
 def test_49k_identity_is_byte_exact_on_grpc_and_http(stack: RunningStack) -> None:
     x = data(1)
     out = grpc_infer(stack, x, client_timeout=RPC_TIMEOUT_S).as_numpy("OUTPUT0")

@@ -9,11 +9,13 @@ import sys
 import numpy as np
 import pytest
 
+from services.gateway.tensor_transport import local_models
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.settings import StackSettings
 from stageserve.tensor_region import TensorRegion, owner_pid, pid_alive, region_name, slots_in_use
 from stageserve.tensor_shm import TensorShm, take_outputs, tensor_bytes
 from stageserve.tensor_slots import SlotTable
+from stageserve.tensors import TensorError
 
 
 def table(slots: int = 8, slot_size: int = 100) -> SlotTable:
@@ -151,3 +153,19 @@ def test_full_region_falls_back_to_inline() -> None:
         assert len(held) == 2 and tensors[2].raw == b"z" * 64
     finally:
         gw.close()
+
+
+def test_reference_to_a_region_elsewhere_is_a_clear_input_error() -> None:
+    t = pb.Tensor(name="x", datatype="FP32", parts=[pb.TensorPart(region="stageserve-x-gw-1")])
+    with pytest.raises(TensorError, match="not on this host"):
+        tensor_bytes(t)
+
+
+def test_only_models_whose_every_instance_is_local_use_shared_memory() -> None:
+    def inst(model: str, worker: str) -> pb.InstanceInfo:
+        return pb.InstanceInfo(model=model, worker_id=worker)
+
+    instances = [inst("a", "w1"), inst("b", "w1"), inst("b", "w2"), inst("c", "w3")]
+    hosts = {"w1": "here", "w2": "there"}  # w3 announced no region
+    assert local_models("here", instances, hosts) == {"a"}
+    assert local_models("there", instances, hosts) == set()

@@ -151,8 +151,8 @@ class TensorShm:
         assert self.region.table is not None
         self.table = self.region.table
 
-    def _put(self, data: bytes | memoryview, tag: int) -> pb.TensorPart | None:
-        """`data` in a fresh extent tagged `tag`; None when the region is full."""
+    def _put(self, data: bytes, tag: int) -> int | None:
+        """`data` in a fresh extent tagged `tag`: its offset; None when the region is full."""
         start = self.table.alloc(len(data), tag, time.monotonic_ns())
         if start is None:
             lost_before = time.monotonic_ns() - int(SHM_LOST_AFTER_S * 1e9)
@@ -163,10 +163,21 @@ class TensorShm:
                 return None
         offset = start * self.table.slot_size
         self.region.data[offset : offset + len(data)] = data
-        return pb.TensorPart(region=self.region.name, offset=offset, length=len(data))
+        return offset
 
-    def wants(self, t: pb.Tensor) -> bool:
-        return t.datatype != "BYTES" and len(t.raw) >= self.threshold and not t.parts
+    def _move(self, t: pb.Tensor, tag: int) -> pb.TensorPart | None:
+        """A large enough tensor's bytes into the region (its raw then empty,
+        its one part the extent); None when it stays inline."""
+        if t.datatype == "BYTES" or t.parts:
+            return None
+        raw = t.raw  # each read of a bytes field copies it: once
+        if len(raw) < self.threshold:
+            return None
+        offset = self._put(raw, tag)
+        if offset is None:
+            return None
+        t.ClearField("raw")
+        return t.parts.add(region=self.region.name, offset=offset, length=len(raw))
 
     # gateway side
 
@@ -175,14 +186,9 @@ class TensorShm:
         inline); the extents to `release` when the request ends."""
         held = []
         for t in inputs:
-            if not self.wants(t):
-                continue
-            part = self._put(t.raw, self.pid)
-            if part is None:
-                continue
-            held.append(part)
-            t.parts.append(part)
-            t.ClearField("raw")
+            part = self._move(t, self.pid)
+            if part is not None:
+                held.append(part)
         return held
 
     def release(self, held: Iterable[pb.TensorPart]) -> None:
@@ -199,14 +205,9 @@ class TensorShm:
         for result, host, pid in zip(
             resp.results, request.shm_hosts, request.shm_pids, strict=False
         ):
-            if not pid or host != self.host:
-                continue
-            for t in result.outputs:
-                if self.wants(t):
-                    part = self._put(t.raw, pid)
-                    if part is not None:
-                        t.parts.append(part)
-                        t.ClearField("raw")
+            if pid and host == self.host:
+                for t in result.outputs:
+                    self._move(t, pid)
 
     def in_use(self) -> int:
         return self.table.in_use()

@@ -44,17 +44,31 @@ class SlotTable:
         None when no extent that long is free (the caller falls back)."""
         if tag <= 0:
             raise ValueError("a tag is a positive pid")
-        need = self.slots_for(nbytes)
+        need = -(-nbytes // self.slot_size) or 1
         if need > self.slots:
             return None
         with self._lock:
-            start = self._find(need)
-            if start is None:
-                return None
-            self.stamps[start : start + need] = now_ns
-            self.tags[start : start + need] = tag
-            self._cursor = (start + need) % self.slots
+            start = self._cursor
+            # Next-fit: slots are mostly given back in the order they were
+            # taken, so the extent at the cursor is usually free; checking it
+            # first is cheap: timeit on the 2-core VM, one alloc + free at the
+            # cursor ~3 us, through the full search (numpy over every tag) ~6.
+            if start + need > self.slots or not self._free_at(start, need):
+                found = self._find(need)
+                if found is None:
+                    return None
+                start = found
+            end = start + need
+            self.stamps[start:end] = now_ns
+            self.tags[start:end] = tag
+            self._cursor = end % self.slots
             return start
+
+    def _free_at(self, start: int, need: int) -> bool:
+        tags = self.tags
+        if need <= 8:  # scalar reads: a numpy reduction costs ~2.7 us however short
+            return not any(tags[i] for i in range(start, start + need))
+        return not tags[start : start + need].any()
 
     def _find(self, need: int) -> int | None:
         free = self.tags == 0

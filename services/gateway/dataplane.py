@@ -200,6 +200,9 @@ class DataPlane:
                 self.recorder.cache_hit(entry.name, version, request_ns, 0, lookup_ns)
                 return out
             scheduled = True
+            shm = self.tensor_transport
+            if shm is not None:  # before the request copies the bytes in
+                staged = shm.stage(spec, validated.inputs)
             scheduled_request = pb.ScheduleRequest(
                 model=entry.name,
                 version=version,
@@ -217,8 +220,8 @@ class DataPlane:
             )
             if trace is not None:
                 scheduled_request.traceparent = trace.traceparent()
-            if self.tensor_transport is not None:
-                staged = self.tensor_transport.stage(spec, scheduled_request)
+            if shm is not None:
+                shm.address(spec, scheduled_request)
             resp = await self.scheduler.schedule(
                 scheduled_request,
                 on_more=stream_partials(stream, entry.name, version, request.id),

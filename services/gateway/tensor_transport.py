@@ -98,15 +98,21 @@ class TensorTransport:
         self.shm = shm
         self.local = local
 
-    def stage(self, spec: ModelSpec, request: pb.ScheduleRequest) -> list[pb.TensorPart]:
-        """For an eligible request: move its large inputs into the region and
-        ask the worker for large outputs through shared memory; the input
-        extents to `release` when the request ends (none otherwise)."""
-        if not shm_eligible(spec) or request.model not in self.local:
-            return []
-        request.shm_host = self.shm.host
-        request.shm_pid = self.shm.pid
-        return self.shm.stage_inputs(request.inputs)
+    def eligible(self, spec: ModelSpec) -> bool:
+        return shm_eligible(spec) and spec.name in self.local
+
+    def stage(self, spec: ModelSpec, inputs: list[pb.Tensor]) -> list[pb.TensorPart]:
+        """For an eligible model, move the large inputs into the region (in
+        place: they then hold references); the extents to `release` when the
+        request ends (none otherwise)."""
+        return self.shm.stage_inputs(inputs) if self.eligible(spec) else []
+
+    def address(self, spec: ModelSpec, request: pb.ScheduleRequest) -> None:
+        """For an eligible model, ask the worker for large outputs through
+        shared memory (it writes them for this gateway's pid)."""
+        if self.eligible(spec):
+            request.shm_host = self.shm.host
+            request.shm_pid = self.shm.pid
 
     def release(self, staged: list[pb.TensorPart]) -> None:
         self.shm.release(staged)

@@ -169,3 +169,12 @@ def test_only_models_whose_every_instance_is_local_use_shared_memory() -> None:
     hosts = {"w1": "here", "w2": "there"}  # w3 announced no region
     assert local_models("here", instances, hosts) == {"a"}
     assert local_models("there", instances, hosts) == set()
+
+
+def test_bench_tensor_shm_cost_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench.tensor_shm_cost (the inline-threshold measurement) runs and prints a row a size."""
+    from bench import tensor_shm_cost
+
+    assert tensor_shm_cost.main(["--repeat", "5", "--rounds", "1", "--sizes", "1024", "65536"]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [r.split()[0] for r in rows] == ["1024", "65536"]

@@ -259,10 +259,11 @@ class StackSettings:
     # its host (stageserve/tensor_shm.py): 1 on, 0 off. Each gateway and
     # worker owns a region of tensor_shm_slots x tensor_shm_slot_bytes under
     # /dev/shm (pages are only committed when touched). A tensor smaller than
-    # tensor_shm_min_bytes stays inline: for it the region write, the
-    # reference and the free outweigh the stream copies saved. 16 KiB is a
-    # first choice below the 49 KB tensor of issue 26, not yet a measured
-    # crossover (docs/benchmarks.md, "Tensor bytes through shared memory").
+    # tensor_shm_min_bytes stays inline: for it the slot alloc, the region
+    # write and the free outweigh the stream copies saved. bench.tensor_shm_cost
+    # puts the crossover at ~32-48 KB in one process, the stack's gRPC framing
+    # and socket copies of every inline byte move it lower: 16 KiB
+    # (docs/benchmarks.md, "Tensor bytes through shared memory").
     tensor_shm: int = 0
     tensor_shm_min_bytes: int = 16384
     tensor_shm_slots: int = 512

@@ -136,8 +136,10 @@ def sweep(stack: str) -> list[str]:
 
 
 def slots_in_use(stack: str) -> dict[str, int]:
-    """Slots in use in each live region of the stack (dead owners' regions are
-    swept first): what the chaos audit counts."""
+    """Slots in use in each live region of the stack: what the chaos audit
+    counts. Dead owners' regions are swept first, and slots a dead process
+    was to free (a killed gateway's outputs) are reclaimed, as the region's
+    owner would when it fills: what is left is held by live processes."""
     sweep(stack)
     counts = {}
     for path in SHM_DIR.glob(f"stageserve-{stack}-*"):
@@ -146,6 +148,7 @@ def slots_in_use(stack: str) -> dict[str, int]:
         except (OSError, ValueError):
             continue
         assert region.table is not None
+        region.table.reclaim(lambda pid: not pid_alive(pid))
         counts[path.name] = region.table.in_use()
         region.close()
     return counts

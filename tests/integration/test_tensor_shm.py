@@ -22,6 +22,7 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
+from bench.chaos_audit import tensor_slots_in_use
 from stageserve.tensor_region import SHM_DIR, slots_in_use
 from stageserve.tensor_shm import stack_id
 from stageserve_tools.examples import write_identity
@@ -58,7 +59,7 @@ def in_use(stack: RunningStack) -> dict[str, int]:
 
 
 def all_free(stack: RunningStack) -> bool:
-    return not any(in_use(stack).values())
+    return tensor_slots_in_use(stack.redis_url) == 0  # the chaos audit's count
 
 
 def data(seed: int, batch: int = 1) -> np.ndarray:

@@ -97,11 +97,27 @@ def test_region_is_shared_between_mappings(tmp_path) -> None:
         region.unlink()
 
 
-def test_dead_owner_region_is_swept() -> None:
+def test_audit_reclaims_slots_a_dead_process_was_to_free() -> None:
+    dead = _dead_pid()
+    region = TensorRegion.create(region_name("unitaudit", "worker", os.getpid()), 4, 64)
+    try:
+        assert region.table is not None
+        region.table.alloc(64, dead, 1)  # an output for a gateway that was killed
+        region.table.alloc(64, os.getpid(), 1)  # one a live process still holds
+        assert slots_in_use("unitaudit") == {region.name: 1}
+    finally:
+        region.unlink()
+
+
+def _dead_pid() -> int:
     child = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
-    dead = int(child.stdout)
+    return int(child.stdout)
+
+
+def test_dead_owner_region_is_swept() -> None:
+    dead = _dead_pid()
     assert not pid_alive(dead)
     name = region_name("unitsweep", "worker", dead)
     TensorRegion.create(name, 2, 64)

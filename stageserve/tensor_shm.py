@@ -28,9 +28,12 @@ import hashlib
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
+
+import numpy as np
 
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.settings import StackSettings
@@ -153,17 +156,23 @@ class TensorShm:
 
     def _put(self, data: bytes, tag: int) -> int | None:
         """`data` in a fresh extent tagged `tag`: its offset; None when the region is full."""
-        start = self.table.alloc(len(data), tag, time.monotonic_ns())
+        offset = self._put_with(len(data), tag)
+        if offset is not None:
+            self.region.data[offset : offset + len(data)] = data
+        return offset
+
+    def _put_with(self, nbytes: int, tag: int) -> int | None:
+        """A fresh extent for `nbytes` tagged `tag`: its offset; None when the
+        region is full even after reclaiming what dead or lost consumers held."""
+        start = self.table.alloc(nbytes, tag, time.monotonic_ns())
         if start is None:
             lost_before = time.monotonic_ns() - int(SHM_LOST_AFTER_S * 1e9)
             if not self.table.reclaim(lambda pid: not pid_alive(pid), lost_before):
                 return None
-            start = self.table.alloc(len(data), tag, time.monotonic_ns())
+            start = self.table.alloc(nbytes, tag, time.monotonic_ns())
             if start is None:
                 return None
-        offset = start * self.table.slot_size
-        self.region.data[offset : offset + len(data)] = data
-        return offset
+        return start * self.table.slot_size
 
     def _move(self, t: pb.Tensor, tag: int) -> pb.TensorPart | None:
         """A large enough tensor's bytes into the region (its raw then empty,
@@ -197,6 +206,26 @@ class TensorShm:
 
     # worker side
 
+    def consumer(self, request: pb.ExecuteRequest, index: int) -> int:
+        """The pid to write request `index`'s large outputs for; 0: inline."""
+        if index >= len(request.shm_pids) or request.shm_hosts[index] != self.host:
+            return 0
+        return int(request.shm_pids[index])
+
+    def put_array(self, t: pb.Tensor, arr: np.ndarray, tag: int) -> bool:
+        """Write a numeric output straight from the model's array into this
+        region (one copy, where raw bytes and then the region take three):
+        `t` gets the extent as its part. False: it stays for raw bytes."""
+        if arr.nbytes < self.threshold or arr.dtype.kind not in "biuf" or not _little(arr):
+            return False
+        offset = self._put_with(arr.nbytes, tag)
+        if offset is None:
+            return False
+        slot = np.frombuffer(self.region.data, np.uint8, arr.nbytes, offset)
+        slot[:] = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+        t.parts.add(region=self.region.name, offset=offset, length=arr.nbytes)
+        return True
+
     def stage_outputs(self, request: pb.ExecuteRequest, resp: pb.ExecuteResponse) -> None:
         """Move the large outputs of each request whose gateway shares this host
         and asked for shared memory into this region, tagged with its pid."""
@@ -214,6 +243,12 @@ class TensorShm:
 
     def close(self) -> None:
         self.region.unlink()
+
+
+def _little(arr: np.ndarray) -> bool:
+    """In the raw layout's byte order (little-endian) as it is."""
+    order = arr.dtype.byteorder
+    return order in ("<", "|") or (order == "=" and sys.byteorder == "little")
 
 
 #: this process's region, when tensor_shm is on (set at startup)

@@ -194,3 +194,18 @@ def test_bench_tensor_shm_cost_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert tensor_shm_cost.main(["--repeat", "5", "--rounds", "1", "--sizes", "1024", "65536"]) == 0
     rows = capsys.readouterr().out.splitlines()[1:]
     assert [r.split()[0] for r in rows] == ["1024", "65536"]
+
+
+def test_worker_writes_a_numeric_output_straight_into_its_region() -> None:
+    wk = TensorShm("unitarr", "worker", 4, 256, 64)
+    try:
+        arr = np.arange(40, dtype=np.float32).reshape(2, 20)[:, ::2]  # not contiguous
+        t = pb.Tensor(name="o", datatype="FP32", shape=list(arr.shape))
+        assert wk.put_array(t, arr, os.getpid())
+        assert bytes(tensor_bytes(t)) == np.ascontiguousarray(arr).tobytes()
+        assert not wk.put_array(pb.Tensor(), arr[:, :2], 1)  # under the threshold
+        assert not wk.put_array(pb.Tensor(), arr.astype(">f4"), 1)  # not the raw byte order
+        request = pb.ExecuteRequest(shm_hosts=[wk.host, "x/y"], shm_pids=[5, 6])
+        assert [wk.consumer(request, i) for i in range(3)] == [5, 0, 0]
+    finally:
+        wk.close()

@@ -209,3 +209,17 @@ def test_worker_writes_a_numeric_output_straight_into_its_region() -> None:
         assert [wk.consumer(request, i) for i in range(3)] == [5, 0, 0]
     finally:
         wk.close()
+
+
+def test_full_region_reclaims_what_dead_consumers_held() -> None:
+    wk = TensorShm("unitreclaim", "worker", 2, 64, 1)
+    try:
+        dead = _dead_pid()
+        for _ in range(2):  # outputs for a gateway that was killed before taking them
+            assert wk.put_array(pb.Tensor(), np.zeros(16, np.float32), dead)
+        assert wk.in_use() == 2
+        t = pb.Tensor(name="x", datatype="FP32", raw=b"y" * 64)
+        assert wk.stage_inputs([t]) and t.parts  # the full region reclaimed both, took one
+        assert wk.in_use() == 1
+    finally:
+        wk.close()

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import redis
 
 from stageserve import redis_keys as keys
+from stageserve.tensor_region import slots_in_use
+from stageserve.tensor_shm import stack_id
 
 # A grant past its deadline by more than this is leaked (the sweep runs every 250 ms).
 GRANT_GRACE_MS = 1000
@@ -136,6 +138,13 @@ def audit_snapshot(snapshot: list) -> Audit:
     if audit.sequence_keys_without_expiry:
         audit.problems.append(f"{audit.sequence_keys_without_expiry} sequence keys never expire")
     return audit
+
+
+def tensor_slots_in_use(redis_url: str) -> int:
+    """Shared-memory tensor slots held in the stack's regions (tensor_shm on;
+    stageserve/tensor_shm.py), after dead processes' regions and slots are
+    reclaimed: 0 once the load stopped and its answers were taken, or a leak."""
+    return sum(slots_in_use(stack_id(redis_url)).values())
 
 
 def audit_redis(redis_url: str, attempts: int = 50) -> Audit:

@@ -72,6 +72,11 @@ Schedulers sharded by model (stageserve/shard_map.py, shard_policy.py):
   ss:shard:owners             hash  model name -> the scheduler id that owns its queues
   ss:shard:version            str   counter, bumped on every change of the three above
   ss:shard:events             pub/sub channel, message = the new version
+
+Tensor bytes through shared memory (stageserve/tensor_shm.py):
+  ss:tshm:hosts               hash  worker id -> the host id of a worker with a
+                                    tensor region (gateways on that host send it
+                                    references; services/gateway/tensor_transport.py)
 """
 
 from __future__ import annotations
@@ -102,6 +107,7 @@ SHARD_ADDRESSES = PREFIX + "shard:addresses"
 SHARD_OWNERS = PREFIX + "shard:owners"
 SHARD_VERSION = PREFIX + "shard:version"
 SHARD_EVENTS = PREFIX + "shard:events"
+TENSOR_SHM_HOSTS = PREFIX + "tshm:hosts"
 
 
 def model(name: str) -> str:

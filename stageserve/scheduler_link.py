@@ -19,6 +19,7 @@ from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.net import stage_channel
 from stageserve.stage_tls import StageTls
+from stageserve.tensor_shm import release_outputs
 from stageserve.transport import StreamLink
 from stageserve.write_hold import WriteHold
 
@@ -61,6 +62,7 @@ class SchedulerLink:
             on_break=self._broken,
             ready=self._connected,
             hold=WriteHold(hold_us * 1000) if hold_us > 0 else None,
+            orphan=release_outputs,
         )
 
     async def _connected(self) -> None:

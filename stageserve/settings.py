@@ -259,6 +259,19 @@ class StackSettings:
     # out) is CPU work.
     auto_gateway_cores: int = 4
     auto_gateways_max: int = 4
+    # Tensor bytes through shared memory between a gateway and the workers on
+    # its host (stageserve/tensor_shm.py): 1 on, 0 off. Each gateway and
+    # worker owns a region of tensor_shm_slots x tensor_shm_slot_bytes under
+    # /dev/shm (pages are only committed when touched). A tensor smaller than
+    # tensor_shm_min_bytes stays inline: for it the slot alloc, the region
+    # write and the free outweigh the stream copies saved. bench.tensor_shm_cost
+    # puts the crossover at ~32-48 KB in one process, the stack's gRPC framing
+    # and socket copies of every inline byte move it lower: 16 KiB
+    # (docs/benchmarks.md, "Tensor bytes through shared memory").
+    tensor_shm: int = 0
+    tensor_shm_min_bytes: int = 16384
+    tensor_shm_slots: int = 512
+    tensor_shm_slot_bytes: int = 65536
 
 
 def from_env(cls: type[T], service: str, environ: Mapping[str, str] = os.environ) -> T:

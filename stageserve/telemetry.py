@@ -294,6 +294,11 @@ GATEWAY_RPC_DURATION = LoopHistogram(
 GATEWAY_INFLIGHT = Gauge(
     "stageserve_gateway_inflight_requests", "Inference requests in flight at the gateway", ["model"]
 )
+TENSOR_SLOTS_IN_USE = Gauge(
+    "stageserve_tensor_slots_in_use",
+    "Slots of this process's shared-memory tensor region in use (stageserve/tensor_shm.py)",
+    ["stage"],
+)
 SCHEDULER_QUEUE_DEPTH = Gauge(
     "stageserve_scheduler_queue_depth", "Requests queued, not yet executing", ["model", "version"]
 )

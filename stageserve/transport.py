@@ -115,8 +115,12 @@ class StreamLink(Generic[Req, Resp]):
         on_break: BreakError,
         ready: Callable[[], Awaitable[None]] | None = None,
         hold: WriteHold | None = None,
+        orphan: Callable[[Resp], None] | None = None,
     ) -> None:
         self.name = name
+        # Gets a final response whose caller is gone (cancelled): one that
+        # holds resources (shared-memory slots) gives them back there.
+        self._orphan = orphan
         self._hold = hold
         self._open_call = open_call
         self._pack = pack
@@ -228,6 +232,8 @@ class StreamLink(Generic[Req, Resp]):
                     fut = pending.pop(resp.id, None)
                     if fut is not None and not fut.done():
                         fut.set_result(resp)
+                    elif self._orphan is not None:
+                        self._orphan(resp)
         except grpc.aio.AioRpcError as exc:
             code, details = exc.code(), exc.details() or "stream failed"
             self.broken = code != grpc.StatusCode.CANCELLED
@@ -287,6 +293,12 @@ class StreamLink(Generic[Req, Resp]):
         outbox.put(request)
         try:
             return await fut
+        except asyncio.CancelledError:
+            # cancelled after its answer came: the answer is an orphan too
+            answered = fut.done() and not fut.cancelled() and fut.exception() is None
+            if self._orphan is not None and answered:
+                self._orphan(fut.result())
+            raise
         finally:
             self._pending.pop(request_id, None)
             if on_more is not None:

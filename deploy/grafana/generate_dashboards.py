@@ -716,6 +716,22 @@ def stages_dashboard() -> dict:
         ),
         w=8,
     )
+    L.add(
+        timeseries(
+            "Shared-memory tensor slots in use",
+            "stageserve_tensor_slots_in_use: slots of each gateway's and worker's shared-memory "
+            "tensor region holding a tensor in transit (tensor_shm on). It returns to 0 when "
+            "the stack is idle; a level that stays up is a leak.",
+            [
+                (
+                    "sum by (instance, stage) (stageserve_tensor_slots_in_use)",
+                    "{{stage}} {{instance}}",
+                )
+            ],
+            "short",
+        ),
+        w=8,
+    )
 
     L.row("Rate limiter")
     wait = "stageserve_ratelimiter_wait_seconds"

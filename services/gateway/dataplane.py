@@ -29,6 +29,7 @@ from services.gateway.python_models import (
 )
 from services.gateway.request_trace import FileRequestTrace, RequestTrace
 from services.gateway.shared_memory import Region, SystemSharedMemory
+from services.gateway.tensor_transport import TensorTransport
 from services.gateway.trace_settings import TraceSettingError, TraceSettings
 from stageserve import __version__
 from stageserve.config import ModelSpec
@@ -46,6 +47,7 @@ from stageserve.scheduler_routing import SchedulerRouter
 from stageserve.shared_stats import SharedStats
 from stageserve.statistics import StatsBook, requested_versions
 from stageserve.telemetry import GATEWAY_INFLIGHT
+from stageserve.tensor_shm import take_outputs
 from stageserve.validation import SharedRef, ValidatedRequest, validate_infer
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,9 @@ class DataPlane:
         self.cache: ResponseCache | None = None
         # its cache-wide nv_cache_* gauges (set with it)
         self.cache_metrics: CacheMetrics | None = None
+        # the gateway's shared-memory tensor transport (set by the server when
+        # the stack's tensor_shm is on; stageserve/tensor_shm.py); None: inline bytes
+        self.tensor_transport: TensorTransport | None = None
 
     # ------------------------------------------------------------ health/meta
 
@@ -181,6 +186,7 @@ class DataPlane:
         self.models.begin(entry, version)
         held: dict[str, Region] = {}  # output -> its region, released when the request ends
         scheduled = False
+        staged: list[pb.TensorPart] = []  # inputs in the tensor region, freed when it ends
         try:
             validated = validate_infer(request, spec, self._read_shared, raw_contents)
             if trace is not None:
@@ -198,6 +204,9 @@ class DataPlane:
                 self.recorder.cache_hit(entry.name, version, request_ns, 0, lookup_ns)
                 return out
             scheduled = True
+            shm = self.tensor_transport
+            if shm is not None:  # before the request copies the bytes in
+                staged = shm.stage(spec, validated.inputs)
             scheduled_request = pb.ScheduleRequest(
                 model=entry.name,
                 version=version,
@@ -215,10 +224,13 @@ class DataPlane:
             )
             if trace is not None:
                 scheduled_request.traceparent = trace.traceparent()
+            if shm is not None:
+                shm.address(spec, scheduled_request)
             resp = await self.scheduler.schedule(
                 scheduled_request,
                 on_more=stream_partials(stream, entry.name, version, request.id),
             )
+            take_outputs(resp.outputs)
             if stream is not None:
                 stream.final(resp)
             timing = resp.timing
@@ -251,6 +263,9 @@ class DataPlane:
                 trace.end(time.monotonic_ns(), timing=timing)
             for region in held.values():
                 self.shm.release(region)
+            if staged:
+                assert self.tensor_transport is not None
+                self.tensor_transport.release(staged)
             self.models.end(entry, version)
         self.recorder.success(
             entry.name, version, time.monotonic_ns() - start, validated.batch_size, resp.timing

@@ -20,7 +20,9 @@ from services.gateway.republish import Republisher
 from services.gateway.security import RestrictedProtocols, server_credentials
 from services.gateway.service import InferenceService
 from services.gateway.startup import StartupLoadFailed, report, startup_failures
+from services.gateway.tensor_transport import tensor_transport
 from services.gateway.trace_settings import TraceSettings
+from stageserve import tensor_shm
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.model_state import ModelStateStore
@@ -80,6 +82,11 @@ async def serve(
     if dataplane.cache is not None:
         dataplane.cache_metrics = CacheMetrics(dataplane.cache.size)
     dataplane.traces = TraceSettings(TraceStore(redis), parse_trace_config(gateway.trace_config))
+    dataplane.tensor_transport = tensor_transport(
+        tensor_shm.install(settings.stack, redis_url, "gateway"),
+        pb_grpc.RateLimiterStub(rl_channel),
+        redis,
+    )
     await dataplane.traces.start()
     republisher = Republisher(lifecycle, redis, gateway)
     await republisher.check()  # marks the model set as known before loading
@@ -176,6 +183,9 @@ async def serve(
             await dataplane.cache.close()
         await dataplane.traces.close()
         dataplane.overrides.close()
+        if dataplane.tensor_transport is not None:
+            await dataplane.tensor_transport.local.close()
         await link.close()
         await rl_channel.close()
         await redis.aclose()
+        tensor_shm.uninstall()

@@ -28,7 +28,8 @@ def build_execute_request(
     ragged: frozenset[str] = frozenset(),
     request_info: bool = False,
 ) -> pb.ExecuteRequest:
-    """Concatenate each input's raw bytes across the batch (batch dim is outermost).
+    """Concatenate each input's raw bytes across the batch (batch dim is outermost);
+    inputs in shared memory (pb.TensorPart) are listed, not read.
 
     A ragged input becomes one 1-D tensor of all the requests' elements (what
     Triton's ONNX Runtime backend feeds such an input), with the requests' own
@@ -44,11 +45,9 @@ def build_execute_request(
             continue
         total = sum(q.msg.inputs[i].shape[0] for q in batch)
         req.inputs.append(
-            pb.Tensor(
-                name=t.name,
-                datatype=t.datatype,
-                shape=[total, *t.shape[1:]],
-                raw=b"".join(q.msg.inputs[i].raw for q in batch),
+            _joined(
+                pb.Tensor(name=t.name, datatype=t.datatype, shape=[total, *t.shape[1:]]),
+                [q.msg.inputs[i] for q in batch],
             )
         )
     req.request_batch_sizes.extend(q.msg.batch_size if batching else 1 for q in batch)
@@ -56,7 +55,25 @@ def build_execute_request(
         req.requested.add(names=q.msg.outputs)
         if request_info:  # only Python models read them (InferenceRequest)
             add_request_info(req, q.msg)
+    if any(q.msg.shm_pid for q in batch):
+        req.shm_hosts.extend(q.msg.shm_host for q in batch)
+        req.shm_pids.extend(q.msg.shm_pid for q in batch)
     return req
+
+
+def _joined(out: pb.Tensor, parts: list[pb.Tensor]) -> pb.Tensor:
+    """`out` holding the requests' bytes in order: concatenated raw bytes, or,
+    when some request's bytes are in a gateway's shared memory, the list of
+    every request's parts (references passed through, never read here)."""
+    if not any(t.parts for t in parts):
+        out.raw = b"".join(t.raw for t in parts)
+        return out
+    for t in parts:
+        if t.parts:
+            out.parts.extend(t.parts)
+        else:
+            out.parts.add(raw=t.raw)
+    return out
 
 
 def add_request_info(req: pb.ExecuteRequest, msg: pb.ScheduleRequest | None) -> None:
@@ -80,9 +97,9 @@ def _ragged_input(req: pb.ExecuteRequest, first: pb.Tensor, parts: list[pb.Tenso
     shapes = req.ragged_shapes.add(input=first.name, rank=len(first.shape))
     for t in parts:
         shapes.dims.extend(t.shape)
-    return pb.Tensor(
-        name=first.name,
-        datatype=first.datatype,
-        shape=[sum(math.prod(t.shape) for t in parts)],
-        raw=parts[0].raw if len(parts) == 1 else b"".join(t.raw for t in parts),
+    return _joined(
+        pb.Tensor(
+            name=first.name, datatype=first.datatype, shape=[sum(math.prod(t.shape) for t in parts)]
+        ),
+        parts,
     )

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from services.worker.backends import Emit, InstanceBackend, StillSending
 from services.worker.inline_policy import InlinePolicy
-from services.worker.tensor_batches import execute_delay_s
+from services.worker.tensor_batches import TensorBatches, execute_delay_s
+from stageserve import tensor_shm
 from stageserve.config import InstanceGroup, ModelSpec
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.telemetry import WORKER_COMPUTE
@@ -100,7 +101,12 @@ class HostedInstance:
         says its execute returned before every final."""
         t0 = time.monotonic_ns()
         cpu0 = time.thread_time_ns()  # the inline policy's measure (inline_policy.py)
+        if not isinstance(self.backend, TensorBatches):  # it reads shared memory itself
+            tensor_shm.materialize(request.inputs)
         result = self.backend.execute_batch(request, emit)
+        owner = tensor_shm.OWNER
+        if owner is not None and isinstance(result, pb.ExecuteResponse):
+            owner.stage_outputs(request, result)
         self.inline.observe(
             self._inline_cost(time.monotonic_ns() - t0, time.thread_time_ns() - cpu0)
         )

@@ -19,6 +19,7 @@ from typing import cast
 
 import grpc
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from services.worker.backends import BackendError, InvalidInputError, StillSending
 from services.worker.blas_threads import limit_blas_threads
@@ -30,7 +31,7 @@ from services.worker.python_backend.bls import install as bls_install
 from services.worker.stale import stale_instances
 from services.worker.warmup import WarmupError
 from stageserve import redis_keys as keys
-from stageserve import trace_spans
+from stageserve import tensor_shm, trace_spans
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.gpus import gpu_count
@@ -431,6 +432,9 @@ async def serve(
         raise RuntimeError(f"worker: cannot listen on {listen}")
     public_host = host if host not in ("0.0.0.0", "[::]") else socket.gethostname()
     service.address = advertise or f"{public_host}:{port}"
+    shm = tensor_shm.install(settings.stack, redis_url, "worker")
+    if shm is not None:  # gateways of this host send this worker references
+        await redis.hset(keys.TENSOR_SHM_HOSTS, worker_id, shm.host)
     tasks = [
         asyncio.create_task(service.follow_models_forever(redis)),
         asyncio.create_task(service.heartbeat_forever()),
@@ -454,4 +458,8 @@ async def serve(
             await bls.close()
         await channel.close()
         await asyncio.to_thread(spans.close)
+        if shm is not None:
+            with contextlib.suppress(RedisError):
+                await redis.hdel(keys.TENSOR_SHM_HOSTS, worker_id)
         await redis.aclose()
+        tensor_shm.uninstall()

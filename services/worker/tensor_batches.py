@@ -21,9 +21,11 @@ from services.worker.batch_io import (
     scatter,
     scatter_shapes,
 )
+from stageserve import tensor_shm
 from stageserve.config import ModelSpec
 from stageserve.datatypes import from_triton
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve.tensor_shm import tensor_bytes
 from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
 
 
@@ -46,7 +48,9 @@ class TensorBatches:
         """Decode, run and split one batch (`emit` is unused: not decoupled)."""
         t0 = time.monotonic_ns()
         try:
-            feeds = {t.name: raw_to_numpy(t.raw, t.datatype, t.shape) for t in request.inputs}
+            feeds = {
+                t.name: raw_to_numpy(tensor_bytes(t), t.datatype, t.shape) for t in request.inputs
+            }
             feeds.update(self._batch_inputs(request))
         except (TensorError, BatchIOError) as exc:
             raise BackendError(f"bad input tensor: {exc}") from exc
@@ -63,19 +67,21 @@ class TensorBatches:
         response = pb.ExecuteResponse()
         offset = 0
         batching = self.spec.batching
+        shm = tensor_shm.OWNER if request.shm_pids else None
         for i, (size, requested) in enumerate(
             zip(request.request_batch_sizes, request.requested, strict=True)
         ):
             names = list(requested.names) or [o.name for o in self.spec.outputs]
             per_request = response.results.add()
+            to = (shm, shm.consumer(request, i)) if shm is not None else None
             for name in names:
                 if name in scattered:  # already in the request's own shape
-                    per_request.outputs.append(_tensor(name, scattered[name][i], self.spec))
+                    per_request.outputs.append(_tensor(name, scattered[name][i], self.spec, to=to))
                     continue
                 arr = results[name]
                 if batching:
                     arr = arr[offset : offset + size]
-                per_request.outputs.append(_tensor(name, arr, self.spec, size))
+                per_request.outputs.append(_tensor(name, arr, self.spec, size, to))
             offset += size
         t3 = time.monotonic_ns()
         response.compute_input_ns = t1 - t0
@@ -119,8 +125,16 @@ class TensorBatches:
         return list(wanted)
 
 
-def _tensor(name: str, arr: np.ndarray, spec: ModelSpec, batch: int | None = None) -> pb.Tensor:
-    """One request's output; batch None: arr already has its final shape."""
+def _tensor(
+    name: str,
+    arr: np.ndarray,
+    spec: ModelSpec,
+    batch: int | None = None,
+    to: tuple[tensor_shm.TensorShm, int] | None = None,
+) -> pb.Tensor:
+    """One request's output; batch None: arr already has its final shape.
+    `to`: this worker's region and the gateway pid to write a large output
+    there for (pid 0: raw bytes)."""
     out = spec.output_tensor(name)
     assert out is not None
     if out.reshape is not None and batch is not None:  # the model's shape -> the config's dims
@@ -128,9 +142,9 @@ def _tensor(name: str, arr: np.ndarray, spec: ModelSpec, batch: int | None = Non
     dt = out.datatype
     if dt.triton not in ("BYTES", "BF16") and dt.numpy is not None and arr.dtype != dt.numpy:
         arr = arr.astype(dt.numpy)
-    return pb.Tensor(
-        name=name,
-        datatype=dt.triton,
-        shape=list(arr.shape),
-        raw=numpy_to_raw(arr, from_triton(dt.triton)),
-    )
+    t = pb.Tensor(name=name, datatype=dt.triton, shape=list(arr.shape))
+    numeric = dt.triton not in ("BYTES", "BF16")
+    if to is not None and to[1] and numeric and to[0].put_array(t, arr, to[1]):
+        return t
+    t.raw = numpy_to_raw(arr, from_triton(dt.triton))
+    return t

@@ -45,16 +45,30 @@ STAGE_FAULT: FailureReason
 NOT_OWNER: FailureReason
 
 class Tensor(_message.Message):
-    __slots__ = ("name", "datatype", "shape", "raw")
+    __slots__ = ("name", "datatype", "shape", "raw", "parts")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DATATYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     datatype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     raw: bytes
-    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., raw: _Optional[bytes] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[TensorPart]
+    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., raw: _Optional[bytes] = ..., parts: _Optional[_Iterable[_Union[TensorPart, _Mapping]]] = ...) -> None: ...
+
+class TensorPart(_message.Message):
+    __slots__ = ("region", "offset", "length", "raw")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    offset: int
+    length: int
+    raw: bytes
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., raw: _Optional[bytes] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_ns", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "batch_size", "batch_leader", "enqueue_ns", "execute_end_ns")
@@ -77,7 +91,7 @@ class Timing(_message.Message):
     def __init__(self, queue_ns: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_leader: _Optional[bool] = ..., enqueue_ns: _Optional[int] = ..., execute_end_ns: _Optional[int] = ...) -> None: ...
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("id", "model", "version", "inputs", "outputs", "batch_size", "priority", "timeout_us", "config_generation", "sequence_id", "sequence_id_str", "sequence_start", "sequence_end", "request_id", "parameters_json", "traceparent")
+    __slots__ = ("id", "model", "version", "inputs", "outputs", "batch_size", "priority", "timeout_us", "config_generation", "sequence_id", "sequence_id_str", "sequence_start", "sequence_end", "request_id", "parameters_json", "traceparent", "shm_host", "shm_pid")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +108,8 @@ class ScheduleRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    SHM_HOST_FIELD_NUMBER: _ClassVar[int]
+    SHM_PID_FIELD_NUMBER: _ClassVar[int]
     id: int
     model: str
     version: int
@@ -110,7 +126,9 @@ class ScheduleRequest(_message.Message):
     request_id: str
     parameters_json: str
     traceparent: str
-    def __init__(self, id: _Optional[int] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., priority: _Optional[int] = ..., timeout_us: _Optional[int] = ..., config_generation: _Optional[int] = ..., sequence_id: _Optional[int] = ..., sequence_id_str: _Optional[str] = ..., sequence_start: _Optional[bool] = ..., sequence_end: _Optional[bool] = ..., request_id: _Optional[str] = ..., parameters_json: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    shm_host: str
+    shm_pid: int
+    def __init__(self, id: _Optional[int] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., priority: _Optional[int] = ..., timeout_us: _Optional[int] = ..., config_generation: _Optional[int] = ..., sequence_id: _Optional[int] = ..., sequence_id_str: _Optional[str] = ..., sequence_start: _Optional[bool] = ..., sequence_end: _Optional[bool] = ..., request_id: _Optional[str] = ..., parameters_json: _Optional[str] = ..., traceparent: _Optional[str] = ..., shm_host: _Optional[str] = ..., shm_pid: _Optional[int] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
     __slots__ = ("id", "failure", "message", "outputs", "timing", "steps", "more", "no_response", "model_error")
@@ -430,7 +448,7 @@ class RaggedShapes(_message.Message):
     def __init__(self, input: _Optional[str] = ..., rank: _Optional[int] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("id", "instance_id", "inputs", "request_batch_sizes", "requested", "ragged_shapes", "request_info", "traceparents")
+    __slots__ = ("id", "instance_id", "inputs", "request_batch_sizes", "requested", "ragged_shapes", "request_info", "traceparents", "shm_hosts", "shm_pids")
     ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -439,6 +457,8 @@ class ExecuteRequest(_message.Message):
     RAGGED_SHAPES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_INFO_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
+    SHM_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    SHM_PIDS_FIELD_NUMBER: _ClassVar[int]
     id: int
     instance_id: str
     inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
@@ -447,7 +467,9 @@ class ExecuteRequest(_message.Message):
     ragged_shapes: _containers.RepeatedCompositeFieldContainer[RaggedShapes]
     request_info: _containers.RepeatedCompositeFieldContainer[RequestInfo]
     traceparents: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[int] = ..., instance_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., request_batch_sizes: _Optional[_Iterable[int]] = ..., requested: _Optional[_Iterable[_Union[RequestedOutputs, _Mapping]]] = ..., ragged_shapes: _Optional[_Iterable[_Union[RaggedShapes, _Mapping]]] = ..., request_info: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., traceparents: _Optional[_Iterable[str]] = ...) -> None: ...
+    shm_hosts: _containers.RepeatedScalarFieldContainer[str]
+    shm_pids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[int] = ..., instance_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., request_batch_sizes: _Optional[_Iterable[int]] = ..., requested: _Optional[_Iterable[_Union[RequestedOutputs, _Mapping]]] = ..., ragged_shapes: _Optional[_Iterable[_Union[RaggedShapes, _Mapping]]] = ..., request_info: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., traceparents: _Optional[_Iterable[str]] = ..., shm_hosts: _Optional[_Iterable[str]] = ..., shm_pids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
     __slots__ = ("id", "failure", "message", "results", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "parts", "more", "execute_returned")

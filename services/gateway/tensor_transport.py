@@ -1,0 +1,129 @@
+"""Which requests the gateway sends through its shared-memory tensor region.
+
+Only a plain model's request: a sequence model's state rows, an ensemble's
+intermediate tensors and a decoupled model's responses are built and read
+by the scheduler or stream back in parts, so they keep raw bytes. And only
+a model whose every instance runs on a worker of this gateway's host: each
+worker with a region announces its host id in Redis (TENSOR_SHM_HOSTS), and
+`LocalModels` compares them with the rate limiter's instance list, again
+every `period_s`. A worker on another host gets raw bytes, as without the
+feature; one that joins is seen within `period_s` (until then a batch of
+its with references fails as a bad input: the window stageserve/tensor_shm.py
+names).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+from redis import asyncio as aioredis
+from redis.exceptions import RedisError
+
+from stageserve.config import ModelSpec
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.generated import stageserve_pb2_grpc as pb_grpc
+from stageserve.redis_keys import TENSOR_SHM_HOSTS
+from stageserve.tensor_shm import TensorShm
+
+log = logging.getLogger(__name__)
+
+
+def shm_eligible(spec: ModelSpec) -> bool:
+    return spec.sequence is None and not spec.steps and not spec.decoupled
+
+
+def local_models(host: str, instances: list[pb.InstanceInfo], hosts: dict[str, str]) -> set[str]:
+    """Models with at least one instance, every one on a worker of `host`."""
+    remote = {i.model for i in instances if hosts.get(i.worker_id) != host}
+    return {i.model for i in instances} - remote
+
+
+class LocalModels:
+    """The models this gateway may send through shared memory, kept fresh."""
+
+    def __init__(
+        self,
+        host: str,
+        ratelimiter: pb_grpc.RateLimiterStub,
+        redis: aioredis.Redis,
+        period_s: float = 1.0,
+    ) -> None:
+        self.host = host
+        self.ratelimiter = ratelimiter
+        self.redis = redis
+        self.period_s = period_s
+        self.models: set[str] = set()
+        self._task: asyncio.Task | None = None
+
+    def __contains__(self, model: str) -> bool:
+        return model in self.models
+
+    async def refresh(self) -> None:
+        resp = await self.ratelimiter.ListInstances(pb.ListInstancesRequest(), timeout=5)
+        raw = await self.redis.hgetall(TENSOR_SHM_HOSTS)
+        hosts = {_text(k): _text(v) for k, v in raw.items()}
+        self.models = local_models(self.host, list(resp.instances), hosts)
+
+    async def run_forever(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except (grpc.aio.AioRpcError, RedisError) as exc:
+                # unknown: send nothing through shared memory until it is known
+                self.models = set()
+                log.debug("tensor hosts unknown", extra={"error": type(exc).__name__})
+            await asyncio.sleep(self.period_s)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run_forever())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class TensorTransport:
+    """The gateway's side: its region and the models it may use it for."""
+
+    def __init__(self, shm: TensorShm, local: LocalModels) -> None:
+        self.shm = shm
+        self.local = local
+
+    def eligible(self, spec: ModelSpec) -> bool:
+        return shm_eligible(spec) and spec.name in self.local
+
+    def stage(self, spec: ModelSpec, inputs: list[pb.Tensor]) -> list[pb.TensorPart]:
+        """For an eligible model, move the large inputs into the region (in
+        place: they then hold references); the extents to `release` when the
+        request ends (none otherwise)."""
+        return self.shm.stage_inputs(inputs) if self.eligible(spec) else []
+
+    def address(self, spec: ModelSpec, request: pb.ScheduleRequest) -> None:
+        """For an eligible model, ask the worker for large outputs through
+        shared memory (it writes them for this gateway's pid)."""
+        if self.eligible(spec):
+            request.shm_host = self.shm.host
+            request.shm_pid = self.shm.pid
+
+    def release(self, staged: list[pb.TensorPart]) -> None:
+        self.shm.release(staged)
+
+
+def tensor_transport(
+    shm: TensorShm | None, ratelimiter: pb_grpc.RateLimiterStub, redis: aioredis.Redis
+) -> TensorTransport | None:
+    """Started when the stack's tensor_shm gave this gateway a region."""
+    if shm is None:
+        return None
+    local = LocalModels(shm.host, ratelimiter, redis)
+    local.start()
+    return TensorTransport(shm, local)

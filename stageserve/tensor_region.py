@@ -1,0 +1,154 @@
+"""A tensor region: one file under /dev/shm, mapped, with its slot table inside.
+
+Layout: a 64-byte header (magic, slot count, slot size, owner pid), the
+tags (uint32 per slot), the stamps (uint64 per slot), then the data area
+from a 64-byte boundary. The file is named
+``stageserve-<stack>-<role>-<pid>``: one per owning process, so a peer
+knows the owner by name, and a region whose pid is dead is garbage that any
+process of the stack may unlink (`sweep`). A process's own region is
+unlinked when it exits normally; kill -9 leaves the file for the sweep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from stageserve.tensor_slots import SlotTable
+
+SHM_DIR = Path("/dev/shm")
+_MAGIC = b"SSTSLOT1"
+_HEADER = struct.Struct("<8sIII")
+_HEADER_SIZE = 64
+
+
+def region_name(stack: str, role: str, pid: int) -> str:
+    return f"stageserve-{stack}-{role}-{pid}"
+
+
+def owner_pid(name: str) -> int:
+    """The pid a region name ends with (0 if it has none)."""
+    tail = name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs on this host (a zombie counts as dead: it freed nothing
+    but will never touch its region again)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _layout(slots: int) -> tuple[int, int, int]:
+    """(tags offset, stamps offset, data offset)."""
+    tags = _HEADER_SIZE
+    stamps = tags + 4 * slots
+    stamps += -stamps % 8
+    data = stamps + 8 * slots
+    data += -data % 64
+    return tags, stamps, data
+
+
+class TensorRegion:
+    """A mapped region: its slot table and its data area."""
+
+    def __init__(self, name: str, mapping: mmap.mmap, writable: bool) -> None:
+        magic, slots, slot_size, pid = _HEADER.unpack_from(mapping, 0)
+        if magic != _MAGIC:
+            raise ValueError(f"{name} is not a tensor region")
+        self.name = name
+        self.pid = pid
+        self._mapping = mapping
+        tags_at, stamps_at, data_at = _layout(slots)
+        buf = memoryview(mapping)
+        self.data = buf[data_at : data_at + slots * slot_size]
+        self.table: SlotTable | None = None
+        if writable:
+            tags = np.frombuffer(buf, np.uint32, slots, tags_at)
+            stamps = np.frombuffer(buf, np.uint64, slots, stamps_at)
+            self.table = SlotTable(tags, stamps, slot_size)
+        self.slot_size = slot_size
+
+    @classmethod
+    def create(cls, name: str, slots: int, slot_size: int) -> TensorRegion:
+        path = SHM_DIR / name
+        size = _layout(slots)[2] + slots * slot_size
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        _HEADER.pack_into(mapping, 0, _MAGIC, slots, slot_size, os.getpid())
+        return cls(name, mapping, writable=True)
+
+    @classmethod
+    def open(cls, name: str, writable: bool) -> TensorRegion:
+        """A peer's region: read-only for reading its extents, writable for
+        freeing them (the consumer of a worker's outputs)."""
+        fd = os.open(SHM_DIR / name, os.O_RDWR if writable else os.O_RDONLY)
+        try:
+            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+            mapping = mmap.mmap(fd, 0, access=access)
+        finally:
+            os.close(fd)
+        return cls(name, mapping, writable=writable)
+
+    def extent(self, offset: int, length: int) -> memoryview:
+        return self.data[offset : offset + length]
+
+    def close(self) -> None:
+        self.table = None
+        self.data.release()
+        with contextlib.suppress(BufferError):  # numpy views still alive: the GC unmaps
+            self._mapping.close()
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (SHM_DIR / self.name).unlink()
+
+
+def sweep(stack: str) -> list[str]:
+    """Unlink the stack's regions whose owner is dead; the names removed."""
+    removed = []
+    for path in SHM_DIR.glob(f"stageserve-{stack}-*"):
+        if not pid_alive(owner_pid(path.name)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            removed.append(path.name)
+    return removed
+
+
+def slots_in_use(stack: str) -> dict[str, int]:
+    """Slots in use in each live region of the stack: what the chaos audit
+    counts. Dead owners' regions are swept first, and slots a dead process
+    was to free (a killed gateway's outputs) are reclaimed, as the region's
+    owner would when it fills: what is left is held by live processes."""
+    sweep(stack)
+    counts = {}
+    for path in SHM_DIR.glob(f"stageserve-{stack}-*"):
+        try:
+            region = TensorRegion.open(path.name, writable=True)
+        except (OSError, ValueError):
+            continue
+        assert region.table is not None
+        region.table.reclaim(lambda pid: not pid_alive(pid))
+        counts[path.name] = region.table.in_use()
+        region.close()
+    return counts

@@ -1,0 +1,279 @@
+"""Tensor bytes through shared memory between a gateway and a worker on one host.
+
+A gateway writes a large input into its own region and the ScheduleRequest
+carries a reference (pb.TensorPart: region, offset, length) instead of the
+bytes; the scheduler passes the parts through (a batch lists every
+request's parts); the worker maps the gateway's region read-only and reads
+the extents (one copy into the batch at most). A worker writes a large
+output into its own region, tagged with the pid of the gateway that asked;
+that gateway copies it into the client's response and frees the slots by
+zeroing their tags in the worker's region (stageserve/tensor_slots.py).
+
+Who frees what, so that nothing leaks:
+- a gateway's input slots: the gateway itself, when the request ends in any
+  way (answer, error, client cancel: a `finally`);
+- a worker's output slots: the gateway that receives them, also when its
+  request is gone (StreamLink's orphan callback: `release_outputs`); slots
+  of a dead gateway, or of an answer lost on the way (a scheduler killed
+  between worker and gateway), are reclaimed by the worker when its region
+  fills (dead pid, or older than `SHM_LOST_AFTER_S`);
+- a dead process's region: unlinked by the next `sweep` of any process of
+  the stack (its name carries its pid).
+A full region is back-pressure: the tensor travels inline, as across hosts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.settings import StackSettings
+from stageserve.telemetry import TENSOR_SLOTS_IN_USE
+from stageserve.tensor_region import TensorRegion, pid_alive, region_name, sweep
+from stageserve.tensors import TensorError
+
+log = logging.getLogger(__name__)
+
+#: An output slot still tagged this long after it was written lost its answer
+#: (an answer is copied out within milliseconds of reaching the gateway).
+SHM_LOST_AFTER_S = 60.0
+
+
+def host_id() -> str:
+    """This host: its name and boot id (two containers with one hostname but
+    no shared /dev/shm differ by name; a reboot changes the boot id)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def stack_id(redis_url: str) -> str:
+    """One stack's regions share this prefix: the stack's Redis names it."""
+    return hashlib.sha1(redis_url.encode()).hexdigest()[:10]
+
+
+# ----------------------------------------------------------- peers' regions
+
+_peers: dict[tuple[str, bool], TensorRegion] = {}
+
+
+def _peer(name: str, writable: bool) -> TensorRegion:
+    region = _peers.get((name, writable))
+    if region is None:
+        region = _peers[(name, writable)] = TensorRegion.open(name, writable)
+    return region
+
+
+def _owned(name: str) -> TensorRegion | None:
+    return OWNER.region if OWNER is not None and OWNER.region.name == name else None
+
+
+def tensor_bytes(t: pb.Tensor) -> bytes | memoryview:
+    """A tensor's bytes: `raw`, one extent of a region (no copy), or its
+    parts joined (one copy)."""
+    if not t.parts:
+        return t.raw
+    views = [_part_view(p) for p in t.parts]
+    return views[0] if len(views) == 1 else b"".join(views)
+
+
+def _part_view(part: pb.TensorPart) -> bytes | memoryview:
+    if not part.region:
+        return part.raw
+    try:
+        region = _owned(part.region) or _peer(part.region, writable=False)
+    except OSError:
+        # a worker on another host got a reference (the gateway had not seen
+        # it join yet: services/gateway/tensor_transport.py)
+        raise TensorError(f"tensor region '{part.region}' is not on this host") from None
+    return region.extent(part.offset, part.length)
+
+
+def materialize(tensors: Iterable[pb.Tensor]) -> None:
+    """Turn every tensor with parts into one with raw bytes (for the backends
+    that read `raw`: Python models, sequence state)."""
+    for t in tensors:
+        if t.parts:
+            raw = bytes(tensor_bytes(t))
+            del t.parts[:]
+            t.raw = raw
+
+
+def release_outputs(resp: pb.ScheduleResponse) -> None:
+    """Free the worker slots an answer's outputs hold (its request is gone)."""
+    for t in resp.outputs:
+        _free_parts(t)
+
+
+def take_outputs(tensors: Iterable[pb.Tensor]) -> None:
+    """Copy each output held in a worker's region into `raw` and free its slots."""
+    for t in tensors:
+        if t.parts:
+            raw = bytes(tensor_bytes(t))
+            _free_parts(t)
+            del t.parts[:]
+            t.raw = raw
+
+
+def _free_parts(t: pb.Tensor) -> None:
+    for part in t.parts:
+        if not part.region:
+            continue
+        try:
+            region = _peer(part.region, writable=True)
+        except OSError:  # the owner died and its region was swept: nothing to free
+            continue
+        assert region.table is not None
+        region.table.free(part.offset // region.slot_size, part.length)
+
+
+# ----------------------------------------------------------- own region
+
+
+class TensorShm:
+    """This process's region and what it puts there."""
+
+    def __init__(self, stack: str, role: str, slots: int, slot_size: int, threshold: int) -> None:
+        self.stack = stack
+        self.threshold = threshold
+        self.host = host_id()
+        self.pid = os.getpid()
+        sweep(stack)
+        self.region = TensorRegion.create(region_name(stack, role, self.pid), slots, slot_size)
+        assert self.region.table is not None
+        self.table = self.region.table
+
+    def _put(self, data: bytes, tag: int) -> int | None:
+        """`data` in a fresh extent tagged `tag`: its offset; None when the region is full."""
+        offset = self._put_with(len(data), tag)
+        if offset is not None:
+            self.region.data[offset : offset + len(data)] = data
+        return offset
+
+    def _put_with(self, nbytes: int, tag: int) -> int | None:
+        """A fresh extent for `nbytes` tagged `tag`: its offset; None when the
+        region is full even after reclaiming what dead or lost consumers held."""
+        start = self.table.alloc(nbytes, tag, time.monotonic_ns())
+        if start is None:
+            lost_before = time.monotonic_ns() - int(SHM_LOST_AFTER_S * 1e9)
+            if not self.table.reclaim(lambda pid: not pid_alive(pid), lost_before):
+                return None
+            start = self.table.alloc(nbytes, tag, time.monotonic_ns())
+            if start is None:
+                return None
+        return start * self.table.slot_size
+
+    def _move(self, t: pb.Tensor, tag: int) -> pb.TensorPart | None:
+        """A large enough tensor's bytes into the region (its raw then empty,
+        its one part the extent); None when it stays inline."""
+        if t.datatype == "BYTES" or t.parts:
+            return None
+        raw = t.raw  # each read of a bytes field copies it: once
+        if len(raw) < self.threshold:
+            return None
+        offset = self._put(raw, tag)
+        if offset is None:
+            return None
+        t.ClearField("raw")
+        return t.parts.add(region=self.region.name, offset=offset, length=len(raw))
+
+    # gateway side
+
+    def stage_inputs(self, inputs: Iterable[pb.Tensor]) -> list[pb.TensorPart]:
+        """Move each large input into this region (a full region: it stays
+        inline); the extents to `release` when the request ends."""
+        held = []
+        for t in inputs:
+            part = self._move(t, self.pid)
+            if part is not None:
+                held.append(part)
+        return held
+
+    def release(self, held: Iterable[pb.TensorPart]) -> None:
+        for part in held:
+            self.table.free(part.offset // self.table.slot_size, part.length)
+
+    # worker side
+
+    def consumer(self, request: pb.ExecuteRequest, index: int) -> int:
+        """The pid to write request `index`'s large outputs for; 0: inline."""
+        if index >= len(request.shm_pids) or request.shm_hosts[index] != self.host:
+            return 0
+        return int(request.shm_pids[index])
+
+    def put_array(self, t: pb.Tensor, arr: np.ndarray, tag: int) -> bool:
+        """Write a numeric output straight from the model's array into this
+        region (one copy, where raw bytes and then the region take three):
+        `t` gets the extent as its part. False: it stays for raw bytes."""
+        if arr.nbytes < self.threshold or arr.dtype.kind not in "biuf" or not _little(arr):
+            return False
+        offset = self._put_with(arr.nbytes, tag)
+        if offset is None:
+            return False
+        slot = np.frombuffer(self.region.data, np.uint8, arr.nbytes, offset)
+        slot[:] = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+        t.parts.add(region=self.region.name, offset=offset, length=arr.nbytes)
+        return True
+
+    def stage_outputs(self, request: pb.ExecuteRequest, resp: pb.ExecuteResponse) -> None:
+        """Move the large outputs of each request whose gateway shares this host
+        and asked for shared memory into this region, tagged with its pid."""
+        if not request.shm_pids:
+            return
+        for result, host, pid in zip(
+            resp.results, request.shm_hosts, request.shm_pids, strict=False
+        ):
+            if pid and host == self.host:
+                for t in result.outputs:
+                    self._move(t, pid)
+
+    def in_use(self) -> int:
+        return self.table.in_use()
+
+    def close(self) -> None:
+        self.region.unlink()
+
+
+def _little(arr: np.ndarray) -> bool:
+    """In the raw layout's byte order (little-endian) as it is."""
+    order = arr.dtype.byteorder
+    return order in ("<", "|") or (order == "=" and sys.byteorder == "little")
+
+
+#: this process's region, when tensor_shm is on (set at startup)
+OWNER: TensorShm | None = None
+
+
+def install(settings: StackSettings, redis_url: str, role: str) -> TensorShm | None:
+    """This process's region when the stack's `tensor_shm` is on (None when
+    off), its slots in use on /metrics as stageserve_tensor_slots_in_use{stage}."""
+    global OWNER
+    if not settings.tensor_shm:
+        return None
+    OWNER = TensorShm(
+        stack_id(redis_url),
+        role,
+        settings.tensor_shm_slots,
+        settings.tensor_shm_slot_bytes,
+        settings.tensor_shm_min_bytes,
+    )
+    TENSOR_SLOTS_IN_USE.labels(role).set_function(OWNER.in_use)
+    return OWNER
+
+
+def uninstall() -> None:
+    global OWNER
+    if OWNER is not None:
+        OWNER.close()
+        OWNER = None

@@ -1,0 +1,110 @@
+"""The slot table of one shared-memory tensor region: pure, no I/O.
+
+A region's data area is split into `len(tags)` slots of `slot_size` bytes; a
+tensor takes an extent of consecutive slots. Each slot has a tag (0: free,
+else the pid of the process that will free it) and the time it was taken.
+
+The table lives in the region itself (two numpy arrays over the mapping), so
+the process that reads an extent frees it by zeroing its tags, with no
+message back to the owner: the owner only ever turns a 0 tag into a pid, a
+consumer only ever turns its own pid back into 0. A torn view while both
+run can only make the owner see fewer free slots than there are, never hand
+out a slot in use. Tests pass plain numpy arrays.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+
+class SlotTable:
+    """alloc / free / count over a tag array (uint32) and a stamp array (uint64, ns)."""
+
+    def __init__(self, tags: np.ndarray, stamps: np.ndarray, slot_size: int) -> None:
+        if tags.shape != stamps.shape or slot_size <= 0:
+            raise ValueError("tags and stamps must match, slot_size must be positive")
+        self.tags = tags
+        self.stamps = stamps
+        self.slot_size = slot_size
+        self._cursor = 0  # next-fit: the search starts after the last extent handed out
+        self._lock = threading.Lock()  # a worker's instance threads allocate concurrently
+
+    @property
+    def slots(self) -> int:
+        return int(self.tags.shape[0])
+
+    def slots_for(self, nbytes: int) -> int:
+        return max(1, -(-nbytes // self.slot_size))
+
+    def alloc(self, nbytes: int, tag: int, now_ns: int) -> int | None:
+        """The first slot of a free extent for `nbytes`, now tagged `tag`;
+        None when no extent that long is free (the caller falls back)."""
+        if tag <= 0:
+            raise ValueError("a tag is a positive pid")
+        need = -(-nbytes // self.slot_size) or 1
+        if need > self.slots:
+            return None
+        with self._lock:
+            start = self._cursor
+            # Next-fit: slots are mostly given back in the order they were
+            # taken, so the extent at the cursor is usually free; checking it
+            # first is cheap: timeit on the 2-core VM, one alloc + free at the
+            # cursor ~3 us, through the full search (numpy over every tag) ~6.
+            if start + need > self.slots or not self._free_at(start, need):
+                found = self._find(need)
+                if found is None:
+                    return None
+                start = found
+            end = start + need
+            self.stamps[start:end] = now_ns
+            self.tags[start:end] = tag
+            self._cursor = end % self.slots
+            return start
+
+    def _free_at(self, start: int, need: int) -> bool:
+        tags = self.tags
+        if need <= 8:  # scalar reads: a numpy reduction costs ~2.7 us however short
+            return not any(tags[i] for i in range(start, start + need))
+        return not tags[start : start + need].any()
+
+    def _find(self, need: int) -> int | None:
+        free = self.tags == 0
+        if need == 1:
+            hits = np.flatnonzero(free[self._cursor :])
+            if hits.size:
+                return self._cursor + int(hits[0])
+            hits = np.flatnonzero(free[: self._cursor])
+            return int(hits[0]) if hits.size else None
+        # runs of `need` free slots: a window whose free count is `need`
+        counts = np.convolve(free.astype(np.int32), np.ones(need, dtype=np.int32), "valid")
+        starts = np.flatnonzero(counts == need)
+        if not starts.size:
+            return None
+        after = starts[starts >= self._cursor]
+        return int(after[0] if after.size else starts[0])
+
+    def free(self, start: int, nbytes: int) -> None:
+        """Give back the extent at `start` that held `nbytes`."""
+        if not 0 <= start < self.slots:
+            raise ValueError(f"slot {start} is outside the table of {self.slots}")
+        self.tags[start : start + self.slots_for(nbytes)] = 0
+
+    def in_use(self) -> int:
+        return int(np.count_nonzero(self.tags))
+
+    def reclaim(self, dead: Callable[[int], bool], older_than_ns: int | None = None) -> int:
+        """Free every slot whose tag's process is `dead`, and (with
+        `older_than_ns`) every slot taken before that time; the count freed."""
+        with self._lock:
+            held = self.tags != 0
+            lost = np.zeros_like(held)
+            for pid in np.unique(self.tags[held]):
+                if dead(int(pid)):
+                    lost |= self.tags == pid
+            if older_than_ns is not None:
+                lost |= held & (self.stamps < older_than_ns)
+            self.tags[lost] = 0
+            return int(np.count_nonzero(lost))

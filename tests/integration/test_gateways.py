@@ -36,6 +36,12 @@ from tests.stack import wait_until
 #: probability 1/2 (the kernel hashes the 4-tuple): all N on one is 2**(1-N).
 CONNECTIONS = 24
 CLIENT_TIMEOUT_S = 10.0
+#: A gRPC channel of its own connection. By default grpc core pools
+#: subchannels process-wide: a channel opened right after another one to the
+#: same address closed reuses its connection (7 distinct connections for 30
+#: channels in a row, measured here), which then lands on the same gateway,
+#: or on one killed since (UNAVAILABLE "Connection reset by peer").
+NEW_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +98,7 @@ def _grpc_simple(url: str) -> None:
     inputs = [grpcclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
     for i in inputs:
         i.set_data_from_numpy(_A)
-    with grpcclient.InferenceServerClient(url) as client:
+    with grpcclient.InferenceServerClient(url, channel_args=NEW_CONNECTION) as client:
         result = client.infer("simple", inputs, client_timeout=CLIENT_TIMEOUT_S)
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 2 * _A)
 
@@ -133,7 +139,7 @@ def test_the_example_repository_serves_through_the_one_port(up: UpProcess, front
     index_names = set()
     for _ in range(4):  # a few connections: each gateway answers with the whole repository
         if front == "grpc":
-            with grpcclient.InferenceServerClient(url) as c:
+            with grpcclient.InferenceServerClient(url, channel_args=NEW_CONNECTION) as c:
                 index = c.get_model_repository_index(as_json=True)["models"]
                 ready = [m for m in index if c.is_model_ready(m["name"])]
         else:
@@ -252,7 +258,7 @@ class TritonPythonModel:
 def _live_not_ready(url: str) -> bool | None:
     """None: no connection; True: a server answered live but not ready."""
     try:
-        with grpcclient.InferenceServerClient(url) as c:
+        with grpcclient.InferenceServerClient(url, channel_args=NEW_CONNECTION) as c:
             live = c.is_server_live(client_timeout=1)
             return bool(live) and not c.is_server_ready(client_timeout=1)
     except Exception:  # noqa: BLE001 - refused, reset, timed out: no server answered

@@ -257,9 +257,12 @@ OWNER: TensorShm | None = None
 
 def install(settings: StackSettings, redis_url: str, role: str) -> TensorShm | None:
     """This process's region when the stack's `tensor_shm` is on (None when
-    off), its slots in use on /metrics as stageserve_tensor_slots_in_use{stage}."""
+    off), its slots in use on /metrics as stageserve_tensor_slots_in_use{stage}
+    (0 when off: the series exists either way, as dashboards and
+    deploy/smoke.py expect of every catalogued metric)."""
     global OWNER
     if not settings.tensor_shm:
+        TENSOR_SLOTS_IN_USE.labels(role).set(0)
         return None
     OWNER = TensorShm(
         stack_id(redis_url),

@@ -126,6 +126,10 @@ SMOKE: dict[str, Smoke] = {
         "CPU us per inference",
         (_no_perf_analyzer,),
     ),
+    "bench/tensor_shm_cost.py": Smoke(
+        (*PY, "bench.tensor_shm_cost", "--repeat", "3", "--rounds", "1", "--sizes", "1024"),
+        "shm us",
+    ),
     "bench/trace_cost.py": Smoke(
         (*PY, "bench.trace_cost", "--concurrency", "1", "--rounds", "1", *TINY_PERF, *ANY_WINDOWS),
         "| rate 1 |",

@@ -4,8 +4,9 @@ Schedulers are sharded by model (stageserve/shard_map.py): the router looks
 the model up in its ShardView (a dict lookup, no Redis on the hot path) and
 sends the request on one SchedulerLink per scheduler address. A scheduler
 that no longer owns the model refuses it with NOT_OWNER before queueing it,
-so the request ran nowhere; the router waits for the map to move (up to
-`resend_wait_s`) and resends it once to the new owner.
+so the request ran nowhere; the router waits for the map to move and
+resends it to the new owner, as often as it is refused within
+`resend_wait_s`.
 
 With no live scheduler registered in Redis (a stage started alone with
 --scheduler, before any scheduler registered), requests go to `fallback`.
@@ -13,6 +14,7 @@ With no live scheduler registered in Redis (a stage started alone with
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
@@ -76,10 +78,20 @@ class SchedulerRouter:
             response = await self.link(address).schedule(request, on_more)
         except SchedulerGone:  # died while this waited to connect: not sent, send to the heir
             return await self.link(self.address_for(request.model)).schedule(request, on_more)
-        if response.failure != pb.NOT_OWNER:
-            return response
-        await self.view.moved(request.model, address, self.resend_wait_s)
-        return await self.link(self.address_for(request.model)).schedule(request, on_more)
+        # Refused, so it ran nowhere: resend as the map moves, within the wait.
+        # More than once: a view sees a dead owner's lease run out a moment
+        # before Redis does (it times the lease from before its read), and the
+        # heir refuses a resend that comes in that moment as well.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.resend_wait_s
+        while response.failure == pb.NOT_OWNER:
+            left = deadline - loop.time()
+            if left <= 0:
+                return response
+            await self.view.moved(request.model, address, left)
+            address = self.address_for(request.model)
+            response = await self.link(address).schedule(request, on_more)
+        return response
 
     async def close(self) -> None:
         for link in list(self.links.values()):

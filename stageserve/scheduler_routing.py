@@ -73,25 +73,32 @@ class SchedulerRouter:
         if self.view is None:
             return await self.link(self.address_for(request.model)).schedule(request, on_more)
         self.view.start()  # follows the map from the first call on (idempotent)
-        address = self.address_for(request.model)
-        try:
-            response = await self.link(address).schedule(request, on_more)
-        except SchedulerGone:  # died while this waited to connect: not sent, send to the heir
-            return await self.link(self.address_for(request.model)).schedule(request, on_more)
-        # Refused, so it ran nowhere: resend as the map moves, within the wait.
-        # More than once: a view sees a dead owner's lease run out a moment
-        # before Redis does (it times the lease from before its read), and the
-        # heir refuses a resend that comes in that moment as well.
+        # Refused (NOT_OWNER) or its scheduler left the map before the link
+        # connected (SchedulerGone): either way it ran nowhere, so resend as
+        # the map moves, within the wait. More than once: a view sees a dead
+        # owner's lease run out a moment before Redis does (it times the lease
+        # from before its read), so the heir refuses a resend that comes in
+        # that moment, whether it followed a refusal or a gone link.
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.resend_wait_s
-        while response.failure == pb.NOT_OWNER:
+        deadline: float | None = None
+        address = self.address_for(request.model)
+        while True:
+            try:
+                response = await self.link(address).schedule(request, on_more)
+            except SchedulerGone:
+                if deadline is not None and loop.time() >= deadline:
+                    raise
+                deadline = deadline or loop.time() + self.resend_wait_s
+                address = self.address_for(request.model)  # the view dropped it: the heir
+                continue
+            if response.failure != pb.NOT_OWNER:
+                return response
+            deadline = deadline or loop.time() + self.resend_wait_s
             left = deadline - loop.time()
             if left <= 0:
                 return response
             await self.view.moved(request.model, address, left)
             address = self.address_for(request.model)
-            response = await self.link(address).schedule(request, on_more)
-        return response
 
     async def close(self) -> None:
         for link in list(self.links.values()):

@@ -25,6 +25,16 @@ through StageServe as a ``pytorch_libtorch`` model.
   python -m bench.gpu                          # auto device, batch 32, 64x64 images
   python -m bench.gpu --device cuda:0 --batch 64 --image-size 128
   python -m bench.gpu --backend torch          # the TorchScript CNN
+
+``--variant NAME:SETTINGS`` (repeatable) serves more copies of the model
+from the one stack, each with its own config.pbtxt, and measures each in
+turn against the one alone figure: SETTINGS are ``;``-separated
+``preferred=1 2 4 8`` (dynamic_batching preferred_batch_size),
+``instances=N`` (the instance_group count) or ``KEY=VALUE`` (a config
+``parameters`` entry), e.g.
+
+  python -m bench.gpu --variant 'heuristic:cudnn_conv_algo_search=1' \
+      --variant 'pad:preferred=1 2 4 8 16 32'
 """
 
 from __future__ import annotations
@@ -38,14 +48,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from google.protobuf import text_format
 
 from bench.__main__ import measure
 from bench.cnn import write_cnn
-from bench.perf_analyzer import find_perf_analyzer, text_table
+from bench.perf_analyzer import PerfAnalyzerUnstable, find_perf_analyzer, text_table
 from services.worker.backends import TensorBackend
 from services.worker.instances import default_intra_op_threads
 from services.worker.onnx_backend import OnnxInstance
 from services.worker.service import detect_gpu
+from stageserve.generated import model_config_pb2 as mc
 from stageserve.launcher import Stack, start_services
 
 TARGET_RATIO = 0.9
@@ -86,6 +98,58 @@ def backend_alone(
     return AloneResult(backend.device, providers, runs * batch / elapsed)
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One more copy of the model in the repository, with its own settings."""
+
+    name: str
+    preferred: tuple[int, ...] = ()
+    instances: int = 0  # 0: as the base config
+    parameters: tuple[tuple[str, str], ...] = ()
+
+
+def parse_variant(text: str) -> Variant:
+    """``NAME:preferred=1 2 4;instances=2;KEY=VALUE`` -> Variant."""
+    name, _, settings = text.partition(":")
+    if not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"variant name {name!r} is not an identifier")
+    preferred: tuple[int, ...] = ()
+    instances = 0
+    parameters: list[tuple[str, str]] = []
+    for item in filter(None, (part.strip() for part in settings.split(";"))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise argparse.ArgumentTypeError(f"variant setting {item!r} is not KEY=VALUE")
+        if key == "preferred":
+            preferred = tuple(int(v) for v in value.split())
+        elif key == "instances":
+            instances = int(value)
+        else:
+            parameters.append((key, value))
+    return Variant(name, preferred, instances, tuple(parameters))
+
+
+def write_variant(model_dir: Path, variant: Variant) -> str:
+    """Copy `model_dir` (version 1 by link) as ``<model>_<variant>`` with the
+    variant's settings applied to its config.pbtxt; returns the model name."""
+    config = mc.ModelConfig()
+    text_format.Parse((model_dir / "config.pbtxt").read_text(), config)
+    config.name = f"{config.name}_{variant.name}"
+    if variant.preferred:
+        del config.dynamic_batching.preferred_batch_size[:]
+        config.dynamic_batching.preferred_batch_size.extend(variant.preferred)
+    if variant.instances:
+        for group in config.instance_group:
+            group.count = variant.instances
+    for key, value in variant.parameters:
+        config.parameters[key].string_value = value
+    target = model_dir.parent / config.name
+    target.mkdir()
+    (target / "1").symlink_to(model_dir / "1", target_is_directory=True)
+    (target / "config.pbtxt").write_text(text_format.MessageToString(config))
+    return config.name
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__)
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
@@ -97,6 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=0, help="default: 2 x batch")
     ap.add_argument("--measurement-ms", type=int, default=5000)
     ap.add_argument("--stability-pct", type=int, default=30)
+    ap.add_argument(
+        "--variant",
+        type=parse_variant,
+        action="append",
+        default=[],
+        help="NAME:SETTINGS, one more copy of the model measured from the same stack",
+    )
+    ap.add_argument("--profile", type=Path, help="py-spy every stage meanwhile, into this folder")
+    ap.add_argument("--gateways", type=int, default=1, help="gateway processes (one port)")
+    ap.add_argument("--schedulers", type=int, default=1, help="scheduler processes")
+    ap.add_argument("--workers", type=int, default=1, help="worker processes, all on --device")
     args = ap.parse_args(argv)
     concurrency = args.concurrency or 2 * args.batch
     if find_perf_analyzer() is None:
@@ -124,50 +199,65 @@ def main(argv: list[str] | None = None) -> int:
             f"{alone.images_per_s:,.0f} images/s at batch {args.batch}",
             flush=True,
         )
+        names = ["cnn", *(write_variant(model_file.parent.parent, v) for v in args.variant)]
         stack = Stack()
+        points = []
         try:
-            running = start_services(stack, repository, device=device)
-            point = measure(
-                running.gateway.address,
+            running = start_services(
                 stack,
-                "cnn",
-                concurrency,
-                measurement_ms=args.measurement_ms,
-                stability_pct=args.stability_pct,
+                repository,
+                device=device,
+                gateways=args.gateways,
+                schedulers=args.schedulers,
+                workers=args.workers,
             )
+            for name in names:
+                for attempt in (1, 2):  # a first try may still meet unwarmed shapes
+                    try:
+                        point = measure(
+                            running.gateway.address,
+                            stack,
+                            name,
+                            concurrency,
+                            measurement_ms=args.measurement_ms,
+                            stability_pct=args.stability_pct,
+                            profile=args.profile,
+                        )
+                    except PerfAnalyzerUnstable:
+                        print(f"{name}: no stable measurement (try {attempt})", flush=True)
+                        continue
+                    points.append((name, point))
+                    break
         finally:
             stack.stop()
 
+    rows = [[f"{label} alone", alone.device, str(args.batch), "-", f"{alone.images_per_s:,.0f}"]]
+    rows[0] += ["-", "-", "1.00", "-"]
+    for name, point in points:
+        r = point.result
+        rows.append(
+            [
+                f"StageServe {name}",
+                alone.device,
+                f"{point.mean_batch:.1f}",
+                str(concurrency),
+                f"{r.throughput:,.0f}",
+                f"{r.p50_us / 1000:.2f}",
+                f"{r.p99_us / 1000:.2f}",
+                f"{r.throughput / alone.images_per_s:.2f}",
+                " ".join(f"{k[:3]} {v:.0f}" for k, v in point.cpu_us_per_request.items()),
+            ]
+        )
+    print()
+    header = ["server", "device", "batch", "conc", "infer/s", "p50 ms", "p99 ms", "ratio"]
+    print(text_table([*header, "CPU us/request"], rows))
+    print(f"(gateways {args.gateways}, schedulers {args.schedulers}, workers {args.workers})")
+    if not points or points[0][0] != "cnn":
+        print("\nno stable measurement of the base model", file=sys.stderr)
+        return 1
+    point = points[0][1]
     r = point.result
     ratio = r.throughput / alone.images_per_s
-    print()
-    print(
-        text_table(
-            ["server", "device", "batch", "conc", "infer/s", "p50 ms", "p99 ms", "ratio"],
-            [
-                [
-                    f"{label} alone",
-                    alone.device,
-                    str(args.batch),
-                    "-",
-                    f"{alone.images_per_s:,.0f}",
-                    "-",
-                    "-",
-                    "1.00",
-                ],
-                [
-                    "StageServe",
-                    alone.device,
-                    f"{point.mean_batch:.1f}",
-                    str(concurrency),
-                    f"{r.throughput:,.0f}",
-                    f"{r.p50_us / 1000:.2f}",
-                    f"{r.p99_us / 1000:.2f}",
-                    f"{ratio:.2f}",
-                ],
-            ],
-        )
-    )
     verdict = "meets" if ratio >= TARGET_RATIO else "misses"
     print(
         f"\nStageServe reaches {ratio:.0%} of {label} alone ({verdict} the "

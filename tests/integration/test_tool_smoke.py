@@ -203,10 +203,12 @@ SMOKE: dict[str, Smoke] = {
             "0.3",
             "--concurrency",
             "2",
+            "--variant",
+            "two:instances=2;execute_delay_ms=1",
             *TINY_PERF,
             *ANY_WINDOWS,
         ),
-        "StageServe reaches",
+        "StageServe cnn_two",
         (_no_perf_analyzer,),
     ),  # fmt: skip
     "bench/http.py": Smoke(

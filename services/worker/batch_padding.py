@@ -37,7 +37,7 @@ def padded_size(n: int, allowed: Sequence[int]) -> int:
 def pad_feeds(feeds: Mapping[str, np.ndarray], real: int, padded: int) -> dict[str, np.ndarray]:
     """Each feed of `real` rows grown to `padded` rows by repeating its last row."""
     if padded == real:
-        return dict(feeds)
+        return feeds if isinstance(feeds, dict) else dict(feeds)
     out = {}
     for name, arr in feeds.items():
         if arr.ndim == 0 or arr.shape[0] != real or real == 0:
@@ -54,7 +54,7 @@ def unpad_results(
 ) -> dict[str, np.ndarray]:
     """Each output of `padded` rows cut to its first `real` rows (views, no copy)."""
     if padded == real:
-        return dict(results)
+        return results if isinstance(results, dict) else dict(results)
     out = {}
     for name, arr in results.items():
         if arr.ndim == 0 or arr.shape[0] != padded:

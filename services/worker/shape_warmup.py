@@ -10,8 +10,14 @@ form. CPU instances that do not pad are not warmed (no per-shape cost worth
 a slower load). The model parameter ``shape_warmup`` turns it off ("false")
 or on for every instance ("true").
 
-Only the batch dimension is covered: a variable (-1) non-batch dimension
-takes 1. The data is zeros, as Triton's ``zero_data``. The runs go through
+Only the batch dimension is covered. A model with a variable (-1)
+non-batch dimension is not warmed unless ``shape_warmup`` is "true" (there
+the dimension takes 1): its shapes do not follow from the batch size, and a
+size-1 image may not pass a stack of strided convolutions. The data is
+zeros, as Triton's ``zero_data``. A warm-up the model asked for
+(``shape_warmup`` "true") that fails fails the load, as a model_warmup
+sample does; an automatic one that fails is logged and the model loads (it
+is no worse off than without it). The runs go through
 the instance's own thread and the same path as real batches (warmup.py's
 `run_warmup`), but unlike configured model_warmup samples, which Triton
 counts, they are StageServe's and leave the model's statistics untouched.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,6 +39,8 @@ from services.worker.tensor_batches import TensorBatches
 from services.worker.warmup import WarmupError, run_warmup, warmup_requests
 from stageserve.config import TENSOR_PLATFORMS, ModelSpec, WarmupInput, WarmupSpec
 from stageserve.generated import stageserve_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 SHAPE_WARMUP_PARAMETER = "shape_warmup"
 
@@ -46,11 +55,25 @@ def warmup_shapes(spec: ModelSpec, on_gpu: bool, pad_sizes: Sequence[int]) -> tu
         return ()
     if spec.platform not in TENSOR_PLATFORMS or not spec.batching or spec.ragged_inputs:
         return ()
+    if text not in _TRUE and _variable_dims(spec):
+        return ()
     if pad_sizes:
         return tuple(pad_sizes)
     if on_gpu or text in _TRUE:
         return tuple(range(1, spec.max_batch_size + 1))
     return ()
+
+
+def required(spec: ModelSpec) -> bool:
+    """Whether the model asked for the shape warm-up (a failure fails its load)."""
+    return spec.parameters.get(SHAPE_WARMUP_PARAMETER, "").strip().lower() in _TRUE
+
+
+def _variable_dims(spec: ModelSpec) -> bool:
+    dims = [t.dims for t in spec.inputs]
+    if spec.sequence is not None:
+        dims += [s.dims for s in spec.sequence.states]
+    return any(d < 0 for shape in dims for d in shape)
 
 
 def instance_shapes(instance: HostedInstance) -> tuple[int, ...]:
@@ -77,7 +100,8 @@ def shape_samples(spec: ModelSpec, shapes: Sequence[int]) -> tuple[WarmupSpec, .
 
 async def warm_up_shapes(instance: HostedInstance, shapes: Sequence[int], model_dir: Path) -> float:
     """Run each batch size once on the instance's own thread; the seconds it
-    took. Raises WarmupError (the load fails) when a run fails."""
+    took. A failed run raises WarmupError (the load fails) where the model
+    asked for the warm-up, else it is logged and the warm-up ends there."""
     spec = dataclasses.replace(instance.spec, warmups=shape_samples(instance.spec, shapes))
     requests = warmup_requests(spec, model_dir)
     execute = cast("Callable[[pb.ExecuteRequest], pb.ExecuteResponse]", instance.execute)
@@ -87,8 +111,10 @@ async def warm_up_shapes(instance: HostedInstance, shapes: Sequence[int], model_
         # the statistics run_warmup returns are dropped: see the module docstring
         await loop.run_in_executor(instance.executor, run_warmup, execute, requests)
     except WarmupError as exc:
-        raise WarmupError(
-            f"automatic shape warm-up: {exc} (the model parameter {SHAPE_WARMUP_PARAMETER} "
-            f"set to false skips it)"
-        ) from exc
+        if required(instance.spec):
+            raise WarmupError(f"shape warm-up ({SHAPE_WARMUP_PARAMETER}): {exc}") from exc
+        log.warning(
+            "shape warm-up failed",
+            extra={"instance": instance.instance_id, "error": str(exc)},
+        )
     return time.monotonic() - t0

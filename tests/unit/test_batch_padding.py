@@ -5,11 +5,15 @@ on the CPU padded through TensorBatches."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from services.worker.batch_padding import (
     BatchPaddingError,
@@ -17,10 +21,17 @@ from services.worker.batch_padding import (
     padded_size,
     unpad_results,
 )
+from services.worker.instances import HostedInstance, Placement
 from services.worker.onnx_backend import OnnxInstance
-from services.worker.shape_warmup import shape_samples, warmup_shapes
+from services.worker.shape_warmup import (
+    instance_shapes,
+    shape_samples,
+    warm_up_shapes,
+    warmup_shapes,
+)
 from services.worker.tensor_batches import TensorBatches
-from services.worker.warmup import warmup_requests
+from services.worker.tensor_sessions import create_backend
+from services.worker.warmup import WarmupError, warmup_requests
 from stageserve.config import ConfigError, parse_config_text, to_spec
 from stageserve.datatypes import from_triton
 from stageserve.generated import stageserve_pb2 as pb
@@ -166,6 +177,11 @@ def test_warmup_shapes() -> None:
     assert warmup_shapes(on, on_gpu=False, pad_sizes=()) == (1, 2)
     assert warmup_shapes(spec("max_batch_size: 0\n"), on_gpu=True, pad_sizes=()) == ()
     assert warmup_shapes(spec("max_batch_size: 4\n", io=RAGGED_IO), True, ()) == ()
+    # a variable non-batch dim: its shapes do not follow from the batch size
+    variable = IO.replace("dims: [ 2 ]", "dims: [ -1 ]", 1)
+    assert warmup_shapes(spec("max_batch_size: 2\n", io=variable), True, ()) == ()
+    forced = 'max_batch_size: 2\nparameters { key: "shape_warmup" value { string_value: "true" } }'
+    assert warmup_shapes(spec(forced, io=variable), True, ()) == (1, 2)
 
 
 def test_shape_samples_feed_every_input_with_zeros_of_each_batch_size() -> None:
@@ -223,3 +239,51 @@ def test_the_shape_samples_run_each_size_on_a_real_session(tmp_path: Path) -> No
         assert len(outputs) == len(w.request.request_batch_sizes)
         seen.append(int(outputs[0][0, 0]))  # zeros + the rows the session saw
     assert seen == [4, 8, 16]
+
+
+class _RefusesZeros(torch.nn.Module):
+    def forward(self, INPUT__0: torch.Tensor) -> torch.Tensor:  # noqa: N803
+        if bool((INPUT__0 == 0).all()):
+            raise RuntimeError("this model refuses an all-zero input")
+        return INPUT__0 + 1
+
+
+def _refusing_instance(tmp_path: Path, extra: str) -> HostedInstance:
+    path = tmp_path / "model.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.save(torch.jit.script(_RefusesZeros()), str(path))
+    io = """
+input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+"""
+    s = spec("max_batch_size: 2\n" + extra, platform="pytorch_libtorch", io=io)
+    session = create_backend(s, path, "cpu", threads=1)
+    batches = TensorBatches(s, session, s.pad_batch.sizes_for(on_gpu=False))
+    return HostedInstance("i0", "m", 1, 1, Placement("KIND_CPU", -1), s, batches)
+
+
+SHAPE_WARMUP_TRUE = 'parameters { key: "shape_warmup" value { string_value: "true" } }\n'
+
+
+def test_a_shape_warmup_the_model_asked_for_fails_its_load(tmp_path: Path) -> None:
+    instance = _refusing_instance(tmp_path, SHAPE_WARMUP_TRUE)
+    try:
+        with pytest.raises(WarmupError, match="shape warm-up .*refuses an all-zero input"):
+            asyncio.run(warm_up_shapes(instance, (1, 2), tmp_path))
+    finally:
+        instance.close()
+
+
+def test_an_automatic_shape_warmup_that_fails_is_logged_and_the_model_loads(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    instance = _refusing_instance(tmp_path, param("true"))  # pads, so warms its sizes
+    try:
+        assert instance_shapes(instance) == (1, 2)
+        with caplog.at_level(logging.WARNING, logger="services.worker.shape_warmup"):
+            assert asyncio.run(warm_up_shapes(instance, (1, 2), tmp_path)) >= 0
+        (record,) = [r for r in caplog.records if r.getMessage() == "shape warm-up failed"]
+        assert "refuses an all-zero input" in record.__dict__["error"]
+    finally:
+        instance.close()

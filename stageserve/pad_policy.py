@@ -10,7 +10,8 @@ from its config.pbtxt, as StageServe's own model parameter:
 
     parameters { key: "pad_batch" value { string_value: "true" } }
 
-* absent or "" (``auto``): pad on KIND_GPU instances of a model that has a
+* absent or "" (``auto``): pad on the instances whose session runs on a GPU
+  (KIND_GPU, or KIND_AUTO on a GPU worker) of a model that has a
   dynamic_batching ``preferred_batch_size``, to those sizes and
   max_batch_size; never on the CPU; silently off where padding cannot be
   right (below);
@@ -49,7 +50,7 @@ class PadPolicyError(ValueError):
 
 @dataclass(frozen=True)
 class PadPolicy:
-    """`mode`: AUTO (KIND_GPU instances only), ON (every instance) or OFF;
+    """`mode`: AUTO (instances on a GPU only), ON (every instance) or OFF;
     `sizes`: the allowed batch sizes, ascending, max_batch_size last (empty
     when the model never pads)."""
 

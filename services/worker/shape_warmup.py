@@ -17,11 +17,11 @@ size-1 image may not pass a stack of strided convolutions. The data is
 zeros, as Triton's ``zero_data``. A warm-up the model asked for
 (``shape_warmup`` "true") that fails fails the load, as a model_warmup
 sample does; an automatic one that fails is logged and the model loads (it
-is no worse off than without it). The runs go through
-the instance's own thread and the same path as real batches (warmup.py's
-`run_warmup`), but unlike configured model_warmup samples, which Triton
-counts, they are StageServe's and leave the model's statistics untouched.
-Models with ragged inputs are not warmed (their shapes are not rows).
+is no worse off than without it). The runs go through the instance's own
+thread and the same path as real batches (warmup.py's `run_warmup`), but
+unlike configured model_warmup samples, which Triton counts, they are
+StageServe's and leave the model's statistics untouched. Models with ragged
+inputs are not warmed (their shapes are not rows).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from google.protobuf import text_format
 
 from stageserve.datatypes import DataType, from_config_enum, from_triton
 from stageserve.generated import model_config_pb2 as mc
+from stageserve.pad_policy import PadPolicy, PadPolicyError, pad_policy
 
 ONNX_PLATFORM = "onnxruntime_onnx"
 ONNX_BACKEND = "onnxruntime"
@@ -201,6 +202,8 @@ class ModelSpec:
     decoupled: bool = False  # model_transaction_policy { decoupled: true }
     response_cache: bool = False  # response_cache { enable: true }
     warmups: tuple[WarmupSpec, ...] = ()
+    # StageServe's batch padding (parameter pad_batch, stageserve/pad_policy.py)
+    pad_batch: PadPolicy = PadPolicy()
 
     @property
     def batching(self) -> bool:
@@ -431,7 +434,40 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
         decoupled=decoupled,
         response_cache=response_cache,
         warmups=_warmup_specs(config, inputs, sequence),
+        pad_batch=_pad_policy(
+            config, platform, dynamic, inputs, batch_inputs, batch_outputs, sequence
+        ),
     )
+
+
+def _pad_policy(
+    config: mc.ModelConfig,
+    platform: str,
+    dynamic: DynamicBatching | None,
+    inputs: tuple[TensorSpec, ...],
+    batch_inputs: tuple[BatchInputSpec, ...],
+    batch_outputs: tuple[BatchOutputSpec, ...],
+    sequence: SequenceBatching | None,
+) -> PadPolicy:
+    """The model's batch padding (stageserve/pad_policy.py), with what rules it out."""
+    obstacles = []
+    if platform not in TENSOR_PLATFORMS:
+        obstacles.append(f"only ONNX Runtime and TorchScript models pad, this is '{platform}'")
+    ragged = [t.name for t in inputs if t.allow_ragged_batch]
+    if ragged:
+        obstacles.append(f"ragged input(s) {ragged} are one 1-D tensor, not rows")
+    if batch_inputs:
+        obstacles.append("batch_input tensors are computed from the real requests' shapes")
+    if batch_outputs:
+        obstacles.append("batch_output scattering cuts outputs by the real requests' shapes")
+    if sequence is not None and sequence.states:
+        obstacles.append("a padded row's sequence state output has no sequence to go to")
+    parameters = {k: v.string_value for k, v in config.parameters.items()}
+    preferred = dynamic.preferred_batch_sizes if dynamic is not None else ()
+    try:
+        return pad_policy(parameters, int(config.max_batch_size), preferred, obstacles)
+    except PadPolicyError as exc:
+        raise ConfigError(f"model '{config.name}': {exc}") from None
 
 
 def _check_response_cache(

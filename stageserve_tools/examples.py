@@ -160,6 +160,24 @@ def simple_model(max_batch_size: int = 8, dims: Sequence[int] = (16,)) -> onnx.M
     return make_model(graph)
 
 
+def batch_size_model(width: int = 2) -> onnx.ModelProto:
+    """OUTPUT = INPUT + the batch size the session ran (FP32 [batch, width]):
+    each answer shows how many rows the model saw (batch padding's tests)."""
+    dt = from_triton("FP32")
+    shape = _onnx_shape((width,), 1, "d")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Shape", ["INPUT"], ["rows"], name="rows", start=0, end=1),
+            helper.make_node("Cast", ["rows"], ["rows_f"], name="cast", to=dt.onnx),
+            helper.make_node("Add", ["INPUT", "rows_f"], ["OUTPUT"], name="add"),
+        ],
+        "batch_size",
+        [_value_info("INPUT", dt, shape)],
+        [_value_info("OUTPUT", dt, shape)],
+    )
+    return make_model(graph)
+
+
 def write_simple(
     root: Path,
     name: str = "simple",

@@ -5,6 +5,9 @@ The scheduler sends a batch as concatenated input tensors; this decodes them
 into the shared numpy representation, adds Triton's batch_input tensors,
 runs the session (``backends.TensorBackend``), and splits the outputs back
 per request (BATCH_SCATTER_WITH_INPUT_SHAPE outputs by their source shapes).
+An instance with `pad_sizes` pads the batch up to the nearest of them before
+the run and drops the padded rows right after it (batch_padding.py), so
+everything past the run, the statistics included, sees the real batch.
 """
 
 from __future__ import annotations
@@ -21,6 +24,12 @@ from services.worker.batch_io import (
     scatter,
     scatter_shapes,
 )
+from services.worker.batch_padding import (
+    BatchPaddingError,
+    pad_feeds,
+    padded_size,
+    unpad_results,
+)
 from stageserve import tensor_shm
 from stageserve.config import ModelSpec
 from stageserve.datatypes import from_triton
@@ -36,13 +45,17 @@ def execute_delay_s(spec: ModelSpec) -> float:
 
 
 class TensorBatches:
-    """Executes formed batches of `spec` on one tensor session."""
+    """Executes formed batches of `spec` on one tensor session; `pad_sizes`:
+    the batch sizes a formed batch is padded up to (empty: none)."""
 
-    def __init__(self, spec: ModelSpec, session: TensorBackend) -> None:
+    def __init__(
+        self, spec: ModelSpec, session: TensorBackend, pad_sizes: tuple[int, ...] = ()
+    ) -> None:
         self.spec = spec
         self.session = session
         self.thread_bound = session.thread_bound
         self.delay_s = execute_delay_s(spec)
+        self.pad_sizes = pad_sizes if spec.batching else ()
 
     def execute_batch(self, request: pb.ExecuteRequest, emit: Emit | None) -> pb.ExecuteResponse:
         """Decode, run and split one batch (`emit` is unused: not decoupled)."""
@@ -55,10 +68,16 @@ class TensorBatches:
         except (TensorError, BatchIOError) as exc:
             raise BackendError(f"bad input tensor: {exc}") from exc
         wanted = self._wanted_outputs(request)
-        t1 = time.monotonic_ns()
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        results = self.session.run(feeds, wanted)
+        real = sum(request.request_batch_sizes)
+        padded = padded_size(real, self.pad_sizes)
+        try:
+            feeds = pad_feeds(feeds, real, padded)  # input work: before t1
+            t1 = time.monotonic_ns()
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            results = unpad_results(self.session.run(feeds, wanted), real, padded)
+        except BatchPaddingError as exc:
+            raise BackendError(f"model '{self.spec.name}': {exc}") from exc
         t2 = time.monotonic_ns()
         try:
             scattered = self._scatter(request, results)

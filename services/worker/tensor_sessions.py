@@ -93,6 +93,9 @@ def tensor_backends(
         session = create_backend(
             model.spec, path, place.device, threads, require_gpu=group.kind == "KIND_GPU"
         )
-        return TensorBatches(model.spec, session)
+        # auto padding (pad_policy.py) where the session really runs on a GPU
+        # (a KIND_AUTO instance may have fallen back to the CPU)
+        pad_sizes = model.spec.pad_batch.sizes_for(on_gpu=session.device != "cpu")
+        return TensorBatches(model.spec, session, pad_sizes)
 
     return make

@@ -183,6 +183,15 @@ class WarmupSpec:
 
 
 @dataclass(frozen=True)
+class ExecutionAccelerator:
+    """One ``optimization { execution_accelerators { ... } }`` entry: a name
+    ("tensorrt", "cuda", "openvino") and its string parameters, as written."""
+
+    name: str
+    parameters: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     platform: str
@@ -201,6 +210,10 @@ class ModelSpec:
     decoupled: bool = False  # model_transaction_policy { decoupled: true }
     response_cache: bool = False  # response_cache { enable: true }
     warmups: tuple[WarmupSpec, ...] = ()
+    # optimization { execution_accelerators { gpu/cpu_execution_accelerator } }
+    gpu_accelerators: tuple[ExecutionAccelerator, ...] = ()
+    cpu_accelerators: tuple[ExecutionAccelerator, ...] = ()
+    graph_level: int = 0  # optimization { graph { level } }: 0 is the backend's default
 
     @property
     def batching(self) -> bool:
@@ -431,7 +444,18 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
         decoupled=decoupled,
         response_cache=response_cache,
         warmups=_warmup_specs(config, inputs, sequence),
+        gpu_accelerators=_accelerators(
+            config.optimization.execution_accelerators.gpu_execution_accelerator
+        ),
+        cpu_accelerators=_accelerators(
+            config.optimization.execution_accelerators.cpu_execution_accelerator
+        ),
+        graph_level=int(config.optimization.graph.level),
     )
+
+
+def _accelerators(entries) -> tuple[ExecutionAccelerator, ...]:
+    return tuple(ExecutionAccelerator(a.name, dict(a.parameters)) for a in entries)
 
 
 def _check_response_cache(

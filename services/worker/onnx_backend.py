@@ -32,7 +32,13 @@ import onnx
 import onnxruntime as ort
 
 from services.worker.backends import BackendError, InvalidInputError, parse_device
-from services.worker.onnx_options import OrtOptionError, OrtOptions, ort_options
+from services.worker.onnx_options import (
+    CPU_EP,
+    OrtOptionError,
+    OrtOptions,
+    gpu_providers,
+    ort_options,
+)
 from services.worker.onnx_strings import bytes_transparent
 from stageserve.datatypes import DataType, from_triton
 
@@ -171,20 +177,13 @@ class OnnxInstance:
 
         available = ort.get_available_providers()
         use_trt = False
+        providers: list[str | tuple[str, dict[str, str]]]
         if kind == "cuda" and "CUDAExecutionProvider" in available:
-            providers: list = [
-                ("CUDAExecutionProvider", options.cuda or {"device_id": str(device_id)}),
-                "CPUExecutionProvider",
-            ]
-            if options.tensorrt is not None:
-                if "TensorrtExecutionProvider" not in available:
-                    raise OrtOptionError(
-                        f"{self.model_path}: unknown Execution Accelerator 'tensorrt' is "
-                        "requested: this onnxruntime has no TensorrtExecutionProvider (has "
-                        f"{', '.join(available)})"
-                    )
-                providers.insert(0, ("TensorrtExecutionProvider", options.tensorrt))
-                use_trt = True
+            try:
+                providers = gpu_providers(options, available, device_id)
+            except OrtOptionError as exc:
+                raise OrtOptionError(f"{self.model_path}: {exc}") from None
+            use_trt = options.tensorrt is not None
         else:
             if kind == "cuda" and not cpu_fallback:
                 raise BackendError(
@@ -201,7 +200,7 @@ class OnnxInstance:
                     ", ".join(available),
                 )
                 self.device = "cpu"
-            providers = ["CPUExecutionProvider"]
+            providers = [CPU_EP]
 
         opts = ort.SessionOptions()
         if intra_op_threads and intra_op_threads > 0:

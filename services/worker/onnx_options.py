@@ -54,6 +54,9 @@ DEFAULT_CUDNN_CONV_ALGO_SEARCH = "HEURISTIC"
 
 TENSORRT = "tensorrt"
 CUDA = "cuda"
+CPU_EP = "CPUExecutionProvider"
+CUDA_EP = "CUDAExecutionProvider"
+TENSORRT_EP = "TensorrtExecutionProvider"
 
 _CONV_ALGO_SEARCH = {0: "EXHAUSTIVE", 1: "HEURISTIC", 2: "DEFAULT"}
 _ARENA_EXTEND = {0: "kNextPowerOfTwo", 1: "kSameAsRequested"}
@@ -298,3 +301,25 @@ def tensorrt_options(parameters: Mapping[str, str], device_id: int) -> dict[str,
             out[option] = value
     out["device_id"] = str(device_id)
     return out
+
+
+def gpu_providers(
+    options: OrtOptions, available: Sequence[str], device_id: int
+) -> list[str | tuple[str, dict[str, str]]]:
+    """The providers of a GPU instance's session, in ORT's order of preference:
+    TensorRT (when asked), CUDA, then the CPU for what neither runs.
+    `available`: onnxruntime.get_available_providers(). A TensorRT accelerator
+    on an onnxruntime without its provider is refused as by Triton's backend
+    built without TensorRT."""
+    providers: list[str | tuple[str, dict[str, str]]] = [
+        (CUDA_EP, options.cuda or {"device_id": str(device_id)}),
+        CPU_EP,
+    ]
+    if options.tensorrt is not None:
+        if TENSORRT_EP not in available:
+            raise OrtOptionError(
+                "unknown Execution Accelerator 'tensorrt' is requested: this onnxruntime "
+                f"has no {TENSORRT_EP} (has {', '.join(available)})"
+            )
+        providers.insert(0, (TENSORRT_EP, options.tensorrt))
+    return providers

@@ -15,6 +15,7 @@ from services.worker.onnx_options import (
     DEFAULT_CUDNN_CONV_ALGO_SEARCH,
     OrtOptionError,
     OrtOptions,
+    gpu_providers,
     ort_options,
     parse_bool,
     parse_int,
@@ -297,6 +298,34 @@ def test_tensorrt_bad_values() -> None:
         tensorrt_options({"max_workspace_size_bytes": "big"}, 0)
     with pytest.raises(OrtOptionError, match="failed to convert 'one' to integral number"):
         tensorrt_options({"trt_dla_core": "one"}, 0)
+
+
+GPU_BUILD = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+TRT_BUILD = ["TensorrtExecutionProvider", *GPU_BUILD]
+
+
+def test_gpu_providers_put_tensorrt_first_when_asked() -> None:
+    plain = gpu({}, device_id=2)
+    assert gpu_providers(plain, GPU_BUILD, 2) == [
+        ("CUDAExecutionProvider", plain.cuda),
+        "CPUExecutionProvider",
+    ]
+    trt = gpu({}, ExecutionAccelerator("tensorrt", {"precision_mode": "FP16"}), device_id=2)
+    assert gpu_providers(trt, TRT_BUILD, 2) == [
+        ("TensorrtExecutionProvider", {"trt_fp16_enable": "1", "device_id": "2"}),
+        ("CUDAExecutionProvider", trt.cuda),
+        "CPUExecutionProvider",
+    ]
+
+
+def test_tensorrt_on_an_onnxruntime_without_it_fails_as_triton_without_tensorrt() -> None:
+    trt = gpu({}, ExecutionAccelerator("tensorrt"))
+    with pytest.raises(
+        OrtOptionError,
+        match="unknown Execution Accelerator 'tensorrt' is requested: this onnxruntime has no "
+        "TensorrtExecutionProvider",
+    ):
+        gpu_providers(trt, GPU_BUILD, 0)
 
 
 # --------------------------------------------------------------------------

@@ -81,3 +81,30 @@ def test_one_worker_per_gpu_serves_kind_gpu_models(tmp_path: Path) -> None:
             np.testing.assert_allclose(r.as_numpy(name_out), want, rtol=0, atol=atol, err_msg=model)
     finally:
         stack.stop()
+
+
+def test_cuda_sessions_get_the_configured_provider_options(tmp_path: Path) -> None:
+    """In process, no stack: what the CUDA EP was given, read back from ORT,
+    and the answers of both TF32 settings against float64."""
+    import onnxruntime as ort
+
+    from services.worker.onnx_backend import OnnxInstance
+    from services.worker.onnx_options import DEFAULT_CUDNN_CONV_ALGO_SEARCH, ort_options
+
+    if gpu_count() == 0 or "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("no GPU, or no CUDA execution provider")
+    path = write_mlp(tmp_path, "mlp", kind="KIND_GPU") / "1" / "model.onnx"
+    x = np.random.default_rng(0).standard_normal((8, 256), dtype=np.float32)
+    want = mlp_reference(x, mlp_weights())
+    for parameters, tf32, search in (
+        ({}, False, DEFAULT_CUDNN_CONV_ALGO_SEARCH),
+        ({"allow_tf32": "true", "cudnn_conv_algo_search": "0"}, True, "EXHAUSTIVE"),
+    ):
+        options = ort_options(parameters, gpu=True, device_id=0)
+        session = OnnxInstance(path, "cuda:0", cpu_fallback=False, options=options)
+        given = session._session.get_provider_options()["CUDAExecutionProvider"]
+        assert given["cudnn_conv_algo_search"] == search
+        assert given["use_tf32"] == ("1" if tf32 else "0")
+        got = session.run({"INPUT0": x})["OUTPUT0"]
+        atol = tolerance(tf32, float(np.abs(want).max()))
+        np.testing.assert_allclose(got, want, rtol=0, atol=atol, err_msg=str(parameters))

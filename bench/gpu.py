@@ -35,6 +35,10 @@ turn against the one alone figure: SETTINGS are ``;``-separated
 
   python -m bench.gpu --variant 'heuristic:cudnn_conv_algo_search=1' \
       --variant 'pad:preferred=1 2 4 8 16 32'
+  python -m bench.gpu --parameter cudnn_conv_algo_search=0 --parameter allow_tf32=true
+
+``--parameter KEY=VALUE`` adds a model parameter (docs/gpu.md) to both runs:
+the CNN's config.pbtxt and the session measured alone.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from bench.perf_analyzer import PerfAnalyzerUnstable, find_perf_analyzer, text_t
 from services.worker.backends import TensorBackend
 from services.worker.instances import default_intra_op_threads
 from services.worker.onnx_backend import OnnxInstance
+from services.worker.onnx_options import ort_options
 from services.worker.service import detect_gpu
 from stageserve.generated import model_config_pb2 as mc
 from stageserve.launcher import Stack, start_services
@@ -71,20 +76,32 @@ class AloneResult:
 
 
 def backend_alone(
-    model_file: Path, device: str, batch: int, image_size: int, seconds: float
+    model_file: Path,
+    device: str,
+    batch: int,
+    image_size: int,
+    seconds: float,
+    parameters: dict[str, str] | None = None,
 ) -> AloneResult:
     """Images/s of back-to-back runs at one batch size, warmed up first, through
-    the worker's own backend for the file (ONNX Runtime or TorchScript)."""
+    the worker's own backend for the file (ONNX Runtime or TorchScript), with
+    the model `parameters` the server's instance gets."""
     io: dict[str, Any] = {"input_types": {"INPUT": "FP32"}, "output_types": {"OUTPUT": "FP32"}}
     threads = default_intra_op_threads(1)
+    parameters = parameters or {}
     backend: TensorBackend
     if model_file.suffix == ".pt":
         from services.worker.torch_backend import TorchInstance
 
-        backend = TorchInstance(model_file, device=device, intra_op_threads=threads, **io)
+        backend = TorchInstance(
+            model_file, device=device, intra_op_threads=threads, parameters=parameters, **io
+        )
         providers = [f"torch {backend.device}"]
     else:
-        backend = OnnxInstance(model_file, device=device, intra_op_threads=threads, **io)
+        options = ort_options(parameters, gpu=device != "cpu", device_id=_device_id(device))
+        backend = OnnxInstance(
+            model_file, device=device, intra_op_threads=threads, options=options, **io
+        )
         providers = backend.providers
     rng = np.random.default_rng(0)
     feeds = {"INPUT": rng.random((batch, 3, image_size, image_size), dtype=np.float32)}
@@ -150,6 +167,18 @@ def write_variant(model_dir: Path, variant: Variant) -> str:
     return config.name
 
 
+def _device_id(device: str) -> int:
+    return int(device.partition(":")[2] or 0)
+
+
+def parameter_text(parameters: dict[str, str]) -> str:
+    """config.pbtxt lines for model parameters."""
+    return "".join(
+        f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}\n'
+        for k, v in parameters.items()
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__)
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
@@ -172,7 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gateways", type=int, default=1, help="gateway processes (one port)")
     ap.add_argument("--schedulers", type=int, default=1, help="scheduler processes")
     ap.add_argument("--workers", type=int, default=1, help="worker processes, all on --device")
+        "--parameter",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a model parameter for both runs (e.g. cudnn_conv_algo_search=0, allow_tf32=true)",
+    )
     args = ap.parse_args(argv)
+    parameters = dict(p.split("=", 1) for p in args.parameter)
     concurrency = args.concurrency or 2 * args.batch
     if find_perf_analyzer() is None:
         print(
@@ -190,10 +226,16 @@ def main(argv: list[str] | None = None) -> int:
             model_file = write_torch_cnn(repository, **size) / "1" / "model.pt"
         else:
             model_file = write_cnn(repository, **size) / "1" / "model.onnx"
+        config = model_file.parent.parent / "config.pbtxt"
+        config.write_text(config.read_text() + parameter_text(parameters))
         gpu = detect_gpu(args.device)  # what the worker will pick
         device = "cpu" if gpu is None else f"cuda:{gpu}"
-        alone = backend_alone(model_file, device, args.batch, args.image_size, args.seconds)
+        alone = backend_alone(
+            model_file, device, args.batch, args.image_size, args.seconds, parameters
+        )
         label = "TorchScript" if args.backend == "torch" else "ONNX Runtime"
+        if parameters:
+            print(f"model parameters: {parameters}", flush=True)
         print(
             f"{label} alone on {alone.device} ({', '.join(alone.providers)}): "
             f"{alone.images_per_s:,.0f} images/s at batch {args.batch}",

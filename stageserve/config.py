@@ -184,6 +184,15 @@ class WarmupSpec:
 
 
 @dataclass(frozen=True)
+class ExecutionAccelerator:
+    """One ``optimization { execution_accelerators { ... } }`` entry: a name
+    ("tensorrt", "cuda", "openvino") and its string parameters, as written."""
+
+    name: str
+    parameters: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     platform: str
@@ -204,6 +213,10 @@ class ModelSpec:
     warmups: tuple[WarmupSpec, ...] = ()
     # StageServe's batch padding (parameter pad_batch, stageserve/pad_policy.py)
     pad_batch: PadPolicy = PadPolicy()
+    # optimization { execution_accelerators { gpu/cpu_execution_accelerator } }
+    gpu_accelerators: tuple[ExecutionAccelerator, ...] = ()
+    cpu_accelerators: tuple[ExecutionAccelerator, ...] = ()
+    graph_level: int = 0  # optimization { graph { level } }: 0 is the backend's default
 
     @property
     def batching(self) -> bool:
@@ -437,6 +450,13 @@ def to_spec(config: mc.ModelConfig) -> ModelSpec:
         pad_batch=_pad_policy(
             config, platform, dynamic, inputs, batch_inputs, batch_outputs, sequence
         ),
+        gpu_accelerators=_accelerators(
+            config.optimization.execution_accelerators.gpu_execution_accelerator
+        ),
+        cpu_accelerators=_accelerators(
+            config.optimization.execution_accelerators.cpu_execution_accelerator
+        ),
+        graph_level=int(config.optimization.graph.level),
     )
 
 
@@ -468,6 +488,10 @@ def _pad_policy(
         return pad_policy(parameters, int(config.max_batch_size), preferred, obstacles)
     except PadPolicyError as exc:
         raise ConfigError(f"model '{config.name}': {exc}") from None
+
+
+def _accelerators(entries) -> tuple[ExecutionAccelerator, ...]:
+    return tuple(ExecutionAccelerator(a.name, dict(a.parameters)) for a in entries)
 
 
 def _check_response_cache(

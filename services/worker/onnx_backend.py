@@ -32,6 +32,13 @@ import onnx
 import onnxruntime as ort
 
 from services.worker.backends import BackendError, InvalidInputError, parse_device
+from services.worker.onnx_options import (
+    CPU_EP,
+    OrtOptionError,
+    OrtOptions,
+    gpu_providers,
+    ort_options,
+)
 from services.worker.onnx_strings import bytes_transparent
 from stageserve.datatypes import DataType, from_triton
 
@@ -133,6 +140,12 @@ class OnnxInstance:
     load fails with BackendError ("GPU instances not supported", Triton's
     answer on a build without GPU support).
 
+    ``options`` are the session's ONNX Runtime options from the model
+    configuration (onnx_options.py); None: the defaults of a model that sets
+    nothing. A TensorRT accelerator on an onnxruntime without the TensorRT
+    execution provider fails the load as Triton's backend built without
+    TensorRT does ("unknown Execution Accelerator 'tensorrt' is requested").
+
     ``run`` may be called from several threads at once (ORT sessions are
     thread-safe for Run), so a fast model may run inline on the event loop.
     """
@@ -150,20 +163,27 @@ class OnnxInstance:
         inter_op_threads: int = 0,
         log_severity: int = 3,
         cpu_fallback: bool = True,
+        options: OrtOptions | None = None,
     ) -> None:
         self.model_path = os.fspath(model_path)
         kind, device_id = parse_device(device)
         self.device = f"cuda:{device_id}" if kind == "cuda" else "cpu"
+        if options is None:
+            options = ort_options({}, gpu=kind == "cuda", device_id=device_id)
+        self.options = options
 
         if not os.path.isfile(self.model_path):
             raise BackendError(f"model file not found: {self.model_path}")
 
         available = ort.get_available_providers()
+        use_trt = False
+        providers: list[str | tuple[str, dict[str, str]]]
         if kind == "cuda" and "CUDAExecutionProvider" in available:
-            providers: list = [
-                ("CUDAExecutionProvider", {"device_id": device_id}),
-                "CPUExecutionProvider",
-            ]
+            try:
+                providers = gpu_providers(options, available, device_id)
+            except OrtOptionError as exc:
+                raise OrtOptionError(f"{self.model_path}: {exc}") from None
+            use_trt = options.tensorrt is not None
         else:
             if kind == "cuda" and not cpu_fallback:
                 raise BackendError(
@@ -180,14 +200,16 @@ class OnnxInstance:
                     ", ".join(available),
                 )
                 self.device = "cpu"
-            providers = ["CPUExecutionProvider"]
+            providers = [CPU_EP]
 
         opts = ort.SessionOptions()
         if intra_op_threads and intra_op_threads > 0:
             opts.intra_op_num_threads = int(intra_op_threads)
+        inter_op_threads = inter_op_threads or options.inter_op_threads
         if inter_op_threads and inter_op_threads > 0:
             opts.inter_op_num_threads = int(inter_op_threads)
         opts.log_severity_level = log_severity
+        _apply_session_options(opts, options)
         # Idle ORT threads spin-wait by default; on a machine whose cores are
         # shared with the other stages that burns the CPU they need.
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -202,6 +224,13 @@ class OnnxInstance:
                 f"failed to load ONNX model {self.model_path}: {_short(exc)}"
             ) from exc
 
+        if use_trt and "TensorrtExecutionProvider" not in self._session.get_providers():
+            # asked for by name: a silent fall back to the CUDA EP would hide it
+            raise BackendError(
+                f"{self.model_path}: the TensorRT execution accelerator was requested but "
+                "onnxruntime's TensorrtExecutionProvider could not be used (its TensorRT "
+                "libraries did not load)"
+            )
         if self.device != "cpu" and "CUDAExecutionProvider" not in self._session.get_providers():
             # ORT drops a provider whose libraries fail to load and carries on on CPU
             if not cpu_fallback:
@@ -216,6 +245,12 @@ class OnnxInstance:
                 self.device,
             )
             self.device = "cpu"
+
+        self._run_options: ort.RunOptions | None = None
+        if options.run_entries:
+            self._run_options = ort.RunOptions()
+            for key, value in options.run_entries.items():
+                self._run_options.add_run_config_entry(key, value)
 
         self._desc = ModelDescription(
             inputs=tuple(_tensor_info(a) for a in self._session.get_inputs()),
@@ -312,7 +347,7 @@ class OnnxInstance:
 
         ort_feeds = {n: self._to_ort(n, a) for n, a in feeds.items()}
         try:
-            results = self._session.run(output_names, ort_feeds)
+            results = self._session.run(output_names, ort_feeds, self._run_options)
         except Exception as exc:
             raise BackendError(f"onnxruntime run failed: {_short(exc)}") from exc
         return {n: self._from_numpy(n, r) for n, r in zip(output_names, results, strict=True)}
@@ -338,7 +373,7 @@ class OnnxInstance:
         for n in output_names:
             binding.bind_output(n, "cpu")
         try:
-            self._session.run_with_iobinding(binding)
+            self._session.run_with_iobinding(binding, self._run_options)
             values = binding.get_outputs()
         except Exception as exc:
             raise BackendError(f"onnxruntime run failed: {_short(exc)}") from exc
@@ -381,6 +416,19 @@ class OnnxInstance:
         if arr.dtype != dt.numpy:
             arr = arr.astype(dt.numpy)
         return arr
+
+
+def _apply_session_options(opts: ort.SessionOptions, options: OrtOptions) -> None:
+    """The configuration's session-wide options (onnx_options.py)."""
+    opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, options.graph_level)
+    if options.parallel_execution:
+        opts.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+    if options.cpu_mem_arena is not None:
+        opts.enable_cpu_mem_arena = options.cpu_mem_arena
+    if options.mem_pattern is not None:
+        opts.enable_mem_pattern = options.mem_pattern
+    for key, value in options.session_entries.items():
+        opts.add_session_config_entry(key, value)
 
 
 # --------------------------------------------------------------------------

@@ -15,9 +15,11 @@ from services.worker.backends import (
     InstanceBackend,
     TensorBackend,
     missing_dependency,
+    parse_device,
 )
 from services.worker.instances import BackendMaker, Placement, default_intra_op_threads
 from services.worker.onnx_backend import OnnxInstance
+from services.worker.onnx_options import ort_options, parse_int
 from services.worker.tensor_batches import TensorBatches
 from stageserve.config import ONNX_PLATFORM, PYTORCH_PLATFORM, InstanceGroup, ModelSpec
 from stageserve.model_state import LoadedModel
@@ -47,6 +49,15 @@ def create_backend(
     supported" on a build without GPU support. Otherwise (KIND_AUTO on a GPU
     worker) the session falls back to the CPU with a warning."""
     if spec.platform == ONNX_PLATFORM:
+        kind, device_id = parse_device(device)
+        options = ort_options(
+            spec.parameters,
+            gpu=kind == "cuda",
+            device_id=device_id,
+            gpu_accelerators=spec.gpu_accelerators,
+            cpu_accelerators=spec.cpu_accelerators,
+            graph_level=spec.graph_level,
+        )
         return OnnxInstance(
             str(path),
             device=device,
@@ -54,6 +65,7 @@ def create_backend(
             input_types=input_types(spec),
             output_types=output_types(spec),
             cpu_fallback=not require_gpu,
+            options=options,
         )
     if spec.platform == PYTORCH_PLATFORM:
         try:  # torch is the optional extra stageserve[torch]
@@ -84,7 +96,7 @@ def tensor_backends(
     The cores are split between all its instances unless the model sets
     ``intra_op_thread_count``."""
     total = sum(len(places) for _, places in groups)
-    threads = int(model.spec.parameters.get("intra_op_thread_count", "0")) or (
+    threads = max(0, parse_int(model.spec.parameters.get("intra_op_thread_count", "0"))) or (
         default_intra_op_threads(total)
     )
     path = model.path / str(version) / model.spec.model_filename

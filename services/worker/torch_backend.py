@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.worker.backends import BackendError, parse_device
+from services.worker.numeric_policy import TORCH_TF32, tf32_requested
 from stageserve.datatypes import DataType, from_triton
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ PARAMETERS = {
     "ENABLE_JIT_PROFILING": "true only (torch's default): the setting is process-wide",
     "ENABLE_TENSOR_FUSER": "true only (torch's default): the setting is process-wide",
     "DISABLE_CUDNN": "false only (torch's default): the setting is process-wide",
+    "ALLOW_TF32": "TF32 on CUDA (StageServe's, default false; process-wide, numeric_policy.py)",
 }
 
 # The flags below are accepted at one value only; a model that asks otherwise
@@ -239,6 +241,23 @@ class TorchInstance:
             _set_inter_op_threads(torch, self.options.inter_op_threads)
         if not os.path.isfile(self.model_path):
             raise BackendError(f"model file not found: {self.model_path}")
+        allow_tf32 = tf32_requested(parameters or {})
+        self._tf32_held = self.device != "cpu"
+        if self._tf32_held:
+            TORCH_TF32.acquire(id(self), allow_tf32, self.model_path)
+        try:
+            self._load(torch, input_types, output_types, output_order)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(
+        self,
+        torch,
+        input_types: Mapping[str, str] | None,
+        output_types: Mapping[str, str] | None,
+        output_order: Sequence[str],
+    ) -> None:
         try:
             module = torch.jit.load(self.model_path, map_location=self.device)
         except Exception as exc:  # torch raises RuntimeError / its own C++ error types
@@ -340,6 +359,9 @@ class TorchInstance:
 
     def close(self) -> None:
         self._module = None
+        if self._tf32_held:
+            TORCH_TF32.release(id(self))
+            self._tf32_held = False
 
 
 def _datatypes(kind: str, types: Mapping[str, str]) -> dict[str, DataType]:

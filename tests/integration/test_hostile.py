@@ -382,3 +382,21 @@ def test_shared_memory_keys_over_http_never_reach_outside_dev_shm(hostile: Runni
     bad = _raw(hostile, "POST", "/v2/systemsharedmemory/region/r/register", b'{"key": 5}')
     _check(bad, "400")
     assert c.get_system_shared_memory_status() == []
+
+
+def test_a_bad_onnx_runtime_option_fails_the_load_with_tritons_message(
+    hostile: RunningStack, repo: Path
+) -> None:
+    # execution_mode is read for every instance (onnx_options.py), so a CPU
+    # stack shows how a bad ONNX Runtime option reaches the client
+    c = hostile.client()
+    config = json.loads(_simple_config(c, name="bad_opts"))
+    config["parameters"] = {"execution_mode": {"string_value": "2"}}
+    onnx = (repo / "simple" / "1" / "model.onnx").read_bytes()
+    code, message, _ = _answer(
+        c.load_model, "bad_opts", config=json.dumps(config), files={"file:1/model.onnx": onnx}
+    )
+    assert code != "OK"
+    assert "Expected values for  execution_mode are 0 or 1 but got 2 ." in message, message
+    assert "Traceback" not in message
+    assert not c.is_model_ready("bad_opts")

@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gateways", type=int, default=1, help="gateway processes (one port)")
     ap.add_argument("--schedulers", type=int, default=1, help="scheduler processes")
     ap.add_argument("--workers", type=int, default=1, help="worker processes, all on --device")
+    ap.add_argument(
         "--parameter",
         action="append",
         default=[],

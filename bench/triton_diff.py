@@ -253,6 +253,24 @@ def _stats(name: str = "", version: str = "") -> Callable[[Client], Any]:
     return call
 
 
+def _stats_settled(name: str, inferences: int, wait_s: float = 5.0) -> Callable[[Client], Any]:
+    """As _stats, once the model counts `inferences` (or after `wait_s`):
+    both servers record a Python model's statistics after its response went
+    out (Triton's backend reports them once the responses are sent), so a
+    read right after the last answer may miss it, on either server."""
+    read = _stats(name)
+
+    def call(c: Client) -> Any:
+        deadline = time.monotonic() + wait_s
+        rows = read(c)
+        while sum(r[2] for r in rows) < inferences and time.monotonic() < deadline:
+            time.sleep(0.05)
+            rows = read(c)
+        return rows
+
+    return call
+
+
 def _metadata(name: str, version: str = "") -> Callable[[Client], Any]:
     def call(c: Client) -> Any:
         m = c.get_model_metadata(name, version, as_json=True)
@@ -572,7 +590,7 @@ STEPS: list[Step] = [
     Step("load py_error", _load("py_error")),
     Step("infer py_error", _infer("py_error"), message=True),
     Step("infer py_error again", _infer("py_error"), message=True),
-    Step("stats py_error", _stats("py_error")),
+    Step("stats py_error", _stats_settled("py_error", 2)),
     Step("unload py_error", _unload("py_error")),
     # ---- an unloaded model on HTTP
     Step("unload identity at end", _unload("identity")),

@@ -15,4 +15,6 @@ ruff check .
 mypy
 lint-imports
 bash scripts/validate_deploy.sh
-python -m pytest "$@"
+# Two test processes, one test file at a time each (module fixtures stay
+# shared); STAGESERVE_TEST_PROCESSES=0 runs the suite in this process.
+python -m pytest -n "${STAGESERVE_TEST_PROCESSES:-2}" --dist loadfile "$@"

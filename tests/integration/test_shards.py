@@ -308,9 +308,13 @@ def test_a_stalled_scheduler_loses_its_models_and_is_fenced_when_it_resumes(
         victim.proc.send_signal(signal.SIGCONT)
     holder.join(30)
     # Resumed, it found the map moved on: it refused what it held (NOT_OWNER),
-    # the gateway resent it to the new owner, and it ran no batch of the model.
+    # the gateway resent it to the new owner, and it ran no batch of the model;
+    # unless the survivor had already handed the model back (the resumed one
+    # is live again and the policy gives it its share) when the resend came:
+    # then the resend went on to it, the owner again, and it ran that one.
     assert held == ["ok"], held
-    assert batches_run(victim, model) == ran_before
+    ran = batches_run(victim, model) - ran_before
+    assert ran == 0 or (ran == 1 and shards.owners()[model] == victim.name), ran
     assert send_acc(client, 100, 91, end=True) == 111
     assert wait_until(lambda: victim.name in shards.live(), timeout_s=5)
     # Back in the map, it gets its share back.

@@ -485,7 +485,13 @@ def _pad_policy(
     parameters = {k: v.string_value for k, v in config.parameters.items()}
     preferred = dynamic.preferred_batch_sizes if dynamic is not None else ()
     try:
-        return pad_policy(parameters, int(config.max_batch_size), preferred, obstacles)
+        return pad_policy(
+            parameters,
+            int(config.max_batch_size),
+            preferred,
+            obstacles,
+            one_shape=platform == ONNX_PLATFORM,
+        )
     except PadPolicyError as exc:
         raise ConfigError(f"model '{config.name}': {exc}") from None
 

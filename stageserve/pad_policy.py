@@ -11,10 +11,15 @@ from its config.pbtxt, as StageServe's own model parameter:
     parameters { key: "pad_batch" value { string_value: "true" } }
 
 * absent or "" (``auto``): pad on the instances whose session runs on a GPU
-  (KIND_GPU, or KIND_AUTO on a GPU worker) of a model that has a
-  dynamic_batching ``preferred_batch_size``, to those sizes and
-  max_batch_size; never on the CPU; silently off where padding cannot be
-  right (below);
+  (KIND_GPU, or KIND_AUTO on a GPU worker); never on the CPU; silently off
+  where padding cannot be right (below). An ONNX Runtime model pads every
+  batch to max_batch_size alone (``one_shape``): ONNX Runtime's CUDA EP
+  redoes each convolution's set-up whenever the input shape differs from
+  the previous run's, so any mix of sizes is slow (H100, the bench.gpu
+  CNN, runs alternating batch 32 and 25: 25 ms each with HEURISTIC
+  search, 155 ms with EXHAUSTIVE, against 1.8-2.2 ms at a fixed 32;
+  docs/benchmarks.md). A TorchScript model pads to its dynamic_batching
+  ``preferred_batch_size`` and max_batch_size, if it has preferred sizes;
 * "true": pad on every instance, to the preferred sizes and max_batch_size
   (no preferred sizes: the powers of two below max_batch_size, and it);
 * a list such as "1,2,4,8,16,32": pad on every instance to those sizes, and
@@ -78,18 +83,23 @@ def pad_policy(
     max_batch_size: int,
     preferred: Sequence[int],
     obstacles: Sequence[str],
+    one_shape: bool = False,
 ) -> PadPolicy:
     """The model's padding policy from its `pad_batch` parameter.
 
     `obstacles`: why padding cannot be right for this model (empty: it can).
     Raises PadPolicyError for a value that is not a boolean or a list of
     sizes in 1..max_batch_size, and for an explicit request the obstacles
-    forbid."""
+    forbid. `one_shape`: auto pads to max_batch_size alone (ONNX Runtime)."""
     text = parameters.get(PAD_PARAMETER, "").strip().lower()
     if text in _FALSE:
         return PadPolicy()
-    if not text:  # auto: only where the model gives preferred sizes and padding is right
-        if obstacles or max_batch_size <= 0 or not preferred:
+    if not text:  # auto: on a GPU, where padding is right
+        if obstacles or max_batch_size <= 0:
+            return PadPolicy()
+        if one_shape:
+            return PadPolicy(AUTO, (max_batch_size,))
+        if not preferred:
             return PadPolicy()
         return PadPolicy(AUTO, _with_top(preferred, max_batch_size))
     if max_batch_size <= 0:

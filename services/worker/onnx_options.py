@@ -24,14 +24,14 @@ them for a KIND_CPU instance, so a model with a bad CUDA value still loads there
 
 Beyond Triton, chosen for the GPU (docs/gpu.md):
 
-* ``cudnn_conv_algo_search`` defaults to ``DEFAULT_CUDNN_CONV_ALGO_SEARCH``
-  where Triton (and ORT) default to EXHAUSTIVE, which benchmarks every
-  convolution again for each new input shape, and a dynamic batcher forms up
-  to max_batch_size shapes.
-* TF32 is off by default (the CUDA EP's ``use_tf32`` defaults to on): FP32
-  models answer within FP32 tolerance of the CPU. The model parameter
-  ``allow_tf32`` (shared with the PyTorch backend) or the ``cuda``
-  accelerator's own ``use_tf32`` turns it on.
+* ``cudnn_conv_algo_search`` defaults to EXHAUSTIVE (Triton's and ORT's
+  default) only for an instance that sees one batch shape (it pads every
+  batch to one size), else to HEURISTIC: EXHAUSTIVE benchmarks every
+  convolution again whenever the input shape changes, and a dynamic batcher
+  forms up to max_batch_size shapes.
+* TF32 follows numeric_policy.py (on by default, as the CUDA EP's own
+  ``use_tf32`` default); the model parameter ``allow_tf32`` (shared with the
+  PyTorch backend) or the ``cuda`` accelerator's own ``use_tf32`` sets it.
 
 An explicit value always wins over a default: a deprecated model parameter
 over the ``cuda`` accelerator's value of the same option, and either over
@@ -46,10 +46,16 @@ from dataclasses import dataclass, field
 from services.worker.numeric_policy import InvalidParameter, tf32_requested
 from stageserve.config import ExecutionAccelerator
 
-#: cuDNN convolution algorithm search when the model names none. Provisional
-#: pick (HEURISTIC: one cheap cuDNN query per shape, no benchmarking); to be
-#: confirmed by measuring EXHAUSTIVE / HEURISTIC / DEFAULT with bench.gpu on a
-#: GPU host (docs/gpu.md). Triton's default is EXHAUSTIVE.
+#: cuDNN convolution algorithm search when the model names none. The CUDA EP
+#: redoes a convolution's set-up whenever the input shape differs from the
+#: previous run's, searching again. Measured on an H100 with the bench.gpu
+#: CNN (docs/benchmarks.md), ms per run of batch 32 at a fixed shape /
+#: alternating 32 and 25: EXHAUSTIVE 1.78 / 155, HEURISTIC 2.21 / 25,
+#: DEFAULT 3.13 / 11.5. So an instance that sees one shape (it pads every
+#: batch to max_batch_size, pad_policy.py's default for ONNX Runtime on a
+#: GPU) searches EXHAUSTIVEly, as Triton does by default; one whose batches
+#: vary takes HEURISTIC.
+ONE_SHAPE_CUDNN_CONV_ALGO_SEARCH = "EXHAUSTIVE"
 DEFAULT_CUDNN_CONV_ALGO_SEARCH = "HEURISTIC"
 
 TENSORRT = "tensorrt"
@@ -185,9 +191,12 @@ def ort_options(
     gpu_accelerators: Sequence[ExecutionAccelerator] = (),
     cpu_accelerators: Sequence[ExecutionAccelerator] = (),
     graph_level: int = 0,
+    one_shape: bool = False,
 ) -> OrtOptions:
     """The options of one instance's session; `gpu`: a GPU instance on
-    `device_id`. Raises OrtOptionError with Triton's message for a bad value."""
+    `device_id`; `one_shape`: its batches are padded to one size, so it sees
+    one input shape. Raises OrtOptionError with Triton's message for a bad
+    value."""
     execution_mode = parse_int(parameters.get("execution_mode", "0"))
     if execution_mode not in (0, 1):
         raise OrtOptionError(
@@ -209,6 +218,8 @@ def ort_options(
     tensorrt: dict[str, str] | None = None
     if gpu:
         cuda, tensorrt = _gpu_providers(parameters, device_id, gpu_accelerators)
+        search = ONE_SHAPE_CUDNN_CONV_ALGO_SEARCH if one_shape else DEFAULT_CUDNN_CONV_ALGO_SEARCH
+        cuda.setdefault("cudnn_conv_algo_search", search)
 
     return OrtOptions(
         graph_level=_GRAPH_LEVELS.get(graph_level, _GRAPH_DEFAULT),
@@ -252,7 +263,6 @@ def _gpu_providers(
                 f"unsupported cudnn_conv_algo_search value '{search}' is requested"
             )
         cuda["cudnn_conv_algo_search"] = _CONV_ALGO_SEARCH[search]
-    cuda.setdefault("cudnn_conv_algo_search", DEFAULT_CUDNN_CONV_ALGO_SEARCH)
 
     if "gpu_mem_limit" in parameters:
         cuda["gpu_mem_limit"] = str(parse_uint(parameters["gpu_mem_limit"], whole=True))

@@ -12,6 +12,7 @@ everything past the run, the statistics included, sees the real batch.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -37,6 +38,8 @@ from stageserve.generated import stageserve_pb2 as pb
 from stageserve.tensor_shm import tensor_bytes
 from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
 
+log = logging.getLogger(__name__)
+
 
 def execute_delay_s(spec: ModelSpec) -> float:
     """Model parameter `execute_delay_ms`: a testing aid that makes every
@@ -49,13 +52,20 @@ class TensorBatches:
     the batch sizes a formed batch is padded up to (empty: none)."""
 
     def __init__(
-        self, spec: ModelSpec, session: TensorBackend, pad_sizes: tuple[int, ...] = ()
+        self,
+        spec: ModelSpec,
+        session: TensorBackend,
+        pad_sizes: tuple[int, ...] = (),
+        pad_asked: bool = False,
     ) -> None:
         self.spec = spec
         self.session = session
         self.thread_bound = session.thread_bound
         self.delay_s = execute_delay_s(spec)
         self.pad_sizes = pad_sizes if spec.batching else ()
+        # Asked for by the model (pad_batch set): a batch padding cannot serve
+        # fails. By default (auto) such a model stops padding instead.
+        self.pad_asked = pad_asked
 
     def execute_batch(self, request: pb.ExecuteRequest, emit: Emit | None) -> pb.ExecuteResponse:
         """Decode, run and split one batch (`emit` is unused: not decoupled)."""
@@ -71,13 +81,21 @@ class TensorBatches:
         real = sum(request.request_batch_sizes)
         padded = padded_size(real, self.pad_sizes)
         try:
-            feeds = pad_feeds(feeds, real, padded)  # input work: before t1
+            padded_feeds = pad_feeds(feeds, real, padded)  # input work: before t1
             t1 = time.monotonic_ns()
             if self.delay_s:
                 time.sleep(self.delay_s)
-            results = unpad_results(self.session.run(feeds, wanted), real, padded)
+            results = unpad_results(self.session.run(padded_feeds, wanted), real, padded)
         except BatchPaddingError as exc:
-            raise BackendError(f"model '{self.spec.name}': {exc}") from exc
+            if self.pad_asked:
+                raise BackendError(f"model '{self.spec.name}': {exc}") from exc
+            log.warning(
+                "batch padding off for this instance",
+                extra={"model": self.spec.name, "reason": str(exc)},
+            )
+            self.pad_sizes = ()
+            t1 = time.monotonic_ns()
+            results = self.session.run(feeds, wanted)
         t2 = time.monotonic_ns()
         try:
             scattered = self._scatter(request, results)

@@ -23,6 +23,7 @@ from services.worker.onnx_options import ort_options, parse_int
 from services.worker.tensor_batches import TensorBatches
 from stageserve.config import ONNX_PLATFORM, PYTORCH_PLATFORM, InstanceGroup, ModelSpec
 from stageserve.model_state import LoadedModel
+from stageserve.pad_policy import ON
 
 
 def input_types(spec: ModelSpec) -> dict[str, str]:
@@ -57,6 +58,8 @@ def create_backend(
             gpu_accelerators=spec.gpu_accelerators,
             cpu_accelerators=spec.cpu_accelerators,
             graph_level=spec.graph_level,
+            # padded to one size where it runs on a GPU (pad_policy.py)
+            one_shape=len(spec.pad_batch.sizes_for(on_gpu=True)) == 1,
         )
         return OnnxInstance(
             str(path),
@@ -108,6 +111,8 @@ def tensor_backends(
         # auto padding (pad_policy.py) where the session really runs on a GPU
         # (a KIND_AUTO instance may have fallen back to the CPU)
         pad_sizes = model.spec.pad_batch.sizes_for(on_gpu=session.device != "cpu")
-        return TensorBatches(model.spec, session, pad_sizes)
+        return TensorBatches(
+            model.spec, session, pad_sizes, pad_asked=model.spec.pad_batch.mode == ON
+        )
 
     return make

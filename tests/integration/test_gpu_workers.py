@@ -1,8 +1,8 @@
 """The GPU path end to end: `--workers auto` starts one worker per GPU, each
 on its own cuda:i, and KIND_GPU models (ONNX on the CUDA execution provider,
 TorchScript on cuda) answer within the numeric policy's tolerance of the
-float64 reference (docs/gpu.md): FP32 by default, TF32 where the model sets
-allow_tf32. Marked gpu: skips without one."""
+float64 reference (docs/gpu.md): TF32's by default, FP32's where the model
+sets allow_tf32 false. Marked gpu: skips without one."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from services.worker.numeric_policy import tolerance
+from services.worker.numeric_policy import DEFAULT_ALLOW_TF32, tolerance
 from stageserve.gpus import gpu_count
 from stageserve.launcher import Stack, start_services
 from stageserve_tools.examples import mlp_reference, mlp_weights, write_mlp
@@ -23,14 +23,14 @@ from tests.integration.helpers import RPC_TIMEOUT_S, tensor_input
 pytestmark = pytest.mark.gpu
 
 
-TF32_PARAMETER = 'parameters { key: "allow_tf32" value { string_value: "true" } }\n'
+FP32_PARAMETER = 'parameters { key: "allow_tf32" value { string_value: "false" } }\n'
 
 
 def _gpu_repository(root: Path) -> None:
     write_mlp(root, "mlp_gpu", kind="KIND_GPU")
-    tf32_dir = write_mlp(root, "mlp_gpu_tf32", kind="KIND_GPU")
-    tf32_config = tf32_dir / "config.pbtxt"
-    tf32_config.write_text(tf32_config.read_text() + TF32_PARAMETER)
+    fp32_dir = write_mlp(root, "mlp_gpu_fp32", kind="KIND_GPU")
+    fp32_config = fp32_dir / "config.pbtxt"
+    fp32_config.write_text(fp32_config.read_text() + FP32_PARAMETER)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         model_dir = write_torch_mlp(root, "torch_mlp_gpu", instance_count=1)
@@ -63,9 +63,9 @@ def test_one_worker_per_gpu_serves_kind_gpu_models(tmp_path: Path) -> None:
         # TorchScript's TF32 switch is one per worker (numeric_policy.py), so
         # only ONNX Runtime is checked with both settings in this one stack.
         for model, name_in, name_out, tf32 in (
-            ("mlp_gpu", "INPUT0", "OUTPUT0", False),
-            ("mlp_gpu_tf32", "INPUT0", "OUTPUT0", True),
-            ("torch_mlp_gpu", "INPUT__0", "OUTPUT__0", False),
+            ("mlp_gpu", "INPUT0", "OUTPUT0", DEFAULT_ALLOW_TF32),
+            ("mlp_gpu_fp32", "INPUT0", "OUTPUT0", False),
+            ("torch_mlp_gpu", "INPUT__0", "OUTPUT__0", DEFAULT_ALLOW_TF32),
         ):
             if not _backend_has_cuda(model):
                 # A CPU-only onnxruntime or torch on a GPU machine: the KIND_GPU
@@ -89,18 +89,23 @@ def test_cuda_sessions_get_the_configured_provider_options(tmp_path: Path) -> No
     import onnxruntime as ort
 
     from services.worker.onnx_backend import OnnxInstance
-    from services.worker.onnx_options import DEFAULT_CUDNN_CONV_ALGO_SEARCH, ort_options
+    from services.worker.onnx_options import (
+        DEFAULT_CUDNN_CONV_ALGO_SEARCH,
+        ONE_SHAPE_CUDNN_CONV_ALGO_SEARCH,
+        ort_options,
+    )
 
     if gpu_count() == 0 or "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("no GPU, or no CUDA execution provider")
     path = write_mlp(tmp_path, "mlp", kind="KIND_GPU") / "1" / "model.onnx"
     x = np.random.default_rng(0).standard_normal((8, 256), dtype=np.float32)
     want = mlp_reference(x, mlp_weights())
-    for parameters, tf32, search in (
-        ({}, False, DEFAULT_CUDNN_CONV_ALGO_SEARCH),
-        ({"allow_tf32": "true", "cudnn_conv_algo_search": "0"}, True, "EXHAUSTIVE"),
+    for parameters, one_shape, tf32, search in (
+        ({}, False, DEFAULT_ALLOW_TF32, DEFAULT_CUDNN_CONV_ALGO_SEARCH),
+        ({}, True, DEFAULT_ALLOW_TF32, ONE_SHAPE_CUDNN_CONV_ALGO_SEARCH),
+        ({"allow_tf32": "false", "cudnn_conv_algo_search": "1"}, True, False, "HEURISTIC"),
     ):
-        options = ort_options(parameters, gpu=True, device_id=0)
+        options = ort_options(parameters, gpu=True, device_id=0, one_shape=one_shape)
         session = OnnxInstance(path, "cuda:0", cpu_fallback=False, options=options)
         given = session._session.get_provider_options()["CUDAExecutionProvider"]
         assert given["cudnn_conv_algo_search"] == search

@@ -111,8 +111,6 @@ SMOKE: dict[str, Smoke] = {
     "bench/log_settings_diff.py": Smoke(("-m", "bench.log_settings_diff", "--help"), "--record"),
     "bench/trace_diff.py": Smoke(("-m", "bench.trace_diff", "--help"), "--verbose"),
     # a run is one stack and one perf_analyzer point per variant (~40 s on the CPU):
-    # tests/unit/test_bench_batch_shapes.py checks its configs, this that it starts
-    "bench/batch_shapes.py": Smoke(("-m", "bench.batch_shapes", "--help"), "--variants"),
     # Builds an environment with numpy from PyPI; test_python_exec_env.py does that once.
     "bench/python_exec_env.py": Smoke(("-m", "bench.python_exec_env", "--help"), "--numpy"),
     "bench/scheduler_cost.py": Smoke(

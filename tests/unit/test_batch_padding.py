@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from services.worker.backends import BackendError
 from services.worker.batch_padding import (
     BatchPaddingError,
     pad_feeds,
@@ -94,6 +95,12 @@ def test_unpad_results_keeps_the_real_rows_and_refuses_other_outputs() -> None:
 def test_pad_policy_values() -> None:
     assert pad_policy({}, 16, (4, 8), []) == PadPolicy(AUTO, (4, 8, 16))
     assert pad_policy({}, 16, (), []) == PadPolicy()  # auto needs preferred sizes
+    # ... except for ONNX Runtime: one shape, max_batch_size, preferred or not
+    assert pad_policy({}, 16, (), [], one_shape=True) == PadPolicy(AUTO, (16,))
+    assert pad_policy({}, 16, (4, 8), [], one_shape=True) == PadPolicy(AUTO, (16,))
+    assert pad_policy({}, 16, (4, 8), ["ragged"], one_shape=True) == PadPolicy()
+    assert pad_policy({}, 0, (), [], one_shape=True) == PadPolicy()
+    assert pad_policy({"pad_batch": "4,8"}, 16, (), [], one_shape=True) == PadPolicy(ON, (4, 8, 16))
     assert pad_policy({}, 16, (4, 8), ["ragged"]) == PadPolicy()  # auto: silently off
     assert pad_policy({"pad_batch": "false"}, 16, (4, 8), []) == PadPolicy()
     assert pad_policy({"pad_batch": "true"}, 16, (4, 8), []) == PadPolicy(ON, (4, 8, 16))
@@ -118,8 +125,13 @@ def test_pad_policy_refuses_bad_values(value: str, message: str) -> None:
         pad_policy({"pad_batch": value}, 16, (), [])
 
 
-def test_config_pads_kind_gpu_models_with_preferred_sizes_by_default() -> None:
-    assert spec(PREFERRED + GPU).pad_batch == PadPolicy(AUTO, (4, 8, 16))
+def test_config_pads_gpu_instances_by_default() -> None:
+    torch = "pytorch_libtorch"
+    assert spec(PREFERRED + GPU, torch).pad_batch == PadPolicy(AUTO, (4, 8, 16))
+    assert spec("max_batch_size: 16\n" + GPU, torch).pad_batch == PadPolicy()
+    # ONNX Runtime: every batch to max_batch_size, the one shape its CUDA EP keeps set up
+    assert spec(PREFERRED + GPU).pad_batch == PadPolicy(AUTO, (16,))
+    assert spec("max_batch_size: 16\n").pad_batch == PadPolicy(AUTO, (16,))
     assert spec(PREFERRED).pad_batch.sizes_for(on_gpu=False) == ()
     assert spec(PREFERRED + param("false") + GPU).pad_batch == PadPolicy()
     assert spec("max_batch_size: 8\n" + param("1,2,4")).pad_batch == PadPolicy(ON, (1, 2, 4, 8))
@@ -228,6 +240,42 @@ def test_a_padded_batch_runs_at_the_padded_size_and_answers_the_real_rows(tmp_pa
     assert [o.tolist() for o in padded] == [[[14, 14]], [[24, 24], [24, 24]]]
     plain = _outputs(_batches(tmp_path, ()).execute_batch(_request(rows), None))
     assert [o.tolist() for o in plain] == [[[13, 13]], [[23, 23], [23, 23]]]
+
+
+def _batch_sum_model() -> bytes:
+    """OUTPUT = the sum over the batch of INPUT [N, 2], kept as one row [1, 2]."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["INPUT", "axes"], ["OUTPUT"], keepdims=1)],
+        "batch_sum",
+        [helper.make_tensor_value_info("INPUT", TensorProto.FLOAT, ["N", 2])],
+        [helper.make_tensor_value_info("OUTPUT", TensorProto.FLOAT, [1, 2])],
+        [helper.make_tensor("axes", TensorProto.INT64, [1], [0])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
+@pytest.mark.parametrize("asked", [False, True])
+def test_an_output_padding_cannot_cut_stops_auto_padding_and_fails_asked_padding(
+    tmp_path: Path, asked: bool
+) -> None:
+    """The batch's one row sums the padded rows too: by default (auto) the
+    instance stops padding and answers the real batch; asked, the batch fails."""
+    path = tmp_path / "model.onnx"
+    path.write_bytes(_batch_sum_model())
+    batches = TensorBatches(
+        spec(PREFERRED), OnnxInstance(path, intra_op_threads=1), (4,), pad_asked=asked
+    )
+    request = _request([np.full((1, 2), 5, np.float32)])
+    if asked:
+        with pytest.raises(BackendError, match="pad_batch"):
+            batches.execute_batch(request, None)
+        return
+    assert [o.tolist() for o in _outputs(batches.execute_batch(request, None))] == [[[5, 5]]]
+    assert batches.pad_sizes == ()
 
 
 def test_the_shape_samples_run_each_size_on_a_real_session(tmp_path: Path) -> None:

@@ -18,9 +18,10 @@ from services.worker.numeric_policy import (
 )
 
 
-def test_tf32_is_off_unless_asked() -> None:
-    assert DEFAULT_ALLOW_TF32 is False
-    assert tf32_requested({}) is False
+def test_tf32_is_on_unless_a_model_says_no() -> None:
+    assert DEFAULT_ALLOW_TF32 is True
+    assert tf32_requested({}) is True
+    assert tf32_requested({"allow_tf32": "false"}) is False
     assert tf32_requested({"allow_tf32": "true"}) is True
     assert tf32_requested({"ALLOW_TF32": "1"}) is True  # PyTorch parameters are upper case
     assert tf32_requested({"allow_tf32": "off"}) is False

@@ -142,15 +142,21 @@ def test_cpu_accelerators_are_refused_as_by_triton_without_openvino() -> None:
 # CUDA execution provider (GPU instances)
 
 
-def test_gpu_defaults_heuristic_search_and_no_tf32() -> None:
+def test_gpu_defaults_tf32_and_the_search_the_shapes_call_for() -> None:
     assert DEFAULT_CUDNN_CONV_ALGO_SEARCH == "HEURISTIC"
     options = ort_options({}, gpu=True, device_id=3)
     assert options.cuda == {
         "cudnn_conv_algo_search": DEFAULT_CUDNN_CONV_ALGO_SEARCH,
-        "use_tf32": "0",
+        "use_tf32": "1",
         "device_id": "3",
     }
     assert options.tensorrt is None
+    # padded to one size, it sees one shape: Triton's EXHAUSTIVE search
+    one = ort_options({}, gpu=True, device_id=3, one_shape=True)
+    assert one.cuda is not None and one.cuda["cudnn_conv_algo_search"] == "EXHAUSTIVE"
+    assert cuda({"cudnn_conv_algo_search": "2"})["cudnn_conv_algo_search"] == "DEFAULT"
+    fp32 = ort_options({"allow_tf32": "false"}, gpu=True, device_id=0, one_shape=True)
+    assert fp32.cuda is not None and fp32.cuda["use_tf32"] == "0"
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """Batch shapes on a GPU, by default: KIND_GPU models with preferred batch
-sizes [4, 8] (ONNX Runtime on the CUDA execution provider, TorchScript on
-cuda) pad a batch of 3 to 4 without being asked, answer each request its own
-rows, count 3 in the statistics, and warmed up sizes 4 and 8 before READY.
+sizes [4, 8] and max_batch_size 8 pad a batch of 3 without being asked (the
+TorchScript model on cuda to 4, the preferred size; the ONNX Runtime model on
+the CUDA execution provider to 8, its one shape), answer each request its
+own rows, count 3 in the statistics, and warmed up those sizes before READY.
 Marked gpu: skips without one (the CPU path is tests/integration/test_batch_padding.py).
 """
 
@@ -63,7 +64,7 @@ def _has_cuda(model: str) -> bool:
     return "CUDAExecutionProvider" in ort.get_available_providers()
 
 
-def test_kind_gpu_models_with_preferred_sizes_pad_and_warm_up_by_default(tmp_path: Path) -> None:
+def test_kind_gpu_models_pad_and_warm_up_by_default(tmp_path: Path) -> None:
     if gpu_count() == 0:
         pytest.skip("no GPU")
     repo, log_file = tmp_path / "repo", tmp_path / "stack.log"
@@ -79,16 +80,17 @@ def test_kind_gpu_models_with_preferred_sizes_pad_and_warm_up_by_default(tmp_pat
                 entry = json.loads(line if line.startswith("{") else line[line.index("{") :])
                 warmed[entry["model"]] = entry
         checked = 0
-        for model, inp, out in (
-            ("rows_onnx", "INPUT", "OUTPUT"),
-            ("rows_torch", "INPUT__0", "OUTPUT__0"),
+        for model, inp, out, sizes in (
+            ("rows_onnx", "INPUT", "OUTPUT", [8]),
+            ("rows_torch", "INPUT__0", "OUTPUT__0", [4, 8]),
         ):
             if not _has_cuda(model):
                 continue  # that backend's CPU-only build: test_gpu_workers checks its refusal
             assert c.is_model_ready(model)
-            assert warmed[model]["shapes"] == [4, 8]
+            assert warmed[model]["shapes"] == sizes
             r = c.infer(model, [tensor_input(inp, x, "FP32")], client_timeout=RPC_TIMEOUT_S)
-            np.testing.assert_array_equal(r.as_numpy(out), x + 4)  # padded: the GPU ran 4 rows
+            # padded: the GPU ran the smallest allowed size's rows
+            np.testing.assert_array_equal(r.as_numpy(out), x + sizes[0])
             st = model_stats(c, model)
             assert st.inference_count == 3 and st.execution_count == 1
             assert [(b.batch_size, b.compute_infer.count) for b in st.batch_stats] == [(3, 1)]

@@ -97,6 +97,16 @@ class TritonPythonModel:
 """
 
 
+PY_INIT_FAILS_SOURCE = """\
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("no weights here")
+
+    def execute(self, requests):
+        return []
+"""
+
+
 def write_repository(root: Path, triton: bool) -> Path:
     """The diff repository; ``triton=True`` writes the Python-backend twin."""
     from bench.references import stageserve_config_text
@@ -116,6 +126,8 @@ def write_repository(root: Path, triton: bool) -> Path:
         "py_error", [("INPUT0", "FP32", (16,))], [("OUTPUT0", "FP32", (16,))], max_batch_size=8
     )
     write_python_model(root, "py_error", PY_ERROR_SOURCE, py_error)
+    py_init_fails = py_error.replace('"py_error"', '"py_init_fails"')
+    write_python_model(root, "py_init_fails", PY_INIT_FAILS_SOURCE, py_init_fails)
     return root
 
 
@@ -587,6 +599,7 @@ STEPS: list[Step] = [
     Step("http metadata ens_ghost", _h_metadata("ens_ghost"), message=True, http=True),
     Step("http stats ens_ghost", _h_stats("ens_ghost"), message=True, http=True),
     Step("index with ens_ghost", _index()),
+    Step("load py_init_fails", _load("py_init_fails")),
     Step("load py_error", _load("py_error")),
     Step("infer py_error", _infer("py_error"), message=True),
     Step("infer py_error again", _infer("py_error"), message=True),

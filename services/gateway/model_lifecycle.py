@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import grpc
@@ -230,7 +231,7 @@ class ModelLifecycle:
                     "model reload failed; previous load keeps serving",
                     extra={"model": name, "reasons": reasons, "record_restored": restored},
                 )
-                raise unavailable(f"failed to load '{name}': " + "; ".join(reasons.values()))
+                raise invalid(versions_failed(name, reasons))
             self.entries[name] = entry
             # Only the gateway that published the reload ends its drain: one that
             # adopted it (poll mode, startup) would end it as soon as its own
@@ -251,7 +252,7 @@ class ModelLifecycle:
                 },
             )
             if not entry.ready_versions():
-                raise unavailable(f"failed to load '{name}': " + "; ".join(reasons.values()))
+                raise invalid(versions_failed(name, reasons))
             return True
 
     async def _ensemble_spec(self, root: Path, name: str) -> ModelSpec | None:
@@ -383,6 +384,16 @@ class ModelLifecycle:
                 for v, s in sorted(entry.versions.items()):
                     rows.append((name, str(v), s, entry.reasons.get(v, "")))
         return rows
+
+
+def versions_failed(name: str, reasons: Mapping[int, str]) -> str:
+    """Triton 2.51's answer (INVALID_ARGUMENT) to a load whose versions all
+    failed to come up, each version's reason in its frame (checked with a
+    Python model whose initialize raises: "load failed for model 'm':
+    version 1 is at UNAVAILABLE state: Internal: RuntimeError: ...;")."""
+    return f"load failed for model '{name}': " + "".join(
+        f"version {v} is at UNAVAILABLE state: {reason};\n" for v, reason in sorted(reasons.items())
+    )
 
 
 def removed_versions(

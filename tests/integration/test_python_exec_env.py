@@ -38,9 +38,10 @@ PROCESS = 'parameters { key: "STAGESERVE_INSTANCE_PROCESS" value { string_value:
 # (test_the_reasons_are_tritons runs it). The gateway's auto-complete finds
 # these first (it runs auto_complete_config in the environment, as Triton
 # does) and answers Triton's code; a load a worker failed (auto-complete off,
-# or the in-process refusal) is UNAVAILABLE (docs/architecture.md).
+# or the in-process refusal) answers it too, in Triton's "load failed for
+# model" frame (docs/architecture.md).
 AUTOCOMPLETE_FAILED = "StatusCode.INVALID_ARGUMENT"
-WORKER_FAILED = "StatusCode.UNAVAILABLE"
+WORKER_FAILED = "StatusCode.INVALID_ARGUMENT"
 # py_big_env's archive: 2-4 s to unpack on the 2-core dev machine.
 BIG_ENV_MB = 256
 
@@ -310,6 +311,7 @@ def test_a_file_that_is_not_an_archive_fails_the_load(env_stack: RunningStack) -
 def test_an_environment_cannot_run_in_the_workers_process(env_stack: RunningStack) -> None:
     error = _load_error(env_stack, "py_env_thread")
     assert error.status() == WORKER_FAILED
+    assert error.message().startswith("load failed for model 'py_env_thread': version 1 is at ")
     assert (
         "parameter EXECUTION_ENV_PATH needs a process per instance, and parameter "
         "STAGESERVE_INSTANCE_PROCESS is 'false'" in error.message()

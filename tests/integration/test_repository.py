@@ -768,7 +768,7 @@ def test_failed_reload_restores_the_serving_record_for_the_other_stages(tmp_path
         assert serving[1] == 8
         write_simple(tmp_path, "simple", max_batch_size=4)
         model_file.write_bytes(b"not an onnx model")
-        with pytest.raises(InferenceServerException, match="failed to load 'simple'"):
+        with pytest.raises(InferenceServerException, match="load failed for model 'simple'"):
             c.load_model("simple", client_timeout=RPC_TIMEOUT_S)
         assert _published(s.redis_url, "simple") == serving
         assert c.get_model_config("simple").config.max_batch_size == 8

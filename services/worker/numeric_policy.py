@@ -61,13 +61,19 @@ def tf32_requested(parameters: Mapping[str, str]) -> bool:
     not a boolean fails the load as Triton's parsers do."""
     for key, value in parameters.items():
         if key.lower() == ALLOW_TF32:
-            lowered = value.lower()
-            if lowered in ("true", "on", "1"):
-                return True
-            if lowered in ("false", "off", "0"):
-                return False
-            raise InvalidParameter(f"failed to convert '{value}' to boolean")
+            return parse_bool(value)
     return DEFAULT_ALLOW_TF32
+
+
+def parse_bool(value: str) -> bool:
+    """A boolean parameter as Triton's backends read one ("true"/"on"/"1",
+    "false"/"off"/"0", any case); anything else fails the load."""
+    lowered = value.lower()
+    if lowered in ("true", "on", "1"):
+        return True
+    if lowered in ("false", "off", "0"):
+        return False
+    raise InvalidParameter(f"failed to convert '{value}' to boolean")
 
 
 class TorchTf32:

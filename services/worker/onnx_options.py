@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from services.worker.numeric_policy import InvalidParameter, tf32_requested
+from services.worker.numeric_policy import InvalidParameter, parse_bool, tf32_requested
 from stageserve.config import ExecutionAccelerator
 
 #: cuDNN convolution algorithm search when the model names none. The CUDA EP
@@ -167,15 +167,6 @@ def parse_uint(value: str, *, whole: bool = False) -> int:
     return number
 
 
-def parse_bool(value: str) -> bool:
-    lowered = value.lower()
-    if lowered in ("true", "on", "1"):
-        return True
-    if lowered in ("false", "off", "0"):
-        return False
-    raise OrtOptionError(f"failed to convert '{value}' to boolean")
-
-
 def _flag(value: bool) -> str:
     return "1" if value else "0"
 
@@ -256,24 +247,18 @@ def _gpu_providers(
         else:
             raise OrtOptionError(f"unknown Execution Accelerator '{accelerator.name}' is requested")
 
-    if "cudnn_conv_algo_search" in parameters:
-        search = parse_int(parameters["cudnn_conv_algo_search"])
-        if search not in _CONV_ALGO_SEARCH:
-            raise OrtOptionError(
-                f"unsupported cudnn_conv_algo_search value '{search}' is requested"
-            )
-        cuda["cudnn_conv_algo_search"] = _CONV_ALGO_SEARCH[search]
+    for name, values in (
+        ("cudnn_conv_algo_search", _CONV_ALGO_SEARCH),
+        ("arena_extend_strategy", _ARENA_EXTEND),
+    ):
+        if name in parameters:
+            number = parse_int(parameters[name])
+            if number not in values:
+                raise OrtOptionError(f"unsupported {name} value '{number}' is requested")
+            cuda[name] = values[number]
 
     if "gpu_mem_limit" in parameters:
         cuda["gpu_mem_limit"] = str(parse_uint(parameters["gpu_mem_limit"], whole=True))
-
-    if "arena_extend_strategy" in parameters:
-        strategy = parse_int(parameters["arena_extend_strategy"])
-        if strategy not in _ARENA_EXTEND:
-            raise OrtOptionError(
-                f"unsupported arena_extend_strategy value '{strategy}' is requested"
-            )
-        cuda["arena_extend_strategy"] = _ARENA_EXTEND[strategy]
 
     if "do_copy_in_default_stream" in parameters:
         cuda["do_copy_in_default_stream"] = _flag(

@@ -26,7 +26,7 @@ import redis
 from stageserve import redis_keys as keys
 from stageserve.log_settings import LogSettings, from_redis
 from stageserve.logs import FOLLOW_ENV as ENV
-from stageserve.logs import apply_log_settings
+from stageserve.logs import applied_count, apply_log_settings
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +56,12 @@ class LogFollower:
         )
 
     def sync(self, client: redis.Redis) -> None:
-        """Read the hash and log under what it says from now on."""
+        """Read the hash and log under what it says from now on, unless this
+        process applied settings of its own meanwhile (a gateway's update:
+        what was read may predate it; the update's own message reads again)."""
+        seen = applied_count()
         settings = from_redis(self.base, client.hgetall(keys.LOG_SETTINGS))
-        if apply_log_settings(settings):
+        if apply_log_settings(settings, unless_applied_since=seen):
             log.info("log settings changed", extra={"settings": settings.as_json()})
 
     def start(self) -> None:

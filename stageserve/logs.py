@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -182,13 +183,34 @@ def current_settings() -> LogSettings:
     return _state.filter.settings if _state is not None else LogSettings()
 
 
-def apply_log_settings(settings: LogSettings) -> bool:
+# Applies in this process, counted: a reader of the stack's settings (the
+# follower thread, log_follow.py) notes the count before it reads Redis and
+# applies what it read only if nothing was applied meanwhile. Else a read
+# taken just before this gateway's own update could land after it and undo
+# it until the next message (seen: a LogSettings GET right after a SET
+# answered the settings before it, under load).
+_applied = 0
+_apply_lock = threading.Lock()
+
+
+def applied_count() -> int:
+    """How many times settings were applied in this process so far."""
+    return _applied
+
+
+def apply_log_settings(settings: LogSettings, *, unless_applied_since: int | None = None) -> bool:
     """Log under `settings` from now on (its log_file is not changed: Triton
-    does not change it at run time either); False when nothing changed."""
-    if _state is None or settings == _state.filter.settings:
-        return False
-    _apply(_state, settings)
-    return True
+    does not change it at run time either); False when nothing changed, or
+    when `unless_applied_since` (an applied_count()) is no longer the count."""
+    global _applied
+    with _apply_lock:
+        if unless_applied_since is not None and unless_applied_since != _applied:
+            return False
+        _applied += 1
+        if _state is None or settings == _state.filter.settings:
+            return False
+        _apply(_state, settings)
+        return True
 
 
 def _apply(state: _Logging, settings: LogSettings) -> None:

@@ -169,7 +169,8 @@ def _verbose_seen(s: LogStack, since: dict[str, int]) -> dict[str, bool]:
 def test_answers_are_triton_2_51s_on_both_fronts(log_stack: LogStack) -> None:
     record = load_record()
     gateway_log = str(log_stack.log_file("gateway"))
-    assert differences(record, run(log_stack.ends), gateway_log) == []
+    diff = differences(record, run(log_stack.ends), gateway_log)
+    assert not diff, "\n".join(diff)
 
 
 def test_triton_still_answers_as_recorded(tmp_path: Path) -> None:

@@ -263,6 +263,33 @@ def test_a_stage_reads_the_stack_settings_at_startup_then_follows_them(
         follower.stop()
 
 
+class _UpdateDuringRead:
+    """A Redis client whose HGETALL, like a follower's read racing a
+    gateway's own update, returns the hash as it was just before the gateway
+    stored and applied `update`."""
+
+    def __init__(self, client: redis.Redis, base: LogSettings, update: dict[str, Any]) -> None:
+        self.client, self.base, self.update = client, base, update
+
+    def hgetall(self, key: str) -> Any:
+        before = self.client.hgetall(key)
+        self.client.hset(key, mapping=_fields(self.update))
+        logs.apply_log_settings(current_settings().updated(self.update))
+        return before
+
+
+def test_a_read_older_than_this_processs_own_update_does_not_undo_it(
+    tmp_path: Path, restore_logging: None, settings_hash: redis.Redis, redis_url: str
+) -> None:
+    base = LogSettings(log_file=str(tmp_path / "gateway.log"))
+    setup_logging("gateway", settings=base)
+    follower = LogFollower(redis_url, base)
+    follower.sync(_UpdateDuringRead(settings_hash, base, {"log_verbose_level": 5}))  # type: ignore[arg-type]
+    assert current_settings().log_verbose_level == 5  # the stale read was not applied
+    follower.sync(settings_hash)  # the update's own message: read again
+    assert current_settings() == base.updated({"log_verbose_level": 5})
+
+
 def test_a_child_takes_its_stages_settings_from_the_environment(
     tmp_path: Path, restore_logging: None, settings_hash: redis.Redis, redis_url: str
 ) -> None:

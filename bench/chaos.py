@@ -190,18 +190,35 @@ def wait_steady(load: Load, reference_rps: float, timeout_s: float = 30.0) -> No
         time.sleep(0.2)
 
 
+def healed(load: Load, now: float) -> bool:
+    """The last second's finished calls answered, and none failed."""
+    last = [c for c in list(load.calls) if now - 1.0 <= c.end < now]
+    return any(c.outcome == "ok" for c in last) and all(c.outcome == "ok" for c in last)
+
+
 def measure(
-    stack: Stack, load: Load, redis_url: str, stage: str, baseline_s: float, window_s: float
-) -> tuple[StageResult, float]:
-    """Kill one stage after baseline_s of load; the window_s that follow are
-    judged later (judge). Returns the result so far and the kill's time."""
+    stack: Stack,
+    load: Load,
+    redis_url: str,
+    stage: str,
+    baseline_s: float,
+    window_s: float,
+    heal_s: float = 0.0,
+) -> tuple[StageResult, float, float]:
+    """Kill one stage after baseline_s of load; the window that follows is
+    judged later (judge): window_s, or longer, up to heal_s, until the
+    stage healed (a restart takes longer on a busy machine). Returns the
+    result so far, the kill's time and the window's length."""
     time.sleep(baseline_s)
     kill_at = time.monotonic()
     baseline = load.ok_rate(kill_at - baseline_s, kill_at)
     os.kill(_pid(stack, stage), signal.SIGKILL)
     time.sleep(window_s)
+    while time.monotonic() - kill_at < heal_s and not healed(load, time.monotonic()):
+        time.sleep(0.25)
+    window = time.monotonic() - kill_at
     audit = audit_redis(redis_url)
-    return StageResult(stage, baseline_rps=baseline, audit=audit), kill_at
+    return StageResult(stage, baseline_rps=baseline, audit=audit), kill_at, window
 
 
 def judge(load: Load, result: StageResult, kill_at: float, window_s: float) -> StageResult:
@@ -239,8 +256,10 @@ def run_chaos(
     window_s: float = 8.0,
     settle_s: float = 2.0,
     gateways: int = 1,
+    heal_s: float = 0.0,
 ) -> list[StageResult]:
-    """`gateways`: gateway processes on the one port (`stageserve up --gateways`)."""
+    """`gateways`: gateway processes on the one port (`stageserve up --gateways`);
+    `heal_s`: a window goes on past window_s, up to heal_s, until healed."""
     stack = Stack()
     try:
         services = start_services(stack, repository, device="cpu", gateways=gateways)
@@ -250,12 +269,14 @@ def run_chaos(
         time.sleep(settle_s)
         now = time.monotonic()
         reference = load.ok_rate(now - settle_s / 2, now)
-        results: list[tuple[StageResult, float]] = []
+        results: list[tuple[StageResult, float, float]] = []
         for stage in stages:
             wait_steady(load, reference)
-            results.append(measure(stack, load, services.redis_url, stage, baseline_s, window_s))
+            results.append(
+                measure(stack, load, services.redis_url, stage, baseline_s, window_s, heal_s)
+            )
         load.stop()
-        return [judge(load, r, k, window_s) for r, k in results]
+        return [judge(load, r, k, w) for r, k, w in results]
     finally:
         stack.stop()
 

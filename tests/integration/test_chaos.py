@@ -4,8 +4,10 @@ The same code as `python -m bench.chaos`, with fewer clients and shorter
 windows, guarding the benchmark's goals: for every stage, no hung call, no
 wrong answer (simple's sums and accumulator's running sums are checked), no
 leak in Redis afterwards (grants, instance counts, sequence keys), and the
-service healed within the window (its last second answers and fails
-nothing). The issue's goal, full throughput within
+service healed (its last second answers and fails nothing) within the
+window, which goes on past WINDOW_S until then, up to HEAL_S (seen: a
+worker's restart past 8 s with the suite on two processes and two CPU
+burners on the 2 cores). The issue's goal, full throughput within
 5 s of the kill, is a figure of `python -m bench.chaos` (measured 0.0-2.0 s
 per stage, 2-core machine, load average ~3), not asserted here: with the
 cores busy elsewhere one stage took 6.2 s once. The table is printed.
@@ -18,13 +20,20 @@ from pathlib import Path
 from bench.chaos import STAGES, run_chaos, table
 
 WINDOW_S = 8.0
+HEAL_S = 30.0
 
 
 def test_every_stage_killed_heals_without_hangs_wrong_answers_or_leaks(
     example_repository: Path,
 ) -> None:
     results = run_chaos(
-        example_repository, STAGES, clients=4, baseline_s=1.0, window_s=WINDOW_S, settle_s=1.5
+        example_repository,
+        STAGES,
+        clients=4,
+        baseline_s=1.0,
+        window_s=WINDOW_S,
+        settle_s=1.5,
+        heal_s=HEAL_S,
     )
     print("\n" + table(results))
     assert [r.stage for r in results] == list(STAGES)
@@ -37,7 +46,8 @@ def test_every_stage_killed_heals_without_hangs_wrong_answers_or_leaks(
         assert r.audit is not None, r.stage
         assert r.leaked == 0, (r.stage, r.audit.problems)
         assert r.ok > 0, r.stage
-        # Healed within the window: the last second answers, and fails none.
+        # Healed within the window (at most HEAL_S): the last second answers,
+        # and fails none.
         # Full throughput (r.full_s) is the benchmark's figure: it compares
         # with the second before the kill, which a busy machine can skew
         # either way (seen: never back to 90% of a 643 req/s second with

@@ -47,6 +47,7 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,8 +150,7 @@ def parse_variant(text: str) -> Variant:
 def write_variant(model_dir: Path, variant: Variant) -> str:
     """Copy `model_dir` (version 1 by link) as ``<model>_<variant>`` with the
     variant's settings applied to its config.pbtxt; returns the model name."""
-    config = mc.ModelConfig()
-    text_format.Parse((model_dir / "config.pbtxt").read_text(), config)
+    config = read_config(model_dir)
     config.name = f"{config.name}_{variant.name}"
     if variant.preferred:
         del config.dynamic_batching.preferred_batch_size[:]
@@ -158,8 +158,7 @@ def write_variant(model_dir: Path, variant: Variant) -> str:
     if variant.instances:
         for group in config.instance_group:
             group.count = variant.instances
-    for key, value in variant.parameters:
-        config.parameters[key].string_value = value
+    set_parameters(config, variant.parameters)
     target = model_dir.parent / config.name
     target.mkdir()
     (target / "1").symlink_to(model_dir / "1", target_is_directory=True)
@@ -171,12 +170,16 @@ def _device_id(device: str) -> int:
     return int(device.partition(":")[2] or 0)
 
 
-def parameter_text(parameters: dict[str, str]) -> str:
-    """config.pbtxt lines for model parameters."""
-    return "".join(
-        f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}\n'
-        for k, v in parameters.items()
-    )
+def read_config(model_dir: Path) -> mc.ModelConfig:
+    config = mc.ModelConfig()
+    text_format.Parse((model_dir / "config.pbtxt").read_text(), config)
+    return config
+
+
+def set_parameters(config: mc.ModelConfig, parameters: Iterable[tuple[str, str]]) -> None:
+    """Model `parameters` entries (string values), over any of the same key."""
+    for key, value in parameters:
+        config.parameters[key].string_value = value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,8 +230,10 @@ def main(argv: list[str] | None = None) -> int:
             model_file = write_torch_cnn(repository, **size) / "1" / "model.pt"
         else:
             model_file = write_cnn(repository, **size) / "1" / "model.onnx"
-        config = model_file.parent.parent / "config.pbtxt"
-        config.write_text(config.read_text() + parameter_text(parameters))
+        model_dir = model_file.parent.parent
+        config = read_config(model_dir)
+        set_parameters(config, parameters.items())
+        (model_dir / "config.pbtxt").write_text(text_format.MessageToString(config))
         gpu = detect_gpu(args.device)  # what the worker will pick
         device = "cpu" if gpu is None else f"cuda:{gpu}"
         alone = backend_alone(

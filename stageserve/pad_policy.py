@@ -45,8 +45,9 @@ PAD_PARAMETER = "pad_batch"
 
 AUTO, ON, OFF = "auto", "on", "off"
 
-_TRUE = ("true", "on", "yes", "1")
-_FALSE = ("false", "off", "no", "0")
+# How pad_batch and shape_warmup spell a boolean (any case).
+TRUE_WORDS = ("true", "on", "yes", "1")
+FALSE_WORDS = ("false", "off", "no", "0")
 
 
 class PadPolicyError(ValueError):
@@ -92,7 +93,7 @@ def pad_policy(
     sizes in 1..max_batch_size, and for an explicit request the obstacles
     forbid. `one_shape`: auto pads to max_batch_size alone (ONNX Runtime)."""
     text = parameters.get(PAD_PARAMETER, "").strip().lower()
-    if text in _FALSE:
+    if text in FALSE_WORDS:
         return PadPolicy()
     if not text:  # auto: on a GPU, where padding is right
         if obstacles or max_batch_size <= 0:
@@ -108,7 +109,7 @@ def pad_policy(
         raise PadPolicyError(
             f"parameter {PAD_PARAMETER}={text!r} cannot be honoured: {'; '.join(obstacles)}"
         )
-    if text in _TRUE:
+    if text in TRUE_WORDS:
         sizes = tuple(preferred) or powers_of_two(max_batch_size)
         return PadPolicy(ON, _with_top(sizes, max_batch_size))
     return PadPolicy(ON, _with_top(_size_list(text, max_batch_size), max_batch_size))

@@ -39,34 +39,32 @@ from services.worker.tensor_batches import TensorBatches
 from services.worker.warmup import WarmupError, run_warmup, warmup_requests
 from stageserve.config import TENSOR_PLATFORMS, ModelSpec, WarmupInput, WarmupSpec
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve.pad_policy import FALSE_WORDS, TRUE_WORDS
 
 log = logging.getLogger(__name__)
 
 SHAPE_WARMUP_PARAMETER = "shape_warmup"
 
-_TRUE = ("true", "on", "yes", "1")
-_FALSE = ("false", "off", "no", "0")
-
 
 def warmup_shapes(spec: ModelSpec, on_gpu: bool, pad_sizes: Sequence[int]) -> tuple[int, ...]:
     """The batch sizes one instance runs before READY (empty: none)."""
     text = spec.parameters.get(SHAPE_WARMUP_PARAMETER, "").strip().lower()
-    if text in _FALSE:
+    if text in FALSE_WORDS:
         return ()
     if spec.platform not in TENSOR_PLATFORMS or not spec.batching or spec.ragged_inputs:
         return ()
-    if text not in _TRUE and _variable_dims(spec):
+    if text not in TRUE_WORDS and _variable_dims(spec):
         return ()
     if pad_sizes:
         return tuple(pad_sizes)
-    if on_gpu or text in _TRUE:
+    if on_gpu or text in TRUE_WORDS:
         return tuple(range(1, spec.max_batch_size + 1))
     return ()
 
 
 def required(spec: ModelSpec) -> bool:
     """Whether the model asked for the shape warm-up (a failure fails its load)."""
-    return spec.parameters.get(SHAPE_WARMUP_PARAMETER, "").strip().lower() in _TRUE
+    return spec.parameters.get(SHAPE_WARMUP_PARAMETER, "").strip().lower() in TRUE_WORDS
 
 
 def _variable_dims(spec: ModelSpec) -> bool:

@@ -108,7 +108,7 @@ PARAMETERS = {
     "ENABLE_JIT_PROFILING": "true only (torch's default): the setting is process-wide",
     "ENABLE_TENSOR_FUSER": "true only (torch's default): the setting is process-wide",
     "DISABLE_CUDNN": "false only (torch's default): the setting is process-wide",
-    "ALLOW_TF32": "TF32 on CUDA (StageServe's, default false; process-wide, numeric_policy.py)",
+    "ALLOW_TF32": "TF32 on CUDA (StageServe's, default true; process-wide, numeric_policy.py)",
 }
 
 # The flags below are accepted at one value only; a model that asks otherwise

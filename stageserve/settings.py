@@ -86,6 +86,11 @@ class WorkerSettings:
     python_instance_process: int = 0
     # auto | cpu | cuda:N: where this worker's instances run.
     device: str = flag("auto", "device")
+    # How the worker's threads wait for their GPU (services/worker/cuda_sync.py):
+    # auto (CUDA's default: spin while contexts <= cores), spin, yield, blocking.
+    # The spin is most of the worker's CPU per request on the H100 host; auto
+    # stays the default until a GPU host has measured blocking against it.
+    cuda_sync: str = one_of("auto", "spin", "yield", "blocking")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import grpc
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.worker import cuda_sync
 from services.worker.backends import BackendError, InvalidInputError, StillSending
 from services.worker.blas_threads import limit_blas_threads
 from services.worker.compute_spans import record_compute_spans
@@ -408,6 +409,9 @@ async def serve(
     from stageserve.service_runtime import run_server
 
     limit_blas_threads(os.environ, settings.worker.blas_threads)
+    device = detect_gpu(settings.worker.device)
+    # Before any model loads: the flag belongs to the context they create.
+    log.info("CUDA sync mode: %s", cuda_sync.apply(settings.worker.cuda_sync, device))
     redis = connect(redis_url, settings.redis_client)
     await redis.ping()
     spans = trace_spans.configure("worker", redis)  # traced requests' spans
@@ -417,7 +421,7 @@ async def serve(
         worker_id,
         ModelStateStore(redis),
         pb_grpc.RateLimiterStub(channel),
-        detect_gpu(settings.worker.device),
+        device,
         settings.worker,
     )
     server = grpc.aio.server(options=SERVER_OPTIONS)

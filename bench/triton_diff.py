@@ -245,24 +245,41 @@ def _index(
 
 
 def _stats(name: str = "", version: str = "") -> Callable[[Client], Any]:
+    """The statistics once two reads 0.25 s apart agree (at most 3 s): both
+    servers' Python models (Triton's `identity` twin is one) record a
+    request's statistics after its response went out, so a read right after
+    the last answer can miss it under load, on either side."""
+
     def call(c: Client) -> Any:
-        out = c.get_inference_statistics(name, version, as_json=True).get("model_stats", [])
-        rows = []
-        for s in out:
-            st = s.get("inference_stats", {})
-            rows.append(
-                (
-                    s["name"],
-                    s.get("version", ""),
-                    int(s.get("inference_count", 0)),
-                    int(s.get("execution_count", 0)),
-                    int(st.get("success", {}).get("count", 0)),
-                    int(st.get("fail", {}).get("count", 0)),
-                )
-            )
-        return sorted(rows)
+        rows = _stats_once(c, name, version)
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            time.sleep(0.25)
+            again = _stats_once(c, name, version)
+            if again == rows:
+                break
+            rows = again
+        return rows
 
     return call
+
+
+def _stats_once(c: Client, name: str, version: str) -> list[tuple[str, str, int, int, int, int]]:
+    out = c.get_inference_statistics(name, version, as_json=True).get("model_stats", [])
+    rows = []
+    for s in out:
+        st = s.get("inference_stats", {})
+        rows.append(
+            (
+                s["name"],
+                s.get("version", ""),
+                int(s.get("inference_count", 0)),
+                int(s.get("execution_count", 0)),
+                int(st.get("success", {}).get("count", 0)),
+                int(st.get("fail", {}).get("count", 0)),
+            )
+        )
+    return sorted(rows)
 
 
 def _stats_settled(name: str, inferences: int, wait_s: float = 5.0) -> Callable[[Client], Any]:
@@ -748,11 +765,16 @@ def side_by_side(triton: list[Observation], ours: list[Observation]) -> str:
 
 
 def report(diffs: list[Difference]) -> str:
+    # Undocumented differences last: a caller that keeps only the tail (the
+    # smoke test shows 4,000 characters) still sees what failed.
+    undocumented = [d.step for d in diffs if not d.documented]
     lines = [f"{len(STEPS)} steps, {len(diffs)} differences"]
-    for d in diffs:
+    for d in sorted(diffs, key=lambda d: not d.documented):
         tag = f"documented: {d.documented}" if d.documented else "UNDOCUMENTED"
         lines += [f"- {d.step} [{tag}]", f"    triton:     {_short(d.triton)}"]
         lines += [f"    stageserve: {_short(d.stageserve)}"]
+    if undocumented:
+        lines.append(f"UNDOCUMENTED: {', '.join(undocumented)}")
     return "\n".join(lines)
 
 

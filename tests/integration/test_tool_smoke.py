@@ -376,6 +376,10 @@ SMOKE: dict[str, Smoke] = {
         (_no_triton,),
         env={"SKIP_PERF_ANALYZER": "1"},
     ),
+    # Needs a GPU host, the wheel bundle and the onnxruntime-gpu parts copied
+    # there (docs/gpu.md): bash -n parses it; each step it runs (pytest -m gpu,
+    # bench.gpu, bench.scale) has its own smoke run or GPU-marked test.
+    "scripts/gpu_host_check.sh": Smoke(("-n", "scripts/gpu_host_check.sh"), ""),
     # The whole suite, this test included, cannot run inside itself: bash -n
     # parses it; each step it runs (dev_env.sh, the install scripts,
     # validate_deploy.sh, ruff, mypy, pytest) runs on its own elsewhere.

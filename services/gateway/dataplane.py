@@ -15,7 +15,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from services.gateway import cuda_shared_memory
 from services.gateway.cache_metrics import CacheMetrics
 from services.gateway.log_control import LogControl
 from services.gateway.model_lifecycle import ModelLifecycle
@@ -28,7 +27,7 @@ from services.gateway.python_models import (
     stream_partials,
 )
 from services.gateway.request_trace import FileRequestTrace, RequestTrace
-from services.gateway.shared_memory import Region, SystemSharedMemory
+from services.gateway.shared_memory import CUDA, Region, SharedMemory
 from services.gateway.tensor_transport import TensorTransport
 from services.gateway.trace_settings import TraceSettingError, TraceSettings
 from stageserve import __version__
@@ -91,7 +90,7 @@ class DataPlane:
         self.ready = False
         # Triton's --strict-readiness: ServerReady also needs every model ready
         self.strict_readiness = True
-        self.shm = SystemSharedMemory()
+        self.shm = SharedMemory()  # system and CUDA regions, one table as Triton's
         self.traces: TraceSettings | None = None  # set by the server
         self.overrides = OverrideArea()  # RepositoryModelLoad's config/file overrides
         # --cache-config's response cache (set by the server); None: nothing cached
@@ -358,18 +357,26 @@ class DataPlane:
     def cuda_shm_status(
         self, request: gs.CudaSharedMemoryStatusRequest
     ) -> gs.CudaSharedMemoryStatusResponse:
-        cuda_shared_memory.status(request.name)
-        return gs.CudaSharedMemoryStatusResponse()
+        status = gs.CudaSharedMemoryStatusResponse.RegionStatus
+        return gs.CudaSharedMemoryStatusResponse(
+            regions={
+                r.name: status(name=r.name, device_id=r.device_id, byte_size=r.byte_size)
+                for r in self.shm.status(request.name, CUDA)
+            }
+        )
 
     def cuda_shm_register(
         self, request: gs.CudaSharedMemoryRegisterRequest
     ) -> gs.CudaSharedMemoryRegisterResponse:
-        cuda_shared_memory.register(request.name, request.device_id)
+        self.shm.register_cuda(
+            request.name, request.raw_handle, request.device_id, request.byte_size
+        )
+        return gs.CudaSharedMemoryRegisterResponse()
 
     def cuda_shm_unregister(
         self, request: gs.CudaSharedMemoryUnregisterRequest
     ) -> gs.CudaSharedMemoryUnregisterResponse:
-        cuda_shared_memory.unregister(request.name)
+        self.shm.unregister(request.name, CUDA)
         return gs.CudaSharedMemoryUnregisterResponse()
 
     # ------------------------------------------------------------- statistics

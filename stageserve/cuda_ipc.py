@@ -171,7 +171,10 @@ class Runtime:
         """(base, size) of the allocation holding `ptr`, in the current context
         (the driver's cuMemGetAddressRange_v2; Triton's register bound)."""
         if self._driver is None:
-            drv = ctypes.CDLL(_DRIVER)
+            try:
+                drv = ctypes.CDLL(_DRIVER)
+            except OSError as exc:
+                raise CudaError("cuMemGetAddressRange", -1, str(exc)) from None
             drv.cuMemGetAddressRange_v2.argtypes = [
                 ctypes.POINTER(ctypes.c_uint64),
                 ctypes.POINTER(ctypes.c_size_t),

@@ -5,6 +5,7 @@ used where this host has one; on a GPU host the same probe finds devices."""
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 from pathlib import Path
 
@@ -116,3 +117,32 @@ def test_a_gpu_host_is_available() -> None:
     assert found.runtime is not None, found.reason
     assert found.devices == gpu_count()
     assert cuda_ipc.available()
+
+
+@pytest.mark.skipif(gpu_count() > 0, reason="a GPU answers here")
+def test_every_call_takes_the_arguments_the_binding_passes() -> None:
+    """Each entry point is called with the Python values its method passes: the
+    runtime answers its own error (no device), never a ctypes ArgumentError,
+    so a signature mistake shows here and not first on a GPU host."""
+    where = _real_runtime()
+    lib, _ = cuda_ipc.load([where])
+    assert lib is not None
+    rt = cuda_ipc.Runtime(lib, where)
+    raw = lib  # the CDLL with the signatures Runtime set
+    ptr = ctypes.c_void_p()
+    buf = ctypes.create_string_buffer(16)
+    codes = [
+        raw.cudaSetDevice(0),
+        raw.cudaIpcOpenMemHandle(ctypes.byref(ptr), cuda_ipc.IpcHandle(), 1),
+        raw.cudaIpcCloseMemHandle(1 << 40),
+        raw.cudaIpcGetMemHandle(cuda_ipc.IpcHandle(), 1 << 40),
+        raw.cudaMemcpy(buf, 1 << 40, 16, cuda_ipc.D2H),
+        raw.cudaMemcpy(1 << 40, b"0123456789abcdef", 16, cuda_ipc.H2D),
+        raw.cudaMemcpy(1 << 40, 1 << 41, 16, cuda_ipc.D2D),
+    ]
+    assert all(code != 0 for code in codes)
+    with pytest.raises(cuda_ipc.CudaError) as err:
+        rt.get_handle(1 << 40)
+    assert err.value.call == "cudaIpcGetMemHandle" and "error" in str(err.value)
+    with pytest.raises(cuda_ipc.CudaError):
+        rt.address_range(1 << 40)  # no driver, or no context: an error either way

@@ -30,7 +30,7 @@ from services.gateway.request_trace import FileRequestTrace, RequestTrace
 from services.gateway.shared_memory import CUDA, Region, SharedMemory
 from services.gateway.tensor_transport import TensorTransport
 from services.gateway.trace_settings import TraceSettingError, TraceSettings
-from stageserve import __version__
+from stageserve import __version__, cuda_ipc
 from stageserve.config import ModelSpec
 from stageserve.errors import StageError, internal, invalid, unavailable
 from stageserve.generated import grpc_service_pb2 as gs
@@ -66,6 +66,15 @@ EXTENSIONS = [
     "system_shared_memory",
     "binary_tensor_data",
 ]
+
+
+def extensions() -> list[str]:
+    """EXTENSIONS, with cuda_shared_memory where this gateway can open CUDA IPC
+    handles (the first call probes CUDA once: stageserve/cuda_ipc.py)."""
+    if not cuda_ipc.available():
+        return EXTENSIONS
+    at = EXTENSIONS.index("system_shared_memory") + 1
+    return [*EXTENSIONS[:at], "cuda_shared_memory", *EXTENSIONS[at:]]
 
 
 class DataPlane:
@@ -111,7 +120,7 @@ class DataPlane:
 
     def server_metadata(self) -> gs.ServerMetadataResponse:
         return gs.ServerMetadataResponse(
-            name=self.server_name, version=__version__, extensions=EXTENSIONS
+            name=self.server_name, version=__version__, extensions=extensions()
         )
 
     def model_metadata(self, request: gs.ModelMetadataRequest) -> gs.ModelMetadataResponse:

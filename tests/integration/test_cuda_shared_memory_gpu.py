@@ -127,6 +127,7 @@ def test_grpc_identity_in_and_out_of_device_memory(
     src.put(src.offset, x)
     c.register_cuda_shared_memory("in", base64.b64encode(src.raw), 0, src.byte_size)
     c.register_cuda_shared_memory("out", base64.b64encode(dst.raw), 0, dst.byte_size)
+    assert "cuda_shared_memory" in c.get_server_metadata().extensions
     before = cstack.copies()
 
     inp = grpcclient.InferInput("INPUT0", [1, N], "FP32")

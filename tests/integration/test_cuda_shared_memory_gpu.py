@@ -53,13 +53,16 @@ class DeviceRegion:
         return self.offset + ALLOC
 
     def put(self, at: int, array: np.ndarray) -> None:
+        """`array`'s bytes at region offset `at` (the tensor starts at `offset`)."""
         data = torch.from_numpy(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
-        self.tensor[at : at + data.numel()].copy_(data)
+        begin = at - self.offset
+        self.tensor[begin : begin + data.numel()].copy_(data)
         torch.cuda.synchronize()
 
     def get(self, at: int, dtype: type, count: int) -> np.ndarray:
-        size = np.dtype(dtype).itemsize * count
-        return self.tensor[at : at + size].cpu().numpy().view(dtype)
+        """`count` values at region offset `at`."""
+        begin, size = at - self.offset, np.dtype(dtype).itemsize * count
+        return self.tensor[begin : begin + size].cpu().numpy().view(dtype)
 
 
 def _device_region() -> DeviceRegion:

@@ -45,6 +45,7 @@ if [ "$HALF" = tests ]; then
   run gputests 170 python3 -m pytest -q -p no:cacheprovider -m gpu -rs --tb=short \
     tests/unit/test_cuda_sync.py tests/unit/test_onnx_backend.py tests/unit/test_torch_backend.py \
     tests/unit/test_gpus.py tests/unit/test_onnx_options.py tests/unit/test_numeric_policy.py \
+    tests/unit/test_cuda_ipc.py \
     $(ls tests/integration/test_gpu_*.py tests/integration/test_cuda_shared_memory*.py 2>/dev/null)
   # The defaults (ORT: one padded shape, EXHAUSTIVE; TF32 on), then the worker not spinning.
   run onnx 110 $G --backend onnx --variant 'heuristic:cudnn_conv_algo_search=1'

@@ -344,6 +344,12 @@ WORKER_COMPUTE = Histogram(
     ["model", "version", "model_instance", "phase"],
     buckets=LATENCY_BUCKETS,
 )
+CUDA_SHM_COPIES = Counter(
+    "stageserve_cuda_shm_copies",
+    "Copies between the gateway and clients' CUDA shared-memory regions, by direction "
+    "(d2h: an input read out of a region; h2d: an output written into one)",
+    ["direction"],
+)
 STAGE_RPC_DURATION = Histogram(
     "stageserve_stage_rpc_duration_seconds",
     "Inter-stage call latency, from the caller's side",

@@ -1,13 +1,22 @@
-"""Triton's CUDA shared-memory extension on a server that opens no CUDA IPC handle.
+"""Triton's CUDA shared-memory extension: a client's device allocation, opened
+from its cudaIpcMemHandle_t, as the memory behind a region (shared_memory.py
+keeps the table of regions of both kinds).
 
-StageServe's gateway never maps GPU memory, so no CUDA region can be registered:
-register is refused with the answer Triton 2.51 gives when it cannot open the
-handle (INVALID_ARGUMENT "failed to register shared memory region: invalid
-args"; checked against the 2.51 wheel on a machine without a GPU). Status and
-unregister succeed on any build, as in Triton: the status of all regions is
-empty, of a named one NOT_FOUND, and unregistering nothing is no error.
-Triton's own client examples unregister every CUDA region before they start,
-so these two must answer even where CUDA is never used.
+Register opens the handle on the region's device (stageserve/cuda_ipc.py) and
+keeps the pointer; unregister closes it. The gateway reads an input out of
+the region with a device-to-host copy and writes an output into it with a
+host-to-device copy after the answer arrives: the request otherwise travels
+as any other (stageserve_cuda_shm_copies_total counts the copies).
+
+Where CUDA is unavailable (no runtime library, no driver, no device) register
+is refused with the answer a Triton GPU build gives when it cannot open the
+handle: INVALID_ARGUMENT "failed to register shared memory region: invalid
+args" (checked against the 2.51 wheel on a machine without a GPU). So are a
+handle that does not open, a device id out of range and a handle of the wrong
+length (Triton logs the CUDA error and answers the same generic message). A
+byte size past the end of the allocation is refused as Triton's
+CheckCudaSharedMemoryRegionSize does, naming the region. Status and
+unregister succeed on any host, as Triton's do.
 """
 
 from __future__ import annotations
@@ -15,39 +24,101 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
-from typing import Any, NoReturn
+from dataclasses import dataclass
+from typing import Any
 
-from stageserve.errors import invalid, not_found
+from stageserve import cuda_ipc
+from stageserve.errors import StageError, invalid
+from stageserve.telemetry import CUDA_SHM_COPIES
 
 log = logging.getLogger(__name__)
 
-#: sizeof(cudaIpcMemHandle_t): what Triton's HTTP front requires raw_handle to decode to
-IPC_HANDLE_BYTES = 64
+IPC_HANDLE_BYTES = cuda_ipc.IPC_HANDLE_BYTES
+#: Triton's answer to a handle it cannot open (and ours where CUDA is unavailable)
+REFUSED = "failed to register shared memory region: invalid args"
+
+_D2H = CUDA_SHM_COPIES.labels("d2h")
+_H2D = CUDA_SHM_COPIES.labels("h2d")
 
 
-def status(name: str) -> list[Any]:
-    """The registered regions (always none); NOT_FOUND for a named one."""
-    if name:
-        raise not_found(f"Unable to find cuda shared memory region: '{name}'")
-    return []
+@dataclass
+class CudaWindow:
+    """A CUDA region's bytes: the opened allocation on its device."""
+
+    runtime: cuda_ipc.Runtime
+    ptr: int
+    device_id: int
+
+    def read(self, begin: int, byte_size: int) -> bytes:
+        data = self.runtime.to_host(self.ptr + begin, byte_size, self.device_id)
+        _D2H.inc()
+        return data
+
+    def write(self, begin: int, data: bytes) -> None:
+        self.runtime.to_device(self.ptr + begin, data, self.device_id)
+        _H2D.inc()
+
+    def close(self) -> None:
+        try:
+            self.runtime.close_handle(self.ptr, self.device_id)
+        except cuda_ipc.CudaError as exc:  # the region is gone either way
+            log.error("failed to close CUDA IPC handle", extra={"error": str(exc)})
 
 
-def unregister(name: str) -> None:
-    """One region or all: there is never one, which is no error (as Triton)."""
+def refusal(raw_handle: bytes, device_id: int, devices: int) -> str:
+    """Why a register is refused before any CUDA call ("" when it may go on):
+    no device, a device id out of range, a handle of the wrong length."""
+    if devices == 0:
+        return "CUDA is not available on this host"
+    if not 0 <= device_id < devices:
+        return f"device {device_id} is out of range: this host has {devices} CUDA devices"
+    if len(raw_handle) != IPC_HANDLE_BYTES:
+        return f"a cudaIpcMemHandle_t is {IPC_HANDLE_BYTES} bytes, this one {len(raw_handle)}"
+    return ""
 
 
-def register(name: str, device_id: int) -> NoReturn:
+def check_fits(name: str, byte_size: int, ptr: int, base: int, size: int) -> None:
+    """Triton's register bound: `byte_size` bytes from the opened pointer must
+    lie inside the allocation [base, base + size)."""
+    if byte_size < 0 or ptr + byte_size > base + size:
+        raise invalid(f"failed to register shared memory region '{name}': invalid args")
+
+
+def open_window(name: str, raw_handle: bytes, device_id: int, byte_size: int) -> CudaWindow:
+    """Open the client's handle on `device_id`, or refuse with Triton's answer."""
+    state = cuda_ipc.state()
+    why = refusal(raw_handle, device_id, state.devices)
+    if why or state.runtime is None:
+        _log_refusal(name, device_id, why + (f" ({state.reason})" if state.reason else ""))
+        raise invalid(REFUSED)
+    runtime = state.runtime
+    try:
+        ptr = runtime.open_handle(raw_handle, device_id)
+    except cuda_ipc.CudaError as exc:
+        _log_refusal(name, device_id, f"failed to open CUDA IPC handle: {exc}")
+        raise invalid(REFUSED) from None
+    window = CudaWindow(runtime, ptr, device_id)
+    try:
+        base, size = runtime.address_range(ptr)
+        check_fits(name, byte_size, ptr, base, size)
+    except (cuda_ipc.CudaError, StageError) as exc:
+        window.close()
+        _log_refusal(name, device_id, str(exc))
+        raise invalid(f"failed to register shared memory region '{name}': invalid args") from None
+    return window
+
+
+def _log_refusal(name: str, device_id: int, why: str) -> None:
     log.warning(
-        "CUDA shared memory register refused: this server opens no CUDA IPC handle; "
-        "use system shared memory",
-        extra={"region": name, "device_id": device_id},
+        "CUDA shared memory register refused",
+        extra={"region": name, "device_id": device_id, "reason": why},
     )
-    raise invalid("failed to register shared memory region: invalid args")
 
 
-def check_http_register(doc: Any) -> int:
-    """The device id of an HTTP register body, after Triton's checks of its
-    `raw_handle` ({"b64": ...} decoding to a cudaIpcMemHandle_t)."""
+def check_http_register(doc: Any) -> tuple[bytes, int, int]:
+    """(raw handle, device id, byte size) of an HTTP register body, after
+    Triton's checks of its `raw_handle` ({"b64": ...} decoding to a
+    cudaIpcMemHandle_t)."""
     if not isinstance(doc, dict) or "raw_handle" not in doc:
         raise invalid("Shared memory register request has no 'raw_handle' field")
     handle = doc["raw_handle"]
@@ -59,4 +130,5 @@ def check_http_register(doc: Any) -> int:
     if len(raw) != IPC_HANDLE_BYTES:
         raise invalid("'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t")
     device = doc.get("device_id", 0)
-    return device if isinstance(device, int) else 0
+    size = doc.get("byte_size", 0)
+    return raw, device if isinstance(device, int) else 0, size if isinstance(size, int) else 0

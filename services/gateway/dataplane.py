@@ -15,7 +15,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from services.gateway import cuda_shared_memory
 from services.gateway.cache_metrics import CacheMetrics
 from services.gateway.log_control import LogControl
 from services.gateway.model_lifecycle import ModelLifecycle
@@ -28,10 +27,10 @@ from services.gateway.python_models import (
     stream_partials,
 )
 from services.gateway.request_trace import FileRequestTrace, RequestTrace
-from services.gateway.shared_memory import Region, SystemSharedMemory
+from services.gateway.shared_memory import CUDA, Region, SharedMemory
 from services.gateway.tensor_transport import TensorTransport
 from services.gateway.trace_settings import TraceSettingError, TraceSettings
-from stageserve import __version__
+from stageserve import __version__, cuda_ipc
 from stageserve.config import ModelSpec
 from stageserve.errors import StageError, internal, invalid, unavailable
 from stageserve.generated import grpc_service_pb2 as gs
@@ -69,6 +68,15 @@ EXTENSIONS = [
 ]
 
 
+def extensions() -> list[str]:
+    """EXTENSIONS, with cuda_shared_memory where this gateway can open CUDA IPC
+    handles (the first call probes CUDA once: stageserve/cuda_ipc.py)."""
+    if not cuda_ipc.available():
+        return EXTENSIONS
+    at = EXTENSIONS.index("system_shared_memory") + 1
+    return [*EXTENSIONS[:at], "cuda_shared_memory", *EXTENSIONS[at:]]
+
+
 class DataPlane:
     def __init__(
         self,
@@ -91,7 +99,7 @@ class DataPlane:
         self.ready = False
         # Triton's --strict-readiness: ServerReady also needs every model ready
         self.strict_readiness = True
-        self.shm = SystemSharedMemory()
+        self.shm = SharedMemory()  # system and CUDA regions, one table as Triton's
         self.traces: TraceSettings | None = None  # set by the server
         self.overrides = OverrideArea()  # RepositoryModelLoad's config/file overrides
         # --cache-config's response cache (set by the server); None: nothing cached
@@ -112,7 +120,7 @@ class DataPlane:
 
     def server_metadata(self) -> gs.ServerMetadataResponse:
         return gs.ServerMetadataResponse(
-            name=self.server_name, version=__version__, extensions=EXTENSIONS
+            name=self.server_name, version=__version__, extensions=extensions()
         )
 
     def model_metadata(self, request: gs.ModelMetadataRequest) -> gs.ModelMetadataResponse:
@@ -358,18 +366,26 @@ class DataPlane:
     def cuda_shm_status(
         self, request: gs.CudaSharedMemoryStatusRequest
     ) -> gs.CudaSharedMemoryStatusResponse:
-        cuda_shared_memory.status(request.name)
-        return gs.CudaSharedMemoryStatusResponse()
+        status = gs.CudaSharedMemoryStatusResponse.RegionStatus
+        return gs.CudaSharedMemoryStatusResponse(
+            regions={
+                r.name: status(name=r.name, device_id=r.device_id, byte_size=r.byte_size)
+                for r in self.shm.status(request.name, CUDA)
+            }
+        )
 
     def cuda_shm_register(
         self, request: gs.CudaSharedMemoryRegisterRequest
     ) -> gs.CudaSharedMemoryRegisterResponse:
-        cuda_shared_memory.register(request.name, request.device_id)
+        self.shm.register_cuda(
+            request.name, request.raw_handle, request.device_id, request.byte_size
+        )
+        return gs.CudaSharedMemoryRegisterResponse()
 
     def cuda_shm_unregister(
         self, request: gs.CudaSharedMemoryUnregisterRequest
     ) -> gs.CudaSharedMemoryUnregisterResponse:
-        cuda_shared_memory.unregister(request.name)
+        self.shm.unregister(request.name, CUDA)
         return gs.CudaSharedMemoryUnregisterResponse()
 
     # ------------------------------------------------------------- statistics

@@ -1,11 +1,17 @@
-"""Triton's system shared-memory extension: regions a client registers by POSIX
-shm key, read for inputs and written for outputs by the gateway.
+"""Triton's shared-memory extensions: regions a client registers, read for
+inputs and written for outputs by the gateway. One table holds both kinds, as
+Triton's SharedMemoryManager does: a name is unique across system and CUDA
+regions, a request's input or output finds its region whatever its kind, and
+status and unregister of one kind leave the other alone.
 
-A region is a window [offset, offset + byte_size) of the shm object
-`/dev/shm/<key>`, mapped once at registration. Input bytes are copied out of
-the mapping into the request (they then travel to the worker as raw bytes,
-like any input); output bytes are copied into it when the answer comes back,
-and the response carries an empty raw entry for that output, as Triton's does.
+A system region is a window [offset, offset + byte_size) of the shm object
+`/dev/shm/<key>`, mapped once at registration. A CUDA region is a client's
+allocation opened from its cudaIpcMemHandle_t on its device
+(cuda_shared_memory.py). Input bytes are copied out of the region into the
+request (they then travel to the worker as raw bytes, like any input; a CUDA
+region's through a device-to-host copy); output bytes are copied into it when
+the answer comes back, and the response carries an empty raw entry for that
+output, as Triton's does.
 
 Registrations live in the gateway process that received them, as in Triton's
 single process. A client's RPCs share one HTTP/2 connection, which
@@ -24,33 +30,68 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, Protocol
 
+from services.gateway.cuda_shared_memory import open_window
 from stageserve.errors import already_exists, internal, invalid, not_found
 from stageserve.names import check_shm_key, printable
 
 SHM_ROOT = Path("/dev/shm")
 
+Kind = Literal["system", "cuda"]
+SYSTEM: Kind = "system"
+CUDA: Kind = "cuda"
+_TITLE = {SYSTEM: "system", CUDA: "CUDA"}
+
+
+class Window(Protocol):
+    """The memory behind a region, addressed from the region's start."""
+
+    def read(self, begin: int, byte_size: int) -> bytes: ...
+
+    def write(self, begin: int, data: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class MappedWindow:
+    """A system region's bytes: its part of an mmap of the shm object."""
+
+    _map: mmap.mmap
+    _start: int  # where the region begins inside the mapping
+
+    def read(self, begin: int, byte_size: int) -> bytes:
+        begin += self._start
+        return self._map[begin : begin + byte_size]
+
+    def write(self, begin: int, data: bytes) -> None:
+        begin += self._start
+        self._map[begin : begin + len(data)] = data
+
+    def close(self) -> None:
+        self._map.close()
+
 
 @dataclass
 class Region:
     name: str
-    key: str
-    offset: int
+    kind: Kind
     byte_size: int
-    _map: mmap.mmap = field(repr=False)
-    _start: int  # where the region begins inside the mapping
+    _window: Window = field(repr=False)
+    key: str = ""  # system: the shm key and the window's offset in its object
+    offset: int = 0
+    device_id: int = 0  # cuda: the device the handle was opened on
     users: int = 0  # requests holding the region (unregister waits for them)
     unregistered: bool = False
 
     def read(self, offset: int, byte_size: int) -> bytes:
         self.check(offset, byte_size)
-        begin = self._start + offset
-        return self._map[begin : begin + byte_size]
+        return self._window.read(offset, byte_size)
 
     def write(self, offset: int, data: bytes) -> None:
         self.check(offset, len(data))
-        begin = self._start + offset
-        self._map[begin : begin + len(data)] = data
+        self._window.write(offset, data)
 
     def check(self, offset: int, byte_size: int) -> None:
         """Triton's bounds rule for a window of this region."""
@@ -60,11 +101,11 @@ class Region:
             raise invalid(f"Invalid offset + byte size for shared memory region: '{self.name}'")
 
     def close(self) -> None:
-        self._map.close()
+        self._window.close()
 
 
-class SystemSharedMemory:
-    """The gateway's registry of system shared-memory regions."""
+class SharedMemory:
+    """The gateway's registry of shared-memory regions, system and CUDA."""
 
     def __init__(self, root: Path = SHM_ROOT) -> None:
         self.root = root
@@ -72,10 +113,22 @@ class SystemSharedMemory:
         self._lock = threading.Lock()
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """A system region: `byte_size` bytes at `offset` of /dev/shm/<key>."""
         with self._lock:
-            if name in self._regions:
-                raise already_exists(f"shared memory region '{name}' already in manager")
+            self._check_new(name)
             self._regions[name] = self._map(name, key, offset, byte_size)
+
+    def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        """A CUDA region: the client's allocation behind `raw_handle`, opened on
+        `device_id` (refused with Triton's answer where CUDA is unavailable)."""
+        with self._lock:
+            self._check_new(name)
+            window = open_window(name, raw_handle, device_id, byte_size)
+            self._regions[name] = Region(name, CUDA, byte_size, window, device_id=device_id)
+
+    def _check_new(self, name: str) -> None:
+        if name in self._regions:  # of either kind, as in Triton
+            raise already_exists(f"shared memory region '{name}' already in manager")
 
     def _map(self, name: str, key: str, offset: int, byte_size: int) -> Region:
         # Triton's answer for a key shm_open cannot open (INTERNAL, its code).
@@ -95,26 +148,37 @@ class SystemSharedMemory:
             raise invalid(f"failed to register shared memory region '{name}': {exc}") from None
         finally:
             os.close(fd)
-        return Region(name, key, offset, byte_size, mapping, offset - start)
+        window = MappedWindow(mapping, offset - start)
+        return Region(name, SYSTEM, byte_size, window, key=key, offset=offset)
 
-    def status(self, name: str = "") -> list[Region]:
+    def status(self, name: str = "", kind: Kind = SYSTEM) -> list[Region]:
+        """The regions of `kind`, or the one named (NOT_FOUND if it is unknown
+        or of the other kind, with Triton's messages)."""
         with self._lock:
             if not name:
-                return list(self._regions.values())
+                return [r for r in self._regions.values() if r.kind == kind]
             region = self._regions.get(name)
         if region is None:
-            raise not_found(f"Unable to find system shared memory region: '{name}'")
+            which = "cuda" if kind == CUDA else "system"
+            raise not_found(f"Unable to find {which} shared memory region: '{name}'")
+        if region.kind != kind:
+            raise not_found(
+                f"The region named '{name}' is registered as {_TITLE[region.kind]} shared "
+                f"memory, not {_TITLE[kind]} shared memory"
+            )
         return [region]
 
-    def unregister(self, name: str = "") -> None:
-        """One region, or all with an empty name; an unknown name is no error.
-        A region still used by in-flight requests is unmapped when they finish."""
+    def unregister(self, name: str = "", kind: Kind = SYSTEM) -> None:
+        """One region of `kind`, or all of them with an empty name; an unknown
+        name, or one of the other kind, is no error (as Triton). A region still
+        used by in-flight requests is closed when they finish."""
         with self._lock:
-            names = list(self._regions) if not name else [name]
+            names = [n for n, r in self._regions.items() if r.kind == kind] if not name else [name]
             for n in names:
-                region = self._regions.pop(n, None)
-                if region is None:
+                region = self._regions.get(n)
+                if region is None or region.kind != kind:
                     continue
+                del self._regions[n]
                 region.unregistered = True
                 if region.users == 0:
                     region.close()

@@ -4,6 +4,7 @@ perf_analyzer --shared-memory system."""
 
 from __future__ import annotations
 
+import base64
 import os
 import uuid
 from collections.abc import Iterator
@@ -141,6 +142,25 @@ def test_unregister_then_use_is_not_found(stack: RunningStack, regions) -> None:
     with pytest.raises(InferenceServerException, match="Unable to find shared memory region"):
         c.infer("simple", _inputs(tag), client_timeout=RPC_TIMEOUT_S)
     assert f"in-{tag}" not in c.get_system_shared_memory_status().regions
+
+
+def test_system_and_cuda_regions_share_one_table(stack: RunningStack, regions) -> None:
+    """As Triton's manager: a name is unique across kinds, the CUDA calls see a
+    system region only to say so, and CUDA unregister leaves it alone."""
+    tag, c = regions["tag"], stack.client()
+    with pytest.raises(InferenceServerException, match="already in manager") as e:
+        c.register_cuda_shared_memory(f"in-{tag}", base64.b64encode(bytes(64)), 0, NBYTES)
+    assert "ALREADY_EXISTS" in _status_of(e.value)
+    with pytest.raises(InferenceServerException) as e:
+        c.get_cuda_shared_memory_status(f"in-{tag}")
+    assert "NOT_FOUND" in _status_of(e.value)
+    assert e.value.message() == (
+        f"The region named 'in-{tag}' is registered as system shared memory, not CUDA shared memory"
+    )
+    c.unregister_cuda_shared_memory(f"in-{tag}")
+    c.unregister_cuda_shared_memory()
+    assert f"in-{tag}" in c.get_system_shared_memory_status().regions
+    assert f"in-{tag}" not in c.get_cuda_shared_memory_status(as_json=True).get("regions", {})
 
 
 @pytest.mark.perf

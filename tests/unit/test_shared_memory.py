@@ -1,5 +1,6 @@
 """services/gateway/shared_memory.py on real POSIX shm objects in /dev/shm:
-Triton's register / status / unregister rules, bounds, deferred unmapping."""
+Triton's register / status / unregister rules, bounds, deferred unmapping, and
+the one table system and CUDA regions share (names unique across kinds)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from services.gateway.shared_memory import SHM_ROOT, SystemSharedMemory
+from services.gateway.shared_memory import CUDA, SHM_ROOT, SYSTEM, SharedMemory
+from stageserve import cuda_ipc
 from stageserve.errors import StageError
 
 
@@ -30,7 +32,7 @@ def _code(exc: pytest.ExceptionInfo[StageError]) -> grpc.StatusCode:
 
 
 def test_register_read_write_status_unregister(shm_key: str) -> None:
-    shm = SystemSharedMemory()
+    shm = SharedMemory()
     shm.register("r", shm_key, 16, 64)
     (status,) = shm.status()
     assert (status.name, status.key, status.offset, status.byte_size) == ("r", shm_key, 16, 64)
@@ -45,7 +47,7 @@ def test_register_read_write_status_unregister(shm_key: str) -> None:
 
 
 def test_an_unaligned_offset_past_the_first_page_maps(shm_key: str) -> None:
-    shm = SystemSharedMemory()
+    shm = SharedMemory()
     shm.register("r", shm_key, mmap.PAGESIZE + 3, 8)
     region = shm.acquire("r")
     assert region.read(0, 2) == bytes([3, 4])
@@ -53,7 +55,7 @@ def test_an_unaligned_offset_past_the_first_page_maps(shm_key: str) -> None:
 
 
 def test_registering_a_name_twice_is_already_exists(shm_key: str) -> None:
-    shm = SystemSharedMemory()
+    shm = SharedMemory()
     shm.register("r", shm_key, 0, 8)
     with pytest.raises(StageError, match="already in manager") as exc:
         shm.register("r", shm_key, 8, 8)
@@ -63,7 +65,7 @@ def test_registering_a_name_twice_is_already_exists(shm_key: str) -> None:
 @pytest.mark.parametrize("key", ["/no-such-stageserve-region", "", "/", "/a/b"])
 def test_a_key_that_does_not_open_is_internal(key: str) -> None:
     with pytest.raises(StageError, match="Unable to open shared memory region") as exc:
-        SystemSharedMemory().register("r", key, 0, 8)
+        SharedMemory().register("r", key, 0, 8)
     assert _code(exc) == grpc.StatusCode.INTERNAL
 
 
@@ -72,24 +74,24 @@ def test_a_key_that_does_not_open_is_internal(key: str) -> None:
 )
 def test_a_window_outside_the_object_is_invalid(shm_key: str, offset: int, size: int) -> None:
     with pytest.raises(StageError, match="failed to register shared memory region 'r'") as exc:
-        SystemSharedMemory().register("r", shm_key, offset, size)
+        SharedMemory().register("r", shm_key, offset, size)
     assert _code(exc) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_status_of_an_unknown_region_is_not_found() -> None:
     with pytest.raises(StageError, match="Unable to find system shared memory region") as exc:
-        SystemSharedMemory().status("ghost")
+        SharedMemory().status("ghost")
     assert _code(exc) == grpc.StatusCode.NOT_FOUND
 
 
 def test_using_an_unknown_region_is_not_found() -> None:
     with pytest.raises(StageError, match="Unable to find shared memory region: 'ghost'") as exc:
-        SystemSharedMemory().acquire("ghost")
+        SharedMemory().acquire("ghost")
     assert _code(exc) == grpc.StatusCode.NOT_FOUND
 
 
 def test_reads_and_writes_stay_inside_the_region(shm_key: str) -> None:
-    shm = SystemSharedMemory()
+    shm = SharedMemory()
     shm.register("r", shm_key, 0, 16)
     region = shm.acquire("r")
     with pytest.raises(StageError, match="Invalid offset for") as exc:
@@ -103,7 +105,7 @@ def test_reads_and_writes_stay_inside_the_region(shm_key: str) -> None:
 
 
 def test_unregister_of_unknown_is_fine_and_empty_name_means_all(shm_key: str) -> None:
-    shm = SystemSharedMemory()
+    shm = SharedMemory()
     shm.unregister("ghost")
     shm.register("a", shm_key, 0, 8)
     shm.register("b", shm_key, 8, 8)
@@ -112,7 +114,7 @@ def test_unregister_of_unknown_is_fine_and_empty_name_means_all(shm_key: str) ->
 
 
 def test_a_region_in_use_is_unmapped_only_when_released(shm_key: str) -> None:
-    shm = SystemSharedMemory()
+    shm = SharedMemory()
     shm.register("r", shm_key, 0, 8)
     region = shm.acquire("r")
     shm.unregister("r")
@@ -123,3 +125,56 @@ def test_a_region_in_use_is_unmapped_only_when_released(shm_key: str) -> None:
     with pytest.raises(ValueError):
         region.read(0, 1)  # unmapped now
     os.stat(SHM_ROOT / shm_key[1:])  # the client's object itself is untouched
+
+
+# ------------------------------------------- one table for system and CUDA regions
+
+HANDLE = bytes(range(64))  # a cudaIpcMemHandle_t's size; opens nowhere
+
+
+def test_a_cuda_register_of_a_system_name_is_already_exists_before_any_cuda(
+    shm_key: str,
+) -> None:
+    shm = SharedMemory()
+    shm.register("r", shm_key, 0, 8)
+    with pytest.raises(StageError, match="shared memory region 'r' already in manager") as exc:
+        shm.register_cuda("r", HANDLE, 0, 8)
+    assert _code(exc) == grpc.StatusCode.ALREADY_EXISTS
+
+
+@pytest.mark.skipif(cuda_ipc.available(), reason="CUDA answers here")
+def test_without_cuda_a_cuda_register_is_refused_and_leaves_nothing() -> None:
+    shm = SharedMemory()
+    with pytest.raises(StageError) as exc:
+        shm.register_cuda("c", HANDLE, 0, 8)
+    assert (_code(exc), exc.value.message) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "failed to register shared memory region: invalid args",
+    )
+    assert shm.status(kind=CUDA) == []
+    shm.unregister(kind=CUDA)  # status and unregister still answer, as Triton's
+
+
+def test_status_of_a_region_of_the_other_kind_says_which_it_is(shm_key: str) -> None:
+    shm = SharedMemory()
+    shm.register("r", shm_key, 0, 8)
+    assert shm.status(kind=CUDA) == []  # all of a kind lists that kind only
+    with pytest.raises(StageError) as exc:
+        shm.status("r", CUDA)
+    assert (_code(exc), exc.value.message) == (
+        grpc.StatusCode.NOT_FOUND,
+        "The region named 'r' is registered as system shared memory, not CUDA shared memory",
+    )
+    with pytest.raises(StageError, match="Unable to find cuda shared memory region: 'x'"):
+        shm.status("x", CUDA)
+
+
+def test_unregistering_the_other_kind_leaves_a_region(shm_key: str) -> None:
+    shm = SharedMemory()
+    shm.register("r", shm_key, 0, 8)
+    shm.unregister("r", CUDA)
+    shm.unregister(kind=CUDA)
+    assert [r.name for r in shm.status()] == ["r"]
+    region = shm.acquire("r")  # a request finds a region whatever its kind
+    assert region.kind == SYSTEM and region.read(0, 1) == b"\x00"
+    shm.release(region)

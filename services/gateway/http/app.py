@@ -456,12 +456,16 @@ class HttpFront:
         return Response(200)
 
     async def cuda_shm_status(self, request: Request, region: str) -> Response:
-        self.dp.cuda_shm_status(gs.CudaSharedMemoryStatusRequest(name=region))
-        return json_response([])
+        status = self.dp.cuda_shm_status(gs.CudaSharedMemoryStatusRequest(name=region))
+        return json_response([codec.proto_json(r) for r in status.regions.values()])
 
     async def cuda_shm_register(self, request: Request, region: str) -> Response:
-        device = check_http_register(codec.json_body(request.body))
-        self.dp.cuda_shm_register(gs.CudaSharedMemoryRegisterRequest(name=region, device_id=device))
+        raw, device, size = check_http_register(codec.json_body(request.body))
+        self.dp.cuda_shm_register(
+            gs.CudaSharedMemoryRegisterRequest(
+                name=region, raw_handle=raw, device_id=device, byte_size=size
+            )
+        )
         return Response(200)
 
     async def cuda_shm_unregister(self, request: Request, region: str) -> Response:

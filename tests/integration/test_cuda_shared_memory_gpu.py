@@ -1,0 +1,227 @@
+"""Triton's CUDA shared-memory extension end to end on a GPU: the client's
+tensors live in device memory (torch on cuda:0), their cudaIpcMemHandle_t
+(taken through stageserve/cuda_ipc.py) is registered with the real
+tritonclient over gRPC and HTTP, the models read their inputs from and write
+their outputs to those allocations, and status and unregister list and drop
+them. Marked gpu: skips without torch's CUDA or a CUDA runtime that answers.
+
+Each tensor is 12 MiB so that torch's caching allocator gives it a cudaMalloc
+of its own (allocations past 10 MiB are not carved from a shared segment):
+one handle per region, as Triton's own client utilities make them.
+"""
+
+from __future__ import annotations
+
+import base64
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
+
+from stageserve import cuda_ipc
+from stageserve.net import free_port
+from tests.integration.helpers import RPC_TIMEOUT_S
+from tests.stack import RunningStack, running_stack
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.gpu
+
+ALLOC = 12 << 20  # bytes per client allocation (see the module's docstring)
+N = 256  # FP32 values the identity model passes through
+REFUSED = "failed to register shared memory region: invalid args"
+
+
+@dataclass
+class DeviceRegion:
+    """A client's device allocation, as a region is registered from it."""
+
+    tensor: Any  # torch.uint8 on cuda:0, the whole allocation
+    raw: bytes  # its cudaIpcMemHandle_t
+    offset: int  # where `tensor` starts in the allocation the handle names
+
+    @property
+    def byte_size(self) -> int:
+        return self.offset + ALLOC
+
+    def put(self, at: int, array: np.ndarray) -> None:
+        """`array`'s bytes at region offset `at` (the tensor starts at `offset`)."""
+        data = torch.from_numpy(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
+        begin = at - self.offset
+        self.tensor[begin : begin + data.numel()].copy_(data)
+        torch.cuda.synchronize()
+
+    def get(self, at: int, dtype: type, count: int) -> np.ndarray:
+        """`count` values at region offset `at`."""
+        begin, size = at - self.offset, np.dtype(dtype).itemsize * count
+        return self.tensor[begin : begin + size].cpu().numpy().view(dtype)
+
+
+def _device_region() -> DeviceRegion:
+    t = torch.zeros(ALLOC, dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    rt = cuda_ipc.runtime()
+    rt.set_device(0)
+    ptr = t.data_ptr()
+    base, size = rt.address_range(ptr)
+    assert ptr + ALLOC <= base + size
+    return DeviceRegion(t, rt.get_handle(ptr), ptr - base)
+
+
+@pytest.fixture(scope="module")
+def gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    if not cuda_ipc.available():
+        pytest.skip(f"no CUDA runtime answers: {cuda_ipc.state().reason}")
+
+
+@dataclass
+class MetricsStack:
+    running: RunningStack
+    metrics_port: int
+
+    def copies(self) -> dict[str, float]:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            text = resp.read().decode()
+        return {
+            s.labels["direction"]: s.value
+            for fam in text_string_to_metric_families(text)
+            if fam.name == "stageserve_cuda_shm_copies"
+            for s in fam.samples
+            if s.name.endswith("_total")
+        }
+
+
+@pytest.fixture(scope="module")
+def cstack(gpu: None, example_repository: Path) -> Iterator[MetricsStack]:
+    port = free_port()
+    with running_stack(
+        example_repository,
+        control_mode="explicit",
+        load_models=("identity_fp32", "simple"),
+        metrics_port=port,
+    ) as running:
+        yield MetricsStack(running, port)
+
+
+@pytest.fixture
+def regions(cstack: MetricsStack) -> Iterator[tuple[DeviceRegion, DeviceRegion]]:
+    """An input and an output allocation; every CUDA region unregistered after."""
+    yield _device_region(), _device_region()
+    cstack.running.client().unregister_cuda_shared_memory()
+
+
+def test_grpc_identity_in_and_out_of_device_memory(
+    cstack: MetricsStack, regions: tuple[DeviceRegion, DeviceRegion]
+) -> None:
+    src, dst = regions
+    c = cstack.running.client()
+    x = np.arange(N, dtype=np.float32).reshape(1, N) * 0.5
+    src.put(src.offset, x)
+    c.register_cuda_shared_memory("in", base64.b64encode(src.raw), 0, src.byte_size)
+    c.register_cuda_shared_memory("out", base64.b64encode(dst.raw), 0, dst.byte_size)
+    assert "cuda_shared_memory" in c.get_server_metadata().extensions
+    before = cstack.copies()
+
+    inp = grpcclient.InferInput("INPUT0", [1, N], "FP32")
+    inp.set_shared_memory("in", x.nbytes, offset=src.offset)
+    out = grpcclient.InferRequestedOutput("OUTPUT0")
+    out.set_shared_memory("out", x.nbytes, offset=dst.offset)
+    r = c.infer("identity_fp32", [inp], outputs=[out], client_timeout=RPC_TIMEOUT_S)
+
+    assert list(r.get_response().raw_output_contents) == [b""]  # the bytes are in the region
+    np.testing.assert_array_equal(dst.get(dst.offset, np.float32, N).reshape(1, N), x)
+    after = cstack.copies()
+    assert after["d2h"] - before.get("d2h", 0) == 1
+    assert after["h2d"] - before.get("h2d", 0) == 1
+
+    status = c.get_cuda_shared_memory_status()
+    got = {n: (s.device_id, s.byte_size) for n, s in status.regions.items()}
+    assert got == {"in": (0, src.byte_size), "out": (0, dst.byte_size)}
+    c.unregister_cuda_shared_memory("in")
+    assert set(c.get_cuda_shared_memory_status().regions) == {"out"}
+    with pytest.raises(InferenceServerException, match="Unable to find shared memory region"):
+        c.infer("identity_fp32", [inp], client_timeout=RPC_TIMEOUT_S)
+
+
+def test_http_identity_in_and_out_of_device_memory(
+    cstack: MetricsStack, regions: tuple[DeviceRegion, DeviceRegion]
+) -> None:
+    src, dst = regions
+    hc = httpclient.InferenceServerClient(cstack.running.gateway.http_address)
+    x = -np.arange(N, dtype=np.float32).reshape(1, N)
+    src.put(src.offset + 128, x)  # an offset inside the allocation too
+    hc.register_cuda_shared_memory("hin", base64.b64encode(src.raw).decode(), 0, src.byte_size)
+    hc.register_cuda_shared_memory("hout", base64.b64encode(dst.raw).decode(), 0, dst.byte_size)
+    inp = httpclient.InferInput("INPUT0", [1, N], "FP32")
+    inp.set_shared_memory("hin", x.nbytes, offset=src.offset + 128)
+    out = httpclient.InferRequestedOutput("OUTPUT0", binary_data=True)
+    out.set_shared_memory("hout", x.nbytes, offset=dst.offset)
+    r = hc.infer("identity_fp32", [inp], outputs=[out])
+    assert r.get_output("OUTPUT0")["parameters"]["shared_memory_region"] == "hout"
+    np.testing.assert_array_equal(dst.get(dst.offset, np.float32, N).reshape(1, N), x)
+    status = {s["name"]: s for s in hc.get_cuda_shared_memory_status()}
+    assert status["hin"] == {"name": "hin", "device_id": 0, "byte_size": src.byte_size}
+    hc.unregister_cuda_shared_memory()
+    assert hc.get_cuda_shared_memory_status() == []
+
+
+def test_two_inputs_and_two_outputs_at_offsets_of_one_region(
+    cstack: MetricsStack, regions: tuple[DeviceRegion, DeviceRegion]
+) -> None:
+    src, dst = regions
+    c = cstack.running.client()
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    b = np.full((1, 16), 7, dtype=np.int32)
+    src.put(src.offset, a)
+    src.put(src.offset + a.nbytes, b)
+    c.register_cuda_shared_memory("ab", base64.b64encode(src.raw), 0, src.byte_size)
+    c.register_cuda_shared_memory("sd", base64.b64encode(dst.raw), 0, dst.byte_size)
+    inputs = [grpcclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+    inputs[0].set_shared_memory("ab", a.nbytes, offset=src.offset)
+    inputs[1].set_shared_memory("ab", b.nbytes, offset=src.offset + a.nbytes)
+    outs = [grpcclient.InferRequestedOutput(n) for n in ("OUTPUT0", "OUTPUT1")]
+    outs[0].set_shared_memory("sd", a.nbytes, offset=dst.offset)
+    outs[1].set_shared_memory("sd", a.nbytes, offset=dst.offset + a.nbytes)
+    c.infer("simple", inputs, outputs=outs, client_timeout=RPC_TIMEOUT_S)
+    np.testing.assert_array_equal(dst.get(dst.offset, np.int32, 16), (a + b).reshape(-1))
+    np.testing.assert_array_equal(dst.get(dst.offset + a.nbytes, np.int32, 16), (a - b)[0])
+
+    small = grpcclient.InferRequestedOutput("OUTPUT0")
+    small.set_shared_memory("sd", a.nbytes // 2, offset=dst.offset)
+    with pytest.raises(InferenceServerException, match="should be at least 64 bytes"):
+        c.infer("simple", inputs, outputs=[small], client_timeout=RPC_TIMEOUT_S)
+
+
+def test_register_refusals_with_tritons_answers(
+    cstack: MetricsStack, regions: tuple[DeviceRegion, DeviceRegion]
+) -> None:
+    src, _ = regions
+    c = cstack.running.client()
+    handle = base64.b64encode(src.raw)
+    with pytest.raises(InferenceServerException) as e:  # past the allocation's end
+        c.register_cuda_shared_memory("big", handle, 0, src.byte_size + (64 << 20))
+    assert "INVALID_ARGUMENT" in str(e.value.status())
+    assert e.value.message() == "failed to register shared memory region 'big': invalid args"
+    with pytest.raises(InferenceServerException) as e:  # a device this host lacks
+        c.register_cuda_shared_memory("far", handle, torch.cuda.device_count(), 16)
+    assert e.value.message() == REFUSED
+    with pytest.raises(InferenceServerException) as e:  # a handle that opens nothing
+        c.register_cuda_shared_memory("junk", base64.b64encode(bytes(range(64))), 0, 16)
+    assert e.value.message() == REFUSED
+    assert c.get_cuda_shared_memory_status(as_json=True) == {}  # nothing half-registered
+    c.register_cuda_shared_memory("ok", handle, 0, src.byte_size)
+    with pytest.raises(InferenceServerException, match="'ok' already in manager"):
+        c.register_cuda_shared_memory("ok", handle, 0, src.byte_size)
+    with pytest.raises(InferenceServerException, match="registered as CUDA shared memory"):
+        c.get_system_shared_memory_status("ok")

@@ -25,7 +25,7 @@ from services.ratelimiter.options import (
 )
 from stageserve.autocomplete_options import DEFAULT_MAX_BATCH_SIZE, AutoComplete
 from stageserve.cache_options import parse_cache_config
-from stageserve.gpus import parse_workers
+from stageserve.gpus import AUTO, parse_per_device, parse_workers
 from stageserve.grpc_io import use_grpc_io
 from stageserve.log_options import STAGES, add_log_flags, flag_bool, log_argv, log_settings_of
 from stageserve.logs import setup_logging
@@ -204,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_workers,
         default=1,
         help="worker processes to start, or auto: one per GPU (cuda:0..N-1; 1 without a GPU)",
+    )
+    up.add_argument(
+        "--workers-per-device",
+        type=parse_per_device,
+        default=1,
+        help="with --workers auto: this many workers on each GPU (on the one device without "
+        "a GPU), for a model whose one worker process binds before its GPU does",
     )
     up.add_argument(
         "--gateways",
@@ -400,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         from stageserve.launcher import up
 
+        if args.workers_per_device != 1 and args.workers != AUTO:
+            parser.error("--workers-per-device needs --workers auto")
         repository = args.model_repository
         if repository is None:
             from stageserve_tools.examples import build_example_repository
@@ -417,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
             load_models=args.load_model,
             redis_url=args.redis_url,
             workers=args.workers,
+            workers_per_device=args.workers_per_device,
             gateways=_gateways(parser, args.gateways, settings),
             schedulers=scheduler_count(args.schedulers),
             device=settings.worker.device,

@@ -49,21 +49,28 @@ def _torch_count() -> int:
     return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
 
-def worker_devices(workers: int | str, device: str, gpus: int) -> list[str]:
+def worker_devices(workers: int | str, device: str, gpus: int, per_device: int = 1) -> list[str]:
     """The --device of each worker to start.
 
-    `workers` N: N workers on `device`. `auto`: one worker per GPU, each on
-    its own cuda:i, when `device` leaves the choice open (auto) and there
-    are GPUs; else one worker on `device`.
+    `workers` N: N workers on `device`. `auto`: `per_device` workers per GPU,
+    on cuda:0 first, when `device` leaves the choice open (auto) and there
+    are GPUs; else `per_device` workers on `device`. Several workers on one
+    GPU are for a model whose one worker process binds on its core before the
+    GPU is busy (on the H100 the ONNX Runtime worker spent ~238 us of CPU per
+    request, mostly waiting in CUDA's synchronize: docs/benchmarks.md).
     """
+    if per_device < 1:
+        raise ValueError(f"--workers-per-device must be >= 1, got {per_device}")
     if workers != AUTO:
         count = int(workers)
         if count < 1:
             raise ValueError(f"--workers must be >= 1 or '{AUTO}', got {workers}")
+        if per_device != 1:
+            raise ValueError(f"--workers-per-device needs --workers {AUTO}, got --workers {count}")
         return [device] * count
     if device == AUTO and gpus > 0:
-        return [f"cuda:{i}" for i in range(gpus)]
-    return [device]
+        return [f"cuda:{i}" for i in range(gpus) for _ in range(per_device)]
+    return [device] * per_device
 
 
 def parse_count(text: str, noun: str) -> int | str:
@@ -83,3 +90,11 @@ def parse_count(text: str, noun: str) -> int | str:
 def parse_workers(text: str) -> int | str:
     """argparse type of --workers: a positive count or 'auto'."""
     return parse_count(text, "worker")
+
+
+def parse_per_device(text: str) -> int:
+    """argparse type of --workers-per-device: a positive count."""
+    value = parse_count(text, "worker per device")
+    if value == AUTO:
+        raise argparse.ArgumentTypeError("expected a number of workers per device, got 'auto'")
+    return int(value)

@@ -308,6 +308,7 @@ def start_services(
     workers: int | str = 1,
     device: str = "auto",
     metrics_port: int = 0,
+    workers_per_device: int = 1,
     stage_metrics: bool = False,
     autocomplete: AutoComplete = TRITON_DEFAULT,
     ratelimiter_args: list[str] | tuple[str, ...] = (),
@@ -351,12 +352,12 @@ def start_services(
     ]
     sched = scheduler_children[0]
     worker_peers = [*peers, "--scheduler", sched.address]
-    gpus = gpu_count() if workers == AUTO else 0  # --workers auto: one per GPU
+    gpus = gpu_count() if workers == AUTO else 0  # --workers auto: per GPU
     worker_children = [
         stack.start_service(
             f"worker-{i}", ["worker", *common, *worker_peers, "--device", dev, *metrics()]
         )
-        for i, dev in enumerate(worker_devices(workers, device, gpus))
+        for i, dev in enumerate(worker_devices(workers, device, gpus, workers_per_device))
     ]
     gw_args = [
         "gateway",
@@ -475,6 +476,7 @@ def up(
     schedulers: int = 1,
     log_argv: Sequence[str] = (),
     scheduler_extra: Sequence[str] = (),
+    workers_per_device: int = 1,
 ) -> int:
     stack = Stack(log_verbose, log_argv)
     stopping = threading.Event()
@@ -506,6 +508,7 @@ def up(
             gateways=gateways,
             schedulers=schedulers,
             scheduler_extra=scheduler_extra,
+            workers_per_device=workers_per_device,
         )
         # From here on a stage that exits is started again, Redis included
         # (an external Redis, --redis-url, is not ours to restart).

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from stageserve.gpus import gpu_count, parse_workers, worker_devices
+from stageserve.gpus import gpu_count, parse_per_device, parse_workers, worker_devices
 from stageserve.telemetry import TritonMetrics, gpu_readings, update_system_metrics
 
 
@@ -24,6 +24,30 @@ from stageserve.telemetry import TritonMetrics, gpu_readings, update_system_metr
 )
 def test_worker_devices(workers, device, gpus, expected) -> None:
     assert worker_devices(workers, device, gpus) == expected
+
+
+@pytest.mark.parametrize(
+    "workers,device,gpus,per_device,expected",
+    [
+        ("auto", "auto", 2, 2, ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]),
+        ("auto", "auto", 0, 3, ["auto", "auto", "auto"]),
+        ("auto", "cpu", 2, 2, ["cpu", "cpu"]),
+        ("auto", "cuda:1", 4, 2, ["cuda:1", "cuda:1"]),
+    ],
+)
+def test_workers_per_device(workers, device, gpus, per_device, expected) -> None:
+    assert worker_devices(workers, device, gpus, per_device) == expected
+
+
+def test_workers_per_device_needs_auto_and_a_positive_count() -> None:
+    with pytest.raises(ValueError, match="needs --workers auto"):
+        worker_devices(3, "cpu", 0, 2)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        worker_devices("auto", "cpu", 0, 0)
+    assert parse_per_device("2") == 2
+    for bad in ("0", "auto", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_per_device(bad)
 
 
 def test_parse_workers() -> None:

@@ -1,8 +1,11 @@
 """A tensor region: one file under /dev/shm, mapped, with its slot table inside.
 
 Layout: a 64-byte header (magic, slot count, slot size, owner pid), the
-tags (uint32 per slot), the stamps (uint64 per slot), then the data area
-from a 64-byte boundary. The file is named
+tags (uint32 per slot), the stamps (uint64 per slot), the generations
+(uint64 per slot), then the data area from a 64-byte boundary. The file's
+pages are reserved when it is created (posix_fallocate): a full /dev/shm
+fails the creation, and the process goes without a region (inline bytes),
+instead of a SIGBUS at the first write into a page tmpfs cannot supply. The file is named
 ``stageserve-<stack>-<role>-<pid>``: one per owning process, so a peer
 knows the owner by name, and a region whose pid is dead is garbage that any
 process of the stack may unlink (`sweep`). A process's own region is
@@ -19,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from stageserve.tensor_slots import SlotTable
+from stageserve.tensor_slots import SlotTable, retaken
 
 SHM_DIR = Path("/dev/shm")
-_MAGIC = b"SSTSLOT1"
+_MAGIC = b"SSTSLOT2"
 _HEADER = struct.Struct("<8sIII")
 _HEADER_SIZE = 64
 
@@ -55,14 +58,15 @@ def pid_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
-def _layout(slots: int) -> tuple[int, int, int]:
-    """(tags offset, stamps offset, data offset)."""
+def _layout(slots: int) -> tuple[int, int, int, int]:
+    """(tags offset, stamps offset, generations offset, data offset)."""
     tags = _HEADER_SIZE
     stamps = tags + 4 * slots
     stamps += -stamps % 8
-    data = stamps + 8 * slots
+    gens = stamps + 8 * slots
+    data = gens + 8 * slots
     data += -data % 64
-    return tags, stamps, data
+    return tags, stamps, gens, data
 
 
 class TensorRegion:
@@ -75,24 +79,31 @@ class TensorRegion:
         self.name = name
         self.pid = pid
         self._mapping = mapping
-        tags_at, stamps_at, data_at = _layout(slots)
+        tags_at, stamps_at, gens_at, data_at = _layout(slots)
         buf = memoryview(mapping)
         self.data = buf[data_at : data_at + slots * slot_size]
+        # read-only in a reader's mapping: what `retaken` compares
+        self.gens = np.frombuffer(buf, np.uint64, slots, gens_at)
         self.table: SlotTable | None = None
         if writable:
             tags = np.frombuffer(buf, np.uint32, slots, tags_at)
             stamps = np.frombuffer(buf, np.uint64, slots, stamps_at)
-            self.table = SlotTable(tags, stamps, slot_size)
+            self.table = SlotTable(tags, stamps, slot_size, self.gens)
         self.slot_size = slot_size
 
     @classmethod
     def create(cls, name: str, slots: int, slot_size: int) -> TensorRegion:
         path = SHM_DIR / name
-        size = _layout(slots)[2] + slots * slot_size
+        size = _layout(slots)[3] + slots * slot_size
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # every page now (OSError ENOSPC on a full tmpfs), not at first touch
+            os.posix_fallocate(fd, 0, size)
             mapping = mmap.mmap(fd, size)
+        except OSError:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            raise
         finally:
             os.close(fd)
         _HEADER.pack_into(mapping, 0, _MAGIC, slots, slot_size, os.getpid())
@@ -112,6 +123,15 @@ class TensorRegion:
 
     def extent(self, offset: int, length: int) -> memoryview:
         return self.data[offset : offset + length]
+
+    def retaken(self, offset: int, length: int, generation: int) -> bool:
+        """The extent at `offset` no longer carries `generation` (its owner
+        freed it and handed it out again); generation 0: unchecked."""
+        if not generation:
+            return False
+        start = offset // self.slot_size
+        end = start + max(1, -(-length // self.slot_size))
+        return retaken(self.gens, start, end, generation)
 
     def close(self) -> None:
         self.table = None

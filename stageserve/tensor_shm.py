@@ -155,9 +155,9 @@ def _retaken_in(t: pb.Tensor, rows: int, hit: set[int]) -> None:
 
 
 def materialize_batch(request: pb.ExecuteRequest) -> set[int]:
-    """`materialize` a batch's inputs (for the backends that read `raw`); the
-    requests whose extents were retaken by the time they were copied
-    (`retaken_rows`)."""
+    """Turn each input of a batch held in regions into raw bytes (for the
+    backends that read `raw`: Python models); the requests whose extents
+    were retaken by the time they were copied (`retaken_rows`)."""
     rows = len(request.request_batch_sizes)
     hit: set[int] = set()
     for t in request.inputs:

@@ -1,6 +1,7 @@
 """A tensor region: one file under /dev/shm, mapped, with its slot table inside.
 
-Layout: a 64-byte header (magic, slot count, slot size, owner pid), the
+Layout: a 64-byte header (magic, slot count, slot size, owner pid, the
+owner's pid namespace), the
 tags (uint32 per slot), the stamps (uint64 per slot), the generations
 (uint64 per slot), then the data area from a 64-byte boundary. The file's
 pages are reserved when it is created (posix_fallocate): a full /dev/shm
@@ -8,8 +9,11 @@ fails the creation, and the process goes without a region (inline bytes),
 instead of a SIGBUS at the first write into a page tmpfs cannot supply. The file is named
 ``stageserve-<stack>-<role>-<pid>``: one per owning process, so a peer
 knows the owner by name, and a region whose pid is dead is garbage that any
-process of the stack may unlink (`sweep`). A process's own region is
-unlinked when it exits normally; kill -9 leaves the file for the sweep.
+process of the stack may unlink (`sweep`), and so may any process of any
+stack in the same pid namespace (`sweep_dead`: a stack killed whole, or
+whose killed process was never restarted, leaves no file behind for the
+next stack on the host). A process's own region is unlinked when it exits
+normally; kill -9 leaves the file for the sweeps.
 """
 
 from __future__ import annotations
@@ -26,8 +30,18 @@ from stageserve.tensor_slots import SlotTable, retaken
 
 SHM_DIR = Path("/dev/shm")
 _MAGIC = b"SSTSLOT2"
-_HEADER = struct.Struct("<8sIII")
+_HEADER = struct.Struct("<8sIIIQ")  # magic, slots, slot size, pid, pid namespace
 _HEADER_SIZE = 64
+
+
+def pid_namespace() -> int:
+    """This process's pid namespace (the inode of /proc/self/ns/pid; 0 unknown)."""
+    try:
+        link = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+    except OSError:
+        return 0
+    digits = link.rsplit("[", 1)[-1].rstrip("]")
+    return int(digits) if digits.isdigit() else 0
 
 
 def region_name(stack: str, role: str, pid: int) -> str:
@@ -73,7 +87,7 @@ class TensorRegion:
     """A mapped region: its slot table and its data area."""
 
     def __init__(self, name: str, mapping: mmap.mmap, writable: bool) -> None:
-        magic, slots, slot_size, pid = _HEADER.unpack_from(mapping, 0)
+        magic, slots, slot_size, pid, _ns = _HEADER.unpack_from(mapping, 0)
         if magic != _MAGIC:
             raise ValueError(f"{name} is not a tensor region")
         self.name = name
@@ -106,7 +120,7 @@ class TensorRegion:
             raise
         finally:
             os.close(fd)
-        _HEADER.pack_into(mapping, 0, _MAGIC, slots, slot_size, os.getpid())
+        _HEADER.pack_into(mapping, 0, _MAGIC, slots, slot_size, os.getpid(), pid_namespace())
         return cls(name, mapping, writable=True)
 
     @classmethod
@@ -153,6 +167,36 @@ def sweep(stack: str) -> list[str]:
                 path.unlink()
             removed.append(path.name)
     return removed
+
+
+def sweep_dead(namespace: int | None = None) -> list[str]:
+    """Unlink every stack's regions whose owner is dead and ran in this pid
+    namespace (the header says; where the pid means another process, as in
+    a container sharing /dev/shm only, nothing is touched); the names removed."""
+    namespace = pid_namespace() if namespace is None else namespace
+    removed: list[str] = []
+    if not namespace:
+        return removed
+    for path in SHM_DIR.glob("stageserve-*"):
+        if pid_alive(owner_pid(path.name)) or _header_namespace(path) != namespace:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        removed.append(path.name)
+    return removed
+
+
+def _header_namespace(path: Path) -> int | None:
+    """The pid namespace a region's header names; None: not a region of this layout."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_HEADER.size)
+    except OSError:
+        return None
+    if len(head) < _HEADER.size:
+        return None
+    magic, _slots, _size, _pid, namespace = _HEADER.unpack(head)
+    return int(namespace) if magic == _MAGIC else None
 
 
 def slots_in_use(stack: str) -> dict[str, int]:

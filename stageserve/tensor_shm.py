@@ -23,7 +23,8 @@ Who frees what, so that nothing leaks:
   between worker and gateway), are reclaimed by the worker when its region
   fills (dead pid, or older than `SHM_LOST_AFTER_S`);
 - a dead process's region: unlinked by the next `sweep` of any process of
-  the stack (its name carries its pid).
+  the stack (its name carries its pid), or of any stack on the host in the
+  same pid namespace (`sweep_dead`, when a process starts).
 A full region is back-pressure: the tensor travels inline, as across hosts.
 """
 
@@ -50,6 +51,7 @@ from stageserve.tensor_region import (
     pid_alive,
     region_name,
     sweep,
+    sweep_dead,
 )
 
 log = logging.getLogger(__name__)
@@ -244,6 +246,7 @@ class TensorShm:
         self.host = host_id()
         self.pid = os.getpid()
         sweep(stack)
+        sweep_dead()  # other stacks' leftovers on this host (a stack killed whole)
         self.region = TensorRegion.create(region_name(stack, role, self.pid), slots, slot_size)
         assert self.region.table is not None
         self.table = self.region.table

@@ -28,7 +28,7 @@ from stageserve.config import read_config, to_spec
 from stageserve.errors import StageError
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.settings import StackSettings
-from stageserve.tensor_region import SHM_DIR, TensorRegion, region_name
+from stageserve.tensor_region import SHM_DIR, TensorRegion, pid_namespace, region_name
 from stageserve.tensor_shm import (
     RegionNotLocal,
     TensorShm,
@@ -244,3 +244,32 @@ def test_an_output_the_worker_reclaimed_before_the_gateway_read_it_fails() -> No
         assert np.frombuffer(other.raw, np.int32).tolist() == [2] * 16
     finally:
         wk.close()
+
+
+def _dead_pid() -> int:
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    return int(child.stdout)
+
+
+def test_a_starting_process_unlinks_dead_regions_of_any_stack_in_its_pid_namespace() -> None:
+    """A stack killed whole (kill -9, never restarted) leaves its reserved
+    regions; the next process on the host unlinks them, whatever its stack,
+    but not one whose owner ran in another pid namespace (its pid means
+    another process)."""
+    dead = _dead_pid()
+    gone = region_name(f"unitleft{uuid.uuid4().hex[:8]}", "worker", dead)
+    foreign = region_name(f"unitleft{uuid.uuid4().hex[:8]}", "worker", dead)
+    TensorRegion.create(gone, 1, 64)
+    TensorRegion.create(foreign, 1, 64)
+    with open(SHM_DIR / foreign, "r+b") as f:  # its header: another pid namespace
+        f.seek(20)
+        f.write((pid_namespace() + 1).to_bytes(8, "little"))
+    starting = TensorShm(f"unitnew{uuid.uuid4().hex[:8]}", "gateway", 1, 64, 64)
+    try:
+        assert not (SHM_DIR / gone).exists()
+        assert (SHM_DIR / foreign).exists()
+    finally:
+        starting.close()
+        (SHM_DIR / foreign).unlink()

@@ -2,7 +2,9 @@
 
 Starts a supervised stack (as `stageserve up` runs it) on the example
 repository, drives it with tritonclient threads (most send `simple`, one
-runs `accumulator` sequences and checks every running sum), and for each
+runs `accumulator` sequences and checks every running sum, and from three
+clients up one sends 48 KiB tensors to `identity_fp32`, which travel
+through shared memory, and checks them byte for byte), and for each
 stage in turn: measures the throughput of the seconds before, kill -9s the
 stage's process (Redis included: it comes back empty), and reports
 
@@ -12,12 +14,15 @@ stage's process (Redis included: it comes back empty), and reports
   and to full throughput (the first 1 s window with >= FULL_FRACTION of the
   pre-kill rate);
 - an audit of Redis at the end of the window (bench/chaos_audit.py: grants,
-  resource counts, sequence slots that nobody holds).
+  resource counts, sequence slots that nobody holds);
+and once the load stopped, the shared-memory tensor slots still held in
+the stack's regions (bench/chaos_audit.tensor_slots_in_use; 0, or a leak).
 
   python -m bench.chaos                       # every stage, 8 clients, 8 s windows
   python -m bench.chaos --stages worker-0 redis --window-s 5 --clients 4
 
-Goals (issue 14): 0 hung, 0 wrong, 0 leaked, full throughput within 5 s.
+Goals (issue 14): 0 hung, 0 wrong, 0 leaked, full throughput within 5 s;
+(issue 26) 0 tensor slots held after the load.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from bench.chaos_audit import Audit, audit_redis
+from bench.chaos_audit import Audit, audit_redis, tensor_slots_in_use
 from stageserve.launcher import Stack, start_services
 from stageserve_tools.examples import build_example_repository
 
@@ -49,6 +54,8 @@ HUNG_S = 10.0  # a call with no answer by then is hung (the client's deadline)
 FULL_FRACTION = 0.8  # "full throughput": this share of the pre-kill rate, per second
 SEQUENCE_LENGTH = 5
 PYTHON_TEXT = ("Traceback", "<class '", "Exception:")
+LARGE_ELEMENTS = 12_288  # FP32: 48 KiB, over tensor_shm_min_bytes (16 KiB)
+SLOTS_SETTLE_S = 5.0  # answers in flight when the load stopped are taken by then
 
 
 @dataclass(frozen=True)
@@ -70,8 +77,10 @@ class Load:
         self._cids = itertools.count(1)
         self._threads = [
             threading.Thread(target=self._simple, args=(i,), daemon=True)
-            for i in range(max(1, clients - 1))
+            for i in range(max(1, clients - 1) - (clients >= 3))
         ]
+        if clients >= 3:
+            self._threads.append(threading.Thread(target=self._large, daemon=True))
         if clients > 1:
             self._threads.append(threading.Thread(target=self._sequences, daemon=True))
 
@@ -107,6 +116,24 @@ class Load:
                 result.as_numpy("OUTPUT1"), a - b
             )
             self._record(start, "ok" if right else "wrong")
+
+    def _large(self) -> None:
+        """identity_fp32 with 48 KiB inputs: through shared memory (on by
+        default), byte-exact or wrong."""
+        client = grpcclient.InferenceServerClient(self.url)
+        rng = np.random.default_rng(7)
+        while not self._stop.is_set():
+            x = rng.standard_normal((1, LARGE_ELEMENTS), dtype=np.float32)
+            inp = grpcclient.InferInput("INPUT0", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            start = time.monotonic()
+            try:
+                result = client.infer("identity_fp32", [inp], client_timeout=HUNG_S)
+            except InferenceServerException as exc:
+                self._failure(start, exc)
+                continue
+            right = result.as_numpy("OUTPUT0").tobytes() == x.tobytes()
+            self._record(start, "ok" if right else "wrong", "identity_fp32 bytes differ")
 
     def _sequences(self) -> None:
         """accumulator: OUTPUT is the running sum since START. A sequence whose
@@ -149,6 +176,14 @@ class Load:
         with self._lock:
             n = sum(1 for c in self.calls if c.outcome == "ok" and since <= c.end < until)
         return n / max(until - since, 1e-9)
+
+
+@dataclass
+class ChaosRun:
+    """Every stage's result, and the tensor slots held once the load stopped."""
+
+    results: list[StageResult]
+    tensor_slots: int
 
 
 @dataclass
@@ -248,6 +283,17 @@ def judge(load: Load, result: StageResult, kill_at: float, window_s: float) -> S
     return result
 
 
+def settled_tensor_slots(redis_url: str, within_s: float = SLOTS_SETTLE_S) -> int:
+    """The stack's shared-memory tensor slots in use once they settle to 0
+    (within `within_s`), or the count left then: a leak."""
+    deadline = time.monotonic() + within_s
+    while True:
+        held = tensor_slots_in_use(redis_url)
+        if held == 0 or time.monotonic() >= deadline:
+            return held
+        time.sleep(0.2)
+
+
 def run_chaos(
     repository: Path,
     stages: tuple[str, ...] = STAGES,
@@ -257,7 +303,7 @@ def run_chaos(
     settle_s: float = 2.0,
     gateways: int = 1,
     heal_s: float = 0.0,
-) -> list[StageResult]:
+) -> ChaosRun:
     """`gateways`: gateway processes on the one port (`stageserve up --gateways`);
     `heal_s`: a window goes on past window_s, up to heal_s, until healed."""
     stack = Stack()
@@ -276,7 +322,8 @@ def run_chaos(
                 measure(stack, load, services.redis_url, stage, baseline_s, window_s, heal_s)
             )
         load.stop()
-        return [judge(load, r, k, w) for r, k, w in results]
+        slots = settled_tensor_slots(services.redis_url)
+        return ChaosRun([judge(load, r, k, w) for r, k, w in results], slots)
     finally:
         stack.stop()
 
@@ -314,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         build_example_repository(repository)
         if "gateway-1" in args.stages and args.gateways < 2:
             p.error("--stages gateway-1 needs --gateways 2 or more")
-        results = run_chaos(
+        run = run_chaos(
             repository,
             tuple(args.stages),
             args.clients,
@@ -322,11 +369,13 @@ def main(argv: list[str] | None = None) -> int:
             args.window_s,
             gateways=args.gateways,
         )
+    results = run.results
     print(table(results))
+    print(f"shared-memory tensor slots held after the load: {run.tensor_slots}")
     for r in results:
         if r.errors:
             print(f"{r.stage}: failures by status: {r.errors}")
-    goals = all(
+    goals = run.tensor_slots == 0 and all(
         r.hung == 0 and r.wrong == 0 and r.leaked == 0 and r.full_s is not None and r.full_s <= 5
         for r in results
     )

@@ -50,6 +50,9 @@ FAILURES: dict[pb.FailureReason, Failure] = {
     # Internal and retried by the router (stageserve/scheduler_routing.py); a
     # client sees it only when the model's shard moved twice within one request.
     pb.NOT_OWNER: Failure(grpc.StatusCode.UNAVAILABLE, 503, "OTHER"),
+    # Internal: the gateway resends the request with inline bytes
+    # (services/gateway/dataplane.py); a client sees it only if that fails too.
+    pb.TENSOR_REGION_NOT_LOCAL: Failure(grpc.StatusCode.UNAVAILABLE, 503, "OTHER"),
 }
 
 #: a status code told without a reason (a broken stream's, a literal) -> the

@@ -265,15 +265,18 @@ class StackSettings:
     auto_gateway_cores: int = 4
     auto_gateways_max: int = 4
     # Tensor bytes through shared memory between a gateway and the workers on
-    # its host (stageserve/tensor_shm.py): 1 on, 0 off. Each gateway and
-    # worker owns a region of tensor_shm_slots x tensor_shm_slot_bytes under
-    # /dev/shm (pages are only committed when touched). A tensor smaller than
-    # tensor_shm_min_bytes stays inline: for it the slot alloc, the region
-    # write and the free outweigh the stream copies saved. bench.tensor_shm_cost
-    # puts the crossover at ~32-48 KB in one process, the stack's gRPC framing
-    # and socket copies of every inline byte move it lower: 16 KiB
-    # (docs/benchmarks.md, "Tensor bytes through shared memory").
-    tensor_shm: int = 0
+    # its host (stageserve/tensor_shm.py): 1 on (the default), 0 off (every
+    # tensor inline on the streams). Each gateway and worker owns a region of
+    # tensor_shm_slots x tensor_shm_slot_bytes under /dev/shm, reserved when
+    # the process starts (32 MiB by default; a /dev/shm without room: that
+    # process goes without, inline). A worker on another host or container
+    # gets inline bytes; a full region is back-pressure, also inline. A
+    # tensor smaller than tensor_shm_min_bytes stays inline: for it the slot
+    # alloc, the region write and the free outweigh the stream copies saved.
+    # bench.tensor_shm_cost puts the crossover at ~32-48 KB in one process,
+    # the stack's gRPC framing and socket copies of every inline byte move it
+    # lower: 16 KiB (docs/benchmarks.md, "Tensor bytes through shared memory").
+    tensor_shm: int = 1
     tensor_shm_min_bytes: int = 16384
     tensor_shm_slots: int = 512
     tensor_shm_slot_bytes: int = 65536

@@ -4,7 +4,12 @@ A gateway writes a large input into its own region and the ScheduleRequest
 carries a reference (pb.TensorPart: region, offset, length) instead of the
 bytes; the scheduler passes the parts through (a batch lists every
 request's parts); the worker maps the gateway's region read-only and reads
-the extents (one copy into the batch at most). A worker writes a large
+the extents (one copy into the batch at most), then checks that no extent
+was freed and handed out again meanwhile (`retaken_rows`: the gateway frees
+a request's slots when it ends, a cancel included, while a batch holding
+them may still be queued; such a request fails CANCELLED, its client is
+gone). A worker that cannot map a region refuses the batch with
+TENSOR_REGION_NOT_LOCAL and the gateway resends inline. A worker writes a large
 output into its own region, tagged with the pid of the gateway that asked;
 that gateway copies it into the client's response and frees the slots by
 zeroing their tags in the worker's region (stageserve/tensor_slots.py).
@@ -18,7 +23,8 @@ Who frees what, so that nothing leaks:
   between worker and gateway), are reclaimed by the worker when its region
   fills (dead pid, or older than `SHM_LOST_AFTER_S`);
 - a dead process's region: unlinked by the next `sweep` of any process of
-  the stack (its name carries its pid).
+  the stack (its name carries its pid), or of any stack on the host in the
+  same pid namespace (`sweep_dead`, when a process starts).
 A full region is back-pressure: the tensor travels inline, as across hosts.
 """
 
@@ -35,13 +41,27 @@ from pathlib import Path
 
 import numpy as np
 
+from stageserve.errors import unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.settings import StackSettings
 from stageserve.telemetry import TENSOR_SLOTS_IN_USE
-from stageserve.tensor_region import TensorRegion, pid_alive, region_name, sweep
-from stageserve.tensors import TensorError
+from stageserve.tensor_region import (
+    SHM_DIR,
+    TensorRegion,
+    pid_alive,
+    region_name,
+    sweep,
+    sweep_dead,
+)
 
 log = logging.getLogger(__name__)
+
+
+class RegionNotLocal(Exception):
+    """A reference to a region this process cannot map: its owner runs on
+    another host or container (the worker refuses the batch with
+    TENSOR_REGION_NOT_LOCAL; the gateway resends it with inline bytes)."""
+
 
 #: An output slot still tagged this long after it was written lost its answer
 #: (an answer is copied out within milliseconds of reaching the gateway).
@@ -49,13 +69,24 @@ SHM_LOST_AFTER_S = 60.0
 
 
 def host_id() -> str:
-    """This host: its name and boot id (two containers with one hostname but
-    no shared /dev/shm differ by name; a reboot changes the boot id)."""
+    """What decides whether two processes share /dev/shm: the host's name and
+    boot id (a reboot changes it), the device of /dev/shm (two containers
+    with one hostname and boot id, each with its own tmpfs, differ there) and
+    the pid namespace (a pid tags a slot and names a region: only processes
+    that see each other's pids can free and sweep them)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        dev = str(os.stat(SHM_DIR).st_dev)
+    except OSError:
+        dev = ""
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = ""
+    return f"{socket.gethostname()}/{boot}/{dev}/{pidns}"
 
 
 def stack_id(redis_url: str) -> str:
@@ -91,23 +122,68 @@ def tensor_bytes(t: pb.Tensor) -> bytes | memoryview:
 def _part_view(part: pb.TensorPart) -> bytes | memoryview:
     if not part.region:
         return part.raw
+    return _region(part.region).extent(part.offset, part.length)
+
+
+def _region(name: str) -> TensorRegion:
     try:
-        region = _owned(part.region) or _peer(part.region, writable=False)
-    except OSError:
-        # a worker on another host got a reference (the gateway had not seen
-        # it join yet: services/gateway/tensor_transport.py)
-        raise TensorError(f"tensor region '{part.region}' is not on this host") from None
-    return region.extent(part.offset, part.length)
+        return _owned(name) or _peer(name, writable=False)
+    except (OSError, ValueError):
+        # a worker on another host or container got a reference (the gateway
+        # had not seen it join yet: services/gateway/tensor_transport.py)
+        raise RegionNotLocal(f"tensor region '{name}' is not on this host") from None
 
 
-def materialize(tensors: Iterable[pb.Tensor]) -> None:
-    """Turn every tensor with parts into one with raw bytes (for the backends
-    that read `raw`: Python models, sequence state)."""
-    for t in tensors:
+def retaken_rows(request: pb.ExecuteRequest) -> set[int]:
+    """The requests of a batch (their indexes) some input extent of which no
+    longer carries its generation: freed by the gateway (the request ended)
+    and taken by another. Checked after the bytes were read (generations only
+    grow, so a change before the read shows too): a request not listed read
+    its own bytes."""
+    rows = len(request.request_batch_sizes)
+    hit: set[int] = set()
+    for t in request.inputs:
+        _retaken_in(t, rows, hit)
+    return hit
+
+
+def _retaken_in(t: pb.Tensor, rows: int, hit: set[int]) -> None:
+    for i, part in enumerate(t.parts):
+        if not part.region or not part.generation:
+            continue
+        if _region(part.region).retaken(part.offset, part.length, part.generation):
+            # a batch lists one part per request, in order
+            hit.update([i] if len(t.parts) == rows else range(rows))
+
+
+def materialize_batch(request: pb.ExecuteRequest) -> set[int]:
+    """Turn each input of a batch held in regions into raw bytes (for the
+    backends that read `raw`: Python models); the requests whose extents
+    were retaken by the time they were copied (`retaken_rows`)."""
+    rows = len(request.request_batch_sizes)
+    hit: set[int] = set()
+    for t in request.inputs:
         if t.parts:
             raw = bytes(tensor_bytes(t))
+            _retaken_in(t, rows, hit)
             del t.parts[:]
             t.raw = raw
+    return hit
+
+
+def cancel_rows(resp: pb.ExecuteResponse, rows: Iterable[int]) -> None:
+    """Fail these requests of an answered batch CANCELLED (their input slots
+    were retaken: `retaken_rows`), freeing any output of theirs already
+    written into this process's region."""
+    for i in rows:
+        result = resp.results[i]
+        for t in result.outputs:
+            for part in t.parts:
+                if OWNER is not None and part.region == OWNER.region.name:
+                    OWNER.table.free(part.offset // OWNER.table.slot_size, part.length)
+        del result.outputs[:]
+        result.failure = pb.CANCELLED
+        result.message = "the request ended while its batch was queued"
 
 
 def release_outputs(resp: pb.ScheduleResponse) -> None:
@@ -117,24 +193,44 @@ def release_outputs(resp: pb.ScheduleResponse) -> None:
 
 
 def take_outputs(tensors: Iterable[pb.Tensor]) -> None:
-    """Copy each output held in a worker's region into `raw` and free its slots."""
+    """Copy each output held in a worker's region into `raw` and free its
+    slots. StageError (unavailable) when the worker reclaimed an extent
+    before it was copied (its answer took past SHM_LOST_AFTER_S to arrive):
+    those bytes may be another answer's; the other extents are freed."""
+    tensors = list(tensors)
     for t in tensors:
         if t.parts:
             raw = bytes(tensor_bytes(t))
+            if any(_retaken(part) for part in t.parts):
+                for held in tensors:
+                    _free_parts(held)
+                raise unavailable(
+                    f"output '{t.name}' was reclaimed from shared memory before it was read"
+                )
             _free_parts(t)
             del t.parts[:]
             t.raw = raw
 
 
+def _retaken(part: pb.TensorPart) -> bool:
+    return bool(part.region) and _region(part.region).retaken(
+        part.offset, part.length, part.generation
+    )
+
+
 def _free_parts(t: pb.Tensor) -> None:
+    """Free the extents `t` holds in peers' regions; one handed out again
+    meanwhile (reclaimed: `take_outputs`) is another's now, left alone."""
     for part in t.parts:
         if not part.region:
             continue
         try:
             region = _peer(part.region, writable=True)
-        except OSError:  # the owner died and its region was swept: nothing to free
+        except (OSError, ValueError):  # the owner died and its region was swept
             continue
         assert region.table is not None
+        if region.retaken(part.offset, part.length, part.generation):
+            continue
         region.table.free(part.offset // region.slot_size, part.length)
 
 
@@ -150,6 +246,7 @@ class TensorShm:
         self.host = host_id()
         self.pid = os.getpid()
         sweep(stack)
+        sweep_dead()  # other stacks' leftovers on this host (a stack killed whole)
         self.region = TensorRegion.create(region_name(stack, role, self.pid), slots, slot_size)
         assert self.region.table is not None
         self.table = self.region.table
@@ -186,7 +283,12 @@ class TensorShm:
         if offset is None:
             return None
         t.ClearField("raw")
-        return t.parts.add(region=self.region.name, offset=offset, length=len(raw))
+        return t.parts.add(
+            region=self.region.name,
+            offset=offset,
+            length=len(raw),
+            generation=self.table.generation(offset // self.table.slot_size),
+        )
 
     # gateway side
 
@@ -223,7 +325,12 @@ class TensorShm:
             return False
         slot = np.frombuffer(self.region.data, np.uint8, arr.nbytes, offset)
         slot[:] = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-        t.parts.add(region=self.region.name, offset=offset, length=arr.nbytes)
+        t.parts.add(
+            region=self.region.name,
+            offset=offset,
+            length=arr.nbytes,
+            generation=self.table.generation(offset // self.table.slot_size),
+        )
         return True
 
     def stage_outputs(self, request: pb.ExecuteRequest, resp: pb.ExecuteResponse) -> None:
@@ -264,13 +371,18 @@ def install(settings: StackSettings, redis_url: str, role: str) -> TensorShm | N
     if not settings.tensor_shm:
         TENSOR_SLOTS_IN_USE.labels(role).set(0)
         return None
-    OWNER = TensorShm(
-        stack_id(redis_url),
-        role,
-        settings.tensor_shm_slots,
-        settings.tensor_shm_slot_bytes,
-        settings.tensor_shm_min_bytes,
-    )
+    try:
+        OWNER = TensorShm(
+            stack_id(redis_url),
+            role,
+            settings.tensor_shm_slots,
+            settings.tensor_shm_slot_bytes,
+            settings.tensor_shm_min_bytes,
+        )
+    except OSError as exc:  # /dev/shm full or missing: inline bytes, as across hosts
+        log.warning("no tensor region: tensors travel inline", extra={"error": str(exc)})
+        TENSOR_SLOTS_IN_USE.labels(role).set(0)
+        return None
     TENSOR_SLOTS_IN_USE.labels(role).set_function(OWNER.in_use)
     return OWNER
 

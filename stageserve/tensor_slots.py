@@ -2,7 +2,11 @@
 
 A region's data area is split into `len(tags)` slots of `slot_size` bytes; a
 tensor takes an extent of consecutive slots. Each slot has a tag (0: free,
-else the pid of the process that will free it) and the time it was taken.
+else the pid of the process that will free it), the time it was taken and
+the generation of the allocation that took it (a counter of the owner's,
+never reused): a reader that finds its extent's generation changed after it
+read the bytes knows the owner freed them meanwhile and handed them to
+another tensor (`retaken`).
 
 The table lives in the region itself (two numpy arrays over the mapping), so
 the process that reads an extent frees it by zeroing its tags, with no
@@ -21,14 +25,27 @@ import numpy as np
 
 
 class SlotTable:
-    """alloc / free / count over a tag array (uint32) and a stamp array (uint64, ns)."""
+    """alloc / free / count over a tag array (uint32), a stamp array (uint64,
+    ns) and a generation array (uint64; its own zeros when not given)."""
 
-    def __init__(self, tags: np.ndarray, stamps: np.ndarray, slot_size: int) -> None:
-        if tags.shape != stamps.shape or slot_size <= 0:
-            raise ValueError("tags and stamps must match, slot_size must be positive")
+    def __init__(
+        self,
+        tags: np.ndarray,
+        stamps: np.ndarray,
+        slot_size: int,
+        gens: np.ndarray | None = None,
+    ) -> None:
+        if gens is None:
+            gens = np.zeros(tags.shape, np.uint64)
+        if tags.shape != stamps.shape or tags.shape != gens.shape or slot_size <= 0:
+            raise ValueError("tags, stamps and gens must match, slot_size must be positive")
         self.tags = tags
         self.stamps = stamps
+        self.gens = gens
         self.slot_size = slot_size
+        # the last generation handed out: a region is new with each owner
+        # process (its name carries the pid), so one counter a table suffices
+        self._generation = int(gens.max()) if gens.size else 0
         self._cursor = 0  # next-fit: the search starts after the last extent handed out
         self._lock = threading.Lock()  # a worker's instance threads allocate concurrently
 
@@ -59,6 +76,11 @@ class SlotTable:
                     return None
                 start = found
             end = start + need
+            self._generation += 1
+            # the generation before the tag, and both before the caller writes
+            # the bytes: a reader that sees its old generation after reading
+            # read bytes nobody had been handed yet
+            self.gens[start:end] = self._generation
             self.stamps[start:end] = now_ns
             self.tags[start:end] = tag
             self._cursor = end % self.slots
@@ -86,11 +108,22 @@ class SlotTable:
         after = starts[starts >= self._cursor]
         return int(after[0] if after.size else starts[0])
 
+    def generation(self, start: int) -> int:
+        """The generation of the extent at `start` (read by its owner right
+        after `alloc`, while it holds the extent)."""
+        return int(self.gens[start])
+
     def free(self, start: int, nbytes: int) -> None:
         """Give back the extent at `start` that held `nbytes`."""
         if not 0 <= start < self.slots:
             raise ValueError(f"slot {start} is outside the table of {self.slots}")
         self.tags[start : start + self.slots_for(nbytes)] = 0
+
+    def retaken(self, start: int, nbytes: int, generation: int) -> bool:
+        """True when some slot of the extent at `start` (`nbytes` long) no
+        longer carries `generation`: it was freed and taken again."""
+        end = start + self.slots_for(nbytes)
+        return retaken(self.gens, start, end, generation)
 
     def in_use(self) -> int:
         return int(np.count_nonzero(self.tags))
@@ -108,3 +141,11 @@ class SlotTable:
                 lost |= held & (self.stamps < older_than_ns)
             self.tags[lost] = 0
             return int(np.count_nonzero(lost))
+
+
+def retaken(gens: np.ndarray, start: int, end: int, generation: int) -> bool:
+    """Some slot of gens[start:end] differs from `generation` (the check a
+    reader with a read-only mapping makes too)."""
+    if end - start <= 8:  # scalar reads: a numpy reduction costs ~2.7 us however short
+        return any(int(gens[i]) != generation for i in range(start, end))
+    return not bool((gens[start:end] == generation).all())

@@ -238,6 +238,14 @@ class DataPlane:
                 scheduled_request,
                 on_more=stream_partials(stream, entry.name, version, request.id),
             )
+            if resp.failure == pb.TENSOR_REGION_NOT_LOCAL and shm is not None:
+                # a worker that cannot map this gateway's region (another host
+                # or container, not yet seen as such): once more, bytes inline
+                shm.inline(spec, scheduled_request)
+                resp = await self.scheduler.schedule(
+                    scheduled_request,
+                    on_more=stream_partials(stream, entry.name, version, request.id),
+                )
             take_outputs(resp.outputs)
             if stream is not None:
                 stream.final(resp)

@@ -7,9 +7,10 @@ a model whose every instance runs on a worker of this gateway's host: each
 worker with a region announces its host id in Redis (TENSOR_SHM_HOSTS), and
 `LocalModels` compares them with the rate limiter's instance list, again
 every `period_s`. A worker on another host gets raw bytes, as without the
-feature; one that joins is seen within `period_s` (until then a batch of
-its with references fails as a bad input: the window stageserve/tensor_shm.py
-names).
+feature; one that joins is seen within `period_s`. Until then a batch of its
+with references is refused TENSOR_REGION_NOT_LOCAL and the gateway resends
+the request with its bytes inline (`inline`), and stops using shared memory
+for that model until the next refresh says otherwise.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from stageserve.config import ModelSpec
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.redis_keys import TENSOR_SHM_HOSTS
-from stageserve.tensor_shm import TensorShm
+from stageserve.tensor_shm import TensorShm, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,20 @@ class TensorTransport:
         if self.eligible(spec):
             request.shm_host = self.shm.host
             request.shm_pid = self.shm.pid
+
+    def inline(self, spec: ModelSpec, request: pb.ScheduleRequest) -> None:
+        """A request a worker refused (TENSOR_REGION_NOT_LOCAL) made ready to
+        resend: its inputs' bytes copied back from the region (the slots stay
+        held until `release`), no output through shared memory, and the model
+        off shared memory until the next refresh."""
+        for t in request.inputs:
+            if t.parts:
+                raw = bytes(tensor_bytes(t))
+                del t.parts[:]
+                t.raw = raw
+        request.ClearField("shm_host")
+        request.ClearField("shm_pid")
+        self.local.models.discard(spec.name)
 
     def release(self, staged: list[pb.TensorPart]) -> None:
         self.shm.release(staged)

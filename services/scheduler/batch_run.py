@@ -37,8 +37,10 @@ _NONE_HIDDEN: frozenset[str] = frozenset()  # outputs a batch keeps from its ans
 
 Deliver = Callable[[Queued, pb.ScheduleResponse], None]
 
-#: a worker's answers that fail the batch but not the instance, passed on as they are
-_MODEL_FAILURES = frozenset({pb.BACKEND_FAILED, pb.INVALID_INPUT})
+#: a worker's answers that fail the batch but not the instance, passed on as
+#: they are (TENSOR_REGION_NOT_LOCAL: the worker cannot map a gateway's
+#: shared-memory input, the gateway resends inline: stageserve/tensor_shm.py)
+_MODEL_FAILURES = frozenset({pb.BACKEND_FAILED, pb.INVALID_INPUT, pb.TENSOR_REGION_NOT_LOCAL})
 
 
 @dataclass

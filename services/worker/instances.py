@@ -101,12 +101,21 @@ class HostedInstance:
         says its execute returned before every final."""
         t0 = time.monotonic_ns()
         cpu0 = time.thread_time_ns()  # the inline policy's measure (inline_policy.py)
+        retaken: set[int] = set()
         if not isinstance(self.backend, TensorBatches):  # it reads shared memory itself
-            tensor_shm.materialize(request.inputs)
+            retaken = tensor_shm.materialize_batch(request)
         result = self.backend.execute_batch(request, emit)
-        owner = tensor_shm.OWNER
-        if owner is not None and isinstance(result, pb.ExecuteResponse):
-            owner.stage_outputs(request, result)
+        if isinstance(result, pb.ExecuteResponse):
+            # A request whose input slots the gateway freed and handed to
+            # another request (it was cancelled while queued) read someone
+            # else's bytes: CANCELLED, never that answer. Checked after the
+            # run: a zero-copy input is read until the run ends.
+            retaken |= tensor_shm.retaken_rows(request)
+            if retaken:
+                tensor_shm.cancel_rows(result, retaken)
+            owner = tensor_shm.OWNER
+            if owner is not None:
+                owner.stage_outputs(request, result)
         self.inline.observe(
             self._inline_cost(time.monotonic_ns() - t0, time.thread_time_ns() - cpu0)
         )

@@ -72,7 +72,13 @@ def _not_hosted(request: pb.ExecuteRequest) -> pb.ExecuteResponse:
 
 def _failed(inst: HostedInstance, request: pb.ExecuteRequest, exc: Exception) -> pb.ExecuteResponse:
     """A batch that raised: INVALID_ARGUMENT when refused before running,
-    INTERNAL otherwise (a BackendError, or a bug: answer, never hang it)."""
+    TENSOR_REGION_NOT_LOCAL when an input refers to a shared-memory region
+    this worker cannot map (the gateway resends it inline), INTERNAL
+    otherwise (a BackendError, or a bug: answer, never hang it)."""
+    if isinstance(exc, tensor_shm.RegionNotLocal):
+        return pb.ExecuteResponse(
+            id=request.id, failure=pb.TENSOR_REGION_NOT_LOCAL, message=str(exc)
+        )
     if isinstance(exc, InvalidInputError):
         return pb.ExecuteResponse(
             id=request.id,

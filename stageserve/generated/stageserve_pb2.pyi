@@ -26,6 +26,7 @@ class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UNKNOWN_FAILURE: _ClassVar[FailureReason]
     STAGE_FAULT: _ClassVar[FailureReason]
     NOT_OWNER: _ClassVar[FailureReason]
+    TENSOR_REGION_NOT_LOCAL: _ClassVar[FailureReason]
 FAILURE_NONE: FailureReason
 INVALID_INPUT: FailureReason
 MODEL_NOT_FOUND: FailureReason
@@ -43,6 +44,7 @@ DEADLINE_EXCEEDED: FailureReason
 UNKNOWN_FAILURE: FailureReason
 STAGE_FAULT: FailureReason
 NOT_OWNER: FailureReason
+TENSOR_REGION_NOT_LOCAL: FailureReason
 
 class Tensor(_message.Message):
     __slots__ = ("name", "datatype", "shape", "raw", "parts")
@@ -59,16 +61,18 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., raw: _Optional[bytes] = ..., parts: _Optional[_Iterable[_Union[TensorPart, _Mapping]]] = ...) -> None: ...
 
 class TensorPart(_message.Message):
-    __slots__ = ("region", "offset", "length", "raw")
+    __slots__ = ("region", "offset", "length", "raw", "generation")
     REGION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     region: str
     offset: int
     length: int
     raw: bytes
-    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., raw: _Optional[bytes] = ...) -> None: ...
+    generation: int
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., raw: _Optional[bytes] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_ns", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "batch_size", "batch_leader", "enqueue_ns", "execute_end_ns")

@@ -2,8 +2,10 @@
 
 The same code as `python -m bench.chaos`, with fewer clients and shorter
 windows, guarding the benchmark's goals: for every stage, no hung call, no
-wrong answer (simple's sums and accumulator's running sums are checked), no
-leak in Redis afterwards (grants, instance counts, sequence keys), and the
+wrong answer (simple's sums, accumulator's running sums and identity_fp32's
+48 KiB tensors, which go through shared memory, are checked), no leak in
+Redis afterwards (grants, instance counts, sequence keys) nor of a
+shared-memory tensor slot once the load stopped, and the
 service healed (its last second answers and fails nothing) within the
 window, which goes on past WINDOW_S until then, up to HEAL_S (seen: a
 worker's restart past 8 s with the suite on two processes and two CPU
@@ -26,7 +28,7 @@ HEAL_S = 30.0
 def test_every_stage_killed_heals_without_hangs_wrong_answers_or_leaks(
     example_repository: Path,
 ) -> None:
-    results = run_chaos(
+    run = run_chaos(
         example_repository,
         STAGES,
         clients=4,
@@ -35,7 +37,12 @@ def test_every_stage_killed_heals_without_hangs_wrong_answers_or_leaks(
         settle_s=1.5,
         heal_s=HEAL_S,
     )
+    results = run.results
     print("\n" + table(results))
+    print(f"tensor slots held after the load: {run.tensor_slots}")
+    # Shared memory is on by default and one client sends 48 KiB tensors
+    # through it: every slot of every live region is free again.
+    assert run.tensor_slots == 0
     assert [r.stage for r in results] == list(STAGES)
     first_audit = results[0].audit
     assert first_audit is not None, results[0].stage

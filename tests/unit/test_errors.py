@@ -46,6 +46,7 @@ EXPECTED: dict[pb.FailureReason, tuple[grpc.StatusCode, int, str]] = {
     pb.UNKNOWN_FAILURE: (grpc.StatusCode.UNKNOWN, 400, "OTHER"),
     pb.STAGE_FAULT: (grpc.StatusCode.INTERNAL, 500, "OTHER"),
     pb.NOT_OWNER: (grpc.StatusCode.UNAVAILABLE, 503, "OTHER"),
+    pb.TENSOR_REGION_NOT_LOCAL: (grpc.StatusCode.UNAVAILABLE, 503, "OTHER"),
 }
 
 

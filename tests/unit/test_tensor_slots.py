@@ -13,9 +13,8 @@ from services.gateway.tensor_transport import local_models
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.settings import StackSettings
 from stageserve.tensor_region import TensorRegion, owner_pid, pid_alive, region_name, slots_in_use
-from stageserve.tensor_shm import TensorShm, take_outputs, tensor_bytes
+from stageserve.tensor_shm import RegionNotLocal, TensorShm, take_outputs, tensor_bytes
 from stageserve.tensor_slots import SlotTable
-from stageserve.tensors import TensorError
 
 
 def table(slots: int = 8, slot_size: int = 100) -> SlotTable:
@@ -171,9 +170,9 @@ def test_full_region_falls_back_to_inline() -> None:
         gw.close()
 
 
-def test_reference_to_a_region_elsewhere_is_a_clear_input_error() -> None:
+def test_reference_to_a_region_elsewhere_is_refused_not_local() -> None:
     t = pb.Tensor(name="x", datatype="FP32", parts=[pb.TensorPart(region="stageserve-x-gw-1")])
-    with pytest.raises(TensorError, match="not on this host"):
+    with pytest.raises(RegionNotLocal, match="not on this host"):
         tensor_bytes(t)
 
 

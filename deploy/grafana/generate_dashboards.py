@@ -732,6 +732,22 @@ def stages_dashboard() -> dict:
         ),
         w=8,
     )
+    L.add(
+        timeseries(
+            "CUDA shared-memory copies",
+            "stageserve_cuda_shm_copies_total: copies the gateway made between clients' CUDA "
+            "shared-memory regions and host memory, per second: d2h an input read out of a "
+            "region, h2d an output written into one (docs/architecture.md).",
+            [
+                (
+                    "sum by (direction) (rate(stageserve_cuda_shm_copies_total[1m]))",
+                    "{{direction}}",
+                )
+            ],
+            "ops",
+        ),
+        w=8,
+    )
 
     L.row("Rate limiter")
     wait = "stageserve_ratelimiter_wait_seconds"

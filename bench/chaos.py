@@ -44,18 +44,23 @@ from tritonclient.utils import InferenceServerException
 
 from bench.chaos_audit import Audit, audit_redis, tensor_slots_in_use
 from stageserve.launcher import Stack, start_services
+from stageserve.tensor_shm import SHM_LOST_AFTER_S, SHM_RECLAIM_EVERY_S
 from stageserve_tools.examples import build_example_repository
 
 STAGES = ("worker-0", "scheduler", "ratelimiter", "gateway", "redis")
-#: More stages to pick with --stages once there are more gateways (--gateways N):
-#: `gateway-1` is the second gateway on the same ports.
-EXTRA_STAGES = ("gateway-1",)
+#: More stages to pick with --stages once there are more gateways (--gateways N)
+#: or schedulers (--schedulers N): `gateway-1` is the second gateway on the same
+#: ports, `scheduler-1` the second scheduler (its models move to the first).
+EXTRA_STAGES = ("gateway-1", "scheduler-1")
 HUNG_S = 10.0  # a call with no answer by then is hung (the client's deadline)
 FULL_FRACTION = 0.8  # "full throughput": this share of the pre-kill rate, per second
 SEQUENCE_LENGTH = 5
 PYTHON_TEXT = ("Traceback", "<class '", "Exception:")
 LARGE_ELEMENTS = 12_288  # FP32: 48 KiB, over tensor_shm_min_bytes (16 KiB)
-SLOTS_SETTLE_S = 5.0  # answers in flight when the load stopped are taken by then
+#: Answers in flight when the load stopped are taken within a few seconds; an
+#: answer lost with a killed scheduler leaves its output slots to the worker's
+#: periodic reclaim (stageserve/tensor_shm.py), which frees them by this.
+SLOTS_SETTLE_S = SHM_LOST_AFTER_S + 2 * SHM_RECLAIM_EVERY_S + 3.0
 
 
 @dataclass(frozen=True)
@@ -303,12 +308,16 @@ def run_chaos(
     settle_s: float = 2.0,
     gateways: int = 1,
     heal_s: float = 0.0,
+    schedulers: int = 1,
 ) -> ChaosRun:
     """`gateways`: gateway processes on the one port (`stageserve up --gateways`);
+    `schedulers`: schedulers sharing the models (`--schedulers`);
     `heal_s`: a window goes on past window_s, up to heal_s, until healed."""
     stack = Stack()
     try:
-        services = start_services(stack, repository, device="cpu", gateways=gateways)
+        services = start_services(
+            stack, repository, device="cpu", gateways=gateways, schedulers=schedulers
+        )
         stack.supervise()
         load = Load(services.gateway.address, clients)
         load.start()
@@ -352,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--gateways", type=int, default=1, help="gateways on the one port (gateway-1: the 2nd)"
     )
+    p.add_argument(
+        "--schedulers", type=int, default=1, help="schedulers sharing the models (scheduler-1)"
+    )
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--baseline-s", type=float, default=3.0)
     p.add_argument("--window-s", type=float, default=8.0)
@@ -361,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         build_example_repository(repository)
         if "gateway-1" in args.stages and args.gateways < 2:
             p.error("--stages gateway-1 needs --gateways 2 or more")
+        if "scheduler-1" in args.stages and args.schedulers < 2:
+            p.error("--stages scheduler-1 needs --schedulers 2 or more")
         run = run_chaos(
             repository,
             tuple(args.stages),
@@ -368,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             args.baseline_s,
             args.window_s,
             gateways=args.gateways,
+            schedulers=args.schedulers,
         )
     results = run.results
     print(table(results))

@@ -21,7 +21,8 @@ Who frees what, so that nothing leaks:
   request is gone (StreamLink's orphan callback: `release_outputs`); slots
   of a dead gateway, or of an answer lost on the way (a scheduler killed
   between worker and gateway), are reclaimed by the worker when its region
-  fills (dead pid, or older than `SHM_LOST_AFTER_S`);
+  fills and every SHM_RECLAIM_EVERY_S (dead pid, or older than
+  `SHM_LOST_AFTER_S`);
 - a dead process's region: unlinked by the next `sweep` of any process of
   the stack (its name carries its pid), or of any stack on the host in the
   same pid namespace (`sweep_dead`, when a process starts).
@@ -64,8 +65,16 @@ class RegionNotLocal(Exception):
 
 
 #: An output slot still tagged this long after it was written lost its answer
-#: (an answer is copied out within milliseconds of reaching the gateway).
-SHM_LOST_AFTER_S = 60.0
+#: (a scheduler killed between worker and gateway): an answer reaches its
+#: gateway and is copied out within milliseconds of the run. Reclaiming one
+#: that was only slow is safe: the gateway checks each extent's generation
+#: after copying it and fails that request (UNAVAILABLE) rather than answer
+#: bytes that may be another's (`take_outputs`).
+SHM_LOST_AFTER_S = 10.0
+#: How often a worker reclaims its lost and dead consumers' slots without
+#: waiting for its region to fill, so that a lost answer's slots are free
+#: again within SHM_LOST_AFTER_S + this (bench.chaos counts them).
+SHM_RECLAIM_EVERY_S = 2.0
 
 
 def host_id() -> str:
@@ -263,13 +272,18 @@ class TensorShm:
         region is full even after reclaiming what dead or lost consumers held."""
         start = self.table.alloc(nbytes, tag, time.monotonic_ns())
         if start is None:
-            lost_before = time.monotonic_ns() - int(SHM_LOST_AFTER_S * 1e9)
-            if not self.table.reclaim(lambda pid: not pid_alive(pid), lost_before):
+            if not self.reclaim_lost():
                 return None
             start = self.table.alloc(nbytes, tag, time.monotonic_ns())
             if start is None:
                 return None
         return start * self.table.slot_size
+
+    def reclaim_lost(self) -> int:
+        """Free the slots of dead consumers and of answers lost on the way
+        (tagged for longer than SHM_LOST_AFTER_S); how many were freed."""
+        lost_before = time.monotonic_ns() - int(SHM_LOST_AFTER_S * 1e9)
+        return self.table.reclaim(lambda pid: not pid_alive(pid), lost_before)
 
     def _move(self, t: pb.Tensor, tag: int) -> pb.TensorPart | None:
         """A large enough tensor's bytes into the region (its raw then empty,

@@ -400,6 +400,16 @@ def detect_gpu(device: str) -> int | None:
     return 0 if gpu_count() > 0 else None
 
 
+async def _reclaim_forever(shm: tensor_shm.TensorShm) -> None:
+    """Free this worker's output slots that dead gateways or lost answers
+    hold, every SHM_RECLAIM_EVERY_S, not only when the region fills."""
+    while True:
+        await asyncio.sleep(tensor_shm.SHM_RECLAIM_EVERY_S)
+        freed = shm.reclaim_lost()
+        if freed:
+            log.info("tensor slots reclaimed", extra={"slots": freed})
+
+
 async def serve(
     listen: str,
     redis_url: str,
@@ -449,6 +459,8 @@ async def serve(
         asyncio.create_task(service.follow_models_forever(redis)),
         asyncio.create_task(service.heartbeat_forever()),
     ]
+    if shm is not None:
+        tasks.append(asyncio.create_task(_reclaim_forever(shm)))
     try:
         await run_server(
             server, f"{host}:{port}", "worker", stage_tls=settings.stage_tls, bound=True

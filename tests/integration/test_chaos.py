@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.chaos import STAGES, run_chaos, table
+from bench.chaos import EXTRA_STAGES, STAGES, run_chaos, table
 
 WINDOW_S = 8.0
 HEAL_S = 30.0
@@ -62,3 +62,29 @@ def test_every_stage_killed_heals_without_hangs_wrong_answers_or_leaks(
         assert r.ok_last_s > 0 and r.failed_last_s == 0, (r.stage, r.errors)
         # Every registered instance came back (the worker's after its restart).
         assert r.audit.instances == first_audit.instances > 0
+
+
+def test_one_of_two_gateways_and_one_of_two_schedulers_killed(example_repository: Path) -> None:
+    """`--gateways 2 --schedulers 2`: kill -9 of the second gateway (clients
+    reconnect to the first while the supervisor restarts it) and of the
+    second scheduler (its models move to the first within seconds): no hung
+    call, no wrong answer, no leak, healed."""
+    run = run_chaos(
+        example_repository,
+        EXTRA_STAGES,
+        clients=4,
+        baseline_s=1.0,
+        window_s=WINDOW_S,
+        settle_s=1.5,
+        heal_s=HEAL_S,
+        gateways=2,
+        schedulers=2,
+    )
+    print("\n" + table(run.results))
+    print({r.stage: r.errors for r in run.results})
+    assert run.tensor_slots == 0
+    assert [r.stage for r in run.results] == list(EXTRA_STAGES)
+    for r in run.results:
+        assert r.hung == 0 and r.wrong == 0 and r.python_text == 0, (r.stage, r.errors)
+        assert r.audit is not None and r.leaked == 0, (r.stage, r.audit and r.audit.problems)
+        assert r.ok > 0 and r.ok_last_s > 0 and r.failed_last_s == 0, (r.stage, r.errors)

@@ -246,6 +246,31 @@ def test_an_output_the_worker_reclaimed_before_the_gateway_read_it_fails() -> No
         wk.close()
 
 
+def test_reclaim_lost_frees_dead_and_lost_consumers_slots_only() -> None:
+    """What a worker's periodic reclaim frees: slots of a dead gateway and
+    slots tagged past SHM_LOST_AFTER_S (an answer lost with a killed
+    scheduler); a live gateway's fresh output stays held."""
+    wk = TensorShm(f"unitreclaim{uuid.uuid4().hex[:8]}", "worker", 4, ROW, ROW)
+    try:
+        live, dead = os.getpid(), _dead_pid()
+        fresh = pb.Tensor(name="OUTPUT0", datatype="INT32", shape=[16])
+        assert wk.put_array(fresh, np.full(16, 1, np.int32), live)
+        orphan = pb.Tensor(name="OUTPUT0", datatype="INT32", shape=[16])
+        assert wk.put_array(orphan, np.full(16, 2, np.int32), dead)
+        lost = pb.Tensor(name="OUTPUT0", datatype="INT32", shape=[16])
+        assert wk.put_array(lost, np.full(16, 3, np.int32), live)
+        lost_slot = lost.parts[0].offset // wk.table.slot_size
+        wk.table.stamps[lost_slot] -= int((tensor_shm.SHM_LOST_AFTER_S + 1) * 1e9)
+        assert wk.in_use() == 3
+        assert wk.reclaim_lost() == 2
+        assert wk.in_use() == 1 and wk.reclaim_lost() == 0
+        take_outputs([fresh])
+        assert np.frombuffer(fresh.raw, np.int32).tolist() == [1] * 16
+        assert wk.in_use() == 0
+    finally:
+        wk.close()
+
+
 def _dead_pid() -> int:
     child = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True

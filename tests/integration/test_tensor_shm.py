@@ -42,16 +42,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
         config.write(
             f'parameters {{ key: "execute_delay_ms" value {{ string_value: "{SLOW_MS}" }} }}\n'
         )
-    saved = os.environ.get("STAGESERVE_STACK_TENSOR_SHM")
-    os.environ["STAGESERVE_STACK_TENSOR_SHM"] = "1"
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("STAGESERVE_STACK_TENSOR_SHM", "1")  # every stage, restarts too
         with running_stack(root) as s:
             yield s
-    finally:
-        if saved is None:
-            del os.environ["STAGESERVE_STACK_TENSOR_SHM"]
-        else:
-            os.environ["STAGESERVE_STACK_TENSOR_SHM"] = saved
 
 
 def in_use(stack: RunningStack) -> dict[str, int]:

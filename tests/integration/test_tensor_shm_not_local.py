@@ -11,7 +11,6 @@ right answer, on both fronts, never a "bad input".
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 
@@ -34,16 +33,10 @@ DIMS = (3, 64, 64)  # 49 KB of FP32: above tensor_shm_min_bytes
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     root = tmp_path_factory.mktemp("shm_not_local_repo")
     write_identity(root, "identity_49k", "FP32", DIMS, max_batch_size=8)
-    saved = os.environ.get("STAGESERVE_STACK_TENSOR_SHM")
-    os.environ["STAGESERVE_STACK_TENSOR_SHM"] = "1"
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("STAGESERVE_STACK_TENSOR_SHM", "1")  # every stage, restarts too
         with running_stack(root) as s:
             yield s
-    finally:
-        if saved is None:
-            del os.environ["STAGESERVE_STACK_TENSOR_SHM"]
-        else:
-            os.environ["STAGESERVE_STACK_TENSOR_SHM"] = saved
 
 
 def test_requests_are_resent_inline_when_the_worker_cannot_map_the_region(

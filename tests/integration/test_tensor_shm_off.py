@@ -8,7 +8,6 @@ on the streams.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,16 +29,10 @@ DIMS = (3, 64, 64)
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     root = tmp_path_factory.mktemp("shm_off_repo")
     write_identity(root, "identity_49k", "FP32", DIMS, max_batch_size=32)
-    saved = os.environ.get("STAGESERVE_STACK_TENSOR_SHM")
-    os.environ["STAGESERVE_STACK_TENSOR_SHM"] = "0"
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("STAGESERVE_STACK_TENSOR_SHM", "0")  # every stage, restarts too
         with running_stack(root) as s:
             yield s
-    finally:
-        if saved is None:
-            del os.environ["STAGESERVE_STACK_TENSOR_SHM"]
-        else:
-            os.environ["STAGESERVE_STACK_TENSOR_SHM"] = saved
 
 
 def data(seed: int, batch: int = 1) -> np.ndarray:

@@ -16,34 +16,10 @@ import pytest
 
 from services.worker.inline_policy import INLINE_LIMIT_NS
 from services.worker.instances import HostedInstance, Placement
-from services.worker.onnx_backend import OnnxInstance
 from services.worker.tensor_batches import TensorBatches
 from stageserve.config import read_config, to_spec
 from stageserve.generated import stageserve_pb2 as pb
-from stageserve_tools import examples
-
-
-def _simple(root: Path, extra: str = "") -> HostedInstance:
-    examples.write_simple(root, "simple", max_batch_size=8)
-    config = root / "simple" / "config.pbtxt"
-    config.write_text(config.read_text() + extra)
-    spec = to_spec(read_config(root / "simple"))
-    backend = OnnxInstance(
-        root / "simple" / "1" / "model.onnx",
-        "cpu",
-        1,
-        {t.name: t.datatype.triton for t in spec.inputs},
-        {t.name: t.datatype.triton for t in spec.outputs},
-    )
-    return HostedInstance(
-        "w/simple/1/g1/0",
-        "simple",
-        1,
-        1,
-        Placement("KIND_CPU", -1),
-        spec,
-        TensorBatches(spec, backend),
-    )
+from tests.hosted import hosted_simple
 
 
 def _batch(size: int = 5) -> pb.ExecuteRequest:
@@ -63,7 +39,7 @@ def test_a_fast_model_stays_inline_on_a_host_that_takes_its_core(tmp_path: Path)
     a small share of that CPU whatever else the machine runs. (A helper that
     SIGSTOPped this process needed the CPU itself to do so: on a loaded
     machine it stalled the executions too little, mean wall 197 us.)"""
-    inst = _simple(tmp_path)
+    inst = hosted_simple(tmp_path)
     request = _batch()
     inst.execute(request)  # warm
     cpu = min(os.sched_getaffinity(0))
@@ -107,7 +83,7 @@ def test_a_fast_model_stays_inline_on_a_host_that_takes_its_core(tmp_path: Path)
 
 def test_a_model_that_sleeps_in_execute_is_not_run_inline(tmp_path: Path) -> None:
     extra = 'parameters { key: "execute_delay_ms" value: { string_value: "2" } }\n'
-    inst = _simple(tmp_path, extra)
+    inst = hosted_simple(tmp_path, extra)
     try:
         inst.execute(_batch())
     finally:
@@ -118,7 +94,7 @@ def test_a_model_that_sleeps_in_execute_is_not_run_inline(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(("kind", "learnt"), [("KIND_CPU", 1_000), ("KIND_GPU", 900_000)])
 def test_on_a_gpu_the_wall_time_counts(tmp_path: Path, kind: str, learnt: int) -> None:
-    inst = _simple(tmp_path)
+    inst = hosted_simple(tmp_path)
     inst.placement = Placement(kind, 0 if kind == "KIND_GPU" else -1)
     try:
         assert inst._inline_cost(wall_ns=900_000, cpu_ns=1_000) == learnt

@@ -19,12 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.worker.instances import HostedInstance, Placement
-from services.worker.onnx_backend import OnnxInstance
 from services.worker.service import _failed
-from services.worker.tensor_batches import TensorBatches
 from stageserve import tensor_shm
-from stageserve.config import read_config, to_spec
 from stageserve.errors import StageError
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.settings import StackSettings
@@ -38,30 +34,9 @@ from stageserve.tensor_shm import (
     take_outputs,
     tensor_bytes,
 )
-from stageserve_tools import examples
+from tests.hosted import hosted_simple
 
 ROW = 16 * 4  # one INT32[16] row of the simple model: one slot of 64 bytes
-
-
-def _simple(root: Path) -> HostedInstance:
-    examples.write_simple(root, "simple", max_batch_size=8)
-    spec = to_spec(read_config(root / "simple"))
-    backend = OnnxInstance(
-        root / "simple" / "1" / "model.onnx",
-        "cpu",
-        1,
-        {t.name: t.datatype.triton for t in spec.inputs},
-        {t.name: t.datatype.triton for t in spec.outputs},
-    )
-    return HostedInstance(
-        "w/simple/1/g1/0",
-        "simple",
-        1,
-        1,
-        Placement("KIND_CPU", -1),
-        spec,
-        TensorBatches(spec, backend),
-    )
 
 
 def _row(value: int) -> pb.Tensor:
@@ -100,7 +75,7 @@ def gateway() -> Iterator[TensorShm]:
 def test_a_request_whose_slots_were_retaken_fails_cancelled(
     tmp_path: Path, gateway: TensorShm
 ) -> None:
-    inst = _simple(tmp_path)
+    inst = hosted_simple(tmp_path)
     cancelled = _row(7)
     held = gateway.stage_inputs([cancelled])
     assert held and held[0].generation
@@ -119,7 +94,7 @@ def test_a_request_whose_slots_were_retaken_fails_cancelled(
 
 
 def test_a_request_whose_slots_were_not_retaken_answers(tmp_path: Path, gateway: TensorShm) -> None:
-    inst = _simple(tmp_path)
+    inst = hosted_simple(tmp_path)
     mine = _row(7)
     held = gateway.stage_inputs([mine])
     resp = inst.execute(_batch(mine, _row(5)))
@@ -131,7 +106,7 @@ def test_a_request_whose_slots_were_not_retaken_answers(tmp_path: Path, gateway:
 
 def test_freed_but_not_retaken_slots_still_answer(tmp_path: Path, gateway: TensorShm) -> None:
     """Freed, not yet handed out: the bytes are still the request's own."""
-    inst = _simple(tmp_path)
+    inst = hosted_simple(tmp_path)
     mine = _row(3)
     gateway.release(gateway.stage_inputs([mine]))
     resp = inst.execute(_batch(mine, _row(4)))
@@ -164,7 +139,7 @@ def test_a_region_the_worker_cannot_map_is_refused_with_its_own_reason() -> None
 
 def test_the_worker_answers_a_batch_it_cannot_map_region_not_local(tmp_path: Path) -> None:
     """Not a bad input: the gateway resends a TENSOR_REGION_NOT_LOCAL request inline."""
-    inst = _simple(tmp_path)
+    inst = hosted_simple(tmp_path)
     request = _batch(
         pb.Tensor(parts=[pb.TensorPart(region="stageserve-gone-gateway-1", length=ROW)]),
         _row(5),

@@ -94,6 +94,14 @@ def load(paths: list[str]) -> tuple[ctypes.CDLL | None, str]:
     return None, "no CUDA runtime library: " + "; ".join(errors[-2:])
 
 
+def load_driver() -> ctypes.CDLL | None:
+    """The CUDA driver library, or None on a machine without one."""
+    try:
+        return ctypes.CDLL(_DRIVER)
+    except OSError:
+        return None
+
+
 class Runtime:
     """The calls of one loaded libcudart."""
 
@@ -163,18 +171,13 @@ class Runtime:
         self.set_device(device)
         self._check("cudaMemcpy", self._lib.cudaMemcpy(ptr, data, len(data), H2D))
 
-    def device_to_device(self, dst: int, src: int, byte_size: int, device: int) -> None:
-        self.set_device(device)
-        self._check("cudaMemcpy", self._lib.cudaMemcpy(dst, src, byte_size, D2D))
-
     def address_range(self, ptr: int) -> tuple[int, int]:
         """(base, size) of the allocation holding `ptr`, in the current context
         (the driver's cuMemGetAddressRange_v2; Triton's register bound)."""
         if self._driver is None:
-            try:
-                drv = ctypes.CDLL(_DRIVER)
-            except OSError as exc:
-                raise CudaError("cuMemGetAddressRange", -1, str(exc)) from None
+            drv = load_driver()
+            if drv is None:
+                raise CudaError("cuMemGetAddressRange", -1, f"{_DRIVER} does not load")
             drv.cuMemGetAddressRange_v2.argtypes = [
                 ctypes.POINTER(ctypes.c_uint64),
                 ctypes.POINTER(ctypes.c_size_t),

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stageserve.tensor_slots import SlotTable, retaken
+from stageserve.tensor_slots import SlotTable, extent_slots, retaken
 
 SHM_DIR = Path("/dev/shm")
 _MAGIC = b"SSTSLOT2"
@@ -144,8 +144,7 @@ class TensorRegion:
         if not generation:
             return False
         start = offset // self.slot_size
-        end = start + max(1, -(-length // self.slot_size))
-        return retaken(self.gens, start, end, generation)
+        return retaken(self.gens, start, start + extent_slots(length, self.slot_size), generation)
 
     def close(self) -> None:
         self.table = None

@@ -37,7 +37,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -152,17 +152,29 @@ def retaken_rows(request: pb.ExecuteRequest) -> set[int]:
     rows = len(request.request_batch_sizes)
     hit: set[int] = set()
     for t in request.inputs:
-        _retaken_in(t, rows, hit)
+        _retaken_in(t.parts, rows, hit)
     return hit
 
 
-def _retaken_in(t: pb.Tensor, rows: int, hit: set[int]) -> None:
-    for i, part in enumerate(t.parts):
+def _retaken_in(parts: Sequence[pb.TensorPart], rows: int, hit: set[int]) -> None:
+    for i, part in enumerate(parts):
         if not part.region or not part.generation:
             continue
         if _region(part.region).retaken(part.offset, part.length, part.generation):
             # a batch lists one part per request, in order
-            hit.update([i] if len(t.parts) == rows else range(rows))
+            hit.update([i] if len(parts) == rows else range(rows))
+
+
+def materialize(t: pb.Tensor) -> list[pb.TensorPart]:
+    """`t`'s bytes into `raw`, its parts dropped and returned (whoever holds
+    their slots still frees them)."""
+    if not t.parts:
+        return []
+    raw = bytes(tensor_bytes(t))
+    parts = list(t.parts)
+    del t.parts[:]
+    t.raw = raw
+    return parts
 
 
 def materialize_batch(request: pb.ExecuteRequest) -> set[int]:
@@ -172,11 +184,7 @@ def materialize_batch(request: pb.ExecuteRequest) -> set[int]:
     rows = len(request.request_batch_sizes)
     hit: set[int] = set()
     for t in request.inputs:
-        if t.parts:
-            raw = bytes(tensor_bytes(t))
-            _retaken_in(t, rows, hit)
-            del t.parts[:]
-            t.raw = raw
+        _retaken_in(materialize(t), rows, hit)  # checked after the copy
     return hit
 
 

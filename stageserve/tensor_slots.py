@@ -53,15 +53,12 @@ class SlotTable:
     def slots(self) -> int:
         return int(self.tags.shape[0])
 
-    def slots_for(self, nbytes: int) -> int:
-        return max(1, -(-nbytes // self.slot_size))
-
     def alloc(self, nbytes: int, tag: int, now_ns: int) -> int | None:
         """The first slot of a free extent for `nbytes`, now tagged `tag`;
         None when no extent that long is free (the caller falls back)."""
         if tag <= 0:
             raise ValueError("a tag is a positive pid")
-        need = -(-nbytes // self.slot_size) or 1
+        need = extent_slots(nbytes, self.slot_size)
         if need > self.slots:
             return None
         with self._lock:
@@ -117,13 +114,7 @@ class SlotTable:
         """Give back the extent at `start` that held `nbytes`."""
         if not 0 <= start < self.slots:
             raise ValueError(f"slot {start} is outside the table of {self.slots}")
-        self.tags[start : start + self.slots_for(nbytes)] = 0
-
-    def retaken(self, start: int, nbytes: int, generation: int) -> bool:
-        """True when some slot of the extent at `start` (`nbytes` long) no
-        longer carries `generation`: it was freed and taken again."""
-        end = start + self.slots_for(nbytes)
-        return retaken(self.gens, start, end, generation)
+        self.tags[start : start + extent_slots(nbytes, self.slot_size)] = 0
 
     def in_use(self) -> int:
         return int(np.count_nonzero(self.tags))
@@ -141,6 +132,11 @@ class SlotTable:
                 lost |= held & (self.stamps < older_than_ns)
             self.tags[lost] = 0
             return int(np.count_nonzero(lost))
+
+
+def extent_slots(nbytes: int, slot_size: int) -> int:
+    """How many slots an extent of `nbytes` takes (at least one)."""
+    return max(1, -(-nbytes // slot_size))
 
 
 def retaken(gens: np.ndarray, start: int, end: int, generation: int) -> bool:

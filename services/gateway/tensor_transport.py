@@ -27,7 +27,7 @@ from stageserve.config import ModelSpec
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.redis_keys import TENSOR_SHM_HOSTS
-from stageserve.tensor_shm import TensorShm, tensor_bytes
+from stageserve.tensor_shm import TensorShm, materialize
 
 log = logging.getLogger(__name__)
 
@@ -121,10 +121,7 @@ class TensorTransport:
         held until `release`), no output through shared memory, and the model
         off shared memory until the next refresh."""
         for t in request.inputs:
-            if t.parts:
-                raw = bytes(tensor_bytes(t))
-                del t.parts[:]
-                t.raw = raw
+            materialize(t)
         request.ClearField("shm_host")
         request.ClearField("shm_pid")
         self.local.models.discard(spec.name)

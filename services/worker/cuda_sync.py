@@ -24,12 +24,13 @@ import ctypes
 import logging
 from collections.abc import Callable
 
+from stageserve.cuda_ipc import load_driver
+
 log = logging.getLogger(__name__)
 
 #: CU_CTX_SCHED_* of the driver API (cuda.h)
 SCHEDULE_FLAGS = {"auto": 0, "spin": 1, "yield": 2, "blocking": 4}
 _SCHEDULE_MASK = 0x07
-_DRIVER_LIBRARY = "libcuda.so.1"
 
 
 class CudaDriverError(RuntimeError):
@@ -45,14 +46,6 @@ def schedule_flags(mode: str) -> int:
         raise ValueError(f"cuda_sync must be one of {choices}, not {mode!r}") from None
 
 
-def load_driver() -> ctypes.CDLL | None:
-    """The CUDA driver library, or None on a machine without one."""
-    try:
-        return ctypes.CDLL(_DRIVER_LIBRARY)
-    except OSError:
-        return None
-
-
 def apply(
     mode: str, device: int | None, driver: Callable[[], ctypes.CDLL | None] = load_driver
 ) -> str:
@@ -63,7 +56,7 @@ def apply(
         return "CUDA's default"
     lib = driver()
     if lib is None:
-        return f"not set: no {_DRIVER_LIBRARY} on this host"
+        return "not set: no libcuda.so.1 on this host"
     try:
         _set_primary_flags(lib, device, flags)
     except CudaDriverError as exc:

@@ -7,9 +7,12 @@ lies in (cuMemGetAddressRange, from the driver library). No CUDA toolkit and
 no Python CUDA package is needed: the runtime is found as a shared library.
 
 Where it is looked for, first found wins (`candidates`): $CUDA_HOME (or
-$CUDA_PATH) lib64/ and lib/, the nvidia-cuda-runtime-cu12 wheel's
-nvidia/cuda_runtime/lib, torch's bundled lib/, then the plain sonames through
-the loader's own search. `available()` is False when no library loads or no
+$CUDA_PATH) lib64/ and lib/; in every folder of the `nvidia` namespace
+package, the nvidia-cuda-runtime-cu12 wheel's cuda_runtime/lib and the
+cu<N>/lib folders CUDA 13 wheels use (torch's cu130 build brings
+nvidia/cu13/lib/libcudart.so.13), the newest CUDA first; torch's bundled
+lib/; then the plain sonames, newest first, through the loader's own
+search. `available()` is False when no library loads or no
 device answers (a host without a driver gets error 35, insufficient driver;
 one with a driver but no GPU, 100, no device): callers then refuse as a
 Triton build without GPU support does. The probe runs once per process, at
@@ -22,7 +25,7 @@ import ctypes
 import importlib.util
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +35,7 @@ IPC_HANDLE_BYTES = 64
 _LAZY_ENABLE_PEER_ACCESS = 1
 #: cudaMemcpyKind
 H2D, D2H, D2D = 1, 2, 3
-_SONAMES = ("libcudart.so.12", "libcudart.so")
+_SONAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
 _DRIVER = "libcuda.so.1"
 
 
@@ -49,20 +52,33 @@ class CudaError(Exception):
         self.code = code
 
 
-def candidates(env: Mapping[str, str] = os.environ) -> list[str]:
-    """The libcudart files (or sonames) to try, in order."""
+def candidates(
+    env: Mapping[str, str] = os.environ, nvidia: Sequence[Path] | None = None
+) -> list[str]:
+    """The libcudart files (or sonames) to try, in order. `nvidia`: the
+    folders of the `nvidia` namespace package (None: where this Python finds
+    them)."""
     found: list[str] = []
     home = env.get("CUDA_HOME") or env.get("CUDA_PATH")
     if home:
         for sub in ("lib64", "lib"):
             found += _libraries(Path(home) / sub, "libcudart.so*")
-    wheel = _package_dir("nvidia.cuda_runtime")
-    if wheel is not None:
-        found += _libraries(wheel / "lib", "libcudart.so*")
-    torch = _package_dir("torch")
-    if torch is not None:  # some torch builds carry a renamed copy (libcudart-<hash>.so.12)
-        found += _libraries(torch / "lib", "libcudart*.so*")
+    for folder in _package_dirs("nvidia") if nvidia is None else nvidia:
+        found += nvidia_runtimes(folder)
+    torch = _package_dirs("torch")
+    if torch:  # some torch builds carry a renamed copy (libcudart-<hash>.so.12)
+        found += _libraries(torch[0] / "lib", "libcudart*.so*")
     return found + list(_SONAMES)
+
+
+def nvidia_runtimes(folder: Path) -> list[str]:
+    """The libcudart files of one folder of the `nvidia` namespace package:
+    cuda_runtime/lib (the CUDA 12 wheel), then cu<N>/lib, the highest N first."""
+    found = _libraries(folder / "cuda_runtime" / "lib", "libcudart.so*")
+    versions = [d for d in folder.glob("cu*") if d.name[2:].isdigit()] if folder.is_dir() else []
+    for sub in sorted(versions, key=lambda d: -int(d.name[2:])):
+        found += _libraries(sub / "lib", "libcudart.so*")
+    return found
 
 
 def _libraries(folder: Path, pattern: str) -> list[str]:
@@ -72,15 +88,16 @@ def _libraries(folder: Path, pattern: str) -> list[str]:
     return [str(p) for p in sorted(folder.glob(pattern), key=lambda p: (-len(p.name), p.name))]
 
 
-def _package_dir(name: str) -> Path | None:
-    """Where an installed package lies, without importing it (torch's import takes seconds)."""
+def _package_dirs(name: str) -> list[Path]:
+    """Where an installed package lies, every folder of a namespace package,
+    without importing it (torch's import takes seconds)."""
     try:
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
-        return None
+        return []
     if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
+        return []
+    return [Path(p) for p in spec.submodule_search_locations]
 
 
 def load(paths: list[str]) -> tuple[ctypes.CDLL | None, str]:

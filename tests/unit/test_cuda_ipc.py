@@ -14,7 +14,7 @@ import pytest
 from stageserve import cuda_ipc
 from stageserve.gpus import gpu_count
 
-SONAMES = ["libcudart.so.12", "libcudart.so"]
+SONAMES = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
 
 
 def _touch(folder: Path, *names: str) -> None:
@@ -33,7 +33,7 @@ def test_cuda_home_comes_first_lib64_before_lib_most_specific_first(tmp_path: Pa
         str(tmp_path / "lib64/libcudart.so"),
         str(tmp_path / "lib/libcudart.so.12"),
     ]
-    assert found[-2:] == SONAMES  # the loader's own search comes last
+    assert found[-3:] == SONAMES  # the loader's own search comes last
 
 
 def test_cuda_path_stands_in_for_cuda_home(tmp_path: Path) -> None:
@@ -45,9 +45,41 @@ def test_cuda_path_stands_in_for_cuda_home(tmp_path: Path) -> None:
 
 def test_without_cuda_home_the_wheels_then_the_sonames(tmp_path: Path) -> None:
     found = cuda_ipc.candidates({"CUDA_HOME": str(tmp_path / "missing")})
-    assert found[-2:] == SONAMES
-    for path in found[:-2]:  # what is found before them lies in an installed wheel
-        assert "/nvidia/cuda_runtime/lib/" in path or "/torch/lib/" in path
+    assert found[-3:] == SONAMES
+    for path in found[:-3]:  # what is found before them lies in an installed wheel
+        assert "/nvidia/" in path or "/torch/lib/" in path
+
+
+def test_the_cuda13_wheel_layout_is_found_in_every_nvidia_folder(tmp_path: Path) -> None:
+    # torch's cu130 build: site-packages/nvidia/cu13/lib/libcudart.so.13, no
+    # nvidia.cuda_runtime; `nvidia` is a namespace package spread over folders
+    first, second = tmp_path / "site-a" / "nvidia", tmp_path / "site-b" / "nvidia"
+    _touch(first / "cu13" / "lib", "libcudart.so.13", "libcublas.so.13")
+    _touch(first / "cublas" / "lib", "libcudart.so.12")  # not a runtime folder
+    _touch(second / "cuda_runtime" / "lib", "libcudart.so.12")
+    _touch(second / "cu12" / "lib", "libcudart.so.12")
+    _touch(second / "cu13" / "lib", "libcudart.so.13")
+    _touch(second / "cudnn" / "lib", "libcudnn.so.9")
+    found = cuda_ipc.candidates({}, nvidia=[first, second])
+    wheels = [p for p in found if p.startswith(str(tmp_path))]
+    assert wheels == [
+        str(first / "cu13/lib/libcudart.so.13"),
+        str(second / "cuda_runtime/lib/libcudart.so.12"),
+        str(second / "cu13/lib/libcudart.so.13"),
+        str(second / "cu12/lib/libcudart.so.12"),
+    ]
+    assert found[: len(wheels)] == wheels  # before torch's lib/ and the sonames
+    assert found[-3:] == SONAMES
+
+
+def test_a_cuda_home_still_comes_before_the_wheels(tmp_path: Path) -> None:
+    _touch(tmp_path / "home" / "lib64", "libcudart.so.13")
+    _touch(tmp_path / "nvidia" / "cu13" / "lib", "libcudart.so.13")
+    found = cuda_ipc.candidates({"CUDA_HOME": str(tmp_path / "home")}, nvidia=[tmp_path / "nvidia"])
+    assert found[:2] == [
+        str(tmp_path / "home/lib64/libcudart.so.13"),
+        str(tmp_path / "nvidia/cu13/lib/libcudart.so.13"),
+    ]
 
 
 def test_the_first_path_that_loads_wins(tmp_path: Path) -> None:

@@ -50,6 +50,7 @@ class CudaError(Exception):
         super().__init__(f"{call}: error {code} ({text})")
         self.call = call
         self.code = code
+        self.text = text  # cudaGetErrorString's, what Triton's messages quote
 
 
 def candidates(

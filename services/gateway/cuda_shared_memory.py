@@ -16,19 +16,22 @@ handle that does not open, a device id out of range and a handle of the wrong
 length (Triton logs the CUDA error and answers the same generic message). A
 byte size past the end of the allocation is refused as Triton's
 CheckCudaSharedMemoryRegionSize does, naming the region. Status and
-unregister succeed on any host, as Triton's do.
+unregister succeed on any host, as Triton's do; a handle whose close fails
+keeps its region registered and the unregister answers Triton's INTERNAL
+(shared_memory.py).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from stageserve import cuda_ipc
-from stageserve.errors import StageError, invalid
+from stageserve.errors import StageError, internal, invalid
 from stageserve.telemetry import CUDA_SHM_COPIES
 
 log = logging.getLogger(__name__)
@@ -59,10 +62,14 @@ class CudaWindow:
         _H2D.inc()
 
     def close(self) -> None:
+        """Close the handle; a failing close is Triton's INTERNAL "failed to
+        close CUDA IPC handle: <CUDA's error string>" (the caller keeps the
+        region registered, as Triton does)."""
         try:
             self.runtime.close_handle(self.ptr, self.device_id)
-        except cuda_ipc.CudaError as exc:  # the region is gone either way
+        except cuda_ipc.CudaError as exc:
             log.error("failed to close CUDA IPC handle", extra={"error": str(exc)})
+            raise internal(f"failed to close CUDA IPC handle: {exc.text}") from None
 
 
 def refusal(raw_handle: bytes, device_id: int, devices: int) -> str:
@@ -102,7 +109,8 @@ def open_window(name: str, raw_handle: bytes, device_id: int, byte_size: int) ->
         base, size = runtime.address_range(ptr)
         check_fits(name, byte_size, ptr, base, size)
     except (cuda_ipc.CudaError, StageError) as exc:
-        window.close()
+        with contextlib.suppress(StageError):  # logged by close(); the register is refused
+            window.close()
         _log_refusal(name, device_id, str(exc))
         raise invalid(f"failed to register shared memory region '{name}': invalid args") from None
     return window

@@ -25,16 +25,20 @@ at the page below it).
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
 from services.gateway.cuda_shared_memory import open_window
-from stageserve.errors import already_exists, internal, invalid, not_found
+from stageserve.errors import StageError, already_exists, internal, invalid, not_found
 from stageserve.names import check_shm_key, printable
+
+log = logging.getLogger(__name__)
 
 SHM_ROOT = Path("/dev/shm")
 
@@ -42,6 +46,7 @@ Kind = Literal["system", "cuda"]
 SYSTEM: Kind = "system"
 CUDA: Kind = "cuda"
 _TITLE = {SYSTEM: "system", CUDA: "CUDA"}
+_LOWER = {SYSTEM: "system", CUDA: "cuda"}  # as Triton spells them in unregister-all
 
 
 class Window(Protocol):
@@ -52,6 +57,11 @@ class Window(Protocol):
     def write(self, begin: int, data: bytes) -> None: ...
 
     def close(self) -> None: ...
+
+
+#: (name, raw handle, device id, byte size) -> the opened CUDA window
+#: (cuda_shared_memory.open_window; a test injects its own)
+CudaOpener = Callable[[str, bytes, int, int], Window]
 
 
 @dataclass
@@ -107,8 +117,9 @@ class Region:
 class SharedMemory:
     """The gateway's registry of shared-memory regions, system and CUDA."""
 
-    def __init__(self, root: Path = SHM_ROOT) -> None:
+    def __init__(self, root: Path = SHM_ROOT, open_cuda: CudaOpener = open_window) -> None:
         self.root = root
+        self._open_cuda = open_cuda
         self._regions: dict[str, Region] = {}
         self._lock = threading.Lock()
 
@@ -123,7 +134,7 @@ class SharedMemory:
         `device_id` (refused with Triton's answer where CUDA is unavailable)."""
         with self._lock:
             self._check_new(name)
-            window = open_window(name, raw_handle, device_id, byte_size)
+            window = self._open_cuda(name, raw_handle, device_id, byte_size)
             self._regions[name] = Region(name, CUDA, byte_size, window, device_id=device_id)
 
     def _check_new(self, name: str) -> None:
@@ -171,17 +182,34 @@ class SharedMemory:
     def unregister(self, name: str = "", kind: Kind = SYSTEM) -> None:
         """One region of `kind`, or all of them with an empty name; an unknown
         name, or one of the other kind, is no error (as Triton). A region still
-        used by in-flight requests is closed when they finish."""
+        used by in-flight requests is closed when they finish. A region whose
+        close fails (a CUDA handle cudaIpcCloseMemHandle refuses) stays
+        registered, and the answer is Triton's INTERNAL: that close's message
+        for one name, the list of the regions left for all of them."""
         with self._lock:
             names = [n for n, r in self._regions.items() if r.kind == kind] if not name else [name]
+            failed: list[StageError] = []
+            kept: list[str] = []
             for n in names:
                 region = self._regions.get(n)
                 if region is None or region.kind != kind:
                     continue
+                if region.users == 0:
+                    try:
+                        region.close()
+                    except StageError as exc:  # still open: it stays, as in Triton
+                        failed.append(exc)
+                        kept.append(n)
+                        continue
                 del self._regions[n]
                 region.unregistered = True
-                if region.users == 0:
-                    region.close()
+        if name and failed:
+            raise failed[0]
+        if kept:
+            listed = "".join(f"{n} ," for n in kept)  # Triton's separator, as it writes it
+            raise internal(
+                f"Failed to unregister the following {_LOWER[kind]} shared memory regions: {listed}"
+            )
 
     def acquire(self, name: str) -> Region:
         """The region a request reads or writes; release() it when the request ends."""
@@ -196,4 +224,7 @@ class SharedMemory:
         with self._lock:
             region.users -= 1
             if region.users == 0 and region.unregistered:
-                region.close()
+                try:
+                    region.close()
+                except StageError as exc:  # no client waits on this close: logged
+                    log.error("closing an unregistered region failed", extra={"error": exc.message})

@@ -12,9 +12,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from services.gateway.cuda_shared_memory import CudaWindow
 from services.gateway.shared_memory import CUDA, SHM_ROOT, SYSTEM, SharedMemory
 from stageserve import cuda_ipc
-from stageserve.errors import StageError
+from stageserve.errors import StageError, http_status
 
 
 @pytest.fixture
@@ -178,3 +179,78 @@ def test_unregistering_the_other_kind_leaves_a_region(shm_key: str) -> None:
     region = shm.acquire("r")  # a request finds a region whatever its kind
     assert region.kind == SYSTEM and region.read(0, 1) == b"\x00"
     shm.release(region)
+
+
+# ------------------------------------ a CUDA handle whose close fails (Triton keeps it)
+
+
+class _FailingClose(cuda_ipc.Runtime):
+    """A runtime whose cudaIpcCloseMemHandle answers an error (no GPU here:
+    nothing else of it is called by register, status and unregister)."""
+
+    def __init__(self) -> None:
+        self.path = "fake"
+        self.closes = 0
+        self.fail = True
+
+    def close_handle(self, ptr: int, device: int) -> None:
+        self.closes += 1
+        if self.fail:
+            raise cuda_ipc.CudaError("cudaIpcCloseMemHandle", 400, "invalid resource handle")
+
+
+def _cuda_table(runtime: cuda_ipc.Runtime) -> SharedMemory:
+    def opener(name: str, raw: bytes, device_id: int, byte_size: int) -> CudaWindow:
+        return CudaWindow(runtime, 0x7F0000000000, device_id)
+
+    return SharedMemory(open_cuda=opener)
+
+
+def test_a_failing_close_keeps_the_region_and_answers_tritons_internal() -> None:
+    runtime = _FailingClose()
+    shm = _cuda_table(runtime)
+    shm.register_cuda("c", HANDLE, 0, 64)
+    with pytest.raises(StageError) as exc:
+        shm.unregister("c", CUDA)
+    assert (_code(exc), exc.value.message) == (
+        grpc.StatusCode.INTERNAL,
+        "failed to close CUDA IPC handle: invalid resource handle",
+    )
+    assert http_status(exc.value.reason) == 500  # the HTTP front's status for it
+    assert [(r.name, r.byte_size) for r in shm.status(kind=CUDA)] == [("c", 64)]
+    region = shm.acquire("c")  # still usable by requests
+    shm.release(region)
+    runtime.fail = False
+    shm.unregister("c", CUDA)  # a close that succeeds later drops it
+    assert shm.status(kind=CUDA) == [] and runtime.closes == 2
+
+
+def test_unregister_all_drops_what_closes_and_lists_what_stays(shm_key: str) -> None:
+    failing, fine = _FailingClose(), _FailingClose()
+    fine.fail = False
+    runtimes = iter([failing, fine, failing])
+
+    def opener(name: str, raw: bytes, device_id: int, byte_size: int) -> CudaWindow:
+        return CudaWindow(next(runtimes), 0x7F0000000000, device_id)
+
+    shm = SharedMemory(open_cuda=opener)
+    shm.register("sys", shm_key, 0, 8)
+    for name in ("a", "b", "c"):
+        shm.register_cuda(name, HANDLE, 0, 64)
+    with pytest.raises(StageError) as exc:
+        shm.unregister(kind=CUDA)
+    assert (_code(exc), exc.value.message) == (
+        grpc.StatusCode.INTERNAL,
+        "Failed to unregister the following cuda shared memory regions: a ,c ,",
+    )
+    assert sorted(r.name for r in shm.status(kind=CUDA)) == ["a", "c"]
+    assert [r.name for r in shm.status()] == ["sys"]  # the other kind untouched
+
+
+def test_a_deferred_close_that_fails_is_logged_not_raised() -> None:
+    shm = _cuda_table(_FailingClose())
+    shm.register_cuda("c", HANDLE, 0, 64)
+    region = shm.acquire("c")
+    shm.unregister("c", CUDA)  # in use: leaves the table, closed at release
+    assert shm.status(kind=CUDA) == []
+    shm.release(region)  # the close fails: nobody to answer, so it is logged

@@ -347,7 +347,8 @@ WORKER_COMPUTE = Histogram(
 CUDA_SHM_COPIES = Counter(
     "stageserve_cuda_shm_copies",
     "Copies between the gateway and clients' CUDA shared-memory regions, by direction "
-    "(d2h: an input read out of a region; h2d: an output written into one)",
+    "(d2h: an input read out of a region; h2d: an output written into one; d2d: a tensor "
+    "the worker read or wrote in the region itself, on its device)",
     ["direction"],
 )
 STAGE_RPC_DURATION = Histogram(

@@ -124,11 +124,17 @@ def tensor_bytes(t: pb.Tensor) -> bytes | memoryview:
     parts joined (one copy)."""
     if not t.parts:
         return t.raw
-    views = [_part_view(p) for p in t.parts]
+    views = [part_bytes(p) for p in t.parts]
     return views[0] if len(views) == 1 else b"".join(views)
 
 
-def _part_view(part: pb.TensorPart) -> bytes | memoryview:
+def part_bytes(part: pb.TensorPart) -> bytes | memoryview:
+    """One part's bytes: its extent of a region (no copy) or its `raw`."""
+    if part.HasField("cuda"):
+        # a client's device memory: only the worker's in-place path reads it
+        # (services/worker/cuda_inplace.py); any other reader has the gateway
+        # resend the bytes, as for a region it cannot map
+        raise RegionNotLocal("a CUDA shared-memory extent is read on its device only")
     if not part.region:
         return part.raw
     return _region(part.region).extent(part.offset, part.length)

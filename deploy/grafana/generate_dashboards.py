@@ -737,7 +737,8 @@ def stages_dashboard() -> dict:
             "CUDA shared-memory copies",
             "stageserve_cuda_shm_copies_total: copies the gateway made between clients' CUDA "
             "shared-memory regions and host memory, per second: d2h an input read out of a "
-            "region, h2d an output written into one (docs/architecture.md).",
+            "region, h2d an output written into one; d2d a tensor a worker on the region's "
+            "device read or wrote in place (docs/architecture.md).",
             [
                 (
                     "sum by (direction) (rate(stageserve_cuda_shm_copies_total[1m]))",

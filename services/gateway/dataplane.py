@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from services.gateway import cuda_inplace
 from services.gateway.cache_metrics import CacheMetrics
 from services.gateway.log_control import LogControl
 from services.gateway.model_lifecycle import ModelLifecycle
@@ -195,8 +196,15 @@ class DataPlane:
         held: dict[str, Region] = {}  # output -> its region, released when the request ends
         scheduled = False
         staged: list[pb.TensorPart] = []  # inputs in the tensor region, freed when it ends
+        in_place = self._in_place(spec, trace)  # CUDA regions the worker uses itself
         try:
-            validated = validate_infer(request, spec, self._read_shared, raw_contents)
+            validated = validate_infer(
+                request,
+                spec,
+                self._read_shared,
+                raw_contents,
+                in_place.input_part if in_place is not None else None,
+            )
             if trace is not None:
                 trace.validated(start, time.monotonic_ns())
                 trace.inputs(validated.inputs)
@@ -234,19 +242,26 @@ class DataPlane:
                 scheduled_request.traceparent = trace.traceparent()
             if shm is not None:
                 shm.address(spec, scheduled_request)
+            if in_place is not None:
+                scheduled_request.cuda_outputs.extend(in_place.outputs(spec, validated, held))
             resp = await self.scheduler.schedule(
                 scheduled_request,
                 on_more=stream_partials(stream, entry.name, version, request.id),
             )
             if resp.failure == pb.TENSOR_REGION_NOT_LOCAL and shm is not None:
                 # a worker that cannot map this gateway's region (another host
-                # or container, not yet seen as such): once more, bytes inline
+                # or container, not yet seen as such) or open a client's CUDA
+                # handle: once more, bytes inline
+                if in_place is not None:
+                    in_place.to_host(scheduled_request)
                 shm.inline(spec, scheduled_request)
                 resp = await self.scheduler.schedule(
                     scheduled_request,
                     on_more=stream_partials(stream, entry.name, version, request.id),
                 )
             take_outputs(resp.outputs)
+            if in_place is not None and not resp.failure:
+                cuda_inplace.count(scheduled_request, resp.outputs)
             if stream is not None:
                 stream.final(resp)
             timing = resp.timing
@@ -279,6 +294,8 @@ class DataPlane:
                 trace.end(time.monotonic_ns(), timing=timing)
             for region in held.values():
                 self.shm.release(region)
+            if in_place is not None:
+                in_place.release()
             if staged:
                 assert self.tensor_transport is not None
                 self.tensor_transport.release(staged)
@@ -313,6 +330,16 @@ class DataPlane:
         if self.cache_metrics is not None:
             self.cache_metrics.looked_up(hit is not None, lookup_ns)
         return key, lookup_ns, hit
+
+    def _in_place(
+        self, spec: ModelSpec, trace: RequestTrace | FileRequestTrace | None
+    ) -> cuda_inplace.InPlace | None:
+        """This request's in-place references, where its model's worker may
+        use CUDA regions directly (cuda_inplace.py); None: the copy path."""
+        if self.tensor_transport is None or trace is not None:
+            return None
+        device = self.tensor_transport.cuda_device(spec)
+        return None if device is None else cuda_inplace.InPlace(self.shm, device)
 
     def _read_shared(self, ref: SharedRef) -> bytes:
         region = self.shm.acquire(ref.region)
@@ -490,7 +517,9 @@ def _response(
     out = gs.ModelInferResponse(model_name=model, model_version=str(version), id=request_id)
     for t in outputs:
         out.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
-        if t.name in held:  # as Triton: the bytes go to the region, the entry stays empty
+        if t.device_written and t.name in held:  # the worker wrote the region itself
+            out.raw_output_contents.append(b"")
+        elif t.name in held:  # as Triton: the bytes go to the region, the entry stays empty
             _write_shared(held[t.name], validated.shared_outputs[t.name], t)
             out.raw_output_contents.append(b"")
         else:

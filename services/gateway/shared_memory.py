@@ -92,6 +92,7 @@ class Region:
     key: str = ""  # system: the shm key and the window's offset in its object
     offset: int = 0
     device_id: int = 0  # cuda: the device the handle was opened on
+    raw_handle: bytes = b""  # cuda: the client's cudaIpcMemHandle_t (the in-place path sends it)
     users: int = 0  # requests holding the region (unregister waits for them)
     unregistered: bool = False
 
@@ -135,7 +136,9 @@ class SharedMemory:
         with self._lock:
             self._check_new(name)
             window = self._open_cuda(name, raw_handle, device_id, byte_size)
-            self._regions[name] = Region(name, CUDA, byte_size, window, device_id=device_id)
+            self._regions[name] = Region(
+                name, CUDA, byte_size, window, device_id=device_id, raw_handle=raw_handle
+            )
 
     def _check_new(self, name: str) -> None:
         if name in self._regions:  # of either kind, as in Triton

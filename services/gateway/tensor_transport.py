@@ -23,6 +23,7 @@ import grpc
 from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.gateway.cuda_inplace import in_place_devices, model_eligible
 from stageserve.config import ModelSpec
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
@@ -57,6 +58,9 @@ class LocalModels:
         self.redis = redis
         self.period_s = period_s
         self.models: set[str] = set()
+        # model -> the CUDA device its every instance runs on, on this host
+        # (services/gateway/cuda_inplace.py)
+        self.cuda_devices: dict[str, int] = {}
         self._task: asyncio.Task | None = None
 
     def __contains__(self, model: str) -> bool:
@@ -67,6 +71,7 @@ class LocalModels:
         raw = await self.redis.hgetall(TENSOR_SHM_HOSTS)
         hosts = {_text(k): _text(v) for k, v in raw.items()}
         self.models = local_models(self.host, list(resp.instances), hosts)
+        self.cuda_devices = in_place_devices(self.host, resp.instances, hosts)
 
     async def run_forever(self) -> None:
         while True:
@@ -75,6 +80,7 @@ class LocalModels:
             except (grpc.aio.AioRpcError, RedisError) as exc:
                 # unknown: send nothing through shared memory until it is known
                 self.models = set()
+                self.cuda_devices = {}
                 log.debug("tensor hosts unknown", extra={"error": type(exc).__name__})
             await asyncio.sleep(self.period_s)
 
@@ -102,6 +108,13 @@ class TensorTransport:
     def eligible(self, spec: ModelSpec) -> bool:
         return shm_eligible(spec) and spec.name in self.local
 
+    def cuda_device(self, spec: ModelSpec) -> int | None:
+        """The CUDA device whose regions this model's worker reads and writes
+        in place (None: the gateway copies): cuda_inplace.py's rules."""
+        if not model_eligible(spec) or spec.name not in self.local:
+            return None
+        return self.local.cuda_devices.get(spec.name)
+
     def stage(self, spec: ModelSpec, inputs: list[pb.Tensor]) -> list[pb.TensorPart]:
         """For an eligible model, move the large inputs into the region (in
         place: they then hold references); the extents to `release` when the
@@ -125,6 +138,7 @@ class TensorTransport:
         request.ClearField("shm_host")
         request.ClearField("shm_pid")
         self.local.models.discard(spec.name)
+        self.local.cuda_devices.pop(spec.name, None)
 
     def release(self, staged: list[pb.TensorPart]) -> None:
         self.shm.release(staged)

@@ -58,6 +58,9 @@ def build_execute_request(
     if any(q.msg.shm_pid for q in batch):
         req.shm_hosts.extend(q.msg.shm_host for q in batch)
         req.shm_pids.extend(q.msg.shm_pid for q in batch)
+    if any(q.msg.cuda_outputs for q in batch):  # the worker writes these in place
+        for q in batch:
+            req.cuda_outputs.add().outputs.extend(q.msg.cuda_outputs)
     return req
 
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from services.worker import cuda_inplace
 from services.worker.backends import BackendError, Emit, TensorBackend
 from services.worker.batch_io import (
     BatchIOError,
@@ -37,6 +39,9 @@ from stageserve.datatypes import from_triton
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.tensor_shm import tensor_bytes
 from stageserve.tensors import TensorError, numpy_to_raw, raw_to_numpy
+
+if TYPE_CHECKING:
+    from services.worker.device_batches import DeviceBatches
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +71,13 @@ class TensorBatches:
         # Asked for by the model (pad_batch set): a batch padding cannot serve
         # fails. By default (auto) such a model stops padding instead.
         self.pad_asked = pad_asked
+        self._device: DeviceBatches | None = None  # the CUDA in-place path, made at first use
 
     def execute_batch(self, request: pb.ExecuteRequest, emit: Emit | None) -> pb.ExecuteResponse:
         """Decode, run and split one batch (`emit` is unused: not decoupled)."""
+        if cuda_inplace.wanted(request):  # clients' CUDA regions, used on the device
+            wanted = self._wanted_outputs(request)
+            return self._on_device().execute(request, self.pad_sizes, wanted)
         t0 = time.monotonic_ns()
         try:
             feeds = {
@@ -128,6 +137,17 @@ class TensorBatches:
 
     def close(self) -> None:
         self.session.close()
+
+    def _on_device(self) -> DeviceBatches:
+        """The in-place path of this instance (RegionNotLocal where it has
+        none: the gateway resends the batch's bytes)."""
+        if self._device is None:
+            # imported here: a worker that never gets a CUDA reference never
+            # imports the torch backend's module for it
+            from services.worker.device_batches import DeviceBatches
+
+            self._device = DeviceBatches(self.spec, self.session, _tensor)
+        return self._device
 
     def _batch_inputs(self, request: pb.ExecuteRequest) -> dict[str, np.ndarray]:
         """Triton's batch_input tensors, computed from the formed batch."""

@@ -279,6 +279,22 @@ class TorchInstance:
     def run(
         self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str] | None = None
     ) -> dict[str, np.ndarray]:
+        names, outputs = self._forward(feeds, output_names)
+        out = {n: self._from_torch(n, outputs, self._outputs[n]) for n in names}
+        self._clean_cache()
+        return out
+
+    def run_device(self, feeds: Mapping, output_names: Sequence[str] | None = None) -> dict:
+        """`run` on torch tensors already on this instance's device (the CUDA
+        in-place path: services/worker/device_batches.py); the outputs stay
+        there, as torch tensors of the configured dtypes."""
+        names, outputs = self._forward(feeds, output_names)
+        out = {n: self._checked(n, outputs, self._outputs[n]).detach() for n in names}
+        self._clean_cache()
+        return out
+
+    def _forward(self, feeds: Mapping, output_names: Sequence[str] | None) -> tuple[list, Sequence]:
+        """forward() on the feeds: the output names asked for and its results."""
         torch = self._torch
         names = list(output_names) if output_names is not None else list(self.output_types)
         unknown = [n for n in names if n not in self.output_types]
@@ -303,11 +319,11 @@ class TorchInstance:
                 result = self._module(*args)
         except Exception as exc:
             raise BackendError(f"forward() failed: {_summary(exc)}") from exc
-        outputs = result if isinstance(result, (tuple, list)) else (result,)
-        out = {n: self._from_torch(n, outputs, self._outputs[n]) for n in names}
+        return names, result if isinstance(result, (tuple, list)) else (result,)
+
+    def _clean_cache(self) -> None:
         if self.options.cache_cleaning and self.device != "cpu":
-            torch.cuda.empty_cache()
-        return out
+            self._torch.cuda.empty_cache()
 
     def _mode(self) -> AbstractContextManager:
         torch = self._torch
@@ -319,9 +335,17 @@ class TorchInstance:
             self._torch.set_num_threads(self.threads)
             self._configured.threads = self.threads
 
-    def _to_torch(self, name: str, arr: np.ndarray):
+    def _to_torch(self, name: str, arr):
         torch = self._torch
         dt = self.input_types[name]
+        if isinstance(arr, torch.Tensor):  # built on the device (run_device)
+            want = getattr(torch, TORCH_DTYPES[dt.triton])
+            if arr.dtype != want or str(arr.device) != self.device:
+                raise BackendError(
+                    f"input '{name}' is {dt.triton} on {self.device}, the tensor is "
+                    f"{arr.dtype} on {arr.device}"
+                )
+            return arr
         arr = np.asarray(arr)
         if dt.triton == "BF16":  # uint16 words -> bfloat16, bit for bit
             t = torch.from_numpy(np.array(arr, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
@@ -335,6 +359,15 @@ class TorchInstance:
         return t.to(self.device) if self.device != "cpu" else t
 
     def _from_torch(self, name: str, outputs: Sequence, index: int) -> np.ndarray:
+        torch = self._torch
+        dt = self.output_types[name]
+        t = self._checked(name, outputs, index).detach().cpu().contiguous()
+        if dt.triton == "BF16":
+            return t.view(torch.int16).numpy().view(np.uint16)
+        return t.numpy()
+
+    def _checked(self, name: str, outputs: Sequence, index: int):
+        """forward()'s result `index` as output `name`: a tensor of its configured dtype."""
         torch = self._torch
         if index >= len(outputs):
             raise BackendError(
@@ -352,10 +385,7 @@ class TorchInstance:
                 f"output '{name}' is {dt.config_enum} in the configuration but the model "
                 f"returned {t.dtype}"
             )
-        t = t.detach().cpu().contiguous()
-        if dt.triton == "BF16":
-            return t.view(torch.int16).numpy().view(np.uint16)
-        return t.numpy()
+        return t
 
     def close(self) -> None:
         self._module = None

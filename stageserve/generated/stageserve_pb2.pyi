@@ -47,32 +47,62 @@ NOT_OWNER: FailureReason
 TENSOR_REGION_NOT_LOCAL: FailureReason
 
 class Tensor(_message.Message):
-    __slots__ = ("name", "datatype", "shape", "raw", "parts")
+    __slots__ = ("name", "datatype", "shape", "raw", "parts", "device_written")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DATATYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     name: str
     datatype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     raw: bytes
     parts: _containers.RepeatedCompositeFieldContainer[TensorPart]
-    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., raw: _Optional[bytes] = ..., parts: _Optional[_Iterable[_Union[TensorPart, _Mapping]]] = ...) -> None: ...
+    device_written: bool
+    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., raw: _Optional[bytes] = ..., parts: _Optional[_Iterable[_Union[TensorPart, _Mapping]]] = ..., device_written: _Optional[bool] = ...) -> None: ...
 
 class TensorPart(_message.Message):
-    __slots__ = ("region", "offset", "length", "raw", "generation")
+    __slots__ = ("region", "offset", "length", "raw", "generation", "cuda")
     REGION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
     region: str
     offset: int
     length: int
     raw: bytes
     generation: int
-    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., raw: _Optional[bytes] = ..., generation: _Optional[int] = ...) -> None: ...
+    cuda: CudaExtent
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., raw: _Optional[bytes] = ..., generation: _Optional[int] = ..., cuda: _Optional[_Union[CudaExtent, _Mapping]] = ...) -> None: ...
+
+class CudaExtent(_message.Message):
+    __slots__ = ("raw_handle", "offset", "byte_size", "device_id")
+    RAW_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    raw_handle: bytes
+    offset: int
+    byte_size: int
+    device_id: int
+    def __init__(self, raw_handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
+
+class CudaOutput(_message.Message):
+    __slots__ = ("name", "extent")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    EXTENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    extent: CudaExtent
+    def __init__(self, name: _Optional[str] = ..., extent: _Optional[_Union[CudaExtent, _Mapping]] = ...) -> None: ...
+
+class CudaOutputs(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[CudaOutput]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[CudaOutput, _Mapping]]] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_ns", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "batch_size", "batch_leader", "enqueue_ns", "execute_end_ns")
@@ -95,7 +125,7 @@ class Timing(_message.Message):
     def __init__(self, queue_ns: _Optional[int] = ..., compute_input_ns: _Optional[int] = ..., compute_infer_ns: _Optional[int] = ..., compute_output_ns: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_leader: _Optional[bool] = ..., enqueue_ns: _Optional[int] = ..., execute_end_ns: _Optional[int] = ...) -> None: ...
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("id", "model", "version", "inputs", "outputs", "batch_size", "priority", "timeout_us", "config_generation", "sequence_id", "sequence_id_str", "sequence_start", "sequence_end", "request_id", "parameters_json", "traceparent", "shm_host", "shm_pid")
+    __slots__ = ("id", "model", "version", "inputs", "outputs", "batch_size", "priority", "timeout_us", "config_generation", "sequence_id", "sequence_id_str", "sequence_start", "sequence_end", "request_id", "parameters_json", "traceparent", "shm_host", "shm_pid", "cuda_outputs")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +144,7 @@ class ScheduleRequest(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     SHM_HOST_FIELD_NUMBER: _ClassVar[int]
     SHM_PID_FIELD_NUMBER: _ClassVar[int]
+    CUDA_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     id: int
     model: str
     version: int
@@ -132,7 +163,8 @@ class ScheduleRequest(_message.Message):
     traceparent: str
     shm_host: str
     shm_pid: int
-    def __init__(self, id: _Optional[int] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., priority: _Optional[int] = ..., timeout_us: _Optional[int] = ..., config_generation: _Optional[int] = ..., sequence_id: _Optional[int] = ..., sequence_id_str: _Optional[str] = ..., sequence_start: _Optional[bool] = ..., sequence_end: _Optional[bool] = ..., request_id: _Optional[str] = ..., parameters_json: _Optional[str] = ..., traceparent: _Optional[str] = ..., shm_host: _Optional[str] = ..., shm_pid: _Optional[int] = ...) -> None: ...
+    cuda_outputs: _containers.RepeatedCompositeFieldContainer[CudaOutput]
+    def __init__(self, id: _Optional[int] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., batch_size: _Optional[int] = ..., priority: _Optional[int] = ..., timeout_us: _Optional[int] = ..., config_generation: _Optional[int] = ..., sequence_id: _Optional[int] = ..., sequence_id_str: _Optional[str] = ..., sequence_start: _Optional[bool] = ..., sequence_end: _Optional[bool] = ..., request_id: _Optional[str] = ..., parameters_json: _Optional[str] = ..., traceparent: _Optional[str] = ..., shm_host: _Optional[str] = ..., shm_pid: _Optional[int] = ..., cuda_outputs: _Optional[_Iterable[_Union[CudaOutput, _Mapping]]] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
     __slots__ = ("id", "failure", "message", "outputs", "timing", "steps", "more", "no_response", "model_error")
@@ -452,7 +484,7 @@ class RaggedShapes(_message.Message):
     def __init__(self, input: _Optional[str] = ..., rank: _Optional[int] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("id", "instance_id", "inputs", "request_batch_sizes", "requested", "ragged_shapes", "request_info", "traceparents", "shm_hosts", "shm_pids")
+    __slots__ = ("id", "instance_id", "inputs", "request_batch_sizes", "requested", "ragged_shapes", "request_info", "traceparents", "shm_hosts", "shm_pids", "cuda_outputs")
     ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -463,6 +495,7 @@ class ExecuteRequest(_message.Message):
     TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
     SHM_HOSTS_FIELD_NUMBER: _ClassVar[int]
     SHM_PIDS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     id: int
     instance_id: str
     inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
@@ -473,7 +506,8 @@ class ExecuteRequest(_message.Message):
     traceparents: _containers.RepeatedScalarFieldContainer[str]
     shm_hosts: _containers.RepeatedScalarFieldContainer[str]
     shm_pids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, id: _Optional[int] = ..., instance_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., request_batch_sizes: _Optional[_Iterable[int]] = ..., requested: _Optional[_Iterable[_Union[RequestedOutputs, _Mapping]]] = ..., ragged_shapes: _Optional[_Iterable[_Union[RaggedShapes, _Mapping]]] = ..., request_info: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., traceparents: _Optional[_Iterable[str]] = ..., shm_hosts: _Optional[_Iterable[str]] = ..., shm_pids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cuda_outputs: _containers.RepeatedCompositeFieldContainer[CudaOutputs]
+    def __init__(self, id: _Optional[int] = ..., instance_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., request_batch_sizes: _Optional[_Iterable[int]] = ..., requested: _Optional[_Iterable[_Union[RequestedOutputs, _Mapping]]] = ..., ragged_shapes: _Optional[_Iterable[_Union[RaggedShapes, _Mapping]]] = ..., request_info: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., traceparents: _Optional[_Iterable[str]] = ..., shm_hosts: _Optional[_Iterable[str]] = ..., shm_pids: _Optional[_Iterable[int]] = ..., cuda_outputs: _Optional[_Iterable[_Union[CudaOutputs, _Mapping]]] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
     __slots__ = ("id", "failure", "message", "results", "compute_input_ns", "compute_infer_ns", "compute_output_ns", "parts", "more", "execute_returned")

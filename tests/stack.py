@@ -71,10 +71,12 @@ def start_stack(
     stage_metrics: bool = False,
     gateway_extra: tuple[str, ...] = (),
     scheduler_extra: tuple[str, ...] = (),
+    device: str = "cpu",
 ) -> RunningStack:
     """metrics_port: the gateway's Triton /metrics (0: none); stage_metrics:
     the other stages serve /metrics too (each Child's metrics_port);
-    gateway_extra, scheduler_extra: more gateway and scheduler flags."""
+    gateway_extra, scheduler_extra: more gateway and scheduler flags;
+    device: the workers' device ("cuda:0" for a GPU worker)."""
     stack = Stack()
     try:
         s = start_services(
@@ -83,7 +85,7 @@ def start_stack(
             control_mode=control_mode,
             load_models=load_models,
             workers=workers,
-            device="cpu",
+            device=device,
             autocomplete=autocomplete,
             ratelimiter_args=ratelimiter_args,
             repository_poll_secs=repository_poll_secs,

@@ -6,7 +6,9 @@ Register opens the handle on the region's device (stageserve/cuda_ipc.py) and
 keeps the pointer; unregister closes it. The gateway reads an input out of
 the region with a device-to-host copy and writes an output into it with a
 host-to-device copy after the answer arrives: the request otherwise travels
-as any other (stageserve_cuda_shm_copies_total counts the copies).
+as any other (stageserve_cuda_shm_copies_total counts the copies). Where the
+model's worker can use the region on its device, the tensors travel as
+references instead and the worker copies device to device (cuda_inplace.py).
 
 Where CUDA is unavailable (no runtime library, no driver, no device) register
 is refused with the answer a Triton GPU build gives when it cannot open the

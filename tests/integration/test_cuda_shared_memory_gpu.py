@@ -5,6 +5,11 @@ tritonclient over gRPC and HTTP, the models read their inputs from and write
 their outputs to those allocations, and status and unregister list and drop
 them. Marked gpu: skips without torch's CUDA or a CUDA runtime that answers.
 
+The in-place path (services/gateway/cuda_inplace.py): a TorchScript model on
+a cuda:0 worker reads and writes the regions itself (the gateway makes no
+d2h or h2d copy, stageserve_cuda_shm_copies_total{direction="d2d"} counts
+the tensors); the same model on a CPU instance keeps the gateway's copies.
+
 Each tensor is 12 MiB so that torch's caching allocator gives it a cudaMalloc
 of its own (allocations past 10 MiB are not carved from a shared segment):
 one handle per region, as Triton's own client utilities make them.
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import urllib.request
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +34,9 @@ from tritonclient.utils import InferenceServerException
 
 from stageserve import cuda_ipc
 from stageserve.net import free_port
+from stageserve_tools.torch_examples import two_io_module, write_torch_two_io
 from tests.integration.helpers import RPC_TIMEOUT_S
-from tests.stack import RunningStack, running_stack
+from tests.stack import RunningStack, running_stack, wait_until
 
 torch = pytest.importorskip("torch")
 
@@ -225,3 +232,88 @@ def test_register_refusals_with_tritons_answers(
         c.register_cuda_shared_memory("ok", handle, 0, src.byte_size)
     with pytest.raises(InferenceServerException, match="registered as CUDA shared memory"):
         c.get_system_shared_memory_status("ok")
+
+
+# ------------------------------------------------------------- in place
+
+TWO_IO = 16  # torch_two_io's FP32 elements per input and output
+
+
+@pytest.fixture(scope="module")
+def torch_stack(gpu: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MetricsStack]:
+    """torch_two_io twice, on a cuda:0 worker: one KIND_GPU instance, one KIND_CPU."""
+    root = tmp_path_factory.mktemp("cuda_inplace_repository")
+    for name, kind in (("two_io_gpu", "KIND_GPU"), ("two_io_cpu", "KIND_CPU")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            model_dir = write_torch_two_io(root, name)
+        config = model_dir / "config.pbtxt"
+        config.write_text(config.read_text().replace("KIND_CPU", kind))
+    port = free_port()
+    with running_stack(root, metrics_port=port, device="cuda:0") as running:
+        yield MetricsStack(running, port)
+
+
+def _two_io(
+    stack: MetricsStack, model: str, src: DeviceRegion, dst: DeviceRegion
+) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
+    """One torch_two_io request through CUDA regions: its inputs, and the
+    copies it cost (the counters' change)."""
+    c = stack.running.client()
+    rng = np.random.default_rng(len(model))
+    x, y = (rng.standard_normal((1, TWO_IO), dtype=np.float32) for _ in range(2))
+    src.put(src.offset, x)
+    src.put(src.offset + x.nbytes, y)
+    inputs = [grpcclient.InferInput(n, [1, TWO_IO], "FP32") for n in ("x", "y")]
+    inputs[0].set_shared_memory("tin", x.nbytes, offset=src.offset)
+    inputs[1].set_shared_memory("tin", y.nbytes, offset=src.offset + x.nbytes)
+    outs = [grpcclient.InferRequestedOutput(n) for n in ("OUTPUT__0", "OUTPUT__1")]
+    outs[0].set_shared_memory("tout", x.nbytes, offset=dst.offset)
+    outs[1].set_shared_memory("tout", x.nbytes, offset=dst.offset + x.nbytes)
+    before = stack.copies()
+    r = c.infer(model, inputs, outputs=outs, client_timeout=RPC_TIMEOUT_S)
+    after = stack.copies()
+    assert list(r.get_response().raw_output_contents) == [b"", b""]
+    delta = {d: after.get(d, 0) - before.get(d, 0) for d in ("d2h", "h2d", "d2d")}
+    return x, y, delta
+
+
+def _expected(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    module = two_io_module()
+    with torch.no_grad():
+        a, b = module(torch.from_numpy(x), torch.from_numpy(y))
+    return a.numpy(), b.numpy()
+
+
+@pytest.mark.parametrize("model", ["two_io_gpu", "two_io_cpu"])
+def test_a_torch_model_on_the_regions_device_uses_them_in_place(
+    torch_stack: MetricsStack, model: str
+) -> None:
+    src, dst = _device_region(), _device_region()
+    c = torch_stack.running.client()
+    c.register_cuda_shared_memory("tin", base64.b64encode(src.raw), 0, src.byte_size)
+    c.register_cuda_shared_memory("tout", base64.b64encode(dst.raw), 0, dst.byte_size)
+    try:
+        got: list[tuple[np.ndarray, np.ndarray, dict[str, float]]] = []
+
+        def answered_in_place() -> bool:
+            # the gateway learns where the instances run within a second of the load
+            got.append(_two_io(torch_stack, model, src, dst))
+            return got[-1][2]["d2d"] > 0
+
+        if model == "two_io_gpu":
+            assert wait_until(answered_in_place, timeout_s=10, interval_s=0.5), got[-1][2]
+            x, y, delta = got[-1]
+            assert delta == {"d2h": 0, "h2d": 0, "d2d": 4}  # two inputs, two outputs
+            atol = 1e-2  # TF32 on the GPU (docs/gpu.md)
+        else:
+            x, y, delta = _two_io(torch_stack, model, src, dst)
+            assert delta == {"d2h": 2, "h2d": 2, "d2d": 0}  # the gateway's copies
+            atol = 1e-5
+        want0, want1 = _expected(x, y)
+        np.testing.assert_allclose(dst.get(dst.offset, np.float32, TWO_IO), want0[0], atol=atol)
+        np.testing.assert_allclose(
+            dst.get(dst.offset + x.nbytes, np.float32, TWO_IO), want1[0], atol=atol
+        )
+    finally:
+        c.unregister_cuda_shared_memory()

@@ -26,6 +26,13 @@ process on a free port, one variant at a time:
     three-process Python gRPC pipeline on this machine.
 ``sync-direct``
     like ``direct`` on the synchronous ``grpc.server`` with 8 worker threads.
+``sync-bridged``
+    ``sync-direct`` whose ModelInfer is answered by a coroutine on an asyncio
+    event loop in its own thread, as the gateway's asyncio dataplane would
+    answer behind a thread-pool front: each server thread queues its request
+    for the loop and waits for the answer; the loop is woken once per batch of
+    queued requests, not once per request (:class:`LoopBridge`). It prices the
+    hand-off a thread-pool public front would add (issue 26 item 4).
 
 For each variant and concurrency it runs ``perf_analyzer`` and divides the
 server process's CPU time (user + system, psutil) over the run by the number
@@ -92,7 +99,7 @@ from stageserve.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "id16"
-VARIANTS = ("direct", "forward", "relay", "sync-direct")
+VARIANTS = ("direct", "forward", "relay", "sync-direct", "sync-bridged")
 ECHO_METHOD = f"/{ECHO_SERVICE}/Stream"  # bench.stream_vs_unary's echo server
 FRAME = struct.Struct("<QI")  # request id, payload length
 START_TIMEOUT_S = 20.0
@@ -254,6 +261,62 @@ def _sync_handler(counters: Counters) -> grpc.GenericRpcHandler:
     return _handler(methods)
 
 
+class LoopBridge:
+    """Server threads hand coroutines to one asyncio loop and wait for their
+    results. A hand-off wakes the loop only when no drain is already
+    scheduled, so a burst of requests costs one wake-up of the loop (one
+    write to its self-pipe); each answer still wakes its waiting thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._queued: list[tuple[Callable[[Any], Any], Any, futures.Future[Any]]] = []
+        self._scheduled = False
+
+    def call(self, answer: Callable[[Any], Any], arg: Any) -> Any:
+        """`await answer(arg)` on the loop; blocks this thread until it is done."""
+        done: futures.Future[Any] = futures.Future()
+        with self._lock:
+            self._queued.append((answer, arg, done))
+            wake = not self._scheduled
+            self._scheduled = True
+        if wake:
+            self._loop.call_soon_threadsafe(self._drain)
+        return done.result()
+
+    def _drain(self) -> None:
+        with self._lock:
+            queued, self._queued = self._queued, []
+            self._scheduled = False
+        for answer, arg, done in queued:
+            task = self._loop.create_task(answer(arg))
+            task.add_done_callback(lambda t, done=done: _settle(t, done))
+
+
+def _settle(task: asyncio.Task, done: futures.Future[Any]) -> None:
+    if task.cancelled():
+        done.cancel()
+    elif (exc := task.exception()) is not None:
+        done.set_exception(exc)
+    else:
+        done.set_result(task.result())
+
+
+def _bridged_handler(counters: Counters, bridge: LoopBridge) -> grpc.GenericRpcHandler:
+    async def answer(request: gs.ModelInferRequest) -> gs.ModelInferResponse:
+        counters.answered()
+        return echo_response(request, request.raw_input_contents[0])
+
+    def infer(request: gs.ModelInferRequest, context) -> gs.ModelInferResponse:
+        return bridge.call(answer, request)
+
+    methods: Methods = {
+        name: (t, lambda r, c, fn=fn: fn(r)) for name, (t, fn) in _answers(counters).items()
+    }
+    methods["ModelInfer"] = (gs.ModelInferRequest, infer)
+    return _handler(methods)
+
+
 # --------------------------------------------------------------------------- child processes
 
 
@@ -314,19 +377,25 @@ async def _serve_echo(port: int) -> None:
     await server.wait_for_termination()
 
 
-def _serve_sync(port: int) -> None:
+def _serve_sync(port: int, bridged: bool = False) -> None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    server.add_generic_rpc_handlers([_sync_handler(Counters())])
+    if bridged:
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, name="loop", daemon=True).start()
+        server.add_generic_rpc_handlers([_bridged_handler(Counters(), LoopBridge(loop))])
+    else:
+        server.add_generic_rpc_handlers([_sync_handler(Counters())])
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     server.wait_for_termination()
 
 
 def serve(role: str, port: int, backend: str | None = None) -> None:
-    """Child-process entry: ``direct``/``forward`` (aio front), ``sync-direct``, ``relay``
+    """Child-process entry: ``direct``/``forward`` (aio front), ``sync-direct``,
+    ``sync-bridged``, ``relay``
     (the middle process of the relay variant) or ``echo``."""
-    if role == "sync-direct":
-        _serve_sync(port)
+    if role in ("sync-direct", "sync-bridged"):
+        _serve_sync(port, bridged=role == "sync-bridged")
     elif role == "echo":
         asyncio.run(_serve_echo(port))
     elif role == "relay-middle":

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import psutil
 import pytest
@@ -26,7 +30,7 @@ def _infer(url: str, values: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("variant", ["forward", "relay", "direct", "sync-direct"])
+@pytest.mark.parametrize("variant", ["forward", "relay", "direct", "sync-direct", "sync-bridged"])
 def test_variant_echoes_input(variant: str) -> None:
     values = np.arange(16, dtype=np.float32).reshape(1, 16) * 0.5 - 3.0
     running = ceiling.start(variant)
@@ -45,3 +49,31 @@ def test_variant_echoes_input(variant: str) -> None:
         ceiling.stop(running)
     for pid in pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_loop_bridge_answers_every_thread_and_passes_errors() -> None:
+    """Requests from many threads at once each get their own answer (the loop
+    is woken per burst, not per request); an answer that raises raises in
+    its caller's thread and the bridge goes on."""
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    bridge = ceiling.LoopBridge(loop)
+
+    async def double(x: int) -> int:
+        await asyncio.sleep(0)
+        if x < 0:
+            raise ValueError(x)
+        return 2 * x
+
+    try:
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            results = list(pool.map(lambda x: bridge.call(double, x), range(500)))
+        assert results == [2 * x for x in range(500)]
+        with pytest.raises(ValueError):
+            bridge.call(double, -1)
+        assert bridge.call(double, 21) == 42
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()

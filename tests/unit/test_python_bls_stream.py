@@ -205,8 +205,10 @@ class _FakeLink:
         for i, v in enumerate(self.values):
             resp = pb.ScheduleResponse(more=True)
             _out(resp, v)
-            on_more(resp)
+            # counted before it is handed over: the caller's thread may check
+            # the count as soon as it has the response
             self.streamed += 1
+            on_more(resp)
             if i == 0 and self.gate is not None:
                 await asyncio.to_thread(self.gate.wait, 10)
             else:

@@ -66,6 +66,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import functools
 import itertools
 import os
 import struct
@@ -290,10 +291,10 @@ class LoopBridge:
             self._scheduled = False
         for answer, arg, done in queued:
             task = self._loop.create_task(answer(arg))
-            task.add_done_callback(lambda t, done=done: _settle(t, done))
+            task.add_done_callback(functools.partial(_settle, done=done))
 
 
-def _settle(task: asyncio.Task, done: futures.Future[Any]) -> None:
+def _settle(task: asyncio.Task[Any], *, done: futures.Future[Any]) -> None:
     if task.cancelled():
         done.cancel()
     elif (exc := task.exception()) is not None:

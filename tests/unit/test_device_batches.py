@@ -62,13 +62,18 @@ def memory(monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
     return mem
 
 
-@pytest.fixture
-def batches(tmp_path: Path) -> device_batches.DeviceBatches:
+def _double_session(tmp_path: Path) -> TorchInstance:
+    """A CPU TorchInstance of _Double, saved as TorchScript under tmp_path."""
     path = tmp_path / "double.pt"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         torch.jit.save(torch.jit.script(_Double()), str(path))
-    session = TorchInstance(path, "cpu", 1, {"INPUT__0": "FP32"}, {"OUTPUT__0": "FP32"})
+    return TorchInstance(path, "cpu", 1, {"INPUT__0": "FP32"}, {"OUTPUT__0": "FP32"})
+
+
+@pytest.fixture
+def batches(tmp_path: Path) -> device_batches.DeviceBatches:
+    session = _double_session(tmp_path)
     session.device = "cuda:0"  # what the path requires of an instance
     made = device_batches.DeviceBatches(SPEC, session, _tensor, _Handles())
     session.device = made.device = "cpu"  # and where this test runs it
@@ -119,11 +124,7 @@ def test_a_region_too_small_for_the_output_gets_the_bytes(
 
 
 def test_a_cpu_instance_refuses_a_cuda_reference(tmp_path: Path) -> None:
-    path = tmp_path / "double.pt"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.jit.save(torch.jit.script(_Double()), str(path))
-    session = TorchInstance(path, "cpu", 1, {"INPUT__0": "FP32"}, {"OUTPUT__0": "FP32"})
+    session = _double_session(tmp_path)
     t = pb.Tensor(name="INPUT__0", datatype="FP32", shape=[1, 4])
     t.parts.add(length=16, cuda=_extent(0, 16))
     request = pb.ExecuteRequest(inputs=[t], request_batch_sizes=[1])
@@ -133,11 +134,7 @@ def test_a_cpu_instance_refuses_a_cuda_reference(tmp_path: Path) -> None:
 
 
 def test_run_device_matches_run(tmp_path: Path) -> None:
-    path = tmp_path / "double.pt"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.jit.save(torch.jit.script(_Double()), str(path))
-    session = TorchInstance(path, "cpu", 1, {"INPUT__0": "FP32"}, {"OUTPUT__0": "FP32"})
+    session = _double_session(tmp_path)
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     on_device = session.run_device({"INPUT__0": torch.from_numpy(x.copy())})
     np.testing.assert_array_equal(

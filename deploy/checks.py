@@ -127,6 +127,8 @@ METRICS: dict[str, Family] = {
         _fam("stageserve_scheduler_shard_owned", "gauge", "model"),
         _fam("stageserve_tensor_slots_in_use", "gauge", "stage"),
         _fam("stageserve_cuda_shm_copies_total", "counter", "direction"),
+        _fam("stageserve_stream_messages_total", "counter", "link"),
+        _fam("stageserve_stream_requests_total", "counter", "link"),
         _fam("stageserve_ratelimiter_wait_seconds", "histogram", *_MV),
         _fam("stageserve_ratelimiter_instances", "gauge", *_MV, "state"),
         _fam("stageserve_ratelimiter_grants_total", "counter", *_MV),

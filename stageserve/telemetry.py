@@ -351,6 +351,19 @@ CUDA_SHM_COPIES = Counter(
     "the worker read or wrote in the region itself, on its device)",
     ["direction"],
 )
+STREAM_MESSAGES = Counter(
+    "stageserve_stream_messages",
+    "Messages written on internal streams by their client end, by link (scheduler: "
+    "gateway -> scheduler; worker: scheduler -> worker; ratelimiter: scheduler -> rate "
+    "limiter). Every message has a fixed CPU cost on both ends: requests per message "
+    "(stageserve_stream_requests_total over this) is what packing and the write hold win",
+    ["link"],
+)
+STREAM_REQUESTS = Counter(
+    "stageserve_stream_requests",
+    "Requests carried by the messages of stageserve_stream_messages_total, by link",
+    ["link"],
+)
 STAGE_RPC_DURATION = Histogram(
     "stageserve_stage_rpc_duration_seconds",
     "Inter-stage call latency, from the caller's side",

@@ -35,6 +35,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
+from stageserve.telemetry import STREAM_MESSAGES, STREAM_REQUESTS
 from stageserve.write_hold import WriteHold
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,11 @@ class StreamLink(Generic[Req, Resp]):
         orphan: Callable[[Resp], None] | None = None,
     ) -> None:
         self.name = name
+        # the link's kind ("worker 127.0.0.1:5001" -> worker): one series per
+        # kind of peer, not per address
+        kind = name.split(" ", 1)[0]
+        self._messages = STREAM_MESSAGES.labels(kind)
+        self._carried = STREAM_REQUESTS.labels(kind)
         # Gets a final response whose caller is gone (cancelled): one that
         # holds resources (shared-memory slots) gives them back there.
         self._orphan = orphan
@@ -182,6 +188,8 @@ class StreamLink(Generic[Req, Resp]):
             while items := await outbox.take_all():
                 if self._hold is not None:
                     items += await self._held(outbox, len(items))
+                self._messages.inc()
+                self._carried.inc(len(items))
                 yield pack(items)
 
         call = self._open_call(messages())

@@ -750,6 +750,25 @@ def stages_dashboard() -> dict:
         w=8,
     )
 
+    L.add(
+        timeseries(
+            "Requests per internal stream message",
+            "stageserve_stream_requests_total over stageserve_stream_messages_total, by link: "
+            "how many requests each message of an internal stream carried (scheduler: "
+            "gateway -> scheduler, packed by the gateway's write hold; worker: a batch per "
+            "message). Each message costs CPU on both ends whatever it carries.",
+            [
+                (
+                    "sum by (link) (rate(stageserve_stream_requests_total[1m])) / "
+                    "sum by (link) (rate(stageserve_stream_messages_total[1m]))",
+                    "{{link}}",
+                )
+            ],
+            "short",
+        ),
+        w=8,
+    )
+
     L.row("Rate limiter")
     wait = "stageserve_ratelimiter_wait_seconds"
     L.add(

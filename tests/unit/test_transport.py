@@ -8,6 +8,7 @@ import logging
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
@@ -120,6 +121,35 @@ async def test_many_calls_in_flight_are_matched_by_id_and_packed(port):
         assert link.in_flight == 0
         await link.close()
     await server.stop(None)
+
+
+def _stream_counts(link: str) -> tuple[float, float]:
+    """(messages, requests) the client ends of `link` streams have written."""
+    labels = {"link": link}
+    messages = REGISTRY.get_sample_value("stageserve_stream_messages_total", labels) or 0.0
+    requests = REGISTRY.get_sample_value("stageserve_stream_requests_total", labels) or 0.0
+    return messages, requests
+
+
+@in_loop
+async def test_the_link_counts_the_messages_it_writes_and_the_requests_they_carry(port):
+    servicer = Echo()
+    server = await _server(servicer, port)
+    messages0, requests0 = _stream_counts("test")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        link = _link(channel)
+        await asyncio.gather(*(link.call(_req("echo", str(i))) for i in range(50)))
+        await link.call(_req("echo", "alone"))
+        await link.close()
+    await server.stop(None)
+    messages, requests = _stream_counts("test")
+    # what the server read, message for message: 51 requests in fewer messages
+    assert (messages - messages0, requests - requests0) == (
+        servicer.messages_in,
+        servicer.requests_in,
+    )
+    assert requests - requests0 == 51
+    assert 2 <= messages - messages0 < 51
 
 
 @in_loop

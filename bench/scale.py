@@ -17,7 +17,10 @@ kind summed) the cores it used and its CPU microseconds per inference:
 psutil's user+system CPU time of each stage's pid (and its children) before
 and after the perf_analyzer run, divided by the inferences ModelStatistics
 counted in between (read after the gateways' statistics
-publish period, so every gateway's share is in). It runs on any host: on a
+publish period, so every gateway's share is in), and per internal link the
+requests each stream message carried (`req/msg sched`: gateways ->
+scheduler; `batches/msg wk`: schedulers -> workers, a batch per request), from every stage's
+stageserve_stream_* counters over the run. It runs on any host: on a
 2-core machine it records the per-stage costs, on a many-core host the
 headline. Figures: docs/benchmarks.md.
 
@@ -34,9 +37,12 @@ import os
 import platform
 import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.perf_analyzer import PerfAnalyzerError, PerfAnalyzerUnstable, run_perf
 from bench.references import (
@@ -48,6 +54,7 @@ from bench.references import (
 )
 from stageserve.gpus import AUTO, gpu_count, worker_devices
 from stageserve.launcher import Stack, start_services
+from stageserve.net import free_port
 from stageserve.scale_out import gateway_count, parse_gateways, usable_cores
 from stageserve.settings import settings_from_env
 from stageserve_tools.examples import config_text, identity_model, write_model
@@ -128,6 +135,41 @@ class Point:
     batch: float | None  # inferences per model execution
     stable: bool
     stages: dict[str, StageCost] = field(default_factory=dict)
+    # internal link (scheduler, worker) -> requests per stream message
+    per_message: dict[str, float] = field(default_factory=dict)
+
+
+#: The links whose requests per message a point shows, and their column names.
+LINKS = {"scheduler": "req/msg sched", "worker": "batches/msg wk"}
+Counts = dict[str, tuple[float, float]]  # link -> (messages, requests)
+
+
+def stream_counts(metrics_ports: Sequence[int]) -> Counts:
+    """link -> (messages, requests) written on it by the stages serving
+    /metrics on `metrics_ports`, summed."""
+    totals: dict[str, list[float]] = {}
+    for port in metrics_ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        for family in text_string_to_metric_families(text):
+            which = {"stageserve_stream_messages": 0, "stageserve_stream_requests": 1}
+            if family.name not in which:
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    link = sample.labels["link"]
+                    totals.setdefault(link, [0.0, 0.0])[which[family.name]] += sample.value
+    return {link: (m, r) for link, (m, r) in totals.items()}
+
+
+def per_message(before: Counts, after: Counts) -> dict[str, float]:
+    """link -> requests per message written between two stream_counts."""
+    out = {}
+    for link, (messages, requests) in after.items():
+        m0, r0 = before.get(link, (0.0, 0.0))
+        if messages > m0:
+            out[link] = (requests - r0) / (messages - m0)
+    return out
 
 
 def stage_cpu(pids: dict[str, list[int]]) -> dict[str, float]:
@@ -153,6 +195,7 @@ def inference_counts(url: str, model: str) -> tuple[int, int]:
 def measure(
     url: str,
     pids: dict[str, list[int]],
+    metrics_ports: Sequence[int],
     model: BenchModel,
     concurrency: int,
     args: argparse.Namespace,
@@ -163,6 +206,7 @@ def measure(
     pct, trials, stable = args.stability_pct, args.max_trials, True
     while True:
         count0, executions0 = inference_counts(url, model.name)
+        streams0 = stream_counts(metrics_ports)
         cpu0, t0 = stage_cpu(pids), time.monotonic()
         try:
             result = run_perf(
@@ -185,6 +229,7 @@ def measure(
             continue
         break
     cpu1, wall = stage_cpu(pids), time.monotonic() - t0
+    streams1 = stream_counts(metrics_ports)
     # Every gateway publishes its statistics each stats_publish_s: wait one
     # period (and some) so the count holds every gateway's share.
     time.sleep(settle_s)
@@ -209,6 +254,7 @@ def measure(
         inferences / executions if executions > 0 else None,
         stable,
         stages,
+        per_message(streams0, streams1),
     )
 
 
@@ -216,6 +262,7 @@ def format_points(points: Sequence[Point]) -> str:
     head = ["model", "c", "infer/s", "p50 ms", "p99 ms", "batch", "cores"]
     stages = [s for s in STAGES if any(s in p.stages for p in points)]
     head += [f"{SHORT[s]} us/inf" for s in stages] + [f"{SHORT[s]} cores" for s in stages]
+    head += list(LINKS.values())
     rows = []
     for p in points:
         row = [
@@ -232,6 +279,9 @@ def format_points(points: Sequence[Point]) -> str:
             row.append("-" if us is None else f"{us:.0f}")
         for s in stages:
             row.append(f"{p.stages[s].cores:.2f}" if s in p.stages else "-")
+        for link in LINKS:
+            ratio = p.per_message.get(link)
+            row.append("-" if ratio is None else f"{ratio:.1f}")
         rows.append(row)
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     return "\n".join(
@@ -285,7 +335,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             logs.redirect_children()
             try:
                 services = start_services(
-                    stack, repo, workers=workers, device=args.device, gateways=gateways
+                    stack,
+                    repo,
+                    workers=workers,
+                    device=args.device,
+                    gateways=gateways,
+                    # every stage serves /metrics: the stream counters
+                    metrics_port=free_port(),
+                    stage_metrics=True,
                 )
             finally:
                 logs.restore_stderr()
@@ -295,12 +352,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             pids: dict[str, list[int]] = {}
             for child in stack.children:
                 pids.setdefault(stage_of(child.name), []).append(child.proc.pid)
+            metrics_ports = [c.metrics_port for c in stack.children if c.metrics_port]
             settle_s = settings.gateway.stats_publish_s + 0.5 if gateways > 1 else 0.0
             for model, _ in models:
                 data = model.write_input_data(work / "input" / f"{model.name}.json")
                 for c in args.concurrency:
                     try:
-                        point = measure(url, pids, model, c, args, data, settle_s)
+                        point = measure(url, pids, metrics_ports, model, c, args, data, settle_s)
                     except PerfAnalyzerError as exc:
                         print(f"{model.name} c={c}: FAILED {str(exc).splitlines()[0]}", flush=True)
                         continue

@@ -309,7 +309,7 @@ SMOKE: dict[str, Smoke] = {
             "1000",
             *TINY_PERF,
         ),
-        "gw us/inf",
+        "req/msg sched",
         (_no_perf_analyzer,),
     ),  # fmt: skip
     "bench/stream_vs_unary.py": Smoke(

@@ -1,0 +1,26 @@
+"""bench.scale's requests per stream message: read from a stage's real /metrics."""
+
+from __future__ import annotations
+
+from bench import scale
+from stageserve.telemetry import STREAM_MESSAGES, STREAM_REQUESTS, serve_metrics
+
+
+def test_requests_per_message_come_from_the_stream_counters_of_every_stage() -> None:
+    server = serve_metrics(0, "127.0.0.1")
+    try:
+        port = server.server_address[1]
+        before = scale.stream_counts([port])
+        STREAM_MESSAGES.labels("bench-scale-test").inc(4)
+        STREAM_REQUESTS.labels("bench-scale-test").inc(18)
+        # the same process listed twice: two stages' counts are summed
+        after = scale.stream_counts([port, port])
+    finally:
+        server.shutdown()
+        server.server_close()
+    m0, r0 = before.get("bench-scale-test", (0.0, 0.0))
+    m1, r1 = after["bench-scale-test"]
+    assert (m1 - 2 * m0, r1 - 2 * r0) == (8.0, 36.0)
+    assert scale.per_message({"x": (10.0, 40.0)}, {"x": (14.0, 58.0)}) == {"x": 4.5}
+    # a link that wrote nothing in between has no ratio
+    assert scale.per_message({"x": (10.0, 40.0)}, {"x": (10.0, 40.0)}) == {}

@@ -19,8 +19,8 @@ and after the perf_analyzer run, divided by the inferences ModelStatistics
 counted in between (read after the gateways' statistics
 publish period, so every gateway's share is in), and per internal link the
 requests each stream message carried (`req/msg sched`: gateways ->
-scheduler; `batches/msg wk`: schedulers -> workers, a batch per request), from every stage's
-stageserve_stream_* counters over the run. It runs on any host: on a
+scheduler; `batches/msg wk`: schedulers -> workers, a batch per request),
+from every stage's stageserve_stream_* counters over the run. It runs on any host: on a
 2-core machine it records the per-stage costs, on a many-core host the
 headline. Figures: docs/benchmarks.md.
 
@@ -147,12 +147,12 @@ Counts = dict[str, tuple[float, float]]  # link -> (messages, requests)
 def stream_counts(metrics_ports: Sequence[int]) -> Counts:
     """link -> (messages, requests) written on it by the stages serving
     /metrics on `metrics_ports`, summed."""
+    which = {"stageserve_stream_messages": 0, "stageserve_stream_requests": 1}
     totals: dict[str, list[float]] = {}
     for port in metrics_ports:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             text = r.read().decode()
         for family in text_string_to_metric_families(text):
-            which = {"stageserve_stream_messages": 0, "stageserve_stream_requests": 1}
             if family.name not in which:
                 continue
             for sample in family.samples:

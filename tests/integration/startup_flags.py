@@ -31,6 +31,7 @@ from pathlib import Path
 
 from bench.references import (
     BENCH_DIR,
+    TRITON_SELF_ABORT,
     bench_model,
     find_triton,
     stageserve_config_text,
@@ -135,10 +136,6 @@ def _watch(
 
 _TRITON_FRONT = re.compile(r"Started (GRPCInferenceService|HTTPService) at (\S+?)\"")
 PORT_TAKEN = "already in use"
-#: tritonserver 2.51's Python backend can abort on its own interprocess lock
-#: (exit -6) with the machine loaded (seen: the suite on two processes and two
-#: CPU burners on 2 cores), whatever the flags: the referee crashed, ask again.
-TRITON_SELF_ABORT = "boost::interprocess::lock_exception"
 PORT_TRIES = 3
 
 

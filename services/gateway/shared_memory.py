@@ -46,7 +46,6 @@ Kind = Literal["system", "cuda"]
 SYSTEM: Kind = "system"
 CUDA: Kind = "cuda"
 _TITLE = {SYSTEM: "system", CUDA: "CUDA"}
-_LOWER = {SYSTEM: "system", CUDA: "cuda"}  # as Triton spells them in unregister-all
 
 
 class Window(Protocol):
@@ -191,8 +190,7 @@ class SharedMemory:
         for one name, the list of the regions left for all of them."""
         with self._lock:
             names = [n for n, r in self._regions.items() if r.kind == kind] if not name else [name]
-            failed: list[StageError] = []
-            kept: list[str] = []
+            failed: dict[str, StageError] = {}  # name -> its close's error; the region stays
             for n in names:
                 region = self._regions.get(n)
                 if region is None or region.kind != kind:
@@ -201,17 +199,17 @@ class SharedMemory:
                     try:
                         region.close()
                     except StageError as exc:  # still open: it stays, as in Triton
-                        failed.append(exc)
-                        kept.append(n)
+                        failed[n] = exc
                         continue
                 del self._regions[n]
                 region.unregistered = True
         if name and failed:
-            raise failed[0]
-        if kept:
-            listed = "".join(f"{n} ," for n in kept)  # Triton's separator, as it writes it
+            raise failed[name]
+        if failed:
+            listed = "".join(f"{n} ," for n in failed)  # Triton's separator, as it writes it
+            # the kind as Triton spells it here: "system" / "cuda"
             raise internal(
-                f"Failed to unregister the following {_LOWER[kind]} shared memory regions: {listed}"
+                f"Failed to unregister the following {kind} shared memory regions: {listed}"
             )
 
     def acquire(self, name: str) -> Region:

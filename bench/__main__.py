@@ -78,20 +78,26 @@ def measure(
     perf_args: Sequence[str] = (),
     profile: Path | None = None,
     profile_native: bool = False,
+    protocol: str = "grpc",
+    perf_url: str | None = None,
 ) -> Point:
-    """One perf_analyzer point; with `profile` (a directory), py-spy every stage meanwhile."""
+    """One perf_analyzer point; with `profile` (a directory), py-spy every stage meanwhile.
+
+    `url` is the gRPC front (statistics are read there); perf_analyzer drives
+    `perf_url` (default `url`) over `protocol`."""
     recorder = Recorder(profile, native=profile_native) if profile else None
     if recorder is not None:
         recorder.start(_profile_targets(stack), f"{model}-c{concurrency}")
     cpu_before = _cpu_seconds(stack)
     served_before, executions_before = _served(url, model)
     result = run_perf(
-        url,
+        perf_url or url,
         model,
         concurrency,
         measurement_ms=measurement_ms,
         stability_pct=stability_pct,
         extra_args=["--max-trials", "6", *perf_args],
+        protocol=protocol,
     )
     served_after, executions_after = _served(url, model)
     served = max(1, served_after - served_before)

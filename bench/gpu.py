@@ -10,8 +10,9 @@ CNN of `bench/cnn.py`, then
    feeding numpy arrays as the worker does (host-to-device copies included);
 2. starts a StageServe stack (`--device`, one worker) on a repository holding
    the same model with dynamic batching up to `--batch`, and runs
-   perf_analyzer over gRPC at `--concurrency` (default 2 x batch, so a full
-   batch waits while one executes);
+   perf_analyzer over gRPC (`--protocol http`: the HTTP front) at
+   `--concurrency` (default 2 x batch, so a full batch waits while one
+   executes);
 
 and prints both throughputs, the ratio and the batch size StageServe formed.
 On a machine without a GPU it runs on the CPU provider (the device reported
@@ -205,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedulers", type=int, default=1, help="scheduler processes")
     ap.add_argument("--workers", type=int, default=1, help="worker processes, all on --device")
     ap.add_argument(
+        "--protocol",
+        choices=["grpc", "http"],
+        default="grpc",
+        help="perf_analyzer's front (statistics are read over gRPC either way)",
+    )
+    ap.add_argument(
         "--parameter",
         action="append",
         default=[],
@@ -270,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
                             measurement_ms=args.measurement_ms,
                             stability_pct=args.stability_pct,
                             profile=args.profile,
+                            protocol=args.protocol,
+                            perf_url=(
+                                running.gateway.http_address if args.protocol == "http" else None
+                            ),
                         )
                     except PerfAnalyzerUnstable:
                         print(f"{name}: no stable measurement (try {attempt})", flush=True)
@@ -299,7 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     header = ["server", "device", "batch", "conc", "infer/s", "p50 ms", "p99 ms", "ratio"]
     print(text_table([*header, "CPU us/request"], rows))
-    print(f"(gateways {args.gateways}, schedulers {args.schedulers}, workers {args.workers})")
+    print(
+        f"(gateways {args.gateways}, schedulers {args.schedulers}, workers {args.workers}, "
+        f"perf_analyzer over {args.protocol})"
+    )
     if not points or points[0][0] != "cnn":
         print("\nno stable measurement of the base model", file=sys.stderr)
         return 1

@@ -175,7 +175,9 @@ class Runtime:
         """The IPC handle of this process's allocation holding `ptr` (what a client sends)."""
         handle = IpcHandle()
         self._check("cudaIpcGetMemHandle", self._lib.cudaIpcGetMemHandle(handle, ptr))
-        return bytes(handle.reserved)
+        # bytes(handle), not handle.reserved: a c_char array field reads as a C
+        # string and stops at the first NUL, and a real handle holds several.
+        return bytes(handle)
 
     def to_host(self, ptr: int, byte_size: int, device: int) -> bytes:
         """`byte_size` bytes at device pointer `ptr` (D2H)."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 import ctypes
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -178,3 +180,32 @@ def test_every_call_takes_the_arguments_the_binding_passes() -> None:
     assert err.value.call == "cudaIpcGetMemHandle" and "error" in str(err.value)
     with pytest.raises(cuda_ipc.CudaError):
         rt.address_range(1 << 40)  # no driver, or no context: an error either way
+
+
+def test_get_handle_returns_all_64_bytes_of_a_handle_holding_nul_bytes() -> None:
+    """A real cudaIpcMemHandle_t holds NUL bytes (on an H100 the fourth byte
+    of one was NUL): the handle a client sends must still be all 64 bytes."""
+    handle = bytes([7, 1, 2, 0, 0, 9]) + bytes(range(58))
+    calls: list[int] = []
+
+    def get_mem_handle(out: Any, ptr: int) -> int:
+        ctypes.memmove(ctypes.addressof(out), handle, len(handle))
+        calls.append(ptr)
+        return 0
+
+    lib = SimpleNamespace(
+        **{
+            name: (lambda *a: 0)
+            for name in (
+                "cudaGetDeviceCount",
+                "cudaSetDevice",
+                "cudaIpcOpenMemHandle",
+                "cudaIpcCloseMemHandle",
+                "cudaMemcpy",
+                "cudaGetErrorString",
+            )
+        }
+    )
+    lib.cudaIpcGetMemHandle = get_mem_handle
+    rt = cuda_ipc.Runtime(lib, "fake")  # type: ignore[arg-type]
+    assert rt.get_handle(1 << 40) == handle and calls == [1 << 40]

@@ -249,21 +249,22 @@ class SupervisorSettings:
 class StackSettings:
     # `stageserve up --gateways auto`: one gateway per this many cores the
     # launcher may use (sched_getaffinity), at least 1, at most
-    # auto_gateways_max (stageserve/scale_out.py). Measured: on a 16-core host
-    # one stack served `simple` (c=256) at 4,205-4,333 infer/s on ~1.9 cores,
-    # with 4 gateways on one port 9,359-9,604 on ~4.4 cores, with 8 gateways
-    # 7,725 on 4.8 cores (one scheduler and one worker bind: more gateways
-    # only add contention). Each gateway with its share of the scheduler and
-    # worker is ~4 cores' worth of work at that peak. On 2 cores a second
-    # gateway competes with the scheduler and worker for the same cores:
-    # bench.scale, identity c=32, two rounds, gave no throughput gain and more
-    # CPU per inference (gateways ~425 -> ~630 us, scheduler ~167 -> ~248,
-    # worker ~118 -> ~168: each gateway's stream carries half the requests,
-    # so fewer ride per message and batch; docs/benchmarks.md), so auto is 1
-    # there. GPUs do not enter: the gateway's work (protocol, tensors in and
-    # out) is CPU work.
-    auto_gateway_cores: int = 4
-    auto_gateways_max: int = 4
+    # auto_gateways_max (stageserve/scale_out.py). Measured on an H100 host
+    # with 16 cores (docs/benchmarks.md, "On an H100 host, 2026-11-27"):
+    # bench.scale identity c=256 gave 9,885-9,904 infer/s with 4 gateways
+    # (4.6 gateway cores) and 12,368 with 8 (6.5 gateway cores); bench.gpu's
+    # CNN (49 KB inputs) 8,341-9,183 with 6 gateways and 9,492-9,692 with 8,
+    # every gateway near a full core. A gateway then costs ~0.5-0.8 ms of CPU
+    # per request, mostly grpcio's own code, so the gateways bind first and
+    # take about half the cores; the model's one scheduler binds next (~1
+    # core at ~10,000-12,000 infer/s). On 2 cores a second gateway competes
+    # with the scheduler and worker for the same cores: bench.scale, identity
+    # c=32, two rounds, gave no throughput gain and more CPU per inference
+    # (gateways ~425 -> ~630 us, scheduler ~167 -> ~248, worker ~118 -> ~168),
+    # so auto is 1 there. GPUs do not enter: the gateway's work (protocol,
+    # tensors in and out) is CPU work.
+    auto_gateway_cores: int = 2
+    auto_gateways_max: int = 8
     # Tensor bytes through shared memory between a gateway and the workers on
     # its host (stageserve/tensor_shm.py): 1 on (the default), 0 off (every
     # tensor inline on the streams). Each gateway and worker owns a region of

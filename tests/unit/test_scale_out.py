@@ -12,15 +12,15 @@ from stageserve.settings import StackSettings, settings_from
 
 
 @pytest.mark.parametrize(
-    ("cores", "expected"), [(1, 1), (2, 1), (3, 1), (4, 1), (8, 2), (16, 4), (64, 4)]
+    ("cores", "expected"), [(1, 1), (2, 1), (3, 1), (4, 2), (8, 4), (16, 8), (64, 8)]
 )
-def test_auto_is_one_gateway_per_four_cores_capped(cores: int, expected: int) -> None:
+def test_auto_is_one_gateway_per_two_cores_capped(cores: int, expected: int) -> None:
     assert auto_gateways(cores, StackSettings()) == expected
 
 
 def test_auto_follows_its_settings() -> None:
     assert auto_gateways(16, StackSettings(auto_gateway_cores=2, auto_gateways_max=6)) == 6
-    assert auto_gateways(16, StackSettings(auto_gateway_cores=0)) == 4  # 0 per: at least 1 core
+    assert auto_gateways(6, StackSettings(auto_gateway_cores=0)) == 6  # 0 per: at least 1 core
 
 
 def test_auto_settings_from_the_environment() -> None:

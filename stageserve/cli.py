@@ -199,10 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     _poll_secs(up)
     _autocomplete(up)
     _trace_config(up)
+    # The counts default to auto: `up` sizes each stage from the cores and GPUs
+    # it finds (on a 2-core host without a GPU: one of each).
     up.add_argument(
         "--workers",
         type=parse_workers,
-        default=1,
+        default=AUTO,
         help="worker processes to start, or auto: one per GPU (cuda:0..N-1; 1 without a GPU)",
     )
     up.add_argument(
@@ -215,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--gateways",
         type=parse_gateways,
-        default=1,
+        default=AUTO,
         help="gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT), or auto: "
         "by the cores present (stageserve/scale_out.py)",
     )
@@ -223,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--schedulers",
         type=parse_schedulers,
-        default=1,
+        default=AUTO,
         help="scheduler processes, sharded by model, or auto: one per 8 cores, at least 1",
     )
     add_rate_limit_flags(up)

@@ -84,6 +84,7 @@ def up(example_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> It
                 str(free_port()),
                 "--device",
                 "cpu",
+                *("--gateways", "1", "--schedulers", "1", "--workers", "1"),  # not by the host
             ],
             stdout=subprocess.PIPE,
             stderr=err,

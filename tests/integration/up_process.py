@@ -43,7 +43,10 @@ def json_line(line: str) -> dict[str, Any]:
 
 class UpProcess:
     """`stageserve up` on `repository` with `args` (after the ports and
-    `--device cpu`), in its own session; `env` replaces os.environ."""
+    `--device cpu`), in its own session; `env` replaces os.environ. One
+    gateway, scheduler and worker unless `args` say otherwise: `up` sizes
+    them from the host by default, and a test must start the same stack on
+    any machine."""
 
     def __init__(
         self, repository: Path, args: Sequence[str] = (), env: dict[str, str] | None = None
@@ -55,6 +58,12 @@ class UpProcess:
             "--http-port", "0", "--http-address", "127.0.0.1",
             "--metrics-port", "0",
             "--device", "cpu",
+            *(
+                arg
+                for flag in ("--gateways", "--schedulers", "--workers")
+                if flag not in args
+                for arg in (flag, "1")
+            ),
             *args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(

@@ -60,7 +60,7 @@ def test_schedulers_flag() -> None:
             parse_schedulers(bad)
     assert [auto_schedulers(c) for c in (1, 2, 7, 8, 16, 64)] == [1, 1, 1, 1, 2, 8]
     assert build_parser().parse_args(["up", "--schedulers", "2"]).schedulers == 2
-    assert build_parser().parse_args(["up"]).schedulers == 1
+    assert build_parser().parse_args(["up"]).schedulers == "auto"
     argv = ["scheduler", "--scheduler-id", "s1", "--redis-url", "redis://127.0.0.1:1/0"]
     scheduler = build_parser().parse_args(argv)
     assert scheduler.scheduler_id == "s1"

@@ -380,6 +380,9 @@ SMOKE: dict[str, Smoke] = {
     # there (docs/gpu.md): bash -n parses it; each step it runs (pytest -m gpu,
     # bench.gpu, bench.scale) has its own smoke run or GPU-marked test.
     "scripts/gpu_host_check.sh": Smoke(("-n", "scripts/gpu_host_check.sh"), ""),
+    # Downloads ~290 MB (the GPU host's wheels): bash -n parses it; it was run
+    # to build the bundle of the H100 runs in docs/benchmarks.md.
+    "scripts/gpu_bundle.sh": Smoke(("-n", "scripts/gpu_bundle.sh"), ""),
     # The whole suite, this test included, cannot run inside itself: bash -n
     # parses it; each step it runs (dev_env.sh, the install scripts,
     # validate_deploy.sh, ruff, mypy, pytest) runs on its own elsewhere.

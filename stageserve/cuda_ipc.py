@@ -133,6 +133,7 @@ class Runtime:
         self._sig("cudaIpcCloseMemHandle", c_void_p)
         self._sig("cudaIpcGetMemHandle", ctypes.POINTER(IpcHandle), c_void_p)
         self._sig("cudaMemcpy", c_void_p, c_void_p, c_size_t, c_int)
+        self._sig("cudaDeviceSynchronize")
         lib.cudaGetErrorString.argtypes = [c_int]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         self._driver: ctypes.CDLL | None = None
@@ -190,6 +191,18 @@ class Runtime:
         """`data` into device memory at `ptr` (H2D)."""
         self.set_device(device)
         self._check("cudaMemcpy", self._lib.cudaMemcpy(ptr, data, len(data), H2D))
+
+    def copy(self, dst: int, src: int, nbytes: int, kind: int, device: int) -> None:
+        """`nbytes` from `src` to `dst` (`kind`: H2D, D2H or D2D), on the
+        legacy default stream: a D2D copy may still run when this returns
+        (`synchronize` waits for it)."""
+        self.set_device(device)
+        self._check("cudaMemcpy", self._lib.cudaMemcpy(dst, src, nbytes, kind))
+
+    def synchronize(self, device: int) -> None:
+        """Wait for all of this process's work on `device`, every stream's."""
+        self.set_device(device)
+        self._check("cudaDeviceSynchronize", self._lib.cudaDeviceSynchronize())
 
     def address_range(self, ptr: int) -> tuple[int, int]:
         """(base, size) of the allocation holding `ptr`, in the current context

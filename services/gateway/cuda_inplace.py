@@ -4,10 +4,11 @@ the offset, the byte size, the device), not as bytes, when that worker can
 use the region directly.
 
 Eligible (`model_eligible`, `in_place_devices`, `extent`; all pure):
-- a TorchScript model (its worker builds the batch on the device: torch
-  makes a tensor of the client's memory) that is not a sequence, ensemble or
-  decoupled model, has no ragged input, batch_input or batch_output, and no
-  response cache (the cache keeps bytes);
+- a TorchScript model, or an ONNX Runtime model without the TensorRT
+  accelerator (its CUDA execution provider takes OrtValues in device memory
+  through IO binding), whose worker builds the batch on the device; that is
+  not a sequence, ensemble or decoupled model, has no ragged input,
+  batch_input or batch_output, and no response cache (the cache keeps bytes);
 - every instance of the model runs on a worker of this gateway's host (the
   host check tensor_shm uses) and on one CUDA device, the region's;
 - a fixed-size datatype (BYTES keeps the copy path);
@@ -28,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from services.gateway.shared_memory import CUDA, Region, SharedMemory
-from stageserve.config import PYTORCH_PLATFORM, ModelSpec
+from stageserve.config import ONNX_PLATFORM, PYTORCH_PLATFORM, ModelSpec
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.telemetry import CUDA_SHM_COPIES
 from stageserve.validation import SharedRef, ValidatedRequest
@@ -36,7 +37,10 @@ from stageserve.validation import SharedRef, ValidatedRequest
 _D2D = CUDA_SHM_COPIES.labels("d2d")
 
 #: the platforms whose workers build batches on the device from a reference
-PLATFORMS = frozenset({PYTORCH_PLATFORM})
+PLATFORMS = frozenset({PYTORCH_PLATFORM, ONNX_PLATFORM})
+#: the accelerator whose ONNX Runtime sessions keep the copy path (their
+#: worker refuses the references: the in-place path is the CUDA EP's)
+TENSORRT = "tensorrt"
 
 
 def model_eligible(spec: ModelSpec) -> bool:
@@ -50,6 +54,7 @@ def model_eligible(spec: ModelSpec) -> bool:
         and not spec.batch_inputs
         and not spec.batch_outputs
         and not spec.ragged_inputs
+        and not any(a.name == TENSORRT for a in spec.gpu_accelerators)
     )
 
 

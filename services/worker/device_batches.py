@@ -1,34 +1,43 @@
-"""One formed batch of a TorchScript instance on a CUDA device whose inputs
-lie in, or whose outputs go to, clients' CUDA shared-memory regions: the
-in-place path (services/worker/cuda_inplace.py opens the regions).
+"""One formed batch of an instance on a CUDA device whose inputs lie in, or
+whose outputs go to, clients' CUDA shared-memory regions: the in-place path
+(services/worker/cuda_inplace.py opens the regions).
 
 Each input is built on the instance's device: one device buffer the size of
 the batch's input, each request's part copied into it once (device to
 device from a client's region; host to device for a part that came as
-bytes). The session runs on those tensors (TorchInstance.run_device). Each
-output a request asked to have in a CUDA region is copied there device to
-device; every other output comes back to host memory as on the copy path.
-The batch waits for its device's work before answering, so the client's
-memory holds the outputs when the gateway answers.
+bytes). The session runs on those buffers. Each output a request asked to
+have in a CUDA region is copied there device to device; every other output
+comes back to host memory as on the copy path. The batch waits for its
+device's work before answering, so the client's memory holds the outputs
+when the gateway answers.
 
 An instance that pads (batch_padding.py) pads on the device: the last real
-row repeated, the padded rows cut off every output after the run.
+row repeated; the padded rows are never read back.
+
+What is the same for every backend is here and in device_layout.py (which
+request's part goes where, which rows of an output are whose); the device
+memory itself is a `DeviceOps`: TorchScript's (device_torch.py) or ONNX
+Runtime's with the CUDA execution provider (device_onnx.py).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
-from services.worker.backends import TensorBackend
+from services.worker.backends import BackendError, TensorBackend
 from services.worker.batch_padding import padded_size
-from services.worker.cuda_inplace import HANDLES, IpcHandles, device_bytes
-from services.worker.torch_backend import TORCH_DTYPES
+from services.worker.cuda_inplace import HANDLES, IpcHandles
+from services.worker.device_layout import fits as fits_region
+from services.worker.device_layout import input_bytes, input_parts, output_slots, slot_shape
+from services.worker.device_layout import written as written_tensor
 from stageserve import tensor_shm
 from stageserve.config import ModelSpec
+from stageserve.datatypes import from_triton
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.tensor_shm import RegionNotLocal, part_bytes
 
@@ -37,14 +46,70 @@ from stageserve.tensor_shm import RegionNotLocal, part_bytes
 HostTensor = Callable[..., pb.Tensor]
 
 
-def on_device(session: TensorBackend) -> bool:
-    """Whether the session can take the in-place path: a TorchScript
-    instance (run_device) on a CUDA device."""
-    return hasattr(session, "run_device") and session.device.startswith("cuda")
+@dataclass(frozen=True)
+class Source:
+    """What one part of a batch input is copied from: `size` bytes to byte
+    `at` of the input, from device pointer `ptr` (a client's region) or
+    from host `data` (a part that came as bytes)."""
+
+    at: int
+    size: int
+    ptr: int | None
+    data: bytes | memoryview | None
+
+
+class DeviceOps(Protocol):
+    """The device memory operations of one instance's in-place batches."""
+
+    device: str  # "cuda:N" (a test runs it on "cpu")
+    device_id: int
+
+    def build_input(self, t: pb.Tensor, sources: list[Source], padded: int) -> Any:
+        """Batch input `t` on the device, each source copied in once, grown
+        to `padded` rows (the last real row repeated) where that is more."""
+        ...
+
+    def run(self, feeds: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
+        """The session on the device inputs; the outputs stay on the device."""
+        ...
+
+    def shape(self, name: str, out: Any) -> tuple[int, ...]: ...
+
+    def nbytes(self, name: str, out: Any, rows: slice | None) -> int:
+        """The bytes of `rows` of output `out` (None: all of it)."""
+        ...
+
+    def write(self, name: str, out: Any, rows: slice | None, ptr: int) -> None:
+        """`rows` of `out` copied to device pointer `ptr` (device to device)."""
+        ...
+
+    def to_host(self, name: str, out: Any, rows: slice | None) -> np.ndarray:
+        """`rows` of `out` in host memory, as the session's `run` gives them."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for the device: every copy into a client's region is done."""
+        ...
+
+
+def device_ops(session: TensorBackend) -> DeviceOps:
+    """The device operations of `session`, or RegionNotLocal where it
+    cannot take the in-place path (a CPU instance, a TensorRT-first ONNX
+    Runtime session, ...). Each backend's module is imported only here: a
+    worker that never gets a CUDA reference never loads them for it."""
+    if hasattr(session, "run_device"):  # TorchScript
+        from services.worker.device_torch import TorchDevice
+
+        return TorchDevice(session)
+    if hasattr(session, "run_on_device"):  # ONNX Runtime
+        from services.worker.device_onnx import OnnxDevice
+
+        return OnnxDevice(session)
+    raise RegionNotLocal(f"a {type(session).__name__} instance has no in-place path")
 
 
 class DeviceBatches:
-    """Executes in-place batches of `spec` on one TorchScript instance."""
+    """Executes in-place batches of `spec` on one instance on a CUDA device."""
 
     def __init__(
         self,
@@ -52,123 +117,73 @@ class DeviceBatches:
         session: TensorBackend,
         host_tensor: HostTensor,
         handles: IpcHandles = HANDLES,
+        ops: DeviceOps | None = None,
     ) -> None:
-        if not on_device(session):
-            raise RegionNotLocal(f"instance of '{spec.name}' runs on {session.device}")
-        import torch  # the session is TorchScript: torch is loaded already
-
-        self._torch: Any = torch
         self.spec = spec
-        self.session: Any = session
-        self.device = session.device
-        self.device_id = int(self.device.partition(":")[2] or 0)
+        self.ops = ops if ops is not None else device_ops(session)
         self.host_tensor = host_tensor
         self.handles = handles
 
     def execute(
         self, request: pb.ExecuteRequest, pad_sizes: tuple[int, ...], wanted: list[str]
     ) -> pb.ExecuteResponse:
-        torch = self._torch
         t0 = time.monotonic_ns()
-        feeds = {t.name: self._input(t) for t in request.inputs}
         real = sum(request.request_batch_sizes)
         padded = padded_size(real, pad_sizes)
-        if padded > real:
-            feeds = {n: _pad(torch, x, padded) for n, x in feeds.items()}
+        feeds = {t.name: self._input(t, padded) for t in request.inputs}
         t1 = time.monotonic_ns()
-        results = self.session.run_device(feeds, wanted)
-        if padded > real:
-            results = {n: r[:real] for n, r in results.items()}
+        results = self.ops.run(feeds, wanted)
         t2 = time.monotonic_ns()
         response = self._outputs(request, results)
-        if self.device.startswith("cuda"):  # the client's memory holds the outputs now
-            torch.cuda.synchronize(self.device)
+        self.ops.synchronize()  # the client's memory holds the outputs now
         t3 = time.monotonic_ns()
         response.compute_input_ns = t1 - t0
         response.compute_infer_ns = t2 - t1
         response.compute_output_ns = t3 - t2
         return response
 
-    def _input(self, t: pb.Tensor) -> Any:
-        """The batch's input `t` as a tensor on the device, each part copied once."""
-        torch = self._torch
-        parts = list(t.parts) or [pb.TensorPart(raw=t.raw)]
-        sizes = [p.cuda.byte_size if p.HasField("cuda") else _host_size(p) for p in parts]
-        buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-        at = 0
-        for part, size in zip(parts, sizes, strict=True):
-            if size:
-                buf[at : at + size].copy_(self._source(part, size))
-            at += size
-        dtype = getattr(torch, TORCH_DTYPES[t.datatype])
-        return buf.view(dtype).reshape(tuple(t.shape))
+    def _input(self, t: pb.Tensor, padded: int) -> Any:
+        dt = from_triton(t.datatype)
+        parts = input_parts(t)
+        if dt.item_size and sum(p.size for p in parts) != input_bytes(t, dt.item_size):
+            raise BackendError(
+                f"input '{t.name}' has {sum(p.size for p in parts)} bytes for shape "
+                f"{list(t.shape)} of {t.datatype}"
+            )
+        return self.ops.build_input(t, [self._source(p.at, p.size, p.part) for p in parts], padded)
 
-    def _source(self, part: pb.TensorPart, size: int) -> Any:
-        torch = self._torch
+    def _source(self, at: int, size: int, part: pb.TensorPart) -> Source:
         if part.HasField("cuda"):
-            return device_bytes(torch, self.handles.pointer(part.cuda), size, self.device)
+            if part.cuda.device_id != self.ops.device_id:
+                raise RegionNotLocal(
+                    f"a CUDA region on device {part.cuda.device_id} reached an instance on "
+                    f"{self.ops.device}"
+                )
+            return Source(at, size, self.handles.pointer(part.cuda), None)
         # bytes of a request on the copy path batched with in-place ones
-        return torch.frombuffer(bytearray(part_bytes(part)), dtype=torch.uint8)
+        return Source(at, size, None, part_bytes(part))
 
-    def _outputs(
-        self, request: pb.ExecuteRequest, results: Mapping[str, Any]
-    ) -> pb.ExecuteResponse:
+    def _outputs(self, request: pb.ExecuteRequest, results: dict[str, Any]) -> pb.ExecuteResponse:
         response = pb.ExecuteResponse()
         shm = tensor_shm.OWNER if request.shm_pids else None
-        targets = [{o.name: o.extent for o in r.outputs} for r in request.cuda_outputs]
-        offset = 0
-        for i, (size, requested) in enumerate(
-            zip(request.request_batch_sizes, request.requested, strict=True)
-        ):
-            names = list(requested.names) or [o.name for o in self.spec.outputs]
+        ops = self.ops
+        for i, slots in enumerate(output_slots(request, self.spec)):
             per_request = response.results.add()
             to = (shm, shm.consumer(request, i)) if shm is not None else None
-            mine = targets[i] if i < len(targets) else {}
-            for name in names:
-                arr = results[name]
-                if self.spec.batching:
-                    arr = arr[offset : offset + size]
-                written = self._write(name, arr, mine[name], size) if name in mine else None
-                if written is None:
-                    host = _numpy(self._torch, arr, self.session.output_types[name].triton)
-                    written = self.host_tensor(name, host, self.spec, size, to)
-                per_request.outputs.append(written)
-            offset += size
+            for slot in slots:
+                out = results[slot.name]
+                target = slot.target
+                if target is not None and fits_region(
+                    ops.nbytes(slot.name, out, slot.rows), target, ops.device_id
+                ):
+                    ops.write(slot.name, out, slot.rows, self.handles.pointer(target))
+                    shape = slot_shape(ops.shape(slot.name, out), slot.rows)
+                    per_request.outputs.append(
+                        written_tensor(self.spec, slot.name, shape, slot.batch)
+                    )
+                    continue
+                host = ops.to_host(slot.name, out, slot.rows)
+                per_request.outputs.append(
+                    self.host_tensor(slot.name, host, self.spec, slot.batch, to)
+                )
         return response
-
-    def _write(self, name: str, arr: Any, ext: pb.CudaExtent, batch: int) -> pb.Tensor | None:
-        """One request's output copied into the client's region (device to
-        device); None when the region is too small (the copy path answers
-        Triton's size error) or on another device."""
-        torch = self._torch
-        flat = arr.contiguous().reshape(-1).view(torch.uint8)
-        if flat.numel() > ext.byte_size or ext.device_id != self.device_id:
-            return None
-        if flat.numel():
-            device_bytes(torch, self.handles.pointer(ext), flat.numel(), self.device).copy_(flat)
-        out = self.spec.output_tensor(name)
-        assert out is not None
-        shape = tuple(arr.shape)
-        if out.reshape is not None:  # the model's shape -> the config's dims
-            shape = ((batch,) if self.spec.batching else ()) + out.dims
-        return pb.Tensor(
-            name=name, datatype=out.datatype.triton, shape=list(shape), device_written=True
-        )
-
-
-def _host_size(part: pb.TensorPart) -> int:
-    return part.length if part.region else len(part.raw)
-
-
-def _pad(torch: Any, x: Any, rows: int) -> Any:
-    """`x` grown to `rows` rows, the last real row repeated (batch_padding's rule)."""
-    extra = x[-1:].expand(rows - x.shape[0], *x.shape[1:])
-    return torch.cat([x, extra])
-
-
-def _numpy(torch: Any, t: Any, triton: str) -> np.ndarray:
-    """A device output in host memory, as TorchInstance.run gives it."""
-    host = t.detach().cpu().contiguous()
-    if triton == "BF16":
-        return host.view(torch.int16).numpy().view(np.uint16)
-    return host.numpy()

@@ -323,12 +323,70 @@ class OnnxInstance:
         """Names, Triton datatypes and shapes of the ONNX file's inputs/outputs."""
         return self._desc
 
+    def in_place_device(self) -> int | None:
+        """The CUDA device whose memory this session's IO binding reads its
+        inputs from and writes its outputs to (`run_on_device`, the CUDA
+        in-place path: services/worker/device_batches.py); None where it has
+        no such path: a CPU session (or one ORT moved to the CPU), and a
+        TensorRT one (the TensorRT EP takes device memory too, but the path
+        is only checked with the CUDA EP first)."""
+        if not self.device.startswith("cuda") or self.options.tensorrt is not None:
+            return None
+        if self._desc.providers[:1] != ("CUDAExecutionProvider",):
+            return None
+        return int(self.device.partition(":")[2] or 0)
+
     # ------------------------------------------------------------------
 
     def run(
         self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str] | None = None
     ) -> dict[str, np.ndarray]:
         """Run once; feeds and results use the shared numpy representation."""
+        output_names = self._checked_names(feeds, output_names)
+        if any(self.output_types[n].triton == "BF16" for n in output_names):
+            return self._run_bound(feeds, output_names)
+
+        ort_feeds = {n: self._to_ort(n, a) for n, a in feeds.items()}
+        try:
+            results = self._session.run(output_names, ort_feeds, self._run_options)
+        except Exception as exc:
+            raise BackendError(f"onnxruntime run failed: {_short(exc)}") from exc
+        return {n: self._from_numpy(n, r) for n, r in zip(output_names, results, strict=True)}
+
+    def run_on_device(
+        self,
+        feeds: Mapping[str, ort.OrtValue],
+        output_names: Sequence[str],
+        device_type: str,
+        device_id: int,
+    ) -> dict[str, ort.OrtValue]:
+        """Run once on OrtValues already in the device's memory (the in-place
+        path); the outputs are OrtValues ORT allocates on `device_type`
+        `device_id`, left there.
+
+        Ordering: run_with_iobinding does not wait for work the caller put on
+        other streams, so the caller finishes its input copies first;
+        `synchronize_inputs` / `synchronize_outputs` wait for the providers'
+        own work on the bound tensors, so the outputs are complete when this
+        returns (with ORT's end-of-run stream sync turned off too, by the run
+        option disable_synchronize_execution_providers)."""
+        names = self._checked_names(feeds, output_names)
+        binding = self._session.io_binding()
+        try:
+            for n, v in feeds.items():
+                binding.bind_ortvalue_input(n, v)
+            for n in names:
+                binding.bind_output(n, device_type, device_id)
+            binding.synchronize_inputs()
+            self._session.run_with_iobinding(binding, self._run_options)
+            binding.synchronize_outputs()
+            values = binding.get_outputs()
+        except Exception as exc:
+            raise BackendError(f"onnxruntime run failed: {_short(exc)}") from exc
+        return dict(zip(names, values, strict=True))
+
+    def _checked_names(self, feeds: Mapping, output_names: Sequence[str] | None) -> list[str]:
+        """The outputs to compute (all when None), the feeds checked against the inputs."""
         if output_names is None:
             output_names = list(self.output_types)
         output_names = list(output_names)
@@ -341,16 +399,7 @@ class OnnxInstance:
         extra = [n for n in feeds if n not in self.input_types]
         if extra:
             raise BackendError(f"unknown input(s) {extra}; inputs are {sorted(self.input_types)}")
-
-        if any(self.output_types[n].triton == "BF16" for n in output_names):
-            return self._run_bound(feeds, output_names)
-
-        ort_feeds = {n: self._to_ort(n, a) for n, a in feeds.items()}
-        try:
-            results = self._session.run(output_names, ort_feeds, self._run_options)
-        except Exception as exc:
-            raise BackendError(f"onnxruntime run failed: {_short(exc)}") from exc
-        return {n: self._from_numpy(n, r) for n, r in zip(output_names, results, strict=True)}
+        return output_names
 
     def _run_bound(
         self, feeds: Mapping[str, np.ndarray], output_names: list[str]

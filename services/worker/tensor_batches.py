@@ -143,7 +143,7 @@ class TensorBatches:
         none: the gateway resends the batch's bytes)."""
         if self._device is None:
             # imported here: a worker that never gets a CUDA reference never
-            # imports the torch backend's module for it
+            # imports the in-place path's modules
             from services.worker.device_batches import DeviceBatches
 
             self._device = DeviceBatches(self.spec, self.session, _tensor)

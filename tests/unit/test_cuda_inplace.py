@@ -48,12 +48,32 @@ def test_a_plain_torchscript_model_is_eligible() -> None:
     assert gw.model_eligible(SPEC)
 
 
+def test_a_plain_onnx_runtime_model_is_eligible() -> None:
+    assert gw.model_eligible(_spec(platform="onnxruntime_onnx"))
+    assert gw.model_eligible(_spec(TENSORRT.replace("tensorrt", "cuda"), "onnxruntime_onnx"))
+
+
+TENSORRT = (
+    "optimization { execution_accelerators { gpu_execution_accelerator : "
+    '[ { name : "tensorrt" } ] } }'
+)
+RAGGED = 'input [ { name: "R" data_type: TYPE_FP32 dims: [ -1 ] allow_ragged_batch: true } ]'
+BATCH_INPUT = (
+    'batch_input [ { kind: BATCH_ELEMENT_COUNT target_name: "N" data_type: TYPE_FP32 '
+    'source_input: "INPUT__0" } ]'
+)
+
+
 @pytest.mark.parametrize(
     "extra, platform",
     [
-        ("", "onnxruntime_onnx"),  # its worker has no device batch path yet
+        (TENSORRT, "onnxruntime_onnx"),  # the in-place path is the CUDA EP's
         ("response_cache { enable: true }", "pytorch_libtorch"),
+        ("response_cache { enable: true }", "onnxruntime_onnx"),
         ("sequence_batching { }", "pytorch_libtorch"),
+        ("sequence_batching { }", "onnxruntime_onnx"),
+        (RAGGED, "onnxruntime_onnx"),
+        (BATCH_INPUT, "onnxruntime_onnx"),
     ],
 )
 def test_other_models_keep_the_copy_path(extra: str, platform: str) -> None:

@@ -202,6 +202,7 @@ def test_get_handle_returns_all_64_bytes_of_a_handle_holding_nul_bytes() -> None
                 "cudaIpcOpenMemHandle",
                 "cudaIpcCloseMemHandle",
                 "cudaMemcpy",
+                "cudaDeviceSynchronize",
                 "cudaGetErrorString",
             )
         }

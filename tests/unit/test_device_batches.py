@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker import device_batches
+from services.worker import device_batches, device_torch
 from services.worker.cuda_inplace import IpcHandles
 from services.worker.tensor_batches import TensorBatches, _tensor
 from services.worker.torch_backend import TorchInstance
@@ -58,7 +58,7 @@ def memory(monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
     def view(_torch: Any, ptr: int, nbytes: int, device: str) -> torch.Tensor:
         return mem[ptr : ptr + nbytes]
 
-    monkeypatch.setattr(device_batches, "device_bytes", view)
+    monkeypatch.setattr(device_torch, "device_bytes", view)
     return mem
 
 
@@ -76,7 +76,8 @@ def batches(tmp_path: Path) -> device_batches.DeviceBatches:
     session = _double_session(tmp_path)
     session.device = "cuda:0"  # what the path requires of an instance
     made = device_batches.DeviceBatches(SPEC, session, _tensor, _Handles())
-    session.device = made.device = "cpu"  # and where this test runs it
+    session.device = made.ops.device = "cpu"  # and where this test runs it
+    assert isinstance(made.ops, device_torch.TorchDevice)
     return made
 
 

@@ -5,10 +5,11 @@ tritonclient over gRPC and HTTP, the models read their inputs from and write
 their outputs to those allocations, and status and unregister list and drop
 them. Marked gpu: skips without torch's CUDA or a CUDA runtime that answers.
 
-The in-place path (services/gateway/cuda_inplace.py): a TorchScript model on
-a cuda:0 worker reads and writes the regions itself (the gateway makes no
-d2h or h2d copy, stageserve_cuda_shm_copies_total{direction="d2d"} counts
-the tensors); the same model on a CPU instance keeps the gateway's copies.
+The in-place path (services/gateway/cuda_inplace.py): a TorchScript model,
+and an ONNX Runtime model (CUDA execution provider, IO binding), on a cuda:0
+worker read and write the regions themselves (the gateway makes no d2h or
+h2d copy, stageserve_cuda_shm_copies_total{direction="d2d"} counts the
+tensors); the same models on CPU instances keep the gateway's copies.
 
 Each tensor is 12 MiB so that torch's caching allocator gives it a cudaMalloc
 of its own (allocations past 10 MiB are not carved from a shared segment):
@@ -33,6 +34,7 @@ from tritonclient.utils import InferenceServerException
 
 from stageserve import cuda_ipc
 from stageserve.net import free_port
+from stageserve_tools.examples import write_simple
 from stageserve_tools.torch_examples import two_io_module, write_torch_two_io
 from tests.integration.helpers import RPC_TIMEOUT_S
 from tests.stack import RunningStack, running_stack, wait_until
@@ -247,7 +249,8 @@ TWO_IO = 16  # torch_two_io's FP32 elements per input and output
 
 @pytest.fixture(scope="module")
 def torch_stack(gpu: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MetricsStack]:
-    """torch_two_io twice, on a cuda:0 worker: one KIND_GPU instance, one KIND_CPU."""
+    """torch_two_io and the ONNX Runtime `simple` (a + b, a - b) twice each,
+    on a cuda:0 worker: one KIND_GPU instance, one KIND_CPU."""
     root = tmp_path_factory.mktemp("cuda_inplace_repository")
     for name, kind in (("two_io_gpu", "KIND_GPU"), ("two_io_cpu", "KIND_CPU")):
         with warnings.catch_warnings():
@@ -255,6 +258,8 @@ def torch_stack(gpu: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             model_dir = write_torch_two_io(root, name)
         config = model_dir / "config.pbtxt"
         config.write_text(config.read_text().replace("KIND_CPU", kind))
+    write_simple(root, "simple_gpu", kind="KIND_GPU")
+    write_simple(root, "simple_cpu", kind="KIND_CPU")
     port = free_port()
     with running_stack(root, metrics_port=port, device="cuda:0") as running:
         yield MetricsStack(running, port)
@@ -321,5 +326,68 @@ def test_a_torch_model_on_the_regions_device_uses_them_in_place(
         np.testing.assert_allclose(
             dst.get(dst.offset + x.nbytes, np.float32, TWO_IO), want1[0], atol=atol
         )
+    finally:
+        c.unregister_cuda_shared_memory()
+
+
+def _simple(
+    stack: MetricsStack, model: str, src: DeviceRegion, dst: DeviceRegion
+) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
+    """One `simple` request through CUDA regions: its inputs, and the copies
+    it cost (the counters' change)."""
+    c = stack.running.client()
+    a = np.arange(16, dtype=np.int32).reshape(1, 16) * 3
+    b = np.full((1, 16), len(model), dtype=np.int32)
+    src.put(src.offset, a)
+    src.put(src.offset + a.nbytes, b)
+    inputs = [grpcclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+    inputs[0].set_shared_memory("oin", a.nbytes, offset=src.offset)
+    inputs[1].set_shared_memory("oin", b.nbytes, offset=src.offset + a.nbytes)
+    outs = [grpcclient.InferRequestedOutput(n) for n in ("OUTPUT0", "OUTPUT1")]
+    outs[0].set_shared_memory("oout", a.nbytes, offset=dst.offset)
+    outs[1].set_shared_memory("oout", a.nbytes, offset=dst.offset + a.nbytes)
+    before = stack.copies()
+    r = c.infer(model, inputs, outputs=outs, client_timeout=RPC_TIMEOUT_S)
+    after = stack.copies()
+    assert list(r.get_response().raw_output_contents) == [b"", b""]
+    delta = {d: after.get(d, 0) - before.get(d, 0) for d in ("d2h", "h2d", "d2d")}
+    return a, b, delta
+
+
+@pytest.mark.parametrize("model", ["simple_gpu", "simple_cpu"])
+def test_an_onnx_runtime_model_on_the_regions_device_uses_them_in_place(
+    torch_stack: MetricsStack, model: str
+) -> None:
+    src, dst = _device_region(), _device_region()
+    c = torch_stack.running.client()
+    c.register_cuda_shared_memory("oin", base64.b64encode(src.raw), 0, src.byte_size)
+    c.register_cuda_shared_memory("oout", base64.b64encode(dst.raw), 0, dst.byte_size)
+    try:
+        got: list[tuple[np.ndarray, np.ndarray, dict[str, float]]] = []
+
+        def answered_in_place() -> bool:
+            # the gateway learns where the instances run within a second of the load
+            got.append(_simple(torch_stack, model, src, dst))
+            return got[-1][2]["d2d"] > 0
+
+        if model == "simple_gpu":
+            assert wait_until(answered_in_place, timeout_s=10, interval_s=0.5), got[-1][2]
+            a, b, delta = got[-1]
+            assert delta == {"d2h": 0, "h2d": 0, "d2d": 4}  # two inputs, two outputs
+        else:
+            a, b, delta = _simple(torch_stack, model, src, dst)
+            assert delta == {"d2h": 2, "h2d": 2, "d2d": 0}  # the gateway's copies
+        np.testing.assert_array_equal(dst.get(dst.offset, np.int32, 16), (a + b)[0])
+        np.testing.assert_array_equal(dst.get(dst.offset + a.nbytes, np.int32, 16), (a - b)[0])
+
+        # an output region too small: the worker answers the bytes, the gateway
+        # Triton's error, as on the copy path
+        inputs = [grpcclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+        inputs[0].set_shared_memory("oin", a.nbytes, offset=src.offset)
+        inputs[1].set_shared_memory("oin", b.nbytes, offset=src.offset + a.nbytes)
+        small = grpcclient.InferRequestedOutput("OUTPUT0")
+        small.set_shared_memory("oout", a.nbytes // 2, offset=dst.offset)
+        with pytest.raises(InferenceServerException, match="should be at least 64 bytes"):
+            c.infer(model, inputs, outputs=[small], client_timeout=RPC_TIMEOUT_S)
     finally:
         c.unregister_cuda_shared_memory()

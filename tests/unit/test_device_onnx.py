@@ -259,3 +259,40 @@ def test_only_a_cuda_ep_first_session_on_a_cuda_device_takes_the_path(tmp_path: 
     s.options = replace(s.options, tensorrt=None)
     s._desc = replace(s._desc, providers=("CPUExecutionProvider",))  # ORT fell back
     assert s.in_place_device() is None
+
+
+def _identity(tmp_path: Path, datatype: str) -> tuple[OnnxInstance, Any]:
+    model_dir = examples.write_identity(tmp_path, "id", datatype, dims=(4,), max_batch_size=4)
+    spec = to_spec(parse_config_text((model_dir / "config.pbtxt").read_text()))
+    session = OnnxInstance(model_dir / "1" / "model.onnx", "cpu", 1)
+    session.in_place_device = lambda: 0  # type: ignore[method-assign]
+    return session, spec
+
+
+def test_bf16_tensors_travel_as_their_raw_words(tmp_path: Path) -> None:
+    session, spec = _identity(tmp_path, "BF16")
+    words = np.array([[0x3F80, 0x4000, 0xC040, 0x0001]], dtype=np.uint16)  # 1, 2, -3, tiny
+    t = pb.Tensor(name="INPUT0", datatype="BF16", shape=[1, 4], raw=words.tobytes())
+    request = pb.ExecuteRequest(inputs=[t], request_batch_sizes=[1])
+    request.requested.add()
+    request.cuda_outputs.add().outputs.add(name="OUTPUT0", extent=_extent(0, 8))
+    memory = np.zeros(64, dtype=np.uint8)
+    ops = device_onnx.OnnxDevice(session, _HostRuntime, ort_device="cpu")
+    made = device_batches.DeviceBatches(spec, session, _tensor, _Handles(memory), ops)
+    (result,) = made.execute(request, (2,), ["OUTPUT0"]).results
+    assert result.outputs[0].device_written
+    np.testing.assert_array_equal(memory[:8].view(np.uint16), words[0])
+
+
+def test_a_bytes_tensor_is_a_refusal(tmp_path: Path) -> None:
+    session, spec = _identity(tmp_path, "BYTES")
+    t = pb.Tensor(name="INPUT0", datatype="BYTES", shape=[1, 1], raw=b"\x01\x00\x00\x00x")
+    request = pb.ExecuteRequest(inputs=[t], request_batch_sizes=[1])
+    request.requested.add()
+    request.cuda_outputs.add().outputs.add(name="OUTPUT0", extent=_extent(0, 8))
+    ops = device_onnx.OnnxDevice(session, _HostRuntime, ort_device="cpu")
+    made = device_batches.DeviceBatches(
+        spec, session, _tensor, _Handles(np.zeros(8, np.uint8)), ops
+    )
+    with pytest.raises(tensor_shm.RegionNotLocal, match="BYTES"):
+        made.execute(request, (), ["OUTPUT0"])

@@ -367,9 +367,10 @@ class OnnxInstance:
         Ordering: run_with_iobinding does not wait for work the caller put on
         other streams, so the caller finishes its input copies first;
         `synchronize_inputs` / `synchronize_outputs` wait for the providers'
-        own work on the bound tensors, so the outputs are complete when this
-        returns (with ORT's end-of-run stream sync turned off too, by the run
-        option disable_synchronize_execution_providers)."""
+        own work on the bound tensors, and ORT synchronizes its execution
+        providers at the end of every run (the run option
+        disable_synchronize_execution_providers, which would skip that, is not
+        set), so the outputs are complete when this returns."""
         names = self._checked_names(feeds, output_names)
         binding = self._session.io_binding()
         try:

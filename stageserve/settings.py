@@ -222,6 +222,20 @@ class GatewaySettings:
     # both). Off by default, as in Triton: a port already taken fails the bind.
     reuse_grpc_port: bool = flag(False, "reuse_grpc_port")
     reuse_http_port: bool = flag(False, "reuse_http_port")
+    # A request's shared-memory input reads, and apart from them its output
+    # writes, that total more bytes than this run on a thread (copies that
+    # release the GIL: services/gateway/shm_copies.py), not on the event loop
+    # every request to this gateway waits on. Measured on the 2-core
+    # development VM: a 1 MiB copy costs the loop 25-165 us into memory the
+    # process reuses, 0.8-1.1 ms into fresh pages; 64 MB took 45 ms to read
+    # and 6-9 ms to write. The hop to a thread costs the loop 30 us (the
+    # request 53 us), so below 1 MiB it would cost about what it saves.
+    shm_copy_thread_bytes: int = 1 << 20
+    # The threads those copies run on: their own, so a burst of copies neither
+    # waits behind nor delays model loads and repository scans (asyncio's
+    # default executor); as many as the cores a gateway is sized for
+    # (stack.auto_gateway_cores): more would only share those cores.
+    shm_copy_threads: int = 4
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from collections.abc import Iterable
 
 from services.gateway.shared_memory import CUDA, Region, SharedMemory
 from stageserve.config import ONNX_PLATFORM, PYTORCH_PLATFORM, ModelSpec
+from stageserve.errors import StageError
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.telemetry import CUDA_SHM_COPIES
 from stageserve.validation import SharedRef, ValidatedRequest
@@ -72,10 +73,16 @@ def in_place_devices(
     return {m: d.pop() for m, d in devices.items() if len(d) == 1 and -1 not in d}
 
 
+def usable_in_place(region: Region, device: int, datatype: str) -> bool:
+    """Whether a worker on `device` uses a tensor of `region` in place: a CUDA
+    region on that device, a fixed-size datatype (else the copy path)."""
+    return region.kind == CUDA and region.device_id == device and datatype != "BYTES"
+
+
 def extent(region: Region, ref: SharedRef, device: int, datatype: str) -> pb.CudaExtent | None:
     """The reference a worker on `device` reads `ref` through, or None when
     the tensor keeps the copy path (a system region, another device, BYTES)."""
-    if region.kind != CUDA or region.device_id != device or datatype == "BYTES":
+    if not usable_in_place(region, device, datatype):
         return None
     region.check(ref.offset, ref.byte_size)  # Triton's bounds, as a read checks them
     return pb.CudaExtent(
@@ -95,6 +102,18 @@ class InPlace:
         self.device = device
         self._held: list[Region] = []
         self._by_handle: dict[bytes, Region] = {}
+
+    def takes(self, ref: SharedRef, datatype: str) -> bool:
+        """Whether input_part will take the input (no bytes to read for it);
+        False for a region that is not registered (the read answers that)."""
+        try:
+            region = self.shm.acquire(ref.region)
+        except StageError:
+            return False
+        try:
+            return usable_in_place(region, self.device, datatype)
+        finally:
+            self.shm.release(region)
 
     def input_part(self, ref: SharedRef, datatype: str) -> pb.TensorPart | None:
         """validation.InPlace: the input as a reference, or None (bytes)."""

@@ -63,6 +63,12 @@ class CudaWindow:
         self.runtime.to_device(self.ptr + begin, data, self.device_id)
         _H2D.inc()
 
+    # A worker thread's copies are the same calls: ctypes releases the GIL for
+    # the cudaMemcpy. A read's host buffer (its zeroing, then its copy into
+    # bytes: cuda_ipc.Runtime.to_host) still holds it.
+    read_in_thread = read
+    write_in_thread = write
+
     def close(self) -> None:
         """Close the handle; a failing close is Triton's INTERNAL "failed to
         close CUDA IPC handle: <CUDA's error string>" (the caller keeps the

@@ -11,11 +11,14 @@ grpc/ and rest/ adapters is the model).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
-from services.gateway import cuda_inplace
+from services.gateway import cuda_inplace, shm_copies
 from services.gateway.cache_metrics import CacheMetrics
 from services.gateway.log_control import LogControl
 from services.gateway.model_lifecycle import ModelLifecycle
@@ -29,11 +32,12 @@ from services.gateway.python_models import (
 )
 from services.gateway.request_trace import FileRequestTrace, RequestTrace
 from services.gateway.shared_memory import CUDA, Region, SharedMemory
+from services.gateway.shm_copies import OutputWrite
 from services.gateway.tensor_transport import TensorTransport
 from services.gateway.trace_settings import TraceSettingError, TraceSettings
 from stageserve import __version__, cuda_ipc
 from stageserve.config import ModelSpec
-from stageserve.errors import StageError, internal, invalid, unavailable
+from stageserve.errors import StageError, invalid, unavailable
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.recorder import RequestRecorder
@@ -44,13 +48,22 @@ from stageserve.response_cache import (
     request_key,
 )
 from stageserve.scheduler_routing import SchedulerRouter
+from stageserve.settings import GatewaySettings
 from stageserve.shared_stats import SharedStats
 from stageserve.statistics import StatsBook, requested_versions
 from stageserve.telemetry import GATEWAY_INFLIGHT
 from stageserve.tensor_shm import take_outputs
-from stageserve.validation import SharedRef, ValidatedRequest, validate_infer
+from stageserve.validation import (
+    ReadShared,
+    SharedRef,
+    ValidatedRequest,
+    shared_inputs,
+    validate_infer,
+)
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: ServerMetadata's name by default: "triton", as Triton answers, because Triton's
 #: own client examples (simple_grpc_health_metadata, simple_http_health_metadata)
@@ -85,9 +98,14 @@ class DataPlane:
         lifecycle: ModelLifecycle,
         scheduler: SchedulerRouter,
         server_name: str = DEFAULT_SERVER_NAME,
+        *,
+        shm_copy_thread_bytes: int = GatewaySettings.shm_copy_thread_bytes,
+        shm_copy_threads: int = GatewaySettings.shm_copy_threads,
     ) -> None:
         """`models` is read on every request; `lifecycle` only by the repository
-        RPCs; `server_name` is what ServerMetadata answers on both fronts."""
+        RPCs; `server_name` is what ServerMetadata answers on both fronts;
+        `shm_copy_*`: a request's shared-memory copies that total more bytes
+        than this run on that many threads of their own (shm_copies.py)."""
         self.models = models
         self.lifecycle = lifecycle
         self.server_name = server_name
@@ -101,6 +119,8 @@ class DataPlane:
         # Triton's --strict-readiness: ServerReady also needs every model ready
         self.strict_readiness = True
         self.shm = SharedMemory()  # system and CUDA regions, one table as Triton's
+        self.shm_copy_thread_bytes = shm_copy_thread_bytes
+        self._copy_threads = ThreadPoolExecutor(shm_copy_threads, thread_name_prefix="shm-copy")
         self.traces: TraceSettings | None = None  # set by the server
         self.overrides = OverrideArea()  # RepositoryModelLoad's config/file overrides
         # --cache-config's response cache (set by the server); None: nothing cached
@@ -110,6 +130,10 @@ class DataPlane:
         # the gateway's shared-memory tensor transport (set by the server when
         # the stack's tensor_shm is on; stageserve/tensor_shm.py); None: inline bytes
         self.tensor_transport: TensorTransport | None = None
+
+    def close(self) -> None:
+        """Stop the copy threads once the copies given to them are done."""
+        self._copy_threads.shutdown(wait=False)
 
     # ------------------------------------------------------------ health/meta
 
@@ -198,12 +222,18 @@ class DataPlane:
         staged: list[pb.TensorPart] = []  # inputs in the tensor region, freed when it ends
         in_place = self._in_place(spec, trace)  # CUDA regions the worker uses itself
         try:
+            # validation's first check, parsed once for the read-ahead and validation
+            shared = shared_inputs(request.inputs, spec.name)
+            read_shared: ReadShared = self._read_shared
+            if shared:
+                read_shared = await self._input_reader(request, shared, in_place)
             validated = validate_infer(
                 request,
                 spec,
-                self._read_shared,
+                read_shared,
                 raw_contents,
                 in_place.input_part if in_place is not None else None,
+                shared,
             )
             if trace is not None:
                 trace.validated(start, time.monotonic_ns())
@@ -215,7 +245,9 @@ class DataPlane:
                 entry.generation, spec, version, validated
             )
             if hit is not None:
-                out = _response(entry.name, version, request.id, hit, held, validated)
+                out, writes = _response(entry.name, version, request.id, hit, held, validated)
+                if writes:
+                    await self._write_outputs(writes)
                 request_ns = time.monotonic_ns() - start
                 self.recorder.cache_hit(entry.name, version, request_ns, 0, lookup_ns)
                 return out
@@ -279,7 +311,9 @@ class DataPlane:
                         resp.timing,
                     )
                 raise StageError.of(resp.failure, resp.message)
-            out = _response(entry.name, version, request.id, resp.outputs, held, validated)
+            out, writes = _response(entry.name, version, request.id, resp.outputs, held, validated)
+            if writes:
+                await self._write_outputs(writes)
         except StageError as err:
             # A request refused before scheduling (invalid) is no failure in
             # Triton 2.51's statistics nor metrics (measured: bench/triton_diff.py).
@@ -341,12 +375,59 @@ class DataPlane:
         device = self.tensor_transport.cuda_device(spec)
         return None if device is None else cuda_inplace.InPlace(self.shm, device)
 
+    async def _input_reader(
+        self,
+        request: gs.ModelInferRequest,
+        shared: Mapping[str, SharedRef],
+        in_place: cuda_inplace.InPlace | None,
+    ) -> ReadShared:
+        """validate_infer's reader of the `shared` inputs: reads on the loop,
+        or, past shm_copy_thread_bytes, the bytes read ahead by a copy thread."""
+        taken = in_place.takes if in_place is not None else None
+        refs = shm_copies.input_refs(request, shared, taken)
+        if not shm_copies.in_thread((r.byte_size for r in refs), self.shm_copy_thread_bytes):
+            return self._read_shared
+        done = await self._in_copy_thread(shm_copies.read_ahead, refs, self._read_shared_in_thread)
+        return shm_copies.served(done, self._read_shared)
+
     def _read_shared(self, ref: SharedRef) -> bytes:
         region = self.shm.acquire(ref.region)
         try:
             return region.read(ref.offset, ref.byte_size)
         finally:
             self.shm.release(region)
+
+    def _read_shared_in_thread(self, ref: SharedRef) -> bytes:
+        """_read_shared for a copy thread: the region is held while it copies
+        (an unregister meanwhile closes it after), the GIL left to the loop."""
+        region = self.shm.acquire(ref.region)
+        try:
+            return region.read_in_thread(ref.offset, ref.byte_size)
+        finally:
+            self.shm.release(region)
+
+    async def _write_outputs(self, writes: list[OutputWrite]) -> None:
+        """The outputs requested into regions, written before the response
+        goes: on the loop, or, past shm_copy_thread_bytes, by a copy thread."""
+        if not shm_copies.in_thread((w.byte_size() for w in writes), self.shm_copy_thread_bytes):
+            shm_copies.write_outputs(writes)
+            return
+        for w in writes:  # the thread's own holds: a cancelled request releases only its own
+            self.shm.hold(w.region)
+        await self._in_copy_thread(self._write_held, writes)
+
+    def _write_held(self, writes: list[OutputWrite]) -> None:
+        try:
+            shm_copies.write_outputs(writes, in_thread=True)
+        finally:
+            for w in writes:
+                self.shm.release(w.region)
+
+    async def _in_copy_thread(self, copy: Callable[..., T], *args: object) -> T:
+        """`copy(*args)` on a copy thread. Shielded: a request cancelled while it
+        waits leaves the copy to run (a copy releases the regions it holds)."""
+        loop = asyncio.get_running_loop()
+        return await asyncio.shield(loop.run_in_executor(self._copy_threads, copy, *args))
 
     def _record_steps(self, resp: pb.ScheduleResponse) -> None:
         """An ensemble's composing executions count for their own models."""
@@ -513,24 +594,17 @@ def _response(
     outputs: Iterable[pb.Tensor],
     held: dict[str, Region],
     validated: ValidatedRequest,
-) -> gs.ModelInferResponse:
+) -> tuple[gs.ModelInferResponse, list[OutputWrite]]:
+    """The response, and the outputs to write into their regions, in order (as
+    Triton: the bytes go to the region, the response's entry stays empty)."""
     out = gs.ModelInferResponse(model_name=model, model_version=str(version), id=request_id)
+    writes = []
     for t in outputs:
         out.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
-        if t.device_written and t.name in held:  # the worker wrote the region itself
+        if t.name in held:
             out.raw_output_contents.append(b"")
-        elif t.name in held:  # as Triton: the bytes go to the region, the entry stays empty
-            _write_shared(held[t.name], validated.shared_outputs[t.name], t)
-            out.raw_output_contents.append(b"")
+            if not t.device_written:  # else the worker wrote the region itself
+                writes.append(OutputWrite(held[t.name], validated.shared_outputs[t.name], t))
         else:
             out.raw_output_contents.append(t.raw)
-    return out
-
-
-def _write_shared(region: Region, ref: SharedRef, t: pb.Tensor) -> None:
-    if len(t.raw) > ref.byte_size:
-        raise internal(
-            f"shared memory size specified with the request for output '{t.name}' "
-            f"({ref.byte_size} bytes) should be at least {len(t.raw)} bytes to hold the results",
-        )
-    region.write(ref.offset, t.raw)
+    return out, writes

@@ -73,7 +73,14 @@ async def serve(
         autocomplete=gateway.autocomplete,
     )
     link = await scheduler_router(redis, scheduler_address, settings)
-    dataplane = DataPlane(models, lifecycle, link, gateway.server_name)
+    dataplane = DataPlane(
+        models,
+        lifecycle,
+        link,
+        gateway.server_name,
+        shm_copy_thread_bytes=gateway.shm_copy_thread_bytes,
+        shm_copy_threads=gateway.shm_copy_threads,
+    )
     dataplane.strict_readiness = gateway.strict_readiness
     dataplane.shared = SharedStats(redis, dataplane.stats, gateway.stats_publish_s)
     dataplane.shared.start()
@@ -183,6 +190,7 @@ async def serve(
             await dataplane.cache.close()
         await dataplane.traces.close()
         dataplane.overrides.close()
+        dataplane.close()
         if dataplane.tensor_transport is not None:
             await dataplane.tensor_transport.local.close()
         await link.close()

@@ -8,10 +8,12 @@ import base64
 import os
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
@@ -161,6 +163,40 @@ def test_system_and_cuda_regions_share_one_table(stack: RunningStack, regions) -
     c.unregister_cuda_shared_memory()
     assert f"in-{tag}" in c.get_system_shared_memory_status().regions
     assert f"in-{tag}" not in c.get_cuda_shared_memory_status(as_json=True).get("regions", {})
+
+
+@pytest.mark.parametrize("front", ["grpc", "http"])
+def test_a_large_tensor_through_regions_on_both_fronts(stack: RunningStack, front: str) -> None:
+    """3 MiB in and out of regions: past the gateway's 1 MiB threshold, its
+    copies run on its copy threads (pread / pwrite of the shm objects)."""
+    data = np.random.default_rng(7).integers(0, 256, (1, 3 << 20), dtype=np.uint8)
+    tag = uuid.uuid4().hex[:8]
+    module: Any = grpcclient if front == "grpc" else httpclient
+    client = (
+        stack.client()
+        if front == "grpc"
+        else httpclient.InferenceServerClient(stack.gateway.http_address)
+    )
+    handles = [
+        shm.create_shared_memory_region(f"{d}-{tag}", f"/ss-{d}-{tag}", data.nbytes)
+        for d in ("big-in", "big-out")
+    ]
+    try:
+        shm.set_shared_memory_region(handles[0], [data])
+        for d in ("big-in", "big-out"):
+            client.register_system_shared_memory(f"{d}-{tag}", f"/ss-{d}-{tag}", data.nbytes)
+        inp = module.InferInput("INPUT0", list(data.shape), "UINT8")
+        inp.set_shared_memory(f"big-in-{tag}", data.nbytes)
+        out = module.InferRequestedOutput("OUTPUT0")
+        out.set_shared_memory(f"big-out-{tag}", data.nbytes)
+        client.infer("identity_uint8", [inp], outputs=[out])
+        got = shm.get_contents_as_numpy(handles[1], np.uint8, list(data.shape))
+        np.testing.assert_array_equal(got, data)
+    finally:
+        for d in ("big-in", "big-out"):
+            client.unregister_system_shared_memory(f"{d}-{tag}")
+        for h in handles:
+            shm.destroy_shared_memory_region(h)
 
 
 @pytest.mark.perf

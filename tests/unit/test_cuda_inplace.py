@@ -118,6 +118,9 @@ class _Memory:
     def write(self, begin: int, data: bytes) -> None:
         self.data[begin : begin + len(data)] = data
 
+    read_in_thread = read
+    write_in_thread = write
+
     def close(self) -> None:
         self.closed = True
 
@@ -188,6 +191,22 @@ def test_a_request_carries_references_and_holds_its_region_until_released() -> N
     assert not memory.closed
     in_place.release()
     assert memory.closed
+
+
+def test_the_inputs_taken_in_place_are_the_ones_input_part_takes(tmp_path) -> None:
+    """InPlace.takes tells the gateway which inputs it need not read (shm_copies)."""
+    (tmp_path / "sys").write_bytes(bytes(64))
+    shm = SharedMemory(tmp_path, open_cuda=lambda *_: _Memory())
+    shm.register_cuda("r", HANDLE, 0, 256)
+    shm.register("sys", "/sys", 0, 64)
+    in_place = gw.InPlace(shm, 0)
+    assert in_place.takes(SharedRef("r", 0, 16), "FP32")
+    assert not in_place.takes(SharedRef("r", 0, 16), "BYTES")
+    assert not in_place.takes(SharedRef("sys", 0, 16), "FP32")
+    assert not in_place.takes(SharedRef("ghost", 0, 16), "FP32")  # its read answers NOT_FOUND
+    assert not gw.InPlace(shm, 1).takes(SharedRef("r", 0, 16), "FP32")
+    assert [r.users for r in shm.status(kind=CUDA) + shm.status()] == [0, 0]  # none held
+    shm.unregister()
 
 
 def test_a_reference_of_the_wrong_size_is_tritons_byte_size_error() -> None:

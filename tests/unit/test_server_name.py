@@ -12,7 +12,7 @@ from stageserve.cli import build_parser
 from stageserve.settings import settings_from
 
 
-def _metadata_name(**kwargs: str) -> str:
+def _metadata_name(**kwargs: Any) -> str:
     dataplane = DataPlane(cast(Any, None), cast(Any, None), cast(Any, None), **kwargs)
     try:
         return dataplane.server_metadata().name

@@ -128,6 +128,55 @@ def test_a_region_in_use_is_unmapped_only_when_released(shm_key: str) -> None:
     os.stat(SHM_ROOT / shm_key[1:])  # the client's object itself is untouched
 
 
+def test_a_threads_copies_read_and_write_what_the_mapping_holds(shm_key: str) -> None:
+    """read_in_thread / write_in_thread (pread / pwrite of the object) at an
+    offset off the page, across a page boundary, as read / write see it."""
+    shm = SharedMemory()
+    shm.register("r", shm_key, mmap.PAGESIZE - 5, 64)
+    region = shm.acquire("r")
+    assert region.read_in_thread(0, 64) == region.read(0, 64)
+    region.write_in_thread(3, b"\xff" * 10)
+    assert region.read(0, 16) == region.read_in_thread(0, 16)
+    assert region.read(3, 10) == b"\xff" * 10
+    shm.release(region)
+    with open(SHM_ROOT / shm_key[1:], "rb") as f:  # the client sees the write
+        f.seek(mmap.PAGESIZE - 2)
+        assert f.read(11) == b"\xff" * 10 + bytes([(mmap.PAGESIZE + 8) % 256])
+
+
+def test_a_threads_copies_stay_inside_the_region(shm_key: str) -> None:
+    shm = SharedMemory()
+    shm.register("r", shm_key, 0, 16)
+    region = shm.acquire("r")
+    with pytest.raises(StageError, match="Invalid offset for") as exc:
+        region.read_in_thread(16, 1)
+    assert _code(exc) == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(StageError, match="Invalid offset \\+ byte size"):
+        region.read_in_thread(8, 9)
+    with pytest.raises(StageError, match="Invalid offset \\+ byte size"):
+        region.write_in_thread(10, b"x" * 7)
+
+
+def test_an_object_shrunk_since_register_reads_short_in_a_thread(shm_key: str) -> None:
+    shm = SharedMemory()
+    shm.register("r", shm_key, 0, 2 * mmap.PAGESIZE)
+    os.truncate(SHM_ROOT / shm_key[1:], mmap.PAGESIZE + 4)
+    region = shm.acquire("r")
+    assert region.read_in_thread(mmap.PAGESIZE, 16) == bytes(range(4))
+    shm.release(region)
+
+
+def test_closing_a_system_region_closes_its_descriptors(shm_key: str) -> None:
+    before = set(os.listdir("/proc/self/fd"))
+    shm = SharedMemory()
+    shm.register("r", shm_key, 0, 8)
+    assert set(os.listdir("/proc/self/fd")) > before  # kept for the copies in a thread
+    with pytest.raises(StageError, match="invalid args"):  # a refused register keeps none
+        shm.register("big", shm_key, 0, 4 * mmap.PAGESIZE)
+    shm.unregister("r")
+    assert set(os.listdir("/proc/self/fd")) == before
+
+
 # ------------------------------------------- one table for system and CUDA regions
 
 HANDLE = bytes(range(64))  # a cudaIpcMemHandle_t's size; opens nowhere

@@ -13,14 +13,17 @@ region's through a device-to-host copy); output bytes are copied into it when
 the answer comes back, and the response carries an empty raw entry for that
 output, as Triton's does.
 
-Each region copies two ways: `read` / `write`, the cheapest for a small copy
-(an mmap slice for a system region), and `read_in_thread` / `write_in_thread`
-for a large one a worker thread makes (services/gateway/shm_copies.py): the
-GIL is released for the copy itself, so the event loop runs meanwhile. A
-slice holds the GIL for its whole copy, so in a thread it stalls the loop as
-long as on it (64 MB: 45 ms either way); pread / pwrite release it (the loop
-then stalled at most 0.6 ms), but a small one costs more (1 MiB: pread 64 us,
-a slice 24 us; 64 B: 0.9 against 0.1 us; the 2-core development VM).
+Each region copies two ways: `read` / `write` on the event loop, and
+`read_in_thread` / `write_in_thread` for a large copy a worker thread makes
+(services/gateway/shm_copies.py), which release the GIL for the copy itself
+so the loop runs meanwhile. A system region copies with pread / pwrite on the
+shm object's descriptor, both ways: a slice of the mapping would hold the GIL
+for its whole copy (64 MB: 45 ms), and it faults (SIGBUS, the gateway gone)
+when the client has shrunk the object since it registered, where pread reads
+short (validation then refuses the byte size) and pwrite grows the object
+again. A small pread costs more than a slice (64 B: 0.9 against 0.1 us; 1 MiB:
+64 against 24 us; the 2-core development VM): a few microseconds a request.
+The mapping made at register is Triton's check of the descriptor and window.
 
 Registrations live in the gateway process that received them, as in Triton's
 single process. A client's RPCs share one HTTP/2 connection, which
@@ -82,37 +85,37 @@ CudaOpener = Callable[[str, bytes, int, int], Window]
 
 @dataclass
 class MappedWindow:
-    """A system region's bytes: its part of an mmap of the shm object, and
-    the object's descriptor for the copies made in a thread."""
+    """A system region's bytes: its window of the shm object, copied with
+    pread / pwrite on the object's descriptor (the module's docstring: why
+    not slices of the mapping)."""
 
-    _map: mmap.mmap
+    _map: mmap.mmap  # made at register, Triton's check; no copy goes through it
     _start: int  # where the region begins inside the mapping
     _fd: int  # the shm object, open as long as the mapping
     _position: int  # where the region begins inside the object
 
     def read(self, begin: int, byte_size: int) -> bytes:
-        begin += self._start
-        return self._map[begin : begin + byte_size]
-
-    def write(self, begin: int, data: bytes) -> None:
-        begin += self._start
-        self._map[begin : begin + len(data)] = data
-
-    def read_in_thread(self, begin: int, byte_size: int) -> bytes:
-        """pread, which releases the GIL while the kernel copies. An object the
-        client shrank since it registered reads short (validation then refuses
-        the byte size) where a slice of the mapping would fault."""
+        """pread: an object the client shrank since it registered reads short."""
         return _pread(self._fd, byte_size, self._position + begin)
 
-    def write_in_thread(self, begin: int, data: bytes) -> None:
-        """pwrite, which releases the GIL while the kernel copies."""
+    def write(self, begin: int, data: bytes) -> None:
+        """pwrite: an object the client shrank grows again, never faults."""
         _pwrite(self._fd, data, self._position + begin)
 
+    def read_in_thread(self, begin: int, byte_size: int) -> bytes:
+        """`read`: pread releases the GIL while the kernel copies."""
+        return self.read(begin, byte_size)
+
+    def write_in_thread(self, begin: int, data: bytes) -> None:
+        """`write`: pwrite releases the GIL while the kernel copies."""
+        self.write(begin, data)
+
     def close(self) -> None:
-        try:
+        fd, self._fd = self._fd, -1  # a copy after close fails (EBADF), never
+        try:  # reads a file that reused the number
             self._map.close()
         finally:
-            os.close(self._fd)
+            os.close(fd)
 
 
 def _pread(fd: int, byte_size: int, position: int) -> bytes:

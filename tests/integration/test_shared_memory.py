@@ -137,6 +137,37 @@ def test_errors_have_tritons_codes_and_the_server_keeps_serving(
     np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), X + Y)
 
 
+def test_a_region_the_client_shrank_is_refused_and_the_gateway_lives(
+    stack: RunningStack, regions
+) -> None:
+    """A client that truncates its shm object after registering it: a copy
+    through the mapping would fault (SIGBUS) and take the gateway down; the
+    gateway's reads come back short and the request is refused, its writes
+    grow the object again, and the gateway keeps serving."""
+    tag, c = regions["tag"], stack.client()
+    os.truncate(f"/dev/shm/ss-in-{tag}", 0)
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("simple", _inputs(tag), client_timeout=RPC_TIMEOUT_S)
+    assert "INVALID_ARGUMENT" in _status_of(e.value)
+    os.truncate(f"/dev/shm/ss-out-{tag}", 0)
+    out = grpcclient.InferRequestedOutput("OUTPUT0")
+    out.set_shared_memory(f"out-{tag}", NBYTES)
+    c.infer("simple", _inputs(tag, raw_second=True)[1:] + [_raw_x()], outputs=[out],
+            client_timeout=RPC_TIMEOUT_S)  # fmt: skip
+    with open(f"/dev/shm/ss-out-{tag}", "rb") as f:
+        np.testing.assert_array_equal(np.frombuffer(f.read(NBYTES), np.int32), (X + Y)[0])
+    r = c.infer(
+        "simple", [_raw_x(), _inputs(tag, raw_second=True)[1]], client_timeout=RPC_TIMEOUT_S
+    )
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), X + Y)
+
+
+def _raw_x() -> grpcclient.InferInput:
+    a = grpcclient.InferInput("INPUT0", [1, 16], "INT32")
+    a.set_data_from_numpy(X)
+    return a
+
+
 def test_unregister_then_use_is_not_found(stack: RunningStack, regions) -> None:
     tag, c = regions["tag"], stack.client()
     c.unregister_system_shared_memory(f"in-{tag}")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import base64
 import urllib.request
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -296,6 +296,30 @@ def _expected(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return a.numpy(), b.numpy()
 
 
+Answer = tuple[np.ndarray, np.ndarray, dict[str, float]]
+
+
+def _answered(request: Callable[[], Answer], in_place: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The inputs of one two-input, two-output `request` through the regions,
+    checked for its copies: in place (once the gateway knows where the
+    instances run, within a second of the load) none by the gateway and four
+    d2d; else the gateway's two d2h and two h2d."""
+    if not in_place:
+        x, y, delta = request()
+        assert delta == {"d2h": 2, "h2d": 2, "d2d": 0}
+        return x, y
+    got: list[Answer] = []
+
+    def answered_in_place() -> bool:
+        got.append(request())
+        return got[-1][2]["d2d"] > 0
+
+    assert wait_until(answered_in_place, timeout_s=10, interval_s=0.5), got[-1][2]
+    x, y, delta = got[-1]
+    assert delta == {"d2h": 0, "h2d": 0, "d2d": 4}
+    return x, y
+
+
 @pytest.mark.parametrize("model", ["two_io_gpu", "two_io_cpu"])
 def test_a_torch_model_on_the_regions_device_uses_them_in_place(
     torch_stack: MetricsStack, model: str
@@ -305,22 +329,9 @@ def test_a_torch_model_on_the_regions_device_uses_them_in_place(
     c.register_cuda_shared_memory("tin", base64.b64encode(src.raw), 0, src.byte_size)
     c.register_cuda_shared_memory("tout", base64.b64encode(dst.raw), 0, dst.byte_size)
     try:
-        got: list[tuple[np.ndarray, np.ndarray, dict[str, float]]] = []
-
-        def answered_in_place() -> bool:
-            # the gateway learns where the instances run within a second of the load
-            got.append(_two_io(torch_stack, model, src, dst))
-            return got[-1][2]["d2d"] > 0
-
-        if model == "two_io_gpu":
-            assert wait_until(answered_in_place, timeout_s=10, interval_s=0.5), got[-1][2]
-            x, y, delta = got[-1]
-            assert delta == {"d2h": 0, "h2d": 0, "d2d": 4}  # two inputs, two outputs
-            atol = 1e-2  # TF32 on the GPU (docs/gpu.md)
-        else:
-            x, y, delta = _two_io(torch_stack, model, src, dst)
-            assert delta == {"d2h": 2, "h2d": 2, "d2d": 0}  # the gateway's copies
-            atol = 1e-5
+        on_gpu = model == "two_io_gpu"
+        x, y = _answered(lambda: _two_io(torch_stack, model, src, dst), on_gpu)
+        atol = 1e-2 if on_gpu else 1e-5  # TF32 on the GPU (docs/gpu.md)
         want0, want1 = _expected(x, y)
         np.testing.assert_allclose(dst.get(dst.offset, np.float32, TWO_IO), want0[0], atol=atol)
         np.testing.assert_allclose(
@@ -363,20 +374,7 @@ def test_an_onnx_runtime_model_on_the_regions_device_uses_them_in_place(
     c.register_cuda_shared_memory("oin", base64.b64encode(src.raw), 0, src.byte_size)
     c.register_cuda_shared_memory("oout", base64.b64encode(dst.raw), 0, dst.byte_size)
     try:
-        got: list[tuple[np.ndarray, np.ndarray, dict[str, float]]] = []
-
-        def answered_in_place() -> bool:
-            # the gateway learns where the instances run within a second of the load
-            got.append(_simple(torch_stack, model, src, dst))
-            return got[-1][2]["d2d"] > 0
-
-        if model == "simple_gpu":
-            assert wait_until(answered_in_place, timeout_s=10, interval_s=0.5), got[-1][2]
-            a, b, delta = got[-1]
-            assert delta == {"d2h": 0, "h2d": 0, "d2d": 4}  # two inputs, two outputs
-        else:
-            a, b, delta = _simple(torch_stack, model, src, dst)
-            assert delta == {"d2h": 2, "h2d": 2, "d2d": 0}  # the gateway's copies
+        a, b = _answered(lambda: _simple(torch_stack, model, src, dst), model == "simple_gpu")
         np.testing.assert_array_equal(dst.get(dst.offset, np.int32, 16), (a + b)[0])
         np.testing.assert_array_equal(dst.get(dst.offset + a.nbytes, np.int32, 16), (a - b)[0])
 

@@ -9,13 +9,11 @@ import mmap
 import uuid
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 
 from services.gateway import shm_copies
 from services.gateway.shared_memory import SHM_ROOT, SharedMemory
 from services.gateway.shm_copies import OutputWrite
-from stageserve.config import parse_config_text, to_spec
 from stageserve.errors import StageError, invalid, not_found
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
@@ -26,23 +24,7 @@ from stageserve.validation import (
     shared_inputs,
     validate_infer,
 )
-
-SPEC = to_spec(
-    parse_config_text(
-        """
-name: "m"
-platform: "onnxruntime_onnx"
-max_batch_size: 4
-input [
-  { name: "A" data_type: TYPE_FP32 dims: [ 2 ] },
-  { name: "B" data_type: TYPE_INT32 dims: [ 2 ] }
-]
-output [ { name: "O" data_type: TYPE_FP32 dims: [ 2 ] } ]
-"""
-    )
-)
-A = np.array([[1.5, 2.5]], np.float32).tobytes()
-B = np.array([[7, 8]], np.int32).tobytes()
+from tests.unit.test_validation_shared_memory import SPEC, A, B  # the same model and rows
 
 
 @pytest.fixture

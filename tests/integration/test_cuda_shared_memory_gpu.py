@@ -265,28 +265,46 @@ def torch_stack(gpu: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield MetricsStack(running, port)
 
 
+def _through_regions(
+    stack: MetricsStack,
+    model: str,
+    regions: tuple[DeviceRegion, DeviceRegion, str, str],
+    inputs: dict[str, np.ndarray],
+    outputs: tuple[str, str],
+    datatype: str,
+) -> dict[str, float]:
+    """One request whose inputs (name -> value) lie one after the other in the
+    input region and whose two outputs, each the first input's size, go one
+    after the other to the output region (`regions`: the input and output
+    allocations and the names they are registered under): the copies it cost
+    (the counters' change)."""
+    src, dst, src_name, dst_name = regions
+    at, tensors = src.offset, []
+    for name, value in inputs.items():
+        src.put(at, value)
+        tensors.append(grpcclient.InferInput(name, list(value.shape), datatype))
+        tensors[-1].set_shared_memory(src_name, value.nbytes, offset=at)
+        at += value.nbytes
+    size = next(iter(inputs.values())).nbytes
+    outs = [grpcclient.InferRequestedOutput(n) for n in outputs]
+    for i, out in enumerate(outs):
+        out.set_shared_memory(dst_name, size, offset=dst.offset + i * size)
+    before = stack.copies()
+    r = stack.running.client().infer(model, tensors, outputs=outs, client_timeout=RPC_TIMEOUT_S)
+    after = stack.copies()
+    assert list(r.get_response().raw_output_contents) == [b"", b""]
+    return {d: after.get(d, 0) - before.get(d, 0) for d in ("d2h", "h2d", "d2d")}
+
+
 def _two_io(
     stack: MetricsStack, model: str, src: DeviceRegion, dst: DeviceRegion
 ) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
-    """One torch_two_io request through CUDA regions: its inputs, and the
-    copies it cost (the counters' change)."""
-    c = stack.running.client()
+    """One torch_two_io request through CUDA regions: its inputs, and its copies."""
     rng = np.random.default_rng(len(model))
     x, y = (rng.standard_normal((1, TWO_IO), dtype=np.float32) for _ in range(2))
-    src.put(src.offset, x)
-    src.put(src.offset + x.nbytes, y)
-    inputs = [grpcclient.InferInput(n, [1, TWO_IO], "FP32") for n in ("x", "y")]
-    inputs[0].set_shared_memory("tin", x.nbytes, offset=src.offset)
-    inputs[1].set_shared_memory("tin", y.nbytes, offset=src.offset + x.nbytes)
-    outs = [grpcclient.InferRequestedOutput(n) for n in ("OUTPUT__0", "OUTPUT__1")]
-    outs[0].set_shared_memory("tout", x.nbytes, offset=dst.offset)
-    outs[1].set_shared_memory("tout", x.nbytes, offset=dst.offset + x.nbytes)
-    before = stack.copies()
-    r = c.infer(model, inputs, outputs=outs, client_timeout=RPC_TIMEOUT_S)
-    after = stack.copies()
-    assert list(r.get_response().raw_output_contents) == [b"", b""]
-    delta = {d: after.get(d, 0) - before.get(d, 0) for d in ("d2h", "h2d", "d2d")}
-    return x, y, delta
+    regions = (src, dst, "tin", "tout")
+    outputs = ("OUTPUT__0", "OUTPUT__1")
+    return x, y, _through_regions(stack, model, regions, {"x": x, "y": y}, outputs, "FP32")
 
 
 def _expected(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -344,25 +362,13 @@ def test_a_torch_model_on_the_regions_device_uses_them_in_place(
 def _simple(
     stack: MetricsStack, model: str, src: DeviceRegion, dst: DeviceRegion
 ) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
-    """One `simple` request through CUDA regions: its inputs, and the copies
-    it cost (the counters' change)."""
-    c = stack.running.client()
+    """One `simple` request through CUDA regions: its inputs, and its copies."""
     a = np.arange(16, dtype=np.int32).reshape(1, 16) * 3
     b = np.full((1, 16), len(model), dtype=np.int32)
-    src.put(src.offset, a)
-    src.put(src.offset + a.nbytes, b)
-    inputs = [grpcclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
-    inputs[0].set_shared_memory("oin", a.nbytes, offset=src.offset)
-    inputs[1].set_shared_memory("oin", b.nbytes, offset=src.offset + a.nbytes)
-    outs = [grpcclient.InferRequestedOutput(n) for n in ("OUTPUT0", "OUTPUT1")]
-    outs[0].set_shared_memory("oout", a.nbytes, offset=dst.offset)
-    outs[1].set_shared_memory("oout", a.nbytes, offset=dst.offset + a.nbytes)
-    before = stack.copies()
-    r = c.infer(model, inputs, outputs=outs, client_timeout=RPC_TIMEOUT_S)
-    after = stack.copies()
-    assert list(r.get_response().raw_output_contents) == [b"", b""]
-    delta = {d: after.get(d, 0) - before.get(d, 0) for d in ("d2h", "h2d", "d2d")}
-    return a, b, delta
+    regions = (src, dst, "oin", "oout")
+    outputs = ("OUTPUT0", "OUTPUT1")
+    feeds = {"INPUT0": a, "INPUT1": b}
+    return a, b, _through_regions(stack, model, regions, feeds, outputs, "INT32")
 
 
 @pytest.mark.parametrize("model", ["simple_gpu", "simple_cpu"])

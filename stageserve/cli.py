@@ -199,8 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     _poll_secs(up)
     _autocomplete(up)
     _trace_config(up)
-    # The counts default to auto: `up` sizes each stage from the cores and GPUs
-    # it finds (on a 2-core host without a GPU: one of each).
+    # Workers and schedulers default to auto: `up` sizes them from the GPUs and
+    # cores it finds (on a 2-core host without a GPU: one of each). Gateways
+    # default to 1: each gateway serves its own Triton metrics on its own
+    # metrics port, so with several a Triton user's scrape of --metrics-port
+    # would see only the first one's share (docs/deployment.md, "Several
+    # gateways on one port"); `--gateways auto` is the host's count.
     up.add_argument(
         "--workers",
         type=parse_workers,
@@ -217,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--gateways",
         type=parse_gateways,
-        default=AUTO,
+        default=1,
         help="gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT), or auto: "
         "by the cores present (stageserve/scale_out.py)",
     )

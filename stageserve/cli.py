@@ -199,12 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     _poll_secs(up)
     _autocomplete(up)
     _trace_config(up)
-    # Workers and schedulers default to auto: `up` sizes them from the GPUs and
-    # cores it finds (on a 2-core host without a GPU: one of each). Gateways
-    # default to 1: each gateway serves its own Triton metrics on its own
-    # metrics port, so with several a Triton user's scrape of --metrics-port
-    # would see only the first one's share (docs/deployment.md, "Several
-    # gateways on one port"); `--gateways auto` is the host's count.
+    # Workers, schedulers and gateways default to auto: `up` sizes them from
+    # the GPUs and cores it finds (on a 2-core host without a GPU: one of
+    # each). With several gateways, --metrics-port serves the whole stack's
+    # Triton metrics, merged by `up` from each gateway's own port
+    # (docs/deployment.md, "Several gateways on one port").
     up.add_argument(
         "--workers",
         type=parse_workers,
@@ -221,9 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--gateways",
         type=parse_gateways,
-        default=1,
-        help="gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT), or auto: "
-        "by the cores present (stageserve/scale_out.py)",
+        default=AUTO,
+        help="gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT), or auto "
+        "(default): by the cores present (stageserve/scale_out.py)",
     )
     up.add_argument("--device", default="auto", help="auto | cpu | cuda:N for the workers")
     up.add_argument(
@@ -453,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
             supervisor_settings=settings.supervisor,
             log_argv=log_argv(log_settings),
             scheduler_extra=gateway.response_cache.argv() if gateway.response_cache else [],
+            local_cache=gateway.response_cache is not None
+            and gateway.response_cache.kind == "local",
         )
     if args.command == "gateway":
         from services.gateway.server import serve as serve_gateway

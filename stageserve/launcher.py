@@ -30,9 +30,11 @@ from typing import TYPE_CHECKING, TextIO
 
 from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.gpus import AUTO, gpu_count, worker_devices
+from stageserve.metrics_merge import LOCAL_CACHE_RULES, SHARED_CACHE_RULES
 from stageserve.net import free_port
 from stageserve.service_runtime import FAILED_MARKER, READY_MARKER, STARTUP_MARKER
 from stageserve.settings import SupervisorSettings, settings_from_env
+from stageserve.stack_metrics import serve_stack_metrics
 
 if TYPE_CHECKING:
     from stageserve.supervision import Supervisor
@@ -402,24 +404,31 @@ def start_gateways(
     With more than one, every gateway binds both ports with SO_REUSEPORT
     (Triton's --reuse-grpc-port / --reuse-http-port) and the kernel spreads
     new connections over them. The first binds what `gw_args` asks (port 0:
-    the kernel's choice); the others bind the ports it announced. Each has its
-    own metrics port (a free one after the first; none when metrics_port is 0).
+    the kernel's choice); the others bind the ports it announced. Alone, the
+    gateway serves `metrics_port`; with others, each has a free metrics port
+    of its own and `up` serves `metrics_port` with their merge
+    (stageserve/stack_metrics.py). None when metrics_port is 0.
 
     In sequence, not at once: the first loads the startup models and
     publishes them in Redis; the next ones find them published with the same
     config and adopt them (ModelLifecycle.startup), as a restarted gateway
     does, so the stack's startup loads run once, with the first gateway's
     --exit-on-error outcome."""
+
+    def own_metrics(args: list[str]) -> list[str]:
+        if count == 1:
+            return args
+        return _with_flag(args, "--metrics-port", str(free_port() if metrics_port else 0))
+
     if count > 1:
         gw_args = [*gw_args, "--reuse-grpc-port", "true", "--reuse-http-port", "true"]
-    first = stack.start_service("gateway", gw_args, timeout_s=600)
+    first = stack.start_service("gateway", own_metrics(gw_args), timeout_s=600)
     children = [first]
     for i in range(1, count):
         args = _with_flag(gw_args, "--listen", first.address)
         if http:
             args = _with_flag(args, "--http-port", first.http_address.rsplit(":", 1)[1])
-        args = _with_flag(args, "--metrics-port", str(free_port() if metrics_port else 0))
-        children.append(stack.start_service(f"gateway-{i}", args, timeout_s=600))
+        children.append(stack.start_service(f"gateway-{i}", own_metrics(args), timeout_s=600))
     return children
 
 
@@ -453,6 +462,17 @@ def print_startup_summary(stack: Stack, out: TextIO) -> None:
                 print(line, file=out, flush=True)
 
 
+def live_gateway_metrics_ports(stack: Stack) -> list[int]:
+    """The metrics ports of the gateways running now, the first gateway first."""
+    return [
+        c.metrics_port
+        for c in list(stack.children)
+        if (c.name == "gateway" or c.name.startswith("gateway-"))
+        and c.metrics_port
+        and c.proc.poll() is None
+    ]
+
+
 def up(
     repository: Path,
     grpc_address: str,
@@ -477,7 +497,10 @@ def up(
     log_argv: Sequence[str] = (),
     scheduler_extra: Sequence[str] = (),
     workers_per_device: int = 1,
+    local_cache: bool = False,
 ) -> int:
+    """`local_cache`: the response cache is `local` (one LRU per gateway),
+    which changes how the gateways' cache gauges merge (metrics_merge.py)."""
     stack = Stack(log_verbose, log_argv)
     stopping = threading.Event()
 
@@ -487,6 +510,12 @@ def up(
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
+        if gateways > 1 and metrics_port:
+            serve_stack_metrics(
+                metrics_port,
+                lambda: live_gateway_metrics_ports(stack),
+                LOCAL_CACHE_RULES if local_cache else SHARED_CACHE_RULES,
+            )
         services = start_services(
             stack,
             repository,

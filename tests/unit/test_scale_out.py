@@ -43,7 +43,8 @@ def test_parse_rejects(bad: str) -> None:
 
 def test_up_takes_gateways_and_the_gateway_tritons_reuse_flags() -> None:
     parser = build_parser()
-    assert parser.parse_args(["up"]).gateways == 1  # one metrics port serves every count
+    # auto by default: with several, `up` serves --metrics-port with their merge
+    assert parser.parse_args(["up"]).gateways == "auto"
     assert parser.parse_args(["up", "--gateways", "auto"]).gateways == "auto"
     assert parser.parse_args(["up", "--gateways", "2"]).gateways == 2
     gw = ["gateway", "--model-repository", "/m", "--redis-url", "redis://x"]

@@ -1,0 +1,113 @@
+"""`stageserve up --gateways 2 --metrics-port P`: P serves the whole stack's
+Triton metrics, merged by the `up` process from each gateway's own port.
+
+K requests spread over both gateways (a connection each), then P shows
+`nv_inference_request_success` = K for the model, and each gateway's own
+port its share, the shares adding up to K. A gateway that does not answer
+(SIGSTOP: alive, silent) is left out of a scrape, which still answers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from stageserve.metrics_merge import parse
+from stageserve.net import free_port
+from stageserve.telemetry import TRITON_FAMILIES, model_labels
+from stageserve_tools.examples import write_simple
+from tests.integration.up_process import UpProcess
+from tests.stack import wait_until
+
+K = 24  # requests, each on a connection of its own: all on one gateway is 2**-23
+CLIENT_TIMEOUT_S = 10.0
+NEW_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # see test_gateways.py
+SIMPLE = model_labels("simple", 1)
+_A = np.arange(16, dtype=np.int32).reshape(1, 16)
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[UpProcess, int]]:
+    repository = tmp_path_factory.mktemp("stack_metrics")
+    write_simple(repository, "simple", max_batch_size=8)
+    port = free_port()
+    with UpProcess(repository, ["--gateways", "2", "--metrics-port", str(port)]) as running:
+        info = running.wait(240)
+        assert info is not None, "".join(running.err[-40:])
+        yield running, port
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return str(r.read().decode())
+
+
+def _success(port: int) -> float:
+    return parse(_scrape(port)).get("nv_inference_request_success", {}).get(SIMPLE, 0.0)
+
+
+def _infer(url: str) -> None:
+    inputs = [grpcclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+    for i in inputs:
+        i.set_data_from_numpy(_A)
+    with grpcclient.InferenceServerClient(url, channel_args=NEW_CONNECTION) as client:
+        result = client.infer("simple", inputs, client_timeout=CLIENT_TIMEOUT_S)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 2 * _A)
+
+
+def test_the_metrics_port_serves_the_stacks_total_and_each_gateway_its_share(
+    up: tuple[UpProcess, int],
+) -> None:
+    running, port = up
+    info = running.info()
+    assert info is not None
+    own = [g["metrics_port"] for g in info["gateways"]]
+    assert len(set(own)) == 2 and port not in own  # each gateway has a port of its own
+    for _ in range(K):
+        _infer(info["grpc"])
+
+    # Counters move as each answer is recorded: poll until the totals are in.
+    assert wait_until(lambda: _success(port) == K, 5), (_success(port), K)
+    shares = [_success(p) for p in own]
+    assert all(shares), shares  # both gateways answered some
+    assert sum(shares) == K, shares
+
+    text = _scrape(port)
+    samples = parse(text)
+    assert samples["nv_inference_count"][SIMPLE] == K  # batch 1 each
+    assert samples["nv_inference_exec_count"][SIMPLE] <= K
+    for name in samples:
+        kind, help_text = TRITON_FAMILIES[name]
+        assert text.count(f"# HELP {name} ") == 1
+        assert f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n" in text
+    assert "stageserve_" not in text  # StageServe's own families stay on each stage's port
+    # The host's memory once, not once per gateway
+    total = samples["nv_cpu_memory_total_bytes"][()]
+    assert total == parse(_scrape(own[0]))["nv_cpu_memory_total_bytes"][()]
+
+
+def test_a_gateway_that_does_not_answer_is_left_out_of_the_scrape(
+    up: tuple[UpProcess, int],
+) -> None:
+    running, port = up
+    info = running.info()
+    assert info is not None
+    second = info["gateways"][1]
+    share = _success(second["metrics_port"])
+    total = _success(port)
+    os.kill(second["pid"], signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        partial = _success(port)
+        assert time.monotonic() - start < 4  # its fetch timed out, the answer came
+        assert partial == total - share
+    finally:
+        os.kill(second["pid"], signal.SIGCONT)
+    assert wait_until(lambda: _success(port) == total, 5)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import shutil
 import signal
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, TextIO
 from stageserve.autocomplete_options import TRITON_DEFAULT, AutoComplete
 from stageserve.gpus import AUTO, gpu_count, worker_devices
 from stageserve.metrics_merge import LOCAL_CACHE_RULES, SHARED_CACHE_RULES
-from stageserve.net import free_port
+from stageserve.net import ListenFailed, free_port
 from stageserve.service_runtime import FAILED_MARKER, READY_MARKER, STARTUP_MARKER
 from stageserve.settings import SupervisorSettings, settings_from_env
 from stageserve.stack_metrics import serve_stack_metrics
@@ -39,6 +40,7 @@ from stageserve.stack_metrics import serve_stack_metrics
 if TYPE_CHECKING:
     from stageserve.supervision import Supervisor
 
+log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 PARENT_ENV = "STAGESERVE_PARENT_PID"
 
@@ -511,11 +513,17 @@ def up(
     signal.signal(signal.SIGTERM, on_signal)
     try:
         if gateways > 1 and metrics_port:
-            serve_stack_metrics(
-                metrics_port,
-                lambda: live_gateway_metrics_ports(stack),
-                LOCAL_CACHE_RULES if local_cache else SHARED_CACHE_RULES,
-            )
+            # Bound before any stage starts: a taken port ends `up` at once,
+            # with tritonserver's line, as a gateway's taken port does.
+            try:
+                serve_stack_metrics(
+                    metrics_port,
+                    lambda: live_gateway_metrics_ports(stack),
+                    LOCAL_CACHE_RULES if local_cache else SHARED_CACHE_RULES,
+                )
+            except ListenFailed as exc:
+                log.error(str(exc))
+                raise
         services = start_services(
             stack,
             repository,

@@ -5,15 +5,18 @@ K requests spread over both gateways (a connection each), then P shows
 `nv_inference_request_success` = K for the model, and each gateway's own
 port its share, the shares adding up to K. A gateway that does not answer
 (SIGSTOP: alive, silent) is left out of a scrape, which still answers.
+A --metrics-port another process holds ends `up` with tritonserver's line.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +26,7 @@ from stageserve.metrics_merge import parse
 from stageserve.net import free_port
 from stageserve.telemetry import TRITON_FAMILIES, model_labels
 from stageserve_tools.examples import write_simple
-from tests.integration.up_process import UpProcess
+from tests.integration.up_process import UpProcess, json_line
 from tests.stack import wait_until
 
 K = 24  # requests, each on a connection of its own: all on one gateway is 2**-23
@@ -111,3 +114,18 @@ def test_a_gateway_that_does_not_answer_is_left_out_of_the_scrape(
     finally:
         os.kill(second["pid"], signal.SIGCONT)
     assert wait_until(lambda: _success(port) == total, 5)
+
+
+def test_a_taken_metrics_port_ends_up_with_tritons_line(tmp_path: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("0.0.0.0", 0))
+        holder.listen()
+        held = holder.getsockname()[1]
+        with UpProcess(tmp_path, ["--gateways", "2", "--metrics-port", str(held)]) as running:
+            assert running.wait(120) is None, "stageserve up served on a port it cannot hold"
+            assert running.proc.returncode == 1
+    line = f"failed to start Metrics service: Unavailable - Socket '0.0.0.0:{held}' already in use"
+    assert [e for e in map(json_line, running.err) if e.get("msg") == line], running.err[-20:]
+    (failed,) = running.events("startup failed", "err")
+    assert failed["error"] == line
+    assert "Traceback" not in "".join(running.out + running.err)

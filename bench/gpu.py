@@ -8,7 +8,9 @@ CNN of `bench/cnn.py`, then
 1. runs it in this process through the worker's own backend
    (`OnnxInstance`, same session options) at `--batch` for `--seconds`,
    feeding numpy arrays as the worker does (host-to-device copies included);
-2. starts a StageServe stack (`--device`, one worker) on a repository holding
+2. starts a StageServe stack (`--device`, one worker; gateways and
+   schedulers `auto` as `stageserve up` sizes them, or `--gateways`,
+   `--schedulers`) on a repository holding
    the same model with dynamic batching up to `--batch`, and runs
    perf_analyzer over gRPC (`--protocol http`: the HTTP front) at
    `--concurrency` (default 2 x batch, so a full batch waits while one
@@ -66,6 +68,9 @@ from services.worker.onnx_options import ort_options
 from services.worker.service import detect_gpu
 from stageserve.generated import model_config_pb2 as mc
 from stageserve.launcher import Stack, start_services
+from stageserve.scale_out import AUTO, gateway_count, parse_gateways
+from stageserve.scheduler_count import parse_schedulers, scheduler_count
+from stageserve.settings import settings_from_env
 
 TARGET_RATIO = 0.9
 
@@ -202,8 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         help="NAME:SETTINGS, one more copy of the model measured from the same stack",
     )
     ap.add_argument("--profile", type=Path, help="py-spy every stage meanwhile, into this folder")
-    ap.add_argument("--gateways", type=int, default=1, help="gateway processes (one port)")
-    ap.add_argument("--schedulers", type=int, default=1, help="scheduler processes")
+    # auto, as `stageserve up`: the stack a user gets on this host by default
+    ap.add_argument(
+        "--gateways", type=parse_gateways, default=AUTO, help="gateway processes (one port)"
+    )
+    ap.add_argument("--schedulers", type=parse_schedulers, default=AUTO, help="scheduler processes")
     ap.add_argument("--workers", type=int, default=1, help="worker processes, all on --device")
     ap.add_argument(
         "--protocol",
@@ -219,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         help="a model parameter for both runs (e.g. cudnn_conv_algo_search=0, allow_tf32=true)",
     )
     args = ap.parse_args(argv)
+    args.gateways = gateway_count(args.gateways, settings_from_env().stack)
+    args.schedulers = scheduler_count(args.schedulers)
     parameters = dict(p.split("=", 1) for p in args.parameter)
     concurrency = args.concurrency or 2 * args.batch
     if find_perf_analyzer() is None:

@@ -56,12 +56,13 @@ want tests && run tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu -rs 
   tests/unit/test_gpus.py tests/unit/test_onnx_options.py tests/unit/test_numeric_policy.py \
   tests/unit/test_cuda_ipc.py \
   $(ls tests/integration/test_gpu_*.py tests/integration/test_cuda_shared_memory*.py 2>/dev/null)
-# Issue 25: both backends through one default stack; ONNX Runtime with the worker's CUDA
-# wait spinning (auto) and sleeping (blocking), side by side.
+# Issue 25: both backends through one stack of one gateway and one scheduler; ONNX Runtime
+# with the worker's CUDA wait spinning (auto) and sleeping (blocking), side by side.
 if want onnx; then
-  run onnx 50 $G --backend torch
-  run onnx 50 $G --backend onnx
-  STAGESERVE_WORKER_CUDA_SYNC=blocking run onnx 50 $G --backend onnx
+  O1="--gateways 1 --schedulers 1"
+  run onnx 50 $G --backend torch $O1
+  run onnx 50 $G --backend onnx $O1
+  STAGESERVE_WORKER_CUDA_SYNC=blocking run onnx 50 $G --backend onnx $O1
 fi
 # Issues 25 and 26: the front scaled out on both backends (target: 0.5x of alone). The
 # gateways bind first (6 gateways: ~5.8 cores of gateway at 8,300-9,200 infer/s).
@@ -71,12 +72,12 @@ if want scaled; then
   run scaled 70 $G --backend onnx $S
   STAGESERVE_WORKER_CUDA_SYNC=blocking run scaled 70 $G --backend onnx $S
 fi
-# Issue 26's headline: identity at c=256 with the auto counts of this host, then with 8
-# gateways.
+# Issue 26's headline: identity at c=256 with the auto counts of this host (8 gateways on
+# 16 cores), then with 12 (past auto's cap: does a 9th-12th gateway still add?).
 if want scale; then
   run scale 70 python3 -m bench.scale --models identity --concurrency 256 \
     --measurement-ms 2500 --max-trials 4
-  run scale 70 python3 -m bench.scale --models identity --concurrency 256 --gateways 8 \
+  run scale 70 python3 -m bench.scale --models identity --concurrency 256 --gateways 12 \
     --measurement-ms 2500 --max-trials 4
 fi
 want http && run http 70 $G --backend torch $S --protocol http

@@ -38,7 +38,7 @@ import re
 from collections.abc import Iterable, Mapping
 from enum import Enum
 
-from stageserve.telemetry import TRITON_FAMILIES, Labels, TritonMetrics
+from stageserve.telemetry import CACHE_COUNTS, TRITON_FAMILIES, Labels, TritonMetrics
 
 
 class Rule(Enum):
@@ -48,15 +48,7 @@ class Rule(Enum):
     MEAN = "mean"
 
 
-_SUMMED_GAUGES = (
-    "nv_cache_num_lookups",
-    "nv_cache_num_hits",
-    "nv_cache_num_misses",
-    "nv_cache_num_evictions",
-    "nv_cache_lookup_duration",
-    "nv_cache_insertion_duration",
-    "nv_inference_pending_request_count",
-)
+_SUMMED_GAUGES = (*CACHE_COUNTS, "nv_inference_pending_request_count")
 _HOST_GAUGES = (
     "nv_cpu_utilization",
     "nv_cpu_memory_total_bytes",
@@ -87,6 +79,8 @@ LOCAL_CACHE_RULES: dict[str, Rule] = {
 
 Samples = dict[str, dict[Labels, float]]
 
+# Parsed here, not with prometheus_client's text parser: that one drops a
+# counter's samples whose name lacks `_total`, and Triton's counters have none.
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)\s*$")
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
 _UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}

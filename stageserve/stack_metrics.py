@@ -11,14 +11,13 @@ comes, from the others.
 
 from __future__ import annotations
 
-import threading
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 from stageserve.metrics_merge import SHARED_CACHE_RULES, Rule, merge
-from stageserve.net import listen_failed
+from stageserve.telemetry import serve_metrics
 
 #: Per gateway and scrape: a live gateway renders its /metrics in
 #: milliseconds; Prometheus' own scrape timeout is 10 s by default.
@@ -52,26 +51,4 @@ def serve_stack_metrics(
     """Serve the merge of `gateway_ports()`' /metrics on `port` from a daemon
     thread (port 0 picks one). A port it cannot bind raises ListenFailed with
     Triton's message, as a gateway's metrics port does."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            if self.path.split("?", 1)[0] not in ("/metrics", "/"):
-                self.send_error(404)
-                return
-            body = merge(scrape(gateway_ports()), rules).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:  # scrapes are not news
-            return
-
-    try:
-        server = ThreadingHTTPServer((host, port), Handler)
-    except OSError as exc:
-        raise listen_failed("Metrics", f"{host}:{port}", exc) from None
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="stack-metrics", daemon=True).start()
-    return server
+    return serve_metrics(port, host, lambda: merge(scrape(gateway_ports()), rules).encode())

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -79,6 +79,19 @@ TRITON_FAMILIES: dict[str, tuple[str, str]] = {
     "nv_gpu_power_limit": ("gauge", "GPU power management limit, watts"),
     "nv_energy_consumption": ("gauge", "GPU energy consumed since the driver loaded, joules"),
 }
+
+#: The response cache's gauges, as a whole (services/gateway/cache_metrics.py):
+#: what each gateway counts of its own lookups and insertions, and the cache's
+#: state (entries held, utilization).
+CACHE_COUNTS = (
+    "nv_cache_num_lookups",
+    "nv_cache_num_hits",
+    "nv_cache_num_misses",
+    "nv_cache_num_evictions",
+    "nv_cache_lookup_duration",
+    "nv_cache_insertion_duration",
+)
+CACHE_STATE = ("nv_cache_num_entries", "nv_cache_util")
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -386,27 +399,35 @@ def render(include_triton: bool = True) -> bytes:
     return text + generate_latest(REGISTRY)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        if self.path.split("?", 1)[0] not in ("/metrics", "/"):
-            self.send_error(404)
+def _handler(body: Callable[[], bytes]) -> type[BaseHTTPRequestHandler]:
+    """A request handler answering GET /metrics (and /) with `body()`."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+                self.send_error(404)
+                return
+            text = body()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(text)))
+            self.end_headers()
+            self.wfile.write(text)
+
+        def log_message(self, format: str, *args: object) -> None:  # scrapes are not news
             return
-        body = render()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
-    def log_message(self, format: str, *args) -> None:  # scrapes are not news
-        return
+    return Handler
 
 
-def serve_metrics(port: int, host: str = "0.0.0.0") -> ThreadingHTTPServer:
-    """Serve /metrics from a daemon thread; returns the server (port 0 picks one).
-    A port it cannot bind raises ListenFailed with Triton's message."""
+def serve_metrics(
+    port: int, host: str = "0.0.0.0", body: Callable[[], bytes] = render
+) -> ThreadingHTTPServer:
+    """Serve /metrics (`body()`, this process's metrics by default) from a
+    daemon thread; returns the server (port 0 picks one). A port it cannot
+    bind raises ListenFailed with Triton's message."""
     try:
-        server = ThreadingHTTPServer((host, port), _Handler)
+        server = ThreadingHTTPServer((host, port), _handler(body))
     except OSError as exc:
         raise listen_failed("Metrics", f"{host}:{port}", exc) from None
     server.daemon_threads = True

@@ -20,17 +20,7 @@ whole stack's entries as the last insertion through this gateway left them.
 from __future__ import annotations
 
 from stageserve.response_cache import CacheUsage
-from stageserve.telemetry import TRITON, TritonMetrics
-
-COUNTS = (
-    "nv_cache_num_lookups",
-    "nv_cache_num_hits",
-    "nv_cache_num_misses",
-    "nv_cache_num_evictions",
-    "nv_cache_lookup_duration",
-    "nv_cache_insertion_duration",
-)
-STATE = ("nv_cache_num_entries", "nv_cache_util")
+from stageserve.telemetry import CACHE_COUNTS, CACHE_STATE, TRITON, TritonMetrics
 
 
 class CacheMetrics:
@@ -39,7 +29,7 @@ class CacheMetrics:
     def __init__(self, size: int, metrics: TritonMetrics = TRITON) -> None:
         self.size = size
         self.metrics = metrics
-        for name in (*COUNTS, *STATE):
+        for name in (*CACHE_COUNTS, *CACHE_STATE):
             metrics.set(name, (), 0.0)
 
     def looked_up(self, hit: bool, ns: int) -> None:

@@ -102,13 +102,10 @@ class MappedWindow:
         """pwrite: an object the client shrank grows again, never faults."""
         _pwrite(self._fd, data, self._position + begin)
 
-    def read_in_thread(self, begin: int, byte_size: int) -> bytes:
-        """`read`: pread releases the GIL while the kernel copies."""
-        return self.read(begin, byte_size)
-
-    def write_in_thread(self, begin: int, data: bytes) -> None:
-        """`write`: pwrite releases the GIL while the kernel copies."""
-        self.write(begin, data)
+    # pread / pwrite release the GIL while the kernel copies: a worker
+    # thread's copies are the same calls.
+    read_in_thread = read
+    write_in_thread = write
 
     def close(self) -> None:
         fd, self._fd = self._fd, -1  # a copy after close fails (EBADF), never

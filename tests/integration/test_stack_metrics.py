@@ -18,22 +18,18 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 
 from stageserve.metrics_merge import parse
 from stageserve.net import free_port
 from stageserve.telemetry import TRITON_FAMILIES, model_labels
 from stageserve_tools.examples import write_simple
+from tests.integration.test_gateways import _grpc_simple  # one request, a connection of its own
 from tests.integration.up_process import UpProcess, json_line
 from tests.stack import wait_until
 
 K = 24  # requests, each on a connection of its own: all on one gateway is 2**-23
-CLIENT_TIMEOUT_S = 10.0
-NEW_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # see test_gateways.py
 SIMPLE = model_labels("simple", 1)
-_A = np.arange(16, dtype=np.int32).reshape(1, 16)
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +52,6 @@ def _success(port: int) -> float:
     return parse(_scrape(port)).get("nv_inference_request_success", {}).get(SIMPLE, 0.0)
 
 
-def _infer(url: str) -> None:
-    inputs = [grpcclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
-    for i in inputs:
-        i.set_data_from_numpy(_A)
-    with grpcclient.InferenceServerClient(url, channel_args=NEW_CONNECTION) as client:
-        result = client.infer("simple", inputs, client_timeout=CLIENT_TIMEOUT_S)
-    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 2 * _A)
-
-
 def test_the_metrics_port_serves_the_stacks_total_and_each_gateway_its_share(
     up: tuple[UpProcess, int],
 ) -> None:
@@ -74,7 +61,7 @@ def test_the_metrics_port_serves_the_stacks_total_and_each_gateway_its_share(
     own = [g["metrics_port"] for g in info["gateways"]]
     assert len(set(own)) == 2 and port not in own  # each gateway has a port of its own
     for _ in range(K):
-        _infer(info["grpc"])
+        _grpc_simple(info["grpc"])
 
     # Counters move as each answer is recorded: poll until the totals are in.
     assert wait_until(lambda: _success(port) == K, 5), (_success(port), K)

@@ -13,6 +13,7 @@ import contextlib
 import os
 import socket
 import struct
+import urllib.request
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -254,6 +255,33 @@ def granted_instances(redis_url: str) -> set[str]:
         return out
     finally:
         r.close()
+
+
+def queued_requests(stack: RunningStack, model: str) -> float:
+    """`model`'s requests waiting in the scheduler's queue, not yet in a batch
+    (its nv_inference_pending_request_count)."""
+    url = f"http://127.0.0.1:{stack.scheduler.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith("nv_inference_pending_request_count{") and f'model="{model}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def model_grants(stack: RunningStack, model: str) -> int:
+    """Execution grants held for `model`'s instances right now."""
+    return sum(f"/{model}/" in i for i in granted_instances(stack.redis_url))
+
+
+def sole_request_in_a_batch(stack: RunningStack, model: str) -> bool:
+    """The one request sent to `model` while it held no grant (model_grants
+    was 0: a queue keeps spare grants a moment after its last batch) has
+    left the queue in a batch: the scheduler holds a grant for it, which it
+    asks for only once the request is queued, and after that its queue is
+    empty (the stack needs stage_metrics). A grant alone is no such proof:
+    the scheduler forms the batch when the grant comes back, and requests
+    sent in between join it."""
+    return model_grants(stack, model) == 1 and queued_requests(stack, model) == 0
 
 
 def process_alive(pid: int) -> bool:

@@ -35,10 +35,12 @@ from tests.integration.helpers import (
     RPC_TIMEOUT_S,
     expect_error,
     expect_raw_error,
-    granted_instances,
+    model_grants,
     model_stats,
+    queued_requests,
     raw_infer,
     raw_request,
+    sole_request_in_a_batch,
     stack_retrying,
     tensor_input,
 )
@@ -46,9 +48,6 @@ from tests.stack import RunningStack, wait_until
 
 UNAVAILABLE = "StatusCode.UNAVAILABLE"
 INVALID = "StatusCode.INVALID_ARGUMENT"
-
-#: time after a blocker's grant by which its batch has surely left the batcher
-SETTLE_S = 0.15
 
 # name: (max_batch_size, instances, dynamic_batching body, execute_delay_ms)
 MODELS: dict[str, tuple[int, int, str, int]] = {
@@ -240,24 +239,14 @@ class Calls:
         return [o.tag for o in sorted(self.outcomes, key=lambda o: o.done_at)]
 
 
-def _queued(qstack: RunningStack, model: str) -> float:
-    """`model`'s requests waiting in the scheduler's queue (its
-    nv_inference_pending_request_count)."""
-    url = f"http://127.0.0.1:{qstack.scheduler.metrics_port}/metrics"
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    for line in text.splitlines():
-        if line.startswith("nv_inference_pending_request_count{") and f'model="{model}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 def _send_queued(qstack: RunningStack, calls: Calls, tag: str, **kwargs) -> Outcome:
     """Send one more request behind a blocker and return once the scheduler
     queued it: requests sent this way reach the queue in the order sent,
     however loaded the machine (a fixed gap between sends is no such bound)."""
-    depth = _queued(qstack, calls.model)
+    depth = queued_requests(qstack, calls.model)
     outcome = calls.send(tag, **kwargs)
-    queued = wait_until(lambda: _queued(qstack, calls.model) == depth + 1, RPC_TIMEOUT_S, 0.005)
+    model = calls.model
+    queued = wait_until(lambda: queued_requests(qstack, model) == depth + 1, RPC_TIMEOUT_S, 0.005)
     assert queued, f"{tag}: not queued behind the blocker (did the blocker finish first?)"
     return outcome
 
@@ -266,20 +255,17 @@ def _blocked(qstack: RunningStack, model: str) -> tuple[grpcclient.InferenceServ
     """A client and a Calls whose first request ("blocker") is executing."""
     c = qstack.client()
     calls = Calls(c, model)
+    assert wait_until(lambda: model_grants(qstack, model) == 0, RPC_TIMEOUT_S)
     calls.send("blocker")
     _executing(qstack, model)
     return c, calls
 
 
 def _executing(qstack: RunningStack, model: str) -> None:
-    """The one request sent to `model` holds its instance: its grant is in
-    Redis (a loaded machine may take longer than any fixed sleep to get it
-    there), and SETTLE_S later its batch has surely left the batcher."""
-    assert wait_until(
-        lambda: any(f"/{model}/" in i for i in granted_instances(qstack.redis_url)),
-        RPC_TIMEOUT_S,
-    )
-    time.sleep(SETTLE_S)
+    """The one request sent to `model` holds its instance: it has left the
+    queue in a batch (a loaded machine may take longer than any fixed sleep
+    to get it there)."""
+    assert wait_until(lambda: sole_request_in_a_batch(qstack, model), RPC_TIMEOUT_S, 0.005)
 
 
 def _fail_count(c: grpcclient.InferenceServerClient, model: str) -> int:
@@ -485,6 +471,7 @@ def test_requests_of_different_shapes_never_share_a_batch(qstack: RunningStack) 
     c = qstack.client()
     before = model_stats(c, "shapes")
     calls = Calls(c, "shapes")
+    assert wait_until(lambda: model_grants(qstack, "shapes") == 0, RPC_TIMEOUT_S)
     calls.send("blocker", shape=(1, 2))
     _executing(qstack, "shapes")
     for tag, width in (("a1", 4), ("a2", 4), ("a3", 4), ("b1", 6), ("b2", 6), ("a4", 4)):

@@ -28,9 +28,10 @@ from stageserve_tools.examples import (
 from tests.integration.helpers import (
     RPC_TIMEOUT_S,
     expect_error,
-    granted_instances,
     index_states,
+    model_grants,
     model_stats,
+    sole_request_in_a_batch,
     stack_retrying,
     tensor_input,
 )
@@ -109,7 +110,8 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def stack(repo: Path) -> Iterator[RunningStack]:
-    with stack_retrying(repo) as s:
+    # stage_metrics: the scheduler's queue depth says when a batch has left it
+    with stack_retrying(repo, stage_metrics=True) as s:
         yield s
 
 
@@ -165,9 +167,10 @@ def test_requests_of_different_lengths_share_a_batch(stack: RunningStack) -> Non
 
     shapes = [(1, 5), (1, 1), (1, 9), (2, 3), (1, 4), (1, 2), (1, 6)]  # 7 requests, 8 items
     xs = [_values(rows, length, 100 + k) for k, (rows, length) in enumerate(shapes)]
+    assert wait_until(lambda: model_grants(stack, "ragged_slow") == 0, RPC_TIMEOUT_S)
     send(0, xs[0])
     # the first one is executing (DELAY_MS from its grant) when the others come
-    assert wait_until(lambda: _granted(stack, "ragged_slow") == 1, RPC_TIMEOUT_S)
+    assert wait_until(lambda: sole_request_in_a_batch(stack, "ragged_slow"), RPC_TIMEOUT_S, 0.005)
     for k in range(1, len(xs)):
         send(k, xs[k])
     for _ in xs:
@@ -183,10 +186,6 @@ def test_requests_of_different_lengths_share_a_batch(stack: RunningStack) -> Non
     # the six requests (7 items) that queued behind the first ran as one batch
     sizes = {b.batch_size: b.compute_infer.count for b in after.batch_stats}
     assert sizes.get(7, 0) >= 1, sizes
-
-
-def _granted(stack: RunningStack, model: str) -> int:
-    return sum(f"/{model}/" in i for i in granted_instances(stack.redis_url))
 
 
 def test_ragged_input_still_has_to_match_its_dims(stack: RunningStack) -> None:

@@ -16,10 +16,12 @@ How each family combines across gateways (RULES, one entry per family):
   reason, inferences, executions, durations, per-model cache hits and
   misses), which each gateway counts for what it answered itself; the
   cache-wide lookup, hit, miss, eviction and duration figures, typed gauge
-  as in Triton but counted per gateway (services/gateway/cache_metrics.py);
-  and `nv_inference_pending_request_count`, a queue depth: the stack's
-  backlog is the sum of the processes' (each model queues in one scheduler,
-  so no queue is counted twice).
+  as in Triton but counted per gateway (services/gateway/cache_metrics.py).
+* MAX for `nv_inference_pending_request_count`: every gateway reports the
+  whole stack's backlog, asked of the schedulers as it is scraped
+  (services/gateway/queue_metrics.py), so the figures are the same but for
+  a scheduler one gateway could not reach in time; the highest is the
+  fullest view.
 * FIRST, the first text that has the label set: host readings every
   process takes alike (`nv_cpu_*`, `nv_gpu_*`, `nv_energy_consumption`: one
   host, so summing would count it N times), and `nv_model_load_duration_secs`
@@ -45,10 +47,10 @@ class Rule(Enum):
     SUM = "sum"
     FIRST = "first"
     LATEST = "latest"  # the highest value: see the module's docstring
+    MAX = "max"
     MEAN = "mean"
 
 
-_SUMMED_GAUGES = (*CACHE_COUNTS, "nv_inference_pending_request_count")
 _HOST_GAUGES = (
     "nv_cpu_utilization",
     "nv_cpu_memory_total_bytes",
@@ -65,8 +67,9 @@ _HOST_GAUGES = (
 #: With the response cache in Redis (or none): one cache behind every gateway.
 SHARED_CACHE_RULES: dict[str, Rule] = {
     **{name: Rule.SUM for name, (kind, _) in TRITON_FAMILIES.items() if kind == "counter"},
-    **{name: Rule.SUM for name in _SUMMED_GAUGES},
+    **{name: Rule.SUM for name in CACHE_COUNTS},
     **{name: Rule.FIRST for name in _HOST_GAUGES},
+    "nv_inference_pending_request_count": Rule.MAX,
     "nv_cache_num_entries": Rule.LATEST,
     "nv_cache_util": Rule.LATEST,
 }
@@ -131,7 +134,7 @@ def merge(texts: Iterable[str], rules: Mapping[str, Rule] = SHARED_CACHE_RULES) 
 def _combine(rule: Rule, values: list[float]) -> float:
     if rule is Rule.SUM:
         return sum(values)
-    if rule is Rule.LATEST:
+    if rule in (Rule.LATEST, Rule.MAX):
         return max(values)
     if rule is Rule.MEAN:
         return sum(values) / len(values)

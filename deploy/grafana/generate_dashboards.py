@@ -34,6 +34,9 @@ OUT_DIR = HERE / "dashboards"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 RATE = "$__rate_interval"
 M = 'model=~"$model"'  # the model template variable, used by every per-model query
+# The schedulers' series of a gauge the gateways also serve as the stack's total
+# (nv_inference_pending_request_count): a sum over every stage would count it twice.
+SCHEDULERS = 'job="scheduler"'
 
 SCHEMA_VERSION = 39  # Grafana 11.x
 
@@ -357,8 +360,9 @@ def triton_dashboard() -> dict:
         stat(
             "Pending requests",
             "nv_inference_pending_request_count: requests queued in the schedulers, not yet "
-            "executing.",
-            f"sum(nv_inference_pending_request_count{{{M}}})",
+            "executing (summed over the schedulers: each gateway serves the stack's total too, "
+            "as a Triton metrics port does).",
+            f"sum(nv_inference_pending_request_count{{{SCHEDULERS},{M}}})",
             "short",
         ),
         w=6,
@@ -459,10 +463,16 @@ def triton_dashboard() -> dict:
     L.add(
         timeseries(
             "Pending requests",
-            "nv_inference_pending_request_count per model, summed over schedulers: the "
-            "backlog that calls for more workers (the worker autoscaler in deploy/k8s reads "
-            "the same number as stageserve_scheduler_queue_depth).",
-            [(f"sum by (model) (nv_inference_pending_request_count{{{M}}})", "{{model}}")],
+            "nv_inference_pending_request_count per model, summed over schedulers (each "
+            "gateway serves the stack's total too): the backlog that calls for more workers "
+            "(the worker autoscaler in deploy/k8s reads the same number as "
+            "stageserve_scheduler_queue_depth).",
+            [
+                (
+                    f"sum by (model) (nv_inference_pending_request_count{{{SCHEDULERS},{M}}})",
+                    "{{model}}",
+                )
+            ],
             "short",
         ),
         w=8,

@@ -16,6 +16,7 @@ from services.gateway.log_control import LogControl
 from services.gateway.model_lifecycle import ModelLifecycle
 from services.gateway.model_table import ModelTable
 from services.gateway.poller import RepositoryPoller
+from services.gateway.queue_metrics import PendingGauge
 from services.gateway.republish import Republisher
 from services.gateway.security import RestrictedProtocols, server_credentials
 from services.gateway.service import InferenceService
@@ -33,7 +34,7 @@ from stageserve.scheduler_routing import scheduler_router
 from stageserve.service_runtime import end_on_listen_failure, run_server
 from stageserve.settings import Settings
 from stageserve.shared_stats import SharedStats
-from stageserve.telemetry import serve_metrics
+from stageserve.telemetry import render, serve_metrics
 from stageserve.trace_store import TraceStore
 from stageserve.tracing import parse_trace_config
 
@@ -108,7 +109,13 @@ async def serve(
     server = grpc.aio.server(options=options, interceptors=interceptors)
     gs_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(dataplane), server)
     if metrics_port:
-        serve_metrics(metrics_port)
+        pending = PendingGauge(models, link, asyncio.get_running_loop())
+
+        def metrics_body() -> bytes:
+            pending.refresh()
+            return render()
+
+        serve_metrics(metrics_port, body=metrics_body)
     http: HttpServer | None = None
     announce: dict[str, str] = {}
 

@@ -14,18 +14,16 @@ import os
 import signal
 import socket
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from stageserve.metrics_merge import parse
-from stageserve.net import free_port
 from stageserve.telemetry import TRITON_FAMILIES, model_labels
 from stageserve_tools.examples import write_simple
 from tests.integration.test_gateways import _grpc_simple  # one request, a connection of its own
-from tests.integration.up_process import UpProcess, json_line
+from tests.integration.up_process import UpProcess, json_line, scrape_metrics, up_with_gateways
 from tests.stack import wait_until
 
 K = 24  # requests, each on a connection of its own: all on one gateway is 2**-23
@@ -36,32 +34,22 @@ SIMPLE = model_labels("simple", 1)
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[UpProcess, int]]:
     repository = tmp_path_factory.mktemp("stack_metrics")
     write_simple(repository, "simple", max_batch_size=8)
-    port = free_port()
-    with UpProcess(repository, ["--gateways", "2", "--metrics-port", str(port)]) as running:
-        info = running.wait(240)
-        assert info is not None, "".join(running.err[-40:])
-        yield running, port
-
-
-def _scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        return str(r.read().decode())
+    with up_with_gateways(repository) as running:
+        yield running
 
 
 def _success(port: int) -> float:
-    return parse(_scrape(port)).get("nv_inference_request_success", {}).get(SIMPLE, 0.0)
+    return parse(scrape_metrics(port)).get("nv_inference_request_success", {}).get(SIMPLE, 0.0)
 
 
 def test_the_metrics_port_serves_the_stacks_total_and_each_gateway_its_share(
     up: tuple[UpProcess, int],
 ) -> None:
     running, port = up
-    info = running.info()
-    assert info is not None
-    own = [g["metrics_port"] for g in info["gateways"]]
+    own = running.gateway_metrics_ports()
     assert len(set(own)) == 2 and port not in own  # each gateway has a port of its own
     for _ in range(K):
-        _grpc_simple(info["grpc"])
+        _grpc_simple(running.grpc_url())
 
     # Counters move as each answer is recorded: poll until the totals are in.
     assert wait_until(lambda: _success(port) == K, 5), (_success(port), K)
@@ -69,7 +57,7 @@ def test_the_metrics_port_serves_the_stacks_total_and_each_gateway_its_share(
     assert all(shares), shares  # both gateways answered some
     assert sum(shares) == K, shares
 
-    text = _scrape(port)
+    text = scrape_metrics(port)
     samples = parse(text)
     assert samples["nv_inference_count"][SIMPLE] == K  # batch 1 each
     assert samples["nv_inference_exec_count"][SIMPLE] <= K
@@ -80,10 +68,10 @@ def test_the_metrics_port_serves_the_stacks_total_and_each_gateway_its_share(
     assert "stageserve_" not in text  # StageServe's own families stay on each stage's port
     # The host's memory once, not once per gateway
     total = samples["nv_cpu_memory_total_bytes"][()]
-    assert total == parse(_scrape(own[0]))["nv_cpu_memory_total_bytes"][()]
+    assert total == parse(scrape_metrics(own[0]))["nv_cpu_memory_total_bytes"][()]
 
 
-def test_a_gateway_that_does_not_answer_is_left_out_of_the_scrape(
+def test_a_gateway_that_does_not_answer_is_left_out_of_thescrape_metrics(
     up: tuple[UpProcess, int],
 ) -> None:
     running, port = up

@@ -15,7 +15,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -110,6 +112,12 @@ class UpProcess:
         assert info is not None
         return str(info["http"])
 
+    def gateway_metrics_ports(self) -> list[int]:
+        """Each gateway's own metrics port (with several gateways)."""
+        info = self.info()
+        assert info is not None
+        return [int(g["metrics_port"]) for g in info["gateways"]]
+
     def events(self, event: str, stream: str = "both") -> list[dict[str, Any]]:
         """The JSON lines whose `event` is this (the launcher's own lines)."""
         lines = {"out": self.out, "err": self.err, "both": [*self.out, *self.err]}[stream]
@@ -131,3 +139,22 @@ class UpProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextmanager
+def up_with_gateways(repository: Path, gateways: int = 2) -> Iterator[tuple[UpProcess, int]]:
+    """`stageserve up --gateways N --metrics-port P` once it serves: (it, P),
+    P the stack's merged metrics port."""
+    from stageserve.net import free_port
+
+    port = free_port()
+    with UpProcess(repository, ["--gateways", str(gateways), "--metrics-port", str(port)]) as up:
+        info = up.wait(240)
+        assert info is not None, "".join(up.err[-40:])
+        yield up, port
+
+
+def scrape_metrics(port: int) -> str:
+    """The /metrics text on localhost:`port`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return str(r.read().decode())

@@ -69,9 +69,10 @@ def test_failures_are_summed_per_reason() -> None:
     assert 'nv_inference_request_failure{model="simple",version="1",reason="REJECTED"} 7' in text
 
 
-def test_pending_requests_are_summed() -> None:
+def test_pending_requests_are_the_fullest_view_not_a_sum() -> None:
+    # each gateway reports the stack's backlog; one missed a scheduler (2)
     text = merge([_gateway({}, pending=3), _gateway({}, pending=2), _gateway({})])
-    assert _value(text, "nv_inference_pending_request_count", SIMPLE) == 5
+    assert _value(text, "nv_inference_pending_request_count", SIMPLE) == 3
 
 
 def test_host_gauges_are_taken_once_from_the_first_that_answered() -> None:

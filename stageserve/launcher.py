@@ -464,10 +464,10 @@ def print_startup_summary(stack: Stack, out: TextIO) -> None:
                 print(line, file=out, flush=True)
 
 
-def live_gateway_metrics_ports(stack: Stack) -> list[int]:
-    """The metrics ports of the gateways running now, the first gateway first."""
+def live_gateway_metrics_ports(stack: Stack) -> list[tuple[int, int]]:
+    """(metrics port, pid) of the gateways running now, the first gateway first."""
     return [
-        c.metrics_port
+        (c.metrics_port, c.proc.pid)
         for c in list(stack.children)
         if (c.name == "gateway" or c.name.startswith("gateway-"))
         and c.metrics_port

@@ -37,7 +37,7 @@ How each family combines across gateways (RULES, one entry per family):
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from enum import Enum
 
 from stageserve.telemetry import CACHE_COUNTS, TRITON_FAMILIES, Labels, TritonMetrics
@@ -118,7 +118,11 @@ def _labels(text: str) -> Labels:
 def merge(texts: Iterable[str], rules: Mapping[str, Rule] = SHARED_CACHE_RULES) -> str:
     """One Triton exposition of several processes' /metrics `texts` (the
     first first: FIRST takes its values), each family combined by `rules`."""
-    parsed = [parse(text) for text in texts]
+    return merge_samples([parse(text) for text in texts], rules)
+
+
+def merge_samples(parsed: Sequence[Samples], rules: Mapping[str, Rule] = SHARED_CACHE_RULES) -> str:
+    """As merge, of texts already parsed."""
     merged = TritonMetrics()
     for name in TRITON_FAMILIES:
         rule = rules.get(name, Rule.FIRST)

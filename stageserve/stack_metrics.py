@@ -5,18 +5,21 @@ Each gateway serves what it answered itself on a metrics port of its own.
 On every scrape this server reads each live gateway's /metrics over
 localhost HTTP, all at once with a short timeout, and answers their merge
 (stageserve/metrics_merge.py). A gateway that does not answer in time (one
-the supervisor is restarting) is left out of that scrape; the answer still
-comes, from the others.
+the supervisor is restarting) does not hold the answer up: its counters stay
+in the sum as last read and carry over its restart (counter_carry.py), its
+gauges are left out of that scrape.
 """
 
 from __future__ import annotations
 
+import threading
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from http.server import ThreadingHTTPServer
 
-from stageserve.metrics_merge import SHARED_CACHE_RULES, Rule, merge
+from stageserve.counter_carry import CounterCarry
+from stageserve.metrics_merge import SHARED_CACHE_RULES, Rule, merge_samples
 from stageserve.telemetry import serve_metrics
 
 #: Per gateway and scrape: a live gateway renders its /metrics in
@@ -33,22 +36,48 @@ def fetch(port: int, timeout_s: float = FETCH_TIMEOUT_S) -> str | None:
         return None
 
 
-def scrape(ports: Sequence[int], timeout_s: float = FETCH_TIMEOUT_S) -> list[str]:
-    """The texts of those of `ports` that answered, in `ports`' order."""
+def scrape(ports: Sequence[int], timeout_s: float = FETCH_TIMEOUT_S) -> list[str | None]:
+    """The texts of `ports` in their order, None for one that did not answer."""
     if not ports:
         return []
     with ThreadPoolExecutor(max_workers=len(ports)) as pool:
-        texts = list(pool.map(lambda port: fetch(port, timeout_s), ports))
-    return [text for text in texts if text is not None]
+        return list(pool.map(lambda port: fetch(port, timeout_s), ports))
+
+
+class StackMetrics:
+    """What --metrics-port answers: the merge of the live gateways' texts,
+    their counters carried over restarts and silences (counter_carry.py).
+    `gateways()` lists (metrics port, pid) of the gateways running now, the
+    first gateway first. Scrapes come on the server's threads: one at a time."""
+
+    def __init__(
+        self,
+        gateways: Callable[[], Sequence[tuple[int, int]]],
+        rules: Mapping[str, Rule] = SHARED_CACHE_RULES,
+        timeout_s: float = FETCH_TIMEOUT_S,
+    ) -> None:
+        self.gateways = gateways
+        self.rules = rules
+        self.timeout_s = timeout_s
+        self._carry = CounterCarry()
+        self._lock = threading.Lock()
+
+    def render(self) -> bytes:
+        with self._lock:
+            running = list(self.gateways())
+            texts = scrape([port for port, _ in running], self.timeout_s)
+            reads = {port: text for (port, _), text in zip(running, texts, strict=True)}
+            samples = self._carry.samples(reads, dict(running))
+            return merge_samples(samples, self.rules).encode()
 
 
 def serve_stack_metrics(
     port: int,
-    gateway_ports: Callable[[], Sequence[int]],
+    gateways: Callable[[], Sequence[tuple[int, int]]],
     rules: Mapping[str, Rule] = SHARED_CACHE_RULES,
     host: str = "0.0.0.0",
 ) -> ThreadingHTTPServer:
-    """Serve the merge of `gateway_ports()`' /metrics on `port` from a daemon
-    thread (port 0 picks one). A port it cannot bind raises ListenFailed with
+    """Serve StackMetrics(gateways, rules) on `port` from a daemon thread
+    (port 0 picks one). A port it cannot bind raises ListenFailed with
     Triton's message, as a gateway's metrics port does."""
-    return serve_metrics(port, host, lambda: merge(scrape(gateway_ports()), rules).encode())
+    return serve_metrics(port, host, StackMetrics(gateways, rules).render)

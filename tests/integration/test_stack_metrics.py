@@ -4,7 +4,9 @@ Triton metrics, merged by the `up` process from each gateway's own port.
 K requests spread over both gateways (a connection each), then P shows
 `nv_inference_request_success` = K for the model, and each gateway's own
 port its share, the shares adding up to K. A gateway that does not answer
-(SIGSTOP: alive, silent) is left out of a scrape, which still answers.
+(SIGSTOP: alive, silent) is held at its last counts, and the scrape still
+answers; one killed and restarted (back at 0) has its count carried over:
+the stack's counters never go down.
 A --metrics-port another process holds ends `up` with tritonserver's line.
 """
 
@@ -71,24 +73,80 @@ def test_the_metrics_port_serves_the_stacks_total_and_each_gateway_its_share(
     assert total == parse(scrape_metrics(own[0]))["nv_cpu_memory_total_bytes"][()]
 
 
-def test_a_gateway_that_does_not_answer_is_left_out_of_thescrape_metrics(
+def test_a_gateway_that_does_not_answer_is_held_at_its_last_counts(
     up: tuple[UpProcess, int],
 ) -> None:
     running, port = up
-    info = running.info()
-    assert info is not None
-    second = info["gateways"][1]
-    share = _success(second["metrics_port"])
+    _spread(running)
+    pid = _gateway(running, "gateway-1")["pid"]
     total = _success(port)
-    os.kill(second["pid"], signal.SIGSTOP)
+    os.kill(pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
-        partial = _success(port)
+        held = _success(port)
         assert time.monotonic() - start < 4  # its fetch timed out, the answer came
-        assert partial == total - share
+        # its counters are in the total as last read: the total never goes down
+        assert held == total
     finally:
-        os.kill(second["pid"], signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)
     assert wait_until(lambda: _success(port) == total, 5)
+
+
+def test_the_total_goes_on_across_a_gateways_restart(up: tuple[UpProcess, int]) -> None:
+    """A gateway killed and restarted comes back at 0; the stack's counter
+    carries its count over, so it never goes down (Prometheus would read a
+    reset and count the whole total again in rate())."""
+    running, port = up
+    victim = _gateway(running, "gateway-1")
+    restarts = len(_restarts(running))
+    _spread(running)
+    total = _success(port)
+    os.kill(victim["pid"], signal.SIGKILL)
+    seen = [total]
+
+    def back() -> bool:
+        seen.append(_success(port))
+        return len(_restarts(running)) > restarts
+
+    assert wait_until(back, 60, 0.1), "gateway-1 not restarted:\n" + "".join(running.err[-20:])
+    assert wait_until(lambda: _answers(victim["metrics_port"]), 30)
+    seen.append(_success(port))
+    assert all(v == total for v in seen), seen
+    assert _success(victim["metrics_port"]) < total  # it did restart at 0
+    for _ in range(K):
+        _grpc_simple(running.grpc_url())
+    assert wait_until(lambda: _success(port) == total + K, 5), (_success(port), total + K)
+
+
+def _spread(running: UpProcess) -> None:
+    """K more requests, some answered by each gateway."""
+    before = [_success(p) for p in running.gateway_metrics_ports()]
+    for _ in range(K):
+        _grpc_simple(running.grpc_url())
+
+    def grew() -> bool:
+        after = [_success(p) for p in running.gateway_metrics_ports()]
+        return all(a > b for a, b in zip(after, before, strict=True))
+
+    assert wait_until(grew, 5), before
+
+
+def _gateway(running: UpProcess, name: str) -> dict:
+    info = running.info()
+    assert info is not None
+    return next(g for g in info["gateways"] if g["name"] == name)
+
+
+def _restarts(running: UpProcess) -> list[dict]:
+    return [e for e in running.logs("stage restarted") if e.get("stage") == "gateway-1"]
+
+
+def _answers(metrics_port: int) -> bool:
+    try:
+        scrape_metrics(metrics_port)
+    except OSError:
+        return False
+    return True
 
 
 def test_a_taken_metrics_port_ends_up_with_tritons_line(tmp_path: Path) -> None:

@@ -100,7 +100,12 @@ class PendingGauge:
         """Set the gauge (from the metrics server's thread): one series per
         ready model version, none for a version no longer ready. The scrape
         goes on with the last values when the loop does not answer in time."""
-        future = asyncio.run_coroutine_threadsafe(self.collect(), self.loop)
+        collect = self.collect()
+        try:
+            future = asyncio.run_coroutine_threadsafe(collect, self.loop)
+        except RuntimeError:  # the loop closed: the gateway is stopping
+            collect.close()
+            return
         try:
             counts = future.result(self.timeout_s + 0.5)
         except Exception as exc:  # the scrape must answer whatever the loop did

@@ -224,7 +224,7 @@ class DataPlane:
         try:
             # validation's first check, parsed once for the read-ahead and validation
             shared = shared_inputs(request.inputs, spec.name)
-            read_shared: ReadShared = self._read_shared
+            read_shared: ReadShared = self.shm.read
             if shared:
                 read_shared = await self._input_reader(request, shared, in_place)
             validated = validate_infer(
@@ -386,25 +386,9 @@ class DataPlane:
         taken = in_place.takes if in_place is not None else None
         refs = shm_copies.input_refs(request, shared, taken)
         if not shm_copies.in_thread((r.byte_size for r in refs), self.shm_copy_thread_bytes):
-            return self._read_shared
-        done = await self._in_copy_thread(shm_copies.read_ahead, refs, self._read_shared_in_thread)
-        return shm_copies.served(done, self._read_shared)
-
-    def _read_shared(self, ref: SharedRef) -> bytes:
-        region = self.shm.acquire(ref.region)
-        try:
-            return region.read(ref.offset, ref.byte_size)
-        finally:
-            self.shm.release(region)
-
-    def _read_shared_in_thread(self, ref: SharedRef) -> bytes:
-        """_read_shared for a copy thread: the region is held while it copies
-        (an unregister meanwhile closes it after), the GIL left to the loop."""
-        region = self.shm.acquire(ref.region)
-        try:
-            return region.read_in_thread(ref.offset, ref.byte_size)
-        finally:
-            self.shm.release(region)
+            return self.shm.read
+        done = await self._in_copy_thread(shm_copies.read_ahead, refs, self.shm.read_in_thread)
+        return shm_copies.served(done, self.shm.read)
 
     async def _write_outputs(self, writes: list[OutputWrite]) -> None:
         """The outputs requested into regions, written before the response

@@ -49,6 +49,7 @@ from typing import Literal, Protocol
 from services.gateway.cuda_shared_memory import open_window
 from stageserve.errors import StageError, already_exists, internal, invalid, not_found
 from stageserve.names import check_shm_key, printable
+from stageserve.validation import SharedRef
 
 log = logging.getLogger(__name__)
 
@@ -287,6 +288,22 @@ class SharedMemory:
                 raise not_found(f"Unable to find shared memory region: '{name}'")
             region.users += 1
             return region
+
+    def read(self, ref: SharedRef) -> bytes:
+        """A request's input bytes in a region (held while it reads)."""
+        return self._read(ref, Region.read)
+
+    def read_in_thread(self, ref: SharedRef) -> bytes:
+        """`read` for a copy thread: the region is held while it copies (an
+        unregister meanwhile closes it after), the GIL left to the loop."""
+        return self._read(ref, Region.read_in_thread)
+
+    def _read(self, ref: SharedRef, copy: Callable[[Region, int, int], bytes]) -> bytes:
+        region = self.acquire(ref.region)
+        try:
+            return copy(region, ref.offset, ref.byte_size)
+        finally:
+            self.release(region)
 
     def hold(self, region: Region) -> None:
         """One more holder of a region the caller holds (acquire), for a copy

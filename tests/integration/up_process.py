@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from bench.references import stop_process
+from stageserve.net import free_port
 
 
 def collect(stream: IO[str] | None, into: list[str]) -> threading.Thread:
@@ -145,8 +146,6 @@ class UpProcess:
 def up_with_gateways(repository: Path, gateways: int = 2) -> Iterator[tuple[UpProcess, int]]:
     """`stageserve up --gateways N --metrics-port P` once it serves: (it, P),
     P the stack's merged metrics port."""
-    from stageserve.net import free_port
-
     port = free_port()
     with UpProcess(repository, ["--gateways", str(gateways), "--metrics-port", str(port)]) as up:
         info = up.wait(240)

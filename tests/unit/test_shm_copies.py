@@ -18,7 +18,6 @@ from stageserve.errors import StageError, invalid, not_found
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.validation import (
-    ReadShared,
     SharedRef,
     ValidatedRequest,
     shared_inputs,
@@ -157,32 +156,6 @@ def test_served_answers_from_the_read_ahead_and_reads_the_rest_then() -> None:
 # ------------------------------------------------------------ same answers
 
 
-def _inline(shm: SharedMemory) -> ReadShared:
-    """The gateway's reader on the loop (DataPlane._read_shared)."""
-
-    def read(ref: SharedRef) -> bytes:
-        region = shm.acquire(ref.region)
-        try:
-            return region.read(ref.offset, ref.byte_size)
-        finally:
-            shm.release(region)
-
-    return read
-
-
-def _in_thread(shm: SharedMemory) -> ReadShared:
-    """The gateway's reader in a copy thread (DataPlane._read_shared_in_thread)."""
-
-    def read(ref: SharedRef) -> bytes:
-        region = shm.acquire(ref.region)
-        try:
-            return region.read_in_thread(ref.offset, ref.byte_size)
-        finally:
-            shm.release(region)
-
-    return read
-
-
 def _answer(run) -> ValidatedRequest | tuple[str, str]:
     try:
         return run()
@@ -219,12 +192,12 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_reading_ahead_answers_as_the_inline_read(shm: SharedMemory, case: str) -> None:
     request = CASES[case]()
-    inline = _answer(lambda: validate_infer(request, SPEC, _inline(shm)))
+    inline = _answer(lambda: validate_infer(request, SPEC, shm.read))
 
     def ahead() -> ValidatedRequest:
         shared = shared_inputs(request.inputs, "m")
-        done = shm_copies.read_ahead(shm_copies.input_refs(request, shared), _in_thread(shm))
-        read = shm_copies.served(done, _inline(shm))
+        done = shm_copies.read_ahead(shm_copies.input_refs(request, shared), shm.read_in_thread)
+        read = shm_copies.served(done, shm.read)
         return validate_infer(request, SPEC, read, shared=shared)
 
     assert _answer(ahead) == inline

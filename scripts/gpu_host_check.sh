@@ -35,6 +35,7 @@ NV=$(python3 -c "import glob,nvidia; print(':'.join(sorted({d for p in nvidia.__
 export LD_LIBRARY_PATH=/tmp/b64/usr/lib/x86_64-linux-gnu:$NV:${LD_LIBRARY_PATH:-}
 export PERF_VENV=/tmp/pa PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 nvidia-smi -L | tee -a "$O/steps.txt"; nproc | tee -a "$O/steps.txt"
+lscpu | grep -E "^(Model name|Thread|Core|Socket|CPU\(s\))" | tee -a "$O/steps.txt"
 python3 -c "import torch, onnxruntime as o; print('torch', torch.__version__, torch.cuda.is_available(), '| ort', o.__version__, o.get_available_providers())" 2>&1 | tee -a "$O/steps.txt"
 git log --oneline -1 2>/dev/null | tee -a "$O/steps.txt"
 G="python3 -m bench.gpu --device cuda:0 --seconds 3 --measurement-ms 2500 --stability-pct 40"

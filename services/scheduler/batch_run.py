@@ -88,7 +88,8 @@ class BatchRun:
         formed_ns: int = 0,
     ) -> None:
         """Execute `batch` on `grant`'s instance and answer it. `give_back`
-        returns the grant early (a decoupled batch whose execute returned);
+        returns the grant early: a decoupled batch's when its execute returned,
+        a stateless batch's when its result came back (before its answers);
         otherwise the queue returns it once this ends. `formed_ns`: when the
         strategy picked the batch (traced requests' "batch" span starts)."""
         if log.isEnabledFor(logging.DEBUG):  # Triton's verbose level 1
@@ -177,6 +178,11 @@ class BatchRun:
                 # request the moment it has this answer must find the new
                 # state in Redis.
                 await job.commit(resp)
+            else:
+                # The instance is free now: the next batch may start before
+                # this one's answers go out (ModelQueue._instance_free).
+                state.grant_returned = True
+                give_back()
             self._answer(rows, hidden, request, resp, compute_start)
         finally:
             if job is not None:

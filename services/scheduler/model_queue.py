@@ -280,6 +280,21 @@ class ModelQueue:
         self._grant_event.set()
         self._arrived.set()  # an idle loop starts its standby hold now
 
+    def _instance_free(self, held: Held[Granted]) -> None:
+        """A run's instance is free while the run goes on (a stateless batch's
+        answers still to go out, a decoupled model's senders): its grant goes
+        back, and the next batch starts from here when the strategy has one
+        due, rather than a loop turn later, after those answers.
+
+        Why: with one instance, a model runs one batch at a time, so its
+        throughput is max_batch_size over the time from one batch's result to
+        the next batch's start. A busy scheduler's loop adds a turn behind
+        every other callback for each hand-off in that gap (the run answers,
+        the loop wakes on the grant, the loop forms the batch)."""
+        self._give_back(held, False)
+        if self.sequences is None and not self._loop_task.done():
+            self._dispatch_at_once()
+
     def _usable(self, grant: Granted) -> Usable:
         if self.workers.is_broken(grant.worker_address):
             return Usable.BROKEN
@@ -425,7 +440,7 @@ class ModelQueue:
                 batch,
                 held.grant,
                 state,
-                lambda: self._give_back(held, False),
+                lambda: self._instance_free(held),
                 formed_ns,
             )
         except RedisError as exc:  # Redis down or restarting: the client may retry

@@ -86,7 +86,12 @@ async def _answers_meet_the_next_batch(extra: str) -> list[tuple[int, int, int]]
     request id, the requests still queued and the batches executing then."""
     worker = Worker()
     queue = ModelQueue(
-        "m", 1, _spec(extra), OneInstance(), worker, SchedulerSettings()  # type: ignore[arg-type]
+        "m",
+        1,
+        _spec(extra),
+        OneInstance(),
+        worker,
+        SchedulerSettings(),  # type: ignore[arg-type]
     )
     seen: list[tuple[int, int, int]] = []
     answered = asyncio.Event()

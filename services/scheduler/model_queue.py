@@ -290,7 +290,11 @@ class ModelQueue:
         throughput is max_batch_size over the time from one batch's result to
         the next batch's start. A busy scheduler's loop adds a turn behind
         every other callback for each hand-off in that gap (the run answers,
-        the loop wakes on the grant, the loop forms the batch)."""
+        the loop wakes on the grant, the loop forms the batch). On the H100
+        host, bench.scale identity c=256, 8 gateways, batches of 58-63 of 64,
+        two interleaved rounds: 12,398 / 12,796 -> 13,296 / 13,978 infer/s.
+        Sequence models keep the loop's order: their next batch needs this
+        one's sequences released (strategy.finished) first."""
         self._give_back(held, False)
         if self.sequences is None and not self._loop_task.done():
             self._dispatch_at_once()

@@ -46,6 +46,12 @@ from stageserve.settings import (
     with_flags,
 )
 from stageserve.tracing import TraceConfigError, parse_trace_config
+from stageserve.triton_flags import (
+    add_triton_flags,
+    default_max_batch_size,
+    ignored,
+    unused_backend_configs,
+)
 
 log = logging.getLogger("stageserve")
 
@@ -164,7 +170,16 @@ def _http_listen(args: argparse.Namespace) -> str | None:
 
 
 def _autocomplete_of(args: argparse.Namespace) -> AutoComplete:
-    return AutoComplete(not args.disable_auto_complete_config, args.default_max_batch_size)
+    """--disable-auto-complete-config, or Triton's deprecated
+    --strict-model-config=true; the default max_batch_size from
+    --backend-config=[onnxruntime,]default-max-batch-size=N when given (Triton's
+    way), else --default-max-batch-size."""
+    strict = getattr(args, "strict_model_config", None) is True
+    from_backend = default_max_batch_size(getattr(args, "backend_config", []))
+    return AutoComplete(
+        not (args.disable_auto_complete_config or strict),
+        args.default_max_batch_size if from_backend is None else from_backend,
+    )
 
 
 def _poll_secs(p: argparse.ArgumentParser) -> None:
@@ -174,6 +189,53 @@ def _poll_secs(p: argparse.ArgumentParser) -> None:
         default=GatewaySettings().repository_poll_secs,
         help="with --model-control-mode poll: seconds between repository scans",
     )
+
+
+def _check_triton_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """tritonserver's flags that `up` and the gateway take (stageserve/triton_flags.py):
+    what cannot be served is refused, what changes nothing is logged."""
+    if not hasattr(args, "allow_grpc"):
+        return
+    if args.command == "gateway" and args.model_repository is None:
+        parser.error("the following arguments are required: --model-repository")
+    if not args.allow_grpc:
+        parser.error(
+            "--allow-grpc=false is not supported: StageServe's gateways always serve "
+            "gRPC (the stack's own readiness checks use it)"
+        )
+    if args.command == "up" and args.gateways != 1:
+        for flag in ("reuse_grpc_port", "reuse_http_port"):
+            if getattr(args, flag) is False:
+                parser.error(
+                    f"--{flag.replace('_', '-')}=false needs --gateways 1: several gateways "
+                    "share the ports"
+                )
+
+
+def _log_triton_flags(args: argparse.Namespace) -> None:
+    """The Triton flags given that change nothing here, one line each."""
+    if not hasattr(args, "allow_grpc"):
+        return
+    if args.strict_model_config is not None:
+        log.warning(
+            "'--strict-model-config' has been deprecated! Please use "
+            "'--disable-auto-complete-config' instead."
+        )
+    for flag in ignored(args):
+        log.info("flag accepted, no effect in StageServe", extra={"flag": flag})
+    for config in unused_backend_configs(args.backend_config):
+        log.info("--backend-config not used by StageServe", extra={"config": config})
+
+
+def _up_gateway_flags(args: argparse.Namespace, gateway: GatewaySettings) -> list[str]:
+    """Triton flags `up` hands its gateways: the exit timeout, and the reuse
+    flags where given (with several gateways `up` turns both on itself)."""
+    flags = ["--exit-timeout-secs", str(gateway.exit_timeout_secs)]
+    for flag in ("reuse_grpc_port", "reuse_http_port"):
+        value = getattr(args, flag)
+        if value is not None:
+            flags += [f"--{flag.replace('_', '-')}", str(value).lower()]
+    return flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     _redis(up, required=False)
     _common(up)
     add_security_flags(up)
+    _reuse_port_flags(up)
+    add_triton_flags(up)
 
     gw = sub.add_parser("gateway", help="public GRPCInferenceService and HTTP/REST endpoints")
     gw.add_argument("--listen", default=None, help="host:port (default 0.0.0.0:--grpc-port)")
@@ -248,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     _http(gw)
     _server_name(gw)
     _cache_config(gw)
-    gw.add_argument("--model-repository", type=Path, required=True)
+    gw.add_argument("--model-repository", type=Path, default=None, help="(required)")
     gw.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     gw.add_argument("--load-model", action="append", default=[])
     _startup_flags(gw)
@@ -262,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     _redis(gw)
     _common(gw)
     add_security_flags(gw)
+    add_triton_flags(gw)
 
     sc = sub.add_parser("scheduler", help="per-model queues and batch formation")
     sc.add_argument("--listen", default="0.0.0.0:9001")
@@ -347,7 +412,10 @@ def _settings(
     # The flags that become one field each: parsed here, checked once.
     parsed: dict[str, object] = {}
     if hasattr(args, "disable_auto_complete_config"):
-        parsed["autocomplete"] = _autocomplete_of(args)
+        try:
+            parsed["autocomplete"] = _autocomplete_of(args)
+        except ValueError as exc:
+            parser.error(str(exc))
     if hasattr(args, "grpc_use_ssl"):
         parsed["public_tls"] = _security(args, tls_from)
         parsed["grpc_restrictions"] = tuple(_security(args, restrictions_from))
@@ -393,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     parser = build_parser()
     args = parser.parse_args(argv)
+    _check_triton_flags(parser, args)
     settings = _settings(parser, args, environment)
     if args.command == "exec":  # PDEATHSIG survives exec: redis-server dies with us too
         os.execv(args.argv[0], args.argv)
@@ -405,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log_settings = log_settings_of(args)
     setup_logging(args.command, settings=log_settings)
+    _log_triton_flags(args)
     if args.command in STAGES:  # each stage follows the stack's (LogSettings RPC)
         from stageserve.log_follow import follow
 
@@ -426,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
             repository=repository.resolve(),
             grpc_address=f"{args.grpc_address}:{args.grpc_port}",
             http_address=_http_listen(args),
-            metrics_port=args.metrics_port,
+            metrics_port=args.metrics_port if args.allow_metrics else 0,
             control_mode=gateway.model_control_mode,
             load_models=args.load_model,
             redis_url=args.redis_url,
@@ -446,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
                 gateway.server_name,
                 *(gateway.response_cache.argv() if gateway.response_cache else []),
                 *(f"--trace-config={c}" for c in gateway.trace_config),
+                *_up_gateway_flags(args, gateway),
             ],
             exit_on_error=gateway.exit_on_error,
             strict_readiness=gateway.strict_readiness,
@@ -454,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
             scheduler_extra=gateway.response_cache.argv() if gateway.response_cache else [],
             local_cache=gateway.response_cache is not None
             and gateway.response_cache.kind == "local",
+            exit_timeout_s=gateway.exit_timeout_secs,
         )
     if args.command == "gateway":
         from services.gateway.server import serve as serve_gateway
@@ -468,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
             args.model_repository.resolve(),
             args.load_model,
             settings,
-            args.metrics_port or None,
+            (args.metrics_port or None) if args.allow_metrics else None,
             _http_listen(args),
         )
     elif args.command == "scheduler":

@@ -170,6 +170,12 @@ def redis_answers(port: int, timeout_s: float = 0.2) -> bool:
         client.close()
 
 
+# How long stopping waits for each child before SIGKILL: its grace (5 s by
+# default, service_runtime.run_server) and time to exit after it.
+STOP_WAIT_S = 10.0
+STOP_SLACK_S = 5.0
+
+
 class Stack:
     def __init__(self, log_verbose: int = 0, log_argv: Sequence[str] = ()) -> None:
         self.children: list[Child] = []
@@ -252,7 +258,7 @@ class Stack:
             time.sleep(0.05)
         return f"redis://127.0.0.1:{port}/0"
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = STOP_WAIT_S) -> None:
         """Stop supervising, then stop every child in `stop_order` and reap it."""
         if self._supervisor is not None:
             self._supervisor.stop()
@@ -500,9 +506,12 @@ def up(
     scheduler_extra: Sequence[str] = (),
     workers_per_device: int = 1,
     local_cache: bool = False,
+    exit_timeout_s: int | None = None,
 ) -> int:
     """`local_cache`: the response cache is `local` (one LRU per gateway),
-    which changes how the gateways' cache gauges merge (metrics_merge.py)."""
+    which changes how the gateways' cache gauges merge (metrics_merge.py).
+    `exit_timeout_s`: the gateways' --exit-timeout-secs (passed to them in
+    `gateway_extra`); stopping waits that long for each, and some more."""
     stack = Stack(log_verbose, log_argv)
     stopping = threading.Event()
 
@@ -587,4 +596,4 @@ def up(
         print(json.dumps({"event": "startup failed", "error": str(exc)}), file=sys.stderr)
         return 1
     finally:
-        stack.stop()
+        stack.stop(max(STOP_WAIT_S, (exit_timeout_s or 0) + STOP_SLACK_S))

@@ -23,7 +23,7 @@ def flag_bool(text: str) -> bool:
         return True
     if value in ("false", "0", "no", "off"):
         return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    raise argparse.ArgumentTypeError(f"invalid value for bool option: {text}")
 
 
 def add_log_flags(p: argparse.ArgumentParser) -> None:

@@ -121,7 +121,7 @@ def _flag(value: str) -> bool:
         return True
     if lowered in ("0", "false", "no", "off"):
         return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    raise argparse.ArgumentTypeError(f"invalid value for bool option: {value}")
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

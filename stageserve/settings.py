@@ -32,6 +32,7 @@ from stageserve.cache_options import CacheConfig
 from stageserve.grpc_io import GrpcIo
 from stageserve.security_options import Restriction, TlsOptions
 from stageserve.stage_tls import StageTls
+from stageserve.triton_flags import DEFAULT_EXIT_TIMEOUT_S
 
 T = TypeVar("T")
 
@@ -206,6 +207,9 @@ class GatewaySettings:
     # What ServerMetadata answers (--server-name): Triton's name by default, as
     # Triton's client examples check it.
     server_name: str = flag("triton", "server_name")
+    # Triton's --exit-timeout-secs: on shutdown, how long the gateway waits for
+    # requests in flight (stageserve/triton_flags.py says why 5, not Triton's 30).
+    exit_timeout_secs: int = flag(DEFAULT_EXIT_TIMEOUT_S, "exit_timeout_secs")
     # The embedded server of the HTTP front: uvicorn, or granian's experimental
     # embedded mode, kept for the comparison in docs/benchmarks.md
     # (services/gateway/http/server.py says why uvicorn is the default).

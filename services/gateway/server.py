@@ -166,7 +166,13 @@ async def serve(
         if tls is None:
             # The public port: plaintext, as Triton's without --grpc-use-ssl.
             await run_server(
-                server, listen, "gateway", stage_tls=None, before_ready=loader, announce=announce
+                server,
+                listen,
+                "gateway",
+                stage_tls=None,
+                grace_s=gateway.exit_timeout_secs,
+                before_ready=loader,
+                announce=announce,
             )
         else:  # Triton's --grpc-use-ssl: the public endpoint speaks TLS only
             port = server.add_secure_port(listen, server_credentials(tls))
@@ -178,6 +184,7 @@ async def serve(
                 address,
                 "gateway",
                 stage_tls=None,
+                grace_s=gateway.exit_timeout_secs,
                 bound=True,
                 before_ready=loader,
                 announce=announce,

@@ -54,7 +54,22 @@ class UpProcess:
     def __init__(
         self, repository: Path, args: Sequence[str] = (), env: dict[str, str] | None = None
     ) -> None:
-        cmd = [
+        self.proc = subprocess.Popen(
+            self.command(repository, args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env if env is not None else os.environ.copy(),
+            start_new_session=True,
+        )
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [collect(self.proc.stdout, self.out), collect(self.proc.stderr, self.err)]
+
+    @staticmethod
+    def command(repository: Path, args: Sequence[str] = ()) -> list[str]:
+        """The command line it runs."""
+        return [
             sys.executable, "-m", "stageserve.cli", "up",
             "--model-repository", str(repository),
             "--grpc-port", "0", "--grpc-address", "127.0.0.1",
@@ -69,17 +84,6 @@ class UpProcess:
             ),
             *args,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env if env is not None else os.environ.copy(),
-            start_new_session=True,
-        )
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._readers = [collect(self.proc.stdout, self.out), collect(self.proc.stderr, self.err)]
 
     def info(self) -> dict[str, Any] | None:
         """The `stageserve up` announce line, once printed."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.scheduler.clients import Granted
 from services.scheduler.model_queue import ModelQueue
@@ -85,14 +86,8 @@ async def _answers_meet_the_next_batch(extra: str) -> list[tuple[int, int, int]]
     """Four requests, batches of two on one instance: for each answer, its
     request id, the requests still queued and the batches executing then."""
     worker = Worker()
-    queue = ModelQueue(
-        "m",
-        1,
-        _spec(extra),
-        OneInstance(),
-        worker,
-        SchedulerSettings(),  # type: ignore[arg-type]
-    )
+    fakes: tuple[Any, Any] = (OneInstance(), worker)  # the two clients' fakes
+    queue = ModelQueue("m", 1, _spec(extra), *fakes, SchedulerSettings())
     seen: list[tuple[int, int, int]] = []
     answered = asyncio.Event()
 

@@ -30,4 +30,4 @@ def test_a_bad_value_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["up", "--strict-readiness", "maybe"])
     assert exc.value.code == 2
-    assert "expected true or false" in capsys.readouterr().err
+    assert "invalid value for bool option: " in capsys.readouterr().err

@@ -1,0 +1,146 @@
+"""A tritonserver launch line, as deployment scripts write it, starts `stageserve
+up` unchanged, and each flag does what it does in Triton 2.51 where StageServe
+has the part it concerns (stageserve/triton_flags.py). The same line runs on
+real tritonserver 2.51 too, where it is installed: the same server name, the
+same metrics port closed, the same refusals of bad values."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc as grpcclient
+
+from bench.references import ReferenceNotInstalled, find_triton
+from stageserve.net import free_port
+from stageserve_tools.examples import identity_model
+from tests.integration.helpers import RPC_TIMEOUT_S
+from tests.integration.up_process import UpProcess
+
+# Flags from Triton's docs and deployment examples; --model-store and the
+# ports are added per server.
+LAUNCH_LINE = [
+    "--id=edge-7",
+    "--allow-metrics=false",
+    "--allow-gpu-metrics=false",
+    "--allow-cpu-metrics=false",
+    "--metrics-interval-ms=2000",
+    "--strict-model-config=false",
+    "--backend-config=default-max-batch-size=8",
+    "--backend-config=python,shm-default-byte-size=1048576",
+    "--pinned-memory-pool-byte-size=268435456",
+    "--cuda-memory-pool-byte-size=0:67108864",
+    "--exit-timeout-secs=7",
+    "--model-load-thread-count=2",
+    "--http-thread-count=4",
+    "--reuse-grpc-port=true",
+    "--reuse-http-port=true",
+]
+
+# A bad value of each kind, and the line of tritonserver 2.51's answer that
+# names it (it exits 1; `stageserve` exits 2, as any bad flag of its own).
+BAD = {
+    "--allow-metrics=maybe": "invalid value for bool option: maybe",
+    "--exit-timeout-secs=abc": "Invalid option value. Got abc",
+    "--backend-config=python,bad": (
+        "--backend-config option format is '<backend name>,<setting>=<value>'. Got python,bad"
+    ),
+    "--cuda-memory-pool-byte-size=abc": (
+        "--<pair option> argument requires format <first>:<second>. Found: abc"
+    ),
+}
+
+
+def _bare_model(root: Path) -> None:
+    d = root / "bare" / "1"
+    d.mkdir(parents=True)
+    (d / "model.onnx").write_bytes(identity_model("FP32", (3,), 64).SerializeToString())
+
+
+def _refused(port: int) -> bool:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    except OSError:
+        return True
+    return False
+
+
+def test_a_triton_launch_line_starts_the_stack_with_tritons_effects(tmp_path: Path) -> None:
+    repository = tmp_path / "models"
+    _bare_model(repository)
+    elsewhere = tmp_path / "empty"  # UpProcess's --model-repository; --model-store wins
+    elsewhere.mkdir()
+    metrics_port = free_port()
+    args = ["--model-store", str(repository), *LAUNCH_LINE, "--metrics-port", str(metrics_port)]
+    with UpProcess(elsewhere, args) as up:
+        assert up.wait(240) is not None, "".join(up.err[-40:])
+        c = grpcclient.InferenceServerClient(up.grpc_url())
+        assert c.get_server_metadata(client_timeout=RPC_TIMEOUT_S).name == "edge-7"
+        # --backend-config=default-max-batch-size: what auto-complete gives
+        config = c.get_model_config("bare", client_timeout=RPC_TIMEOUT_S).config
+        assert config.max_batch_size == 8
+        assert _refused(metrics_port)  # --allow-metrics=false
+        ignored = [e["flag"] for e in up.logs("flag accepted, no effect in StageServe")]
+        assert any(f.startswith("--pinned-memory-pool-byte-size (") for f in ignored), ignored
+        unused = [e["config"] for e in up.logs("--backend-config not used by StageServe")]
+        assert unused == ["python,shm-default-byte-size=1048576"]
+        c.close()
+        assert up.stop() == 0
+    # --exit-timeout-secs: the gateway's wait for requests in flight at shutdown
+    graces = [e["grace_s"] for e in up.logs("stopping") if e.get("service") == "gateway"]
+    assert graces == [7], graces
+
+
+@pytest.mark.parametrize("bad", sorted(BAD))
+def test_a_bad_value_is_refused_with_tritons_words(tmp_path: Path, bad: str) -> None:
+    up = subprocess.run(
+        [*UpProcess.command(tmp_path), bad], capture_output=True, text=True, timeout=60
+    )
+    assert up.returncode == 2, up.stderr[-2000:]
+    assert BAD[bad] in up.stderr
+
+
+def _triton(repository: Path, extra: list[str]) -> tuple[subprocess.Popen, int, int]:
+    triton = find_triton()
+    http, grpc_port, metrics = free_port(), free_port(), free_port()
+    cmd = [
+        str(triton.binary),
+        f"--model-store={repository}",
+        f"--http-port={http}",
+        f"--grpc-port={grpc_port}",
+        f"--metrics-port={metrics}",
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        cmd, env=triton.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    return proc, http, metrics
+
+
+def test_triton_takes_the_same_line_and_refuses_the_same_values(tmp_path: Path) -> None:
+    try:
+        find_triton()
+    except ReferenceNotInstalled as exc:
+        pytest.skip(str(exc))
+    proc, http, metrics = _triton(tmp_path, LAUNCH_LINE)
+    try:
+        deadline = time.monotonic() + 60
+        name = None
+        while name is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2", timeout=5) as r:
+                    name = r.read().decode()
+            except OSError:
+                time.sleep(0.2)
+        assert name is not None and '"name":"edge-7"' in name, proc.poll()
+        assert _refused(metrics)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    for bad, line in BAD.items():
+        proc, _, _ = _triton(tmp_path, [bad])
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 1 and line in out, (bad, out[-500:])

@@ -148,30 +148,14 @@ def add_triton_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model-store", dest="model_repository", type=Path, help="as --model-repository"
     )
-    p.add_argument(
-        "--strict-model-config",
-        type=flag_bool,
-        nargs="?",
-        const=True,
-        default=None,
-        help="deprecated in Triton: true is --disable-auto-complete-config",
-    )
-    p.add_argument(
-        "--allow-metrics",
-        type=flag_bool,
-        nargs="?",
-        const=True,
-        default=True,
-        help="false: no Triton metrics port (as tritonserver)",
-    )
-    p.add_argument(
-        "--allow-grpc",
-        type=flag_bool,
-        nargs="?",
-        const=True,
-        default=True,
-        help="true only: the gateways always serve gRPC (the stack's own readiness uses it)",
-    )
+    for flag, default, what in (
+        ("--strict-model-config", None, "deprecated in Triton: true is "
+         "--disable-auto-complete-config"),
+        ("--allow-metrics", True, "false: no Triton metrics port (as tritonserver)"),
+        ("--allow-grpc", True, "true only: the gateways always serve gRPC (the stack's own "
+         "readiness uses it)"),
+    ):  # fmt: skip
+        p.add_argument(flag, type=flag_bool, nargs="?", const=True, default=default, help=what)
     p.add_argument(
         "--exit-timeout-secs",
         type=triton_int,

@@ -20,7 +20,9 @@ counted in between (read after the gateways' statistics
 publish period, so every gateway's share is in), and per internal link the
 requests each stream message carried (`req/msg sched`: gateways ->
 scheduler; `batches/msg wk`: schedulers -> workers, a batch per request),
-from every stage's stageserve_stream_* counters over the run. It runs on any host: on a
+from every stage's stageserve_stream_* counters over the run, and the cores
+perf_analyzer itself used (`pa cores`: it shares the host with the stack). It
+runs on any host: on a
 2-core machine it records the per-stage costs, on a many-core host the
 headline. Figures: docs/benchmarks.md.
 
@@ -35,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import tempfile
 import time
 import urllib.request
@@ -137,6 +140,10 @@ class Point:
     stages: dict[str, StageCost] = field(default_factory=dict)
     # internal link (scheduler, worker) -> requests per stream message
     per_message: dict[str, float] = field(default_factory=dict)
+    # perf_analyzer's own cores over the run (it shares the host with the
+    # stack: where the stack uses fewer cores than the host has, this says
+    # whether the client took the rest)
+    client_cores: float | None = None
 
 
 #: The links whose requests per message a point shows, and their column names.
@@ -170,6 +177,14 @@ def per_message(before: Counts, after: Counts) -> dict[str, float]:
         if messages > m0:
             out[link] = (requests - r0) / (messages - m0)
     return out
+
+
+def reaped_children_cpu() -> float:
+    """User+system CPU seconds of this process's children that ended and were
+    waited for (perf_analyzer, once run_perf returns; the stack's processes
+    are still running and count nowhere here)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def stage_cpu(pids: dict[str, list[int]]) -> dict[str, float]:
@@ -208,6 +223,7 @@ def measure(
         count0, executions0 = inference_counts(url, model.name)
         streams0 = stream_counts(metrics_ports)
         cpu0, t0 = stage_cpu(pids), time.monotonic()
+        client0 = reaped_children_cpu()
         try:
             result = run_perf(
                 url if args.protocol == "grpc" else args.http_url,
@@ -229,6 +245,7 @@ def measure(
             continue
         break
     cpu1, wall = stage_cpu(pids), time.monotonic() - t0
+    client_cores = (reaped_children_cpu() - client0) / wall
     streams1 = stream_counts(metrics_ports)
     # Every gateway publishes its statistics each stats_publish_s: wait one
     # period (and some) so the count holds every gateway's share.
@@ -255,6 +272,7 @@ def measure(
         stable,
         stages,
         per_message(streams0, streams1),
+        client_cores,
     )
 
 
@@ -262,7 +280,7 @@ def format_points(points: Sequence[Point]) -> str:
     head = ["model", "c", "infer/s", "p50 ms", "p99 ms", "batch", "cores"]
     stages = [s for s in STAGES if any(s in p.stages for p in points)]
     head += [f"{SHORT[s]} us/inf" for s in stages] + [f"{SHORT[s]} cores" for s in stages]
-    head += list(LINKS.values())
+    head += [*LINKS.values(), "pa cores"]
     rows = []
     for p in points:
         row = [
@@ -282,6 +300,7 @@ def format_points(points: Sequence[Point]) -> str:
         for link in LINKS:
             ratio = p.per_message.get(link)
             row.append("-" if ratio is None else f"{ratio:.1f}")
+        row.append("-" if p.client_cores is None else f"{p.client_cores:.2f}")
         rows.append(row)
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     return "\n".join(

@@ -1,4 +1,5 @@
-"""bench.scale's requests per stream message: read from a stage's real /metrics."""
+"""bench.scale's own measurements: requests per stream message, read from a
+stage's real /metrics, and the cores perf_analyzer used."""
 
 from __future__ import annotations
 
@@ -24,3 +25,19 @@ def test_requests_per_message_come_from_the_stream_counters_of_every_stage() -> 
     assert scale.per_message({"x": (10.0, 40.0)}, {"x": (14.0, 58.0)}) == {"x": 4.5}
     # a link that wrote nothing in between has no ratio
     assert scale.per_message({"x": (10.0, 40.0)}, {"x": (10.0, 40.0)}) == {}
+
+
+def test_the_clients_cpu_is_what_its_ended_children_used() -> None:
+    import subprocess
+    import sys
+
+    from bench.scale import Point, format_points, reaped_children_cpu
+
+    before = reaped_children_cpu()
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    assert reaped_children_cpu() - before >= 0.3
+
+    point = Point("identity", 8, "grpc", 1000.0, 1.0, 2.0, 1.5, 4.0, True, client_cores=0.75)
+    head, row = format_points([point]).splitlines()
+    assert head.split()[-2:] == ["pa", "cores"] and row.split()[-1] == "0.75"

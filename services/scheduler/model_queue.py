@@ -297,7 +297,10 @@ class ModelQueue:
         one's sequences released (strategy.finished) first."""
         self._give_back(held, False)
         if self.sequences is None and not self._loop_task.done():
-            self._dispatch_at_once()
+            try:
+                self._dispatch_at_once()
+            except Exception:  # not this run's failure: its answers still go out
+                log.exception("next batch failed to start", extra={"model": self.model})
 
     def _usable(self, grant: Granted) -> Usable:
         if self.workers.is_broken(grant.worker_address):
@@ -386,9 +389,13 @@ class ModelQueue:
         held = self._take_held()
         if held is None:
             return False
-        self._expire()
-        formed_ns = time.monotonic_ns()
-        batch = self.strategy.next_batch(formed_ns).batch
+        try:
+            self._expire()
+            formed_ns = time.monotonic_ns()
+            batch = self.strategy.next_batch(formed_ns).batch
+        except BaseException:  # the grant goes back to the pool, not lost with the error
+            self.grants.put_back(held)
+            raise
         if not batch:
             self.grants.put_back(held)
             return False

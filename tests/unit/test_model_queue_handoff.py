@@ -68,6 +68,13 @@ class Worker:
         return await done
 
 
+async def _until(cond, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "not within 5 s"
+        await asyncio.sleep(0.001)
+
+
 def _result(size: int) -> pb.ExecuteResponse:
     resp = pb.ExecuteResponse()
     for _ in range(size):
@@ -82,18 +89,34 @@ def _request(n: int) -> pb.ScheduleRequest:
     )  # fmt: skip
 
 
-async def _answers_meet_the_next_batch(extra: str) -> list[tuple[int, int, int]]:
+async def _answers_meet_the_next_batch(
+    extra: str, failing_formations: int = 0
+) -> list[tuple[int, int, int]]:
     """Four requests, batches of two on one instance: for each answer, its
-    request id, the requests still queued and the batches executing then."""
+    request id, the requests still queued and the batches executing then.
+    `failing_formations`: how many batch formations after the first raise."""
     worker = Worker()
     fakes: tuple[Any, Any] = (OneInstance(), worker)  # the two clients' fakes
     queue = ModelQueue("m", 1, _spec(extra), *fakes, SchedulerSettings())
     seen: list[tuple[int, int, int]] = []
+    failures: list[str] = []
     answered = asyncio.Event()
+    form = queue.strategy.next_batch
+    calls = 0
+
+    def next_batch(now_ns: int):
+        nonlocal calls
+        calls += 1
+        if 1 < calls <= 1 + failing_formations:
+            raise RuntimeError("a bug in batch formation")
+        return form(now_ns)
+
+    queue.strategy.next_batch = next_batch  # type: ignore[method-assign]
 
     def respond_to(n: int):
         def respond(response: pb.ScheduleResponse) -> None:
-            assert not response.failure, response.message
+            if response.failure:
+                failures.append(response.message)
             seen.append((n, queue.pending, queue.executing))
             if len(seen) == 4:
                 answered.set()
@@ -103,15 +126,14 @@ async def _answers_meet_the_next_batch(extra: str) -> list[tuple[int, int, int]]
     try:
         for n in range(1, 5):
             queue.submit(_request(n), respond_to(n))
-        while not worker.results:  # the first batch reached the worker
-            await asyncio.sleep(0.001)
+        await _until(lambda: len(worker.results) == 1)  # the first batch reached the worker
         assert queue.pending == 2 and worker.batches == [[1, 1]]
         worker.results[0].set_result(_result(2))
-        while len(worker.results) < 2:
-            await asyncio.sleep(0.001)
+        await _until(lambda: len(worker.results) == 2)
         worker.results[1].set_result(_result(2))
         await asyncio.wait_for(answered.wait(), 5)
         assert worker.batches == [[1, 1], [1, 1]]
+        assert failures == []
         return seen
     finally:
         queue.close()
@@ -130,3 +152,10 @@ def test_preserve_ordering_keeps_the_answers_in_order_with_the_early_start() -> 
     seen = asyncio.run(_answers_meet_the_next_batch(extra))
     assert [n for n, _, _ in seen] == [1, 2, 3, 4]
     assert seen[0][1:] == (0, 2)
+
+
+def test_a_failing_next_batch_neither_fails_the_finished_one_nor_loses_the_grant() -> None:
+    # the hand-off's formation raises: requests 1 and 2 are still answered,
+    # and the dispatch loop runs 3 and 4 on the grant put back
+    seen = asyncio.run(_answers_meet_the_next_batch("dynamic_batching { }", 1))
+    assert [n for n, _, _ in seen] == [1, 2, 3, 4]

@@ -203,13 +203,11 @@ def _check_triton_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
             "--allow-grpc=false is not supported: StageServe's gateways always serve "
             "gRPC (the stack's own readiness checks use it)"
         )
-    if args.command == "up" and args.gateways != 1:
-        for flag in ("reuse_grpc_port", "reuse_http_port"):
-            if getattr(args, flag) is False:
-                parser.error(
-                    f"--{flag.replace('_', '-')}=false needs --gateways 1: several gateways "
-                    "share the ports"
-                )
+    if args.command == "up" and _exclusive_ports(args) and args.gateways not in (1, AUTO):
+        parser.error(
+            "--reuse-grpc-port=false and --reuse-http-port=false need one gateway: "
+            "several gateways share the ports"
+        )
 
 
 def _log_triton_flags(args: argparse.Namespace) -> None:
@@ -438,10 +436,20 @@ def _settings(
         parser.error(str(exc))
 
 
-def _gateways(parser: argparse.ArgumentParser, given: int | str, settings: Settings) -> int:
-    """`up`'s --gateways as a count (auto resolved on this host)."""
+def _exclusive_ports(args: argparse.Namespace) -> bool:
+    """Triton's --reuse-grpc-port=false or --reuse-http-port=false given."""
+    return args.reuse_grpc_port is False or args.reuse_http_port is False
+
+
+def _gateways(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings
+) -> int:
+    """`up`'s --gateways as a count (auto resolved on this host; one gateway
+    where the user asked for ports of its own, --reuse-*-port=false)."""
+    if args.gateways == AUTO and _exclusive_ports(args):
+        return 1
     try:
-        return gateway_count(given, settings.stack)
+        return gateway_count(args.gateways, settings.stack)
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -502,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             redis_url=args.redis_url,
             workers=args.workers,
             workers_per_device=args.workers_per_device,
-            gateways=_gateways(parser, args.gateways, settings),
+            gateways=_gateways(parser, args, settings),
             schedulers=scheduler_count(args.schedulers),
             device=settings.worker.device,
             log_verbose=args.log_verbose,

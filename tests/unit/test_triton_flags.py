@@ -9,7 +9,13 @@ import argparse
 
 import pytest
 
-from stageserve.cli import _check_triton_flags, _settings, _up_gateway_flags, build_parser
+from stageserve.cli import (
+    _check_triton_flags,
+    _gateways,
+    _settings,
+    _up_gateway_flags,
+    build_parser,
+)
 from stageserve.triton_flags import (
     BackendConfig,
     backend_config,
@@ -157,7 +163,7 @@ def test_the_no_effect_flags_parse_with_tritons_types() -> None:
         (["--backend-config=bad"], "Got bad"),
         (["--cuda-memory-pool-byte-size=abc"], "<first>:<second>. Found: abc"),
         (["--allow-grpc=false"], "--allow-grpc=false is not supported"),
-        (["--reuse-grpc-port=false", "--gateways", "2"], "needs --gateways 1"),
+        (["--reuse-grpc-port=false", "--gateways", "2"], "need one gateway"),
         (["--backend-config=default-max-batch-size=many"], "must be an integer"),
     ],
 )
@@ -165,3 +171,12 @@ def test_bad_values_end_the_cli_with_tritons_message(
     capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ) -> None:
     assert message in _refused(capsys, *argv)
+
+
+def test_ports_of_its_own_make_auto_one_gateway() -> None:
+    parser = build_parser()
+    exclusive = parser.parse_args(["up", "--reuse-http-port=false"])
+    assert _gateways(parser, exclusive, _settings(parser, exclusive)) == 1
+    _check_triton_flags(parser, exclusive)  # auto: allowed, it becomes one
+    given = parser.parse_args(["up", "--gateways", "3"])
+    assert _gateways(parser, given, _settings(parser, given)) == 3

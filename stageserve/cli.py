@@ -441,9 +441,7 @@ def _exclusive_ports(args: argparse.Namespace) -> bool:
     return args.reuse_grpc_port is False or args.reuse_http_port is False
 
 
-def _gateways(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings
-) -> int:
+def _gateways(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> int:
     """`up`'s --gateways as a count (auto resolved on this host; one gateway
     where the user asked for ports of its own, --reuse-*-port=false)."""
     if args.gateways == AUTO and _exclusive_ports(args):

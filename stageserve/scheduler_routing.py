@@ -32,6 +32,13 @@ log = logging.getLogger(__name__)
 # Long enough for a release (its queue's last batch drains first) and for a
 # dead owner's lease to run out and a survivor to take the model.
 RESEND_WAIT_S = 5.0
+# After a refusal, how long a resend waits for the map to move before it goes
+# again anyway. The map may already name the refusing scheduler as owner: it
+# took the model in Redis a moment after it refused (a dead owner's heir), and
+# then the map never moves; waiting for a move would hold the request for the
+# whole RESEND_WAIT_S (seen: a sequence answered 8 s after its scheduler was
+# killed, 5 s after the heir took the model).
+RESEND_RECHECK_S = 0.25
 
 
 class SchedulerRouter:
@@ -97,7 +104,7 @@ class SchedulerRouter:
             left = deadline - loop.time()
             if left <= 0:
                 return response
-            await self.view.moved(request.model, address, left)
+            await self.view.moved(request.model, address, min(left, RESEND_RECHECK_S))
             address = self.address_for(request.model)
 
     async def close(self) -> None:

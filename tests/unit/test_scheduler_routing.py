@@ -110,3 +110,46 @@ def test_refusals_past_the_wait_answer_not_owner(redis_url) -> None:
             await router.close()
 
     run(redis_url, body)
+
+
+class LateOwnerLink:
+    """The map names it owner already, yet it refuses the first request: it
+    took the model in Redis a moment after that request came."""
+
+    def __init__(self) -> None:
+        self.give_up = None
+        self.refused = 0
+
+    async def schedule(self, request, on_more=None) -> pb.ScheduleResponse:
+        if not self.refused:
+            self.refused += 1
+            return pb.ScheduleResponse(id=request.id, failure=pb.NOT_OWNER, message="refused")
+        return pb.ScheduleResponse(id=request.id)
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_refusal_from_the_owner_the_map_names_is_resent_soon(redis_url) -> None:
+    """The map will not move (its owner is the one that refused): the resend
+    goes after a short recheck, not after the whole 5 s wait."""
+
+    async def body(r, member, view: ShardView, drained) -> None:
+        a = member("a")
+        await a.tick()
+        model = sorted(a.owned)[0]
+        follower = ShardView(r, poll_s=0.1)
+        link = LateOwnerLink()
+        router = SchedulerRouter(follower, None, lambda address: link, 5.0)  # type: ignore[arg-type, return-value]
+        try:
+            await follower.refresh()
+            assert follower.owners[model] == "a"
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            response = await router.schedule(pb.ScheduleRequest(id=9, model=model))
+            assert response.failure == pb.FAILURE_NONE and link.refused == 1
+            assert loop.time() - started < 1.5
+        finally:
+            await router.close()
+
+    run(redis_url, body)

@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from stageserve.log_options import flag_bool
+
 HEADER_PREFIX = "triton-grpc-protocol-"
 
 #: RPC (method name) -> Triton's protocol group
@@ -115,20 +117,11 @@ class TlsOptions:
 # -------------------------------------------------------------------------- CLI
 
 
-def _flag(value: str) -> bool:
-    lowered = value.lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"invalid value for bool option: {value}")
-
-
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Triton's flags; --grpc-use-ssl alone means true, as --grpc-use-ssl=true does."""
     g = parser.add_argument_group("security (Triton's flags)")
-    g.add_argument("--grpc-use-ssl", type=_flag, nargs="?", const=True, default=False)
-    g.add_argument("--grpc-use-ssl-mutual", type=_flag, nargs="?", const=True, default=False)
+    g.add_argument("--grpc-use-ssl", type=flag_bool, nargs="?", const=True, default=False)
+    g.add_argument("--grpc-use-ssl-mutual", type=flag_bool, nargs="?", const=True, default=False)
     g.add_argument("--grpc-server-cert", type=Path, default=None)
     g.add_argument("--grpc-server-key", type=Path, default=None)
     g.add_argument("--grpc-root-cert", type=Path, default=None)

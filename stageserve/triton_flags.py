@@ -116,12 +116,17 @@ def backend_config(text: str) -> BackendConfig:
     return BackendConfig(backend, setting, value)
 
 
+def _applied(c: BackendConfig) -> bool:
+    """The one setting StageServe applies: `default-max-batch-size` for every
+    backend or for onnxruntime (the one backend whose configs it auto-completes)."""
+    return c.setting == "default-max-batch-size" and c.backend in ("", "onnxruntime")
+
+
 def default_max_batch_size(configs: Iterable[BackendConfig]) -> int | None:
-    """The last `default-max-batch-size` given for every backend or for
-    onnxruntime (the one backend whose configs StageServe auto-completes)."""
+    """The last applied `default-max-batch-size` given (`_applied`)."""
     found = None
     for c in configs:
-        if c.setting == "default-max-batch-size" and c.backend in ("", "onnxruntime"):
+        if _applied(c):
             try:
                 found = int(c.value)
             except ValueError:
@@ -133,11 +138,10 @@ def default_max_batch_size(configs: Iterable[BackendConfig]) -> int | None:
 
 def unused_backend_configs(configs: Sequence[BackendConfig]) -> list[str]:
     """The given configs StageServe does not apply, as they were written."""
-    used = ("", "onnxruntime")
     return [
         f"{c.backend + ',' if c.backend else ''}{c.setting}={c.value}"
         for c in configs
-        if not (c.setting == "default-max-batch-size" and c.backend in used)
+        if not _applied(c)
     ]
 
 

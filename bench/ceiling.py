@@ -9,8 +9,12 @@ process on a free port, one variant at a time:
 
 ``direct``
     one ``grpc.aio`` server answering ``ModelInfer`` itself.
+``h2-direct``
+    ``direct`` on StageServe's own HTTP/2 gRPC server (stageserve/h2grpc/),
+    the gateway's public front by default: the same handlers, grpcio's
+    per-call machinery replaced by a few frames parsed and built in Python.
 ``forward``
-    the same front, but every ``ModelInfer`` goes over ONE long-lived
+    the same front as ``direct``, but every ``ModelInfer`` goes over ONE long-lived
     bidirectional stream to a second process that echoes each stream message
     back: the cheapest possible one-hop pipeline (a gateway with a zero-cost
     backend). Requests carry an 8-byte id (plus a 4-byte length) and each
@@ -96,11 +100,12 @@ from bench.stream_vs_unary import start_echo_server
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import model_config_pb2 as mc
 from stageserve.grpc_io import choose_grpc_io
+from stageserve.h2grpc.server import H2GrpcServer
 from stageserve.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "id16"
-VARIANTS = ("direct", "forward", "relay", "sync-direct", "sync-bridged")
+VARIANTS = ("direct", "h2-direct", "forward", "relay", "sync-direct", "sync-bridged")
 ECHO_METHOD = f"/{ECHO_SERVICE}/Stream"  # bench.stream_vs_unary's echo server
 FRAME = struct.Struct("<QI")  # request id, payload length
 START_TIMEOUT_S = 20.0
@@ -321,6 +326,14 @@ def _bridged_handler(counters: Counters, bridge: LoopBridge) -> grpc.GenericRpcH
 # --------------------------------------------------------------------------- child processes
 
 
+async def _serve_h2(port: int) -> None:
+    server = H2GrpcServer()
+    server.add_generic_rpc_handlers([_aio_handler(Counters(), None)])
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
 async def _serve_aio(port: int, backend: str | None) -> None:
     counters = Counters()
     forwarder = None
@@ -399,6 +412,8 @@ def serve(role: str, port: int, backend: str | None = None) -> None:
         _serve_sync(port, bridged=role == "sync-bridged")
     elif role == "echo":
         asyncio.run(_serve_echo(port))
+    elif role == "h2-direct":
+        asyncio.run(_serve_h2(port))
     elif role == "relay-middle":
         assert backend is not None
         asyncio.run(_serve_relay(port, backend))

@@ -214,6 +214,12 @@ class GatewaySettings:
     # embedded mode, kept for the comparison in docs/benchmarks.md
     # (services/gateway/http/server.py says why uvicorn is the default).
     http_server: str = one_of("uvicorn", "granian")
+    # The server of the public gRPC front: StageServe's own HTTP/2 server
+    # (stageserve/h2grpc/), or grpcio's grpc.aio server. The first answers a
+    # unary call for ~40 us of CPU against grpc.aio's ~250-350 on the 2-core
+    # development VM (docs/benchmarks.md, "The public gRPC front on its own
+    # HTTP/2 server"); grpcio stays selectable for comparison.
+    grpc_server: str = one_of("h2", "grpcio")
     # Triton's --cache-config (stageserve/cache_options.py): the response cache
     # of the models that enable one; None: nothing cached, as Triton without it.
     response_cache: CacheConfig | None = flag(None, "cache_config")

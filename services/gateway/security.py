@@ -3,6 +3,7 @@ gRPC server: TLS / mTLS credentials and the restricted-protocol interceptor."""
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Sequence
 
 import grpc
@@ -17,6 +18,21 @@ def server_credentials(tls: TlsOptions) -> grpc.ServerCredentials:
         root_certificates=root,
         require_client_auth=tls.mutual,
     )
+
+
+def ssl_context(tls: TlsOptions) -> ssl.SSLContext:
+    """The same TLS for the gateway's own HTTP/2 server (stageserve/h2grpc):
+    its certificate, and with mutual TLS the clients' CA, required; ALPN h2,
+    which gRPC clients insist on."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(tls.server_cert, tls.server_key)
+    if tls.root_cert is not None:
+        context.load_verify_locations(tls.root_cert)
+    if tls.mutual:
+        context.verify_mode = ssl.CERT_REQUIRED
+    context.set_alpn_protocols(["h2"])
+    return context
 
 
 def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:

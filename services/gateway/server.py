@@ -18,7 +18,7 @@ from services.gateway.model_table import ModelTable
 from services.gateway.poller import RepositoryPoller
 from services.gateway.queue_metrics import PendingGauge
 from services.gateway.republish import Republisher
-from services.gateway.security import RestrictedProtocols, server_credentials
+from services.gateway.security import RestrictedProtocols, server_credentials, ssl_context
 from services.gateway.service import InferenceService
 from services.gateway.startup import StartupLoadFailed, report, startup_failures
 from services.gateway.tensor_transport import tensor_transport
@@ -26,6 +26,7 @@ from services.gateway.trace_settings import TraceSettings
 from stageserve import tensor_shm
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
+from stageserve.h2grpc.server import H2GrpcServer
 from stageserve.model_state import ModelStateStore
 from stageserve.net import SERVER_OPTIONS, listen_failed, stage_channel
 from stageserve.redis_connect import connect
@@ -106,7 +107,11 @@ async def serve(
     # --reuse-grpc-port says, so a port another process holds fails the bind
     # unless several gateways are meant to share it.
     options = [*SERVER_OPTIONS, ("grpc.so_reuseport", int(gateway.reuse_grpc_port))]
-    server = grpc.aio.server(options=options, interceptors=interceptors)
+    server = (
+        H2GrpcServer(options=options, interceptors=interceptors)
+        if gateway.grpc_server == "h2"
+        else grpc.aio.server(options=options, interceptors=interceptors)
+    )
     gs_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(dataplane), server)
     if metrics_port:
         pending = PendingGauge(models, link, asyncio.get_running_loop())
@@ -175,7 +180,14 @@ async def serve(
                 announce=announce,
             )
         else:  # Triton's --grpc-use-ssl: the public endpoint speaks TLS only
-            port = server.add_secure_port(listen, server_credentials(tls))
+            try:
+                port = (
+                    server.add_secure_port(listen, ssl_context(tls))
+                    if isinstance(server, H2GrpcServer)
+                    else server.add_secure_port(listen, server_credentials(tls))
+                )
+            except RuntimeError:
+                port = 0
             if port == 0:
                 end_on_listen_failure(listen_failed("GRPC", listen))
             address = f"{listen.rsplit(':', 1)[0]}:{port}"

@@ -1,0 +1,422 @@
+"""The server side of one HTTP/2 connection carrying gRPC, as a pure state
+machine: bytes in, events and bytes out, no I/O.
+
+`receive(data)` parses frames and returns the calls' events (a request's
+headers, each whole gRPC message, the client's end of stream, a reset); the
+frames the protocol answers itself (SETTINGS and PING acknowledgements,
+WINDOW_UPDATEs) are queued for `data_to_send()`. `send_headers` and
+`send_message` queue a call's response within the client's flow-control
+windows: what does not fit waits, in order with the stream's trailers, until
+a WINDOW_UPDATE or SETTINGS opens the window.
+
+It implements what gRPC over HTTP/2 uses (RFC 9113; gRPC's PROTOCOL-HTTP2):
+no server push, no priorities (read and ignored), header blocks through
+CONTINUATION, padding, and flow control both ways. The inbound windows are
+large (16 MiB a stream, 64 MiB the connection) and are refilled as data
+arrives, so a client is never held back by this side's reading.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import hpack
+
+from stageserve.h2grpc import wire
+
+REQUEST, MESSAGE, END, RESET, GOAWAY = range(5)
+#: An event: (kind, stream id, value): REQUEST -> the header list as (name,
+#: value) bytes pairs; MESSAGE -> (compressed flag, message bytes); END ->
+#: None; RESET -> the client's error code; GOAWAY -> its error code (stream 0).
+Event = tuple[int, int, Any]
+
+STREAM_WINDOW = 16 * 1024 * 1024
+CONNECTION_WINDOW = 64 * 1024 * 1024
+#: The largest frame this side accepts: a 49 KB tensor arrives in one DATA
+#: frame instead of four, and each frame is a turn of Python here.
+MAX_FRAME_IN = 1024 * 1024
+
+
+class ProtocolError(Exception):
+    """A connection error: the caller sends `goaway(code)` and closes."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Stream:
+    __slots__ = (
+        "sid",
+        "send_window",
+        "pending",
+        "buf",
+        "unacked",
+        "remote_open",
+        "local_open",
+        "started",
+    )
+
+    def __init__(self, sid: int, send_window: int) -> None:
+        self.sid = sid
+        self.send_window = send_window
+        # Frames waiting for window: (payload, is_data, end_stream).
+        self.pending: deque[tuple[bytes, bool, bool]] = deque()
+        self.buf = bytearray()  # a gRPC message split across DATA frames
+        self.unacked = 0  # bytes received since the last stream WINDOW_UPDATE
+        self.remote_open = True
+        self.local_open = True
+        self.started = False  # its request headers were seen
+
+
+class ServerConnection:
+    def __init__(self) -> None:
+        self._in = bytearray()
+        self._out: list[bytes] = []
+        self._preface_seen = False
+        self._decoder = hpack.Decoder()
+        self._streams: dict[int, _Stream] = {}
+        self._blocked: dict[int, _Stream] = {}  # streams with pending frames, in order
+        self._peer_window = wire.DEFAULT_WINDOW  # the client's initial stream window
+        self._peer_max_frame = wire.DEFAULT_MAX_FRAME
+        self._send_window = wire.DEFAULT_WINDOW  # connection-level, toward the client
+        self._recv_unacked = 0
+        self._headers_of: _Stream | None = None  # a block continuing in CONTINUATION
+        self._header_block = bytearray()
+        self._header_end_stream = False
+        self.last_stream_id = 0
+        settings = b"".join(
+            (
+                _setting(wire.SETTINGS_ENABLE_PUSH, 0),
+                _setting(wire.SETTINGS_INITIAL_WINDOW_SIZE, STREAM_WINDOW),
+                _setting(wire.SETTINGS_MAX_FRAME_SIZE, MAX_FRAME_IN),
+            )
+        )
+        self._out.append(wire.frame(wire.SETTINGS, 0, 0, settings))
+        self._out.append(
+            wire.frame(
+                wire.WINDOW_UPDATE,
+                0,
+                0,
+                (CONNECTION_WINDOW - wire.DEFAULT_WINDOW).to_bytes(4, "big"),
+            )
+        )
+
+    # ------------------------------------------------------------------ output
+
+    def data_to_send(self) -> bytes:
+        if not self._out:
+            return b""
+        out = b"".join(self._out)
+        self._out.clear()
+        return out
+
+    def has_output(self) -> bool:
+        return bool(self._out)
+
+    def is_open(self, sid: int) -> bool:
+        """Whether the stream can still carry this side's frames."""
+        stream = self._streams.get(sid)
+        return stream is not None and stream.local_open
+
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    def send_headers(self, sid: int, block: bytes, end_stream: bool = False) -> None:
+        stream = self._streams.get(sid)
+        if stream is None or not stream.local_open:
+            return
+        if end_stream:
+            stream.local_open = False
+        if stream.pending:
+            stream.pending.append((block, False, end_stream))
+        else:
+            self._write_headers(sid, block, end_stream)
+        if end_stream:
+            self._maybe_close(stream)
+
+    def send_message(self, sid: int, message: bytes) -> None:
+        """One gRPC message (uncompressed) as DATA, within the flow-control windows."""
+        stream = self._streams.get(sid)
+        if stream is None or not stream.local_open:
+            return
+        payload = b"\x00" + len(message).to_bytes(4, "big") + message
+        if stream.pending:
+            stream.pending.append((payload, True, False))
+        else:
+            self._write_data(stream, payload, False)
+
+    def reset(self, sid: int, code: int = wire.CANCEL) -> None:
+        stream = self._streams.pop(sid, None)
+        if stream is not None:
+            self._blocked.pop(sid, None)
+            self._out.append(wire.frame(wire.RST_STREAM, 0, sid, code.to_bytes(4, "big")))
+
+    def goaway(self, code: int = wire.NO_ERROR, debug: bytes = b"") -> None:
+        payload = self.last_stream_id.to_bytes(4, "big") + code.to_bytes(4, "big") + debug
+        self._out.append(wire.frame(wire.GOAWAY, 0, 0, payload))
+
+    def ping(self, opaque: bytes = b"\x00" * 8) -> None:
+        self._out.append(wire.frame(wire.PING, 0, 0, opaque))
+
+    def _write_headers(self, sid: int, block: bytes, end_stream: bool) -> None:
+        flags = wire.END_STREAM if end_stream else 0
+        limit = self._peer_max_frame
+        if len(block) <= limit:
+            self._out.append(wire.frame(wire.HEADERS, flags | wire.END_HEADERS, sid, block))
+            return
+        self._out.append(wire.frame(wire.HEADERS, flags, sid, block[:limit]))
+        for at in range(limit, len(block), limit):
+            last = at + limit >= len(block)
+            chunk = block[at : at + limit]
+            self._out.append(
+                wire.frame(wire.CONTINUATION, wire.END_HEADERS if last else 0, sid, chunk)
+            )
+
+    def _write_data(self, stream: _Stream, payload: bytes, end_stream: bool) -> bool:
+        """Write what the windows allow; queue the rest. True when all went out."""
+        sent = 0
+        total = len(payload)
+        limit = self._peer_max_frame
+        while sent < total:
+            room = min(self._send_window, stream.send_window, limit, total - sent)
+            if room <= 0:
+                stream.pending.appendleft((payload[sent:], True, end_stream))
+                self._blocked[stream.sid] = stream
+                return False
+            last = sent + room == total
+            flags = wire.END_STREAM if (last and end_stream) else 0
+            self._out.append(wire.frame_header(room, wire.DATA, flags, stream.sid))
+            self._out.append(payload[sent : sent + room] if (sent or not last) else payload)
+            sent += room
+            self._send_window -= room
+            stream.send_window -= room
+        if total == 0 and end_stream:
+            self._out.append(wire.frame(wire.DATA, wire.END_STREAM, stream.sid))
+        return True
+
+    def _flush_blocked(self) -> None:
+        for sid, stream in list(self._blocked.items()):
+            if self._send_window <= 0:
+                return
+            del self._blocked[sid]
+            while stream.pending:
+                payload, is_data, end_stream = stream.pending.popleft()
+                if is_data:
+                    if not self._write_data(stream, payload, end_stream):
+                        break
+                else:
+                    self._write_headers(sid, payload, end_stream)
+            self._maybe_close(stream)
+
+    def _maybe_close(self, stream: _Stream) -> None:
+        """Forget a stream once this side has ended it and sent everything: the
+        call is over, and what the client still sends on it is dropped."""
+        if not stream.local_open and not stream.pending:
+            self._streams.pop(stream.sid, None)
+
+    # ------------------------------------------------------------------- input
+
+    def receive(self, data: bytes) -> list[Event]:
+        buf = self._in
+        buf += data
+        events: list[Event] = []
+        at = 0
+        if not self._preface_seen:
+            if len(buf) < len(wire.PREFACE):
+                if not wire.PREFACE.startswith(bytes(buf)):
+                    raise ProtocolError(wire.PROTOCOL_ERROR, "not an HTTP/2 client preface")
+                return events
+            if buf[: len(wire.PREFACE)] != wire.PREFACE:
+                raise ProtocolError(wire.PROTOCOL_ERROR, "not an HTTP/2 client preface")
+            self._preface_seen = True
+            at = len(wire.PREFACE)
+        end = len(buf)
+        while end - at >= 9:
+            length = buf[at] << 16 | buf[at + 1] << 8 | buf[at + 2]
+            if length > MAX_FRAME_IN:
+                raise ProtocolError(wire.FRAME_SIZE_ERROR, f"frame of {length} bytes")
+            if end - at - 9 < length:
+                break
+            kind = buf[at + 3]
+            flags = buf[at + 4]
+            sid = (
+                buf[at + 5] << 24 | buf[at + 6] << 16 | buf[at + 7] << 8 | buf[at + 8]
+            ) & 0x7FFFFFFF
+            payload = bytes(buf[at + 9 : at + 9 + length])
+            at += 9 + length
+            if self._headers_of is not None and kind != wire.CONTINUATION:
+                raise ProtocolError(wire.PROTOCOL_ERROR, "header block interrupted")
+            if kind == wire.DATA:
+                self._on_data(sid, flags, payload, events)
+            elif kind == wire.HEADERS:
+                self._on_headers(sid, flags, payload, events)
+            elif kind == wire.CONTINUATION:
+                self._on_continuation(sid, flags, payload, events)
+            elif kind == wire.SETTINGS:
+                self._on_settings(flags, payload)
+            elif kind == wire.WINDOW_UPDATE:
+                self._on_window_update(sid, payload)
+            elif kind == wire.PING:
+                if len(payload) != 8:
+                    raise ProtocolError(wire.FRAME_SIZE_ERROR, "PING of the wrong size")
+                if not flags & wire.ACK:
+                    self._out.append(wire.frame(wire.PING, wire.ACK, 0, payload))
+            elif kind == wire.RST_STREAM:
+                stream = self._streams.pop(sid, None)
+                self._blocked.pop(sid, None)
+                if stream is not None:
+                    events.append((RESET, sid, int.from_bytes(payload[:4], "big")))
+            elif kind == wire.GOAWAY:
+                events.append((GOAWAY, 0, int.from_bytes(payload[4:8], "big")))
+            elif kind == wire.PUSH_PROMISE:
+                raise ProtocolError(wire.PROTOCOL_ERROR, "PUSH_PROMISE from a client")
+            # PRIORITY and unknown frame types are ignored (RFC 9113 4.1, 5.3.2).
+        del buf[:at]
+        if self._recv_unacked >= CONNECTION_WINDOW // 2:
+            self._out.append(
+                wire.frame(wire.WINDOW_UPDATE, 0, 0, self._recv_unacked.to_bytes(4, "big"))
+            )
+            self._recv_unacked = 0
+        return events
+
+    def _on_data(self, sid: int, flags: int, payload: bytes, events: list[Event]) -> None:
+        self._recv_unacked += len(payload)  # padding included: it counts against the window
+        if flags & wire.PADDED:
+            payload = _unpad(payload)
+        stream = self._streams.get(sid)
+        if stream is None or not stream.remote_open:
+            return  # reset or finished here; the connection window is still refilled above
+        stream.unacked += len(payload)
+        if stream.unacked >= STREAM_WINDOW // 2 and not flags & wire.END_STREAM:
+            self._out.append(
+                wire.frame(wire.WINDOW_UPDATE, 0, sid, stream.unacked.to_bytes(4, "big"))
+            )
+            stream.unacked = 0
+        buf = stream.buf
+        if not buf and len(payload) >= 5:
+            size = int.from_bytes(payload[1:5], "big")
+            if size + 5 == len(payload):  # the common case: one whole message in one frame
+                events.append((MESSAGE, sid, (payload[0] == 1, payload[5:])))
+                payload = b""
+        if payload:
+            buf += payload
+            while len(buf) >= 5:
+                size = int.from_bytes(buf[1:5], "big")
+                if len(buf) < size + 5:
+                    break
+                events.append((MESSAGE, sid, (buf[0] == 1, bytes(buf[5 : 5 + size]))))
+                del buf[: 5 + size]
+        if flags & wire.END_STREAM:
+            self._remote_end(stream, events)
+
+    def _remote_end(self, stream: _Stream, events: list[Event]) -> None:
+        stream.remote_open = False
+        if stream.buf:  # a message cut short: the call sees its end without it
+            stream.buf.clear()
+        events.append((END, stream.sid, None))
+
+    def _on_headers(self, sid: int, flags: int, payload: bytes, events: list[Event]) -> None:
+        if sid == 0 or sid % 2 == 0:
+            raise ProtocolError(wire.PROTOCOL_ERROR, f"HEADERS on stream {sid}")
+        if flags & wire.PADDED:
+            payload = _unpad(payload)
+        if flags & wire.PRIORITY_FLAG:
+            payload = payload[5:]
+        stream = self._streams.get(sid)
+        if stream is None:
+            if sid <= self.last_stream_id:
+                # A stream this side already closed: decode to keep HPACK in step, drop it.
+                self._collect(None, flags, payload, events)
+                return
+            self.last_stream_id = sid
+            stream = self._streams[sid] = _Stream(sid, self._peer_window)
+        self._collect(stream, flags, payload, events)
+
+    def _collect(
+        self, stream: _Stream | None, flags: int, block: bytes, events: list[Event]
+    ) -> None:
+        if flags & wire.END_HEADERS:
+            self._headers_done(stream, block, bool(flags & wire.END_STREAM), events)
+        else:
+            self._headers_of = stream if stream is not None else _Stream(0, 0)
+            self._header_block = bytearray(block)
+            self._header_end_stream = bool(flags & wire.END_STREAM)
+
+    def _on_continuation(self, sid: int, flags: int, payload: bytes, events: list[Event]) -> None:
+        stream = self._headers_of
+        if stream is None or (stream.sid and stream.sid != sid):
+            raise ProtocolError(wire.PROTOCOL_ERROR, "CONTINUATION without HEADERS")
+        self._header_block += payload
+        if flags & wire.END_HEADERS:
+            self._headers_of = None
+            block = bytes(self._header_block)
+            self._header_block = bytearray()
+            self._headers_done(
+                stream if stream.sid else None, block, self._header_end_stream, events
+            )
+
+    def _headers_done(
+        self, stream: _Stream | None, block: bytes, end_stream: bool, events: list[Event]
+    ) -> None:
+        try:
+            headers = self._decoder.decode(block, raw=True)
+        except Exception as exc:  # hpack's errors: the shared table is now out of step
+            raise ProtocolError(wire.COMPRESSION_ERROR, f"header block: {exc}") from None
+        if stream is None:
+            return
+        if not stream.started:  # the request's headers; a later block is the client's trailers
+            stream.started = True
+            events.append((REQUEST, stream.sid, headers))
+        if end_stream and stream.remote_open:
+            self._remote_end(stream, events)
+
+    def _on_settings(self, flags: int, payload: bytes) -> None:
+        if flags & wire.ACK:
+            return
+        if len(payload) % 6:
+            raise ProtocolError(wire.FRAME_SIZE_ERROR, "SETTINGS of the wrong size")
+        for at in range(0, len(payload), 6):
+            key = int.from_bytes(payload[at : at + 2], "big")
+            value = int.from_bytes(payload[at + 2 : at + 6], "big")
+            if key == wire.SETTINGS_INITIAL_WINDOW_SIZE:
+                if value > wire.MAX_WINDOW:
+                    raise ProtocolError(wire.FLOW_CONTROL_ERROR, "initial window too large")
+                delta = value - self._peer_window
+                self._peer_window = value
+                for stream in self._streams.values():
+                    stream.send_window += delta
+            elif key == wire.SETTINGS_MAX_FRAME_SIZE:
+                if not wire.DEFAULT_MAX_FRAME <= value <= 2**24 - 1:
+                    raise ProtocolError(wire.PROTOCOL_ERROR, "bad SETTINGS_MAX_FRAME_SIZE")
+                self._peer_max_frame = value
+        self._out.append(wire.frame(wire.SETTINGS, wire.ACK, 0))
+        self._flush_blocked()
+
+    def _on_window_update(self, sid: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise ProtocolError(wire.FRAME_SIZE_ERROR, "WINDOW_UPDATE of the wrong size")
+        increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
+        if sid == 0:
+            self._send_window += increment
+        else:
+            stream = self._streams.get(sid)
+            if stream is None:
+                return
+            stream.send_window += increment
+        if self._blocked:
+            self._flush_blocked()
+
+
+def _setting(key: int, value: int) -> bytes:
+    return key.to_bytes(2, "big") + value.to_bytes(4, "big")
+
+
+def _unpad(payload: bytes) -> bytes:
+    if not payload:
+        raise ProtocolError(wire.PROTOCOL_ERROR, "padded frame without a pad length")
+    pad = payload[0]
+    if pad >= len(payload):
+        raise ProtocolError(wire.PROTOCOL_ERROR, "padding longer than the frame")
+    return payload[1 : len(payload) - pad]

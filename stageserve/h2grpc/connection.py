@@ -123,6 +123,10 @@ class ServerConnection:
     def open_streams(self) -> int:
         return len(self._streams)
 
+    def waiting_for_window(self) -> bool:
+        """Whether frames are queued until the client opens its flow-control window."""
+        return bool(self._blocked)
+
     def send_headers(self, sid: int, block: bytes, end_stream: bool = False) -> None:
         stream = self._streams.get(sid)
         if stream is None or not stream.local_open:

@@ -223,24 +223,13 @@ class _Call:
         self.finished = True
         if self.timer is not None:
             self.timer.cancel()
-        conn = self.connection.conn
         context = self.context
-        if not self.cancelled and conn.is_open(self.sid):
-            value = code.value[0]
-            if value == 0 and not context._trailing:
-                block = wire.OK_TRAILERS
-            else:
-                block = wire.trailers(value, message, context._trailing)
-            if not self.headers_sent and response is None:
-                # Trailers-only: one HEADERS frame carries status and trailers.
-                conn.send_headers(self.sid, wire.RESPONSE_HEADERS + block, end_stream=True)
-            else:
-                if not self.headers_sent:
-                    self.headers_sent = True
-                    conn.send_headers(self.sid, wire.RESPONSE_HEADERS)
-                if response is not None:
-                    conn.send_message(self.sid, response)
-                conn.send_headers(self.sid, block, end_stream=True)
+        if not self.cancelled and self.connection.conn.is_open(self.sid):
+            try:
+                self._send_end(code.value[0], message, context._trailing, response)
+            except Exception:  # trailing metadata or an answer that cannot be encoded
+                log.exception("a call's answer could not be encoded", extra={"method": self.method})
+                self._send_end(grpc.StatusCode.INTERNAL.value[0], "answer not encodable", (), None)
             self.connection.flush_soon()
         self.connection.calls.pop(self.sid, None)
         for callback in context._callbacks:
@@ -248,6 +237,28 @@ class _Call:
                 callback(context)
             except Exception:
                 log.exception("a call's done callback failed", extra={"method": self.method})
+
+    def _send_end(
+        self, code: int, message: str, trailing: Metadata, response: bytes | None
+    ) -> None:
+        conn = self.connection.conn
+        block = (
+            wire.OK_TRAILERS
+            if code == 0 and not trailing
+            else wire.trailers(code, message, trailing)
+        )
+        if not self.headers_sent and response is None:
+            # Trailers-only: one HEADERS frame carries status and trailers.
+            conn.send_headers(self.sid, wire.RESPONSE_HEADERS + block, end_stream=True)
+            return
+        if not self.headers_sent:
+            self.headers_sent = True
+            conn.send_headers(self.sid, wire.RESPONSE_HEADERS)
+        if response is not None:
+            if not isinstance(response, bytes | bytearray | memoryview):
+                raise TypeError(f"the answer is {type(response).__name__}, not bytes")
+            conn.send_message(self.sid, bytes(response))
+        conn.send_headers(self.sid, block, end_stream=True)
 
     # -- input ----------------------------------------------------------------
 
@@ -646,7 +657,8 @@ class H2GrpcServer:
             self._terminated.set()
 
     async def _all_calls_done(self) -> None:
-        while any(c.calls for c in self._connections):
+        """No call running, and no answer waiting for the client's flow-control window."""
+        while any(c.calls or c.conn.waiting_for_window() for c in self._connections):
             await asyncio.sleep(0.02)
 
     async def wait_for_termination(self, timeout: float | None = None) -> bool:

@@ -352,3 +352,28 @@ def test_hpack_integers() -> None:
     assert hpack.Decoder().decode(wire.hpack_literal(b"k", long_value.encode())) == [
         ("k", long_value)
     ]
+
+
+def test_repeated_indexed_blocks_decode_as_the_table_says() -> None:
+    """A block of indexed fields only is remembered; a block that changes HPACK's table
+    makes the same bytes mean other headers, and the connection must follow the table."""
+    client = Client()
+    mirror = hpack.Decoder()  # what the headers are, decoded afresh each time
+
+    def request(sid: int, block: bytes) -> list:
+        expected = mirror.decode(block, raw=True)
+        events = client.send(
+            wire.frame(wire.HEADERS, wire.END_HEADERS | wire.END_STREAM, sid, block)
+        )
+        assert events[0][0] == REQUEST
+        assert list(events[0][2]) == list(expected)
+        return list(expected)
+
+    request(1, client.encoder.encode(REQUEST_HEADERS))  # literals: they enter the table
+    indexed = client.encoder.encode(REQUEST_HEADERS)
+    assert all(byte & 0x80 for byte in indexed[:1])
+    first = request(3, indexed)
+    assert request(5, indexed) == first
+    request(7, client.encoder.encode([*REQUEST_HEADERS, ("x-new", "shifts the table")]))
+    shifted = request(9, indexed)  # the same bytes, now naming other entries
+    assert shifted != first

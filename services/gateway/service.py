@@ -1,4 +1,5 @@
-"""grpc.aio adapter of the public inference.GRPCInferenceService.
+"""Adapter of the public inference.GRPCInferenceService: grpcio method
+handlers, served by stageserve/h2grpc's server (or grpc.aio's, by setting).
 
 Each handler hands its request to the DataPlane (dataplane.py: validation,
 conversion, statistics and metrics, shared with the HTTP front) and returns

@@ -63,7 +63,7 @@ class _Stream:
         self.sid = sid
         self.send_window = send_window
         # Frames waiting for window: (payload, is_data, end_stream).
-        self.pending: deque[tuple[bytes, bool, bool]] = deque()
+        self.pending: deque[tuple[bytes | memoryview, bool, bool]] = deque()
         self.buf = bytearray()  # a gRPC message split across DATA frames
         self.unacked = 0  # bytes received since the last stream WINDOW_UPDATE
         self.remote_open = True
@@ -74,7 +74,7 @@ class _Stream:
 class ServerConnection:
     def __init__(self) -> None:
         self._in = bytearray()
-        self._out: list[bytes] = []
+        self._out: list[bytes | memoryview] = []
         self._preface_seen = False
         self._decoder = hpack.Decoder()
         self._blocks: dict[bytes, list[tuple[bytes, bytes]]] = {}  # see _decode
@@ -147,7 +147,19 @@ class ServerConnection:
         stream = self._streams.get(sid)
         if stream is None or not stream.local_open:
             return
-        payload = b"\x00" + len(message).to_bytes(4, "big") + message
+        prefix = b"\x00" + len(message).to_bytes(4, "big")
+        total = len(message) + 5
+        if (
+            not stream.pending
+            and total <= self._peer_max_frame
+            and total <= self._send_window
+            and total <= stream.send_window
+        ):  # one frame, the message's bytes not copied here
+            self._out += (wire.frame_header(total, wire.DATA, 0, sid), prefix, message)
+            self._send_window -= total
+            stream.send_window -= total
+            return
+        payload = memoryview(prefix + message)  # sliced into frames without copies
         if stream.pending:
             stream.pending.append((payload, True, False))
         else:
@@ -180,7 +192,7 @@ class ServerConnection:
                 wire.frame(wire.CONTINUATION, wire.END_HEADERS if last else 0, sid, chunk)
             )
 
-    def _write_data(self, stream: _Stream, payload: bytes, end_stream: bool) -> bool:
+    def _write_data(self, stream: _Stream, payload: bytes | memoryview, end_stream: bool) -> bool:
         """Write what the windows allow; queue the rest. True when all went out."""
         sent = 0
         total = len(payload)
@@ -213,7 +225,7 @@ class ServerConnection:
                     if not self._write_data(stream, payload, end_stream):
                         break
                 else:
-                    self._write_headers(sid, payload, end_stream)
+                    self._write_headers(sid, bytes(payload), end_stream)
             self._maybe_close(stream)
 
     def _maybe_close(self, stream: _Stream) -> None:

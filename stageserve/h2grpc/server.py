@@ -335,6 +335,7 @@ class _Connection(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         self.peer = _peer(transport.get_extra_info("peername"))
+        _keepalive(transport.get_extra_info("socket"))
         self.server._connections.add(self)
         if self.server._stopping:
             self.conn.goaway()
@@ -677,6 +678,24 @@ def _chain(
         return await interceptor.intercept_service(continuation, details)
 
     return intercepted
+
+
+#: A client gone without closing (its host down, the network cut) is found by
+#: TCP keepalive within ~20 s and its calls cancelled: the role grpc.aio's
+#: HTTP/2 keepalive pings had (10 s, 5 s timeout; stageserve/net.py).
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 2
+
+
+def _keepalive(sock: Any) -> None:
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+    except (OSError, AttributeError):  # not TCP, or a platform without these options
+        pass
 
 
 def _split(address: str) -> tuple[str, int]:

@@ -966,3 +966,18 @@ def test_tls_with_an_ssl_context(tmp_path: Path) -> None:
             await asyncio.wait_for(server.stop(0), 5)
 
     run(body())
+
+
+def test_client_connections_have_tcp_keepalive() -> None:
+    """A client gone without closing is found by TCP keepalive, as grpc.aio's pings found it."""
+
+    async def body() -> None:
+        async with serving(service(Echo=unary(echo))) as (server, address), channel(address) as ch:
+            assert await ch.unary_unary(path("Echo"))(b"x", timeout=CALL_TIMEOUT) == b"x"
+            (connection,) = server._connections
+            assert connection.transport is not None
+            sock = connection.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 10
+
+    run(body())

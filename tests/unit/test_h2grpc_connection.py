@@ -224,12 +224,14 @@ def test_output_waits_for_the_client_window_and_keeps_order_with_trailers() -> N
     assert client.server.is_open(1) is False  # ended here, frames still queued
     # A larger initial window opens every stream's window by the difference.
     client.send(settings(initial_window=100))
-    out = [(k, f, p) for k, f, _, p in client.output() if not (k == wire.SETTINGS and f & wire.ACK)]
-    assert [(k, f) for k, f, _ in out] == [
+    rest = [
+        (k, f, p) for k, f, _, p in client.output() if not (k == wire.SETTINGS and f & wire.ACK)
+    ]
+    assert [(k, f) for k, f, _ in rest] == [
         (wire.DATA, 0),
         (wire.HEADERS, wire.END_HEADERS | wire.END_STREAM),
     ]
-    assert len(out[0][2]) == 5
+    assert len(rest[0][2]) == 5
 
 
 def test_output_waits_for_the_connection_window() -> None:

@@ -5,13 +5,13 @@
 # (wheel_name); the wheel's parts (part0..part4, `split -b 52000000 -d -a 1`) were copied
 # to /tmp/gpu-parts by earlier transfers, one each (the device tool sends at most 64 MiB
 # per call, the checkout included), or lie in BUNDLE. It installs what is missing (the host
-# keeps /tmp while it stays warm), then runs STEPS (default: all, in this order: tests onnx
-# scaled scale http), most important first, each cut to the time left of SECONDS (default
+# keeps /tmp while it stays warm), then runs STEPS (default: all, in this order: tests scale
+# onnx scaled http), most important first, each cut to the time left of SECONDS (default
 # 590), so a step that runs long costs the ones after it, never the results before it.
 # Results go to $OUT (the device tool's output folder, at most 8 files come back):
 # steps.txt and one file per step.
 set -u
-B=$(cd "$1" && pwd); LIMIT=${2:-590}; STEPS=" ${3:-tests onnx scaled scale http} "; O=${OUT:-/tmp/gpu-out}; mkdir -p "$O"; t0=$(date +%s)
+B=$(cd "$1" && pwd); LIMIT=${2:-590}; STEPS=" ${3:-tests scale onnx scaled http} "; O=${OUT:-/tmp/gpu-out}; mkdir -p "$O"; t0=$(date +%s)
 el() { echo "[t+$(( $(date +%s)-t0 ))s] $*" | tee -a "$O/steps.txt"; }
 export PYTHONUNBUFFERED=1
 if [ ! -f /tmp/site/.installed ]; then
@@ -46,7 +46,8 @@ run() {  # run FILE CAP COMMAND...: appended to $O/FILE.txt, cut to the time lef
   [ "$left" -lt "$cap" ] && cap=$left
   if [ "$cap" -lt 20 ]; then el "skipped (no time left): $*"; return; fi
   el "$file (${cap}s): $*"
-  { echo "== $* (STAGESERVE_WORKER_CUDA_SYNC=${STAGESERVE_WORKER_CUDA_SYNC:-auto})"
+  { echo "== $* (STAGESERVE_WORKER_CUDA_SYNC=${STAGESERVE_WORKER_CUDA_SYNC:-auto}," \
+      "STAGESERVE_GATEWAY_GRPC_SERVER=${STAGESERVE_GATEWAY_GRPC_SERVER:-h2})"
     timeout "$cap" "$@" 2>&1; echo "exit $?"; } >> "$O/$file.txt"
   grep -v '^{"ts"' "$O/$file.txt" | grep -v pkg_resources | tail -8
 }
@@ -74,12 +75,14 @@ if want scaled; then
   STAGESERVE_WORKER_CUDA_SYNC=blocking run scaled 70 $G --backend onnx $S
 fi
 # Issue 26's headline: identity at c=256 with the auto counts of this host (8 gateways on
-# 16 cores), then with 12 (past auto's cap: does a 9th-12th gateway still add?).
+# 16 cores); the same on grpc.aio's gRPC server (the gateway's own HTTP/2 server costs a
+# third of its CPU per request on 2 cores); then 4 gateways (cheaper gateways: do fewer,
+# fuller scheduler messages now win?).
 if want scale; then
-  run scale 70 python3 -m bench.scale --models identity --concurrency 256 \
-    --measurement-ms 2500 --max-trials 4
-  run scale 70 python3 -m bench.scale --models identity --concurrency 256 --gateways 12 \
-    --measurement-ms 2500 --max-trials 4
+  SC="python3 -m bench.scale --models identity --concurrency 256 --measurement-ms 2500 --max-trials 4"
+  run scale 70 $SC
+  STAGESERVE_GATEWAY_GRPC_SERVER=grpcio run scale 70 $SC
+  run scale 70 $SC --gateways 4
 fi
 want http && run http 70 $G --backend torch $S --protocol http
 # Where the scaled stack's CPU goes (py-spy, when the bundle brings it).

@@ -17,9 +17,10 @@ context with grpc.aio's methods (abort, set_code/set_details,
 invocation_metadata, peer, time_remaining, cancelled, write, read,
 send_initial_metadata, set_trailing_metadata, add_done_callback).
 
-Semantics as grpc.aio's: an unknown method answers UNIMPLEMENTED "Method not
-found!"; a handler's unexpected exception answers UNKNOWN (with a fixed
-text: no exception text leaves the process); a client's reset or a passed
+Semantics as grpc.aio's, but for an unknown method, which answers
+UNIMPLEMENTED without a message as Triton's C++ gRPC server does; a
+handler's unexpected exception answers UNKNOWN (with a fixed text: no
+exception text leaves the process); a client's reset or a passed
 grpc-timeout cancels the handler's task (the latter answering
 DEADLINE_EXCEEDED); `stop(grace)` refuses new calls (GOAWAY), lets calls in
 flight finish for `grace` seconds, then cancels them. Requests compressed
@@ -58,6 +59,10 @@ _RESERVED = frozenset(
     {b"content-type", b"te", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding"}
 )
 _END = object()  # the client's end of stream, in a streaming call's queue
+#: The status message of a call to a method nobody serves: none, as gRPC's C++
+#: server answers (Triton 2.51 answers UNIMPLEMENTED with empty details;
+#: grpc.aio says "Method not found!").
+UNKNOWN_METHOD = ""
 
 
 class HandlerCallDetails(NamedTuple):
@@ -426,7 +431,7 @@ class _Connection(asyncio.Protocol):
             return
         call.handler = server._registered.get(path) or server._generic_handler(call)
         if call.handler is None:
-            call.finish(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+            call.finish(grpc.StatusCode.UNIMPLEMENTED, UNKNOWN_METHOD)
         elif call.handler.request_streaming:
             self._start_streaming(call)
 
@@ -459,7 +464,7 @@ class _Connection(asyncio.Protocol):
                 HandlerCallDetails(call.method, call.metadata)
             )
             if call.handler is None:
-                call.finish(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+                call.finish(grpc.StatusCode.UNIMPLEMENTED, UNKNOWN_METHOD)
                 return
             if call.handler.request_streaming:
                 await _run(call, call.requests())

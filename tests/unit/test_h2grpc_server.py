@@ -281,6 +281,7 @@ def test_an_unknown_method_is_unimplemented() -> None:
             for name in (path("Nope"), "/no.Such/Service", "/inference.GRPCInferenceService/X"):
                 error = await expect_error(ch.unary_unary(name)(b"x", timeout=CALL_TIMEOUT))
                 assert error.code() == grpc.StatusCode.UNIMPLEMENTED, name
+                assert error.details() == "", name  # Triton's answer: no message
             stream = ch.stream_stream(path("NopeStream"))(timeout=CALL_TIMEOUT)
             assert await asyncio.wait_for(stream.code(), CALL_TIMEOUT) == (
                 grpc.StatusCode.UNIMPLEMENTED

@@ -49,7 +49,9 @@ from stageserve.tracing import TraceConfigError, parse_trace_config
 from stageserve.triton_flags import (
     add_triton_flags,
     default_max_batch_size,
+    deprecated_configs,
     ignored,
+    refused,
     unused_backend_configs,
 )
 
@@ -198,11 +200,14 @@ def _check_triton_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
         return
     if args.command == "gateway" and args.model_repository is None:
         parser.error("the following arguments are required: --model-repository")
-    if not args.allow_grpc:
-        parser.error(
-            "--allow-grpc=false is not supported: StageServe's gateways always serve "
-            "gRPC (the stack's own readiness checks use it)"
-        )
+    why = refused(args)
+    if why is not None:
+        parser.error(why)
+    traces, caches = deprecated_configs(args)
+    if traces and hasattr(args, "trace_config"):
+        args.trace_config = [*traces, *args.trace_config]
+    if caches and hasattr(args, "cache_config"):
+        args.cache_config = [*caches, *args.cache_config]
     if args.command == "up" and _exclusive_ports(args) and args.gateways not in (1, AUTO):
         parser.error(
             "--reuse-grpc-port=false and --reuse-http-port=false need one gateway: "

@@ -10,7 +10,11 @@ groups:
   `--disable-auto-complete-config`);
 - flags with an effect here: `--allow-metrics`, `--exit-timeout-secs`,
   `--backend-config` (its `default-max-batch-size`), `--allow-grpc` (true
-  only), and on `up` `--reuse-grpc-port` / `--reuse-http-port`;
+  only), `--allow-sagemaker` / `--allow-vertex-ai` (false only),
+  `--model-config-name` (refused), the deprecated trace flags and
+  `--response-cache-byte-size` (the `--trace-config` / `--cache-config`
+  settings they stand for), and on `up` `--reuse-grpc-port` /
+  `--reuse-http-port`;
 - flags of Triton's own resources that StageServe has no counterpart for,
   type-checked as Triton checks them and otherwise without effect
   (`NO_EFFECT`, each with the reason; the README lists them).
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +41,13 @@ from stageserve.log_options import flag_bool
 # stage's grace, service_runtime.run_server): a ModelStreamInfer stream a
 # client keeps open holds a stopping gateway for the whole wait.
 DEFAULT_EXIT_TIMEOUT_S = 5
+
+_PINGS = (
+    "the gateway's gRPC server answers every ping and finds a client gone without "
+    "closing by TCP keepalive (~20 s)"
+)
+_FORWARD = "headers are not forwarded as request parameters"
+_NO_CLOUD = "no SageMaker or Vertex AI endpoint is served"
 
 #: flag -> why it changes nothing in StageServe (accepted and type-checked)
 NO_EFFECT: dict[str, str] = {
@@ -55,6 +67,38 @@ NO_EFFECT: dict[str, str] = {
     "--allow-cpu-metrics": "the gateway's metrics port serves what it has",
     "--metrics-interval-ms": "metrics are read when scraped",
     "--metrics-config": "metrics keep StageServe's settings",
+    "--metrics-address": "the metrics port binds every address (0.0.0.0)",
+    "--grpc-keepalive-time": _PINGS,
+    "--grpc-keepalive-timeout": _PINGS,
+    "--grpc-keepalive-permit-without-calls": _PINGS,
+    "--grpc-http2-max-pings-without-data": _PINGS,
+    "--grpc-http2-min-recv-ping-interval-without-data": _PINGS,
+    "--grpc-http2-max-ping-strikes": _PINGS,
+    "--grpc-max-connection-age": "client connections have no age limit",
+    "--grpc-max-connection-age-grace": "client connections have no age limit",
+    "--grpc-infer-response-compression-level": "responses go uncompressed",
+    "--grpc-header-forward-pattern": _FORWARD,
+    "--http-header-forward-pattern": _FORWARD,
+    "--cache-directory": "the response cache is built in",
+    "--cuda-virtual-address-size": "implicit sequence state lives in Redis",
+    "--enable-peer-access": "GPUs are taken as the backends find them",
+    "--host-policy": "instances are placed by the workers",
+    "--model-load-gpu-limit": "loads are not limited by GPU memory use",
+    "--model-load-retry-count": "a load that fails is not retried",
+    "--sagemaker-port": _NO_CLOUD,
+    "--sagemaker-safe-port-range": _NO_CLOUD,
+    "--sagemaker-thread-count": _NO_CLOUD,
+    "--vertex-ai-port": _NO_CLOUD,
+    "--vertex-ai-thread-count": _NO_CLOUD,
+    "--vertex-ai-default-model": _NO_CLOUD,
+}
+#: Triton's deprecated trace flags: each is one --trace-config setting.
+DEPRECATED_TRACE = {
+    "--trace-file": ("triton,file", "triton,file=<filepath>"),
+    "--trace-level": ("level", "level=<OFF|TIMESTAMPS|TENSORS>"),
+    "--trace-rate": ("rate", "rate=<rate value>"),
+    "--trace-count": ("count", "count=<count value>"),
+    "--trace-log-frequency": ("triton,log-frequency", "triton,log-frequency=<log frequency value>"),
 }
 
 
@@ -78,15 +122,89 @@ _LEADING_INT = re.compile(r"\s*[+-]?\d+")
 _LEADING_FLOAT = re.compile(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
-def triton_pair(text: str) -> tuple[int, int]:
+def triton_pair(text: str, sep: str = ":") -> tuple[int, int]:
     """`<first>:<second>` of integers (--cuda-memory-pool-byte-size <gpu>:<bytes>)."""
+    parts = text.split(sep)
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(
+            "Cannot parse pair option due to incorrect number of inputs."
+            f"--<pair option> argument requires format <first>{sep}<second>. Found: {text}"
+        )
+    return triton_int(parts[0]), triton_int(parts[1])
+
+
+def triton_range(text: str) -> tuple[int, int]:
+    """`<first>-<second>` (--sagemaker-safe-port-range)."""
+    return triton_pair(text, "-")
+
+
+def triton_fraction_pair(text: str) -> tuple[int, float]:
+    """`<device>:<fraction>` (--model-load-gpu-limit)."""
     parts = text.split(":")
     if len(parts) != 2:
         raise argparse.ArgumentTypeError(
             "Cannot parse pair option due to incorrect number of inputs."
             f"--<pair option> argument requires format <first>:<second>. Found: {text}"
         )
-    return triton_int(parts[0]), triton_int(parts[1])
+    return triton_int(parts[0]), triton_float(parts[1])
+
+
+def host_policy(text: str) -> str:
+    """`<policy name>,<setting>=<value>`."""
+    name, comma, pair = text.partition(",")
+    if not comma or "=" not in pair:
+        raise argparse.ArgumentTypeError(
+            f"--host-policy option format is '<policy name>,<setting>=<value>'. Got {text}"
+        )
+    return text
+
+
+COMPRESSION_LEVELS = ("none", "low", "medium", "high")
+
+
+def compression_level(text: str) -> str:
+    if text not in COMPRESSION_LEVELS:
+        raise argparse.ArgumentTypeError(
+            "invalid argument for --grpc_infer_response_compression_level"
+        )
+    return text
+
+
+TRACE_LEVELS = ("OFF", "TIMESTAMPS", "TENSORS")
+
+
+def trace_level(text: str) -> str:
+    if text.upper() not in TRACE_LEVELS:
+        raise argparse.ArgumentTypeError(f"invalid value for trace level option: {text.lower()}")
+    return text
+
+
+def deprecated_configs(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """Triton's deprecated trace flags and --response-cache-byte-size as the
+    --trace-config and --cache-config settings they stand for, with Triton's
+    warning for each: (trace configs, cache configs), in the flags' order."""
+    traces: list[str] = []
+    for flag, (setting, form) in DEPRECATED_TRACE.items():
+        values = getattr(args, flag[2:].replace("-", "_"), None) or []
+        for value in values:
+            print(
+                f"Warning: '{flag}' has been deprecated and will be removed in future "
+                f"releases. Please use '--trace-config {form} instead.",
+                file=sys.stderr,
+            )
+            traces.append(f"{setting}={value}")
+    caches: list[str] = []
+    size = getattr(args, "response_cache_byte_size", None)
+    if size is not None:
+        print(
+            "Warning: '--response-cache-byte-size' has been deprecated! This will default "
+            "to the 'local' cache implementation with the provided byte size for its "
+            "config. Please use '--cache-config' instead. The equivalent --cache-config CLI "
+            f"args would be: '--cache-config=local,size={size}'",
+            file=sys.stderr,
+        )
+        caches.append(f"local,size={size}")
+    return traces, caches
 
 
 @dataclass(frozen=True)
@@ -190,6 +308,30 @@ def add_triton_flags(p: argparse.ArgumentParser) -> None:
         ("--allow-cpu-metrics", flag_bool, False),
         ("--metrics-interval-ms", triton_int, False),
         ("--metrics-config", str, True),
+        ("--metrics-address", str, False),
+        ("--grpc-keepalive-time", triton_int, False),
+        ("--grpc-keepalive-timeout", triton_int, False),
+        ("--grpc-keepalive-permit-without-calls", flag_bool, False),
+        ("--grpc-http2-max-pings-without-data", triton_int, False),
+        ("--grpc-http2-min-recv-ping-interval-without-data", triton_int, False),
+        ("--grpc-http2-max-ping-strikes", triton_int, False),
+        ("--grpc-max-connection-age", triton_int, False),
+        ("--grpc-max-connection-age-grace", triton_int, False),
+        ("--grpc-infer-response-compression-level", compression_level, False),
+        ("--grpc-header-forward-pattern", str, False),
+        ("--http-header-forward-pattern", str, False),
+        ("--cache-directory", str, False),
+        ("--cuda-virtual-address-size", triton_pair, True),
+        ("--enable-peer-access", flag_bool, False),
+        ("--host-policy", host_policy, True),
+        ("--model-load-gpu-limit", triton_fraction_pair, True),
+        ("--model-load-retry-count", triton_int, False),
+        ("--sagemaker-port", triton_int, False),
+        ("--sagemaker-safe-port-range", triton_range, False),
+        ("--sagemaker-thread-count", triton_int, False),
+        ("--vertex-ai-port", triton_int, False),
+        ("--vertex-ai-thread-count", triton_int, False),
+        ("--vertex-ai-default-model", str, False),
     ):
         p.add_argument(
             flag,
@@ -198,6 +340,51 @@ def add_triton_flags(p: argparse.ArgumentParser) -> None:
             default=[] if repeat else None,
             help=f"accepted, no effect: {NO_EFFECT[flag]}",
         )
+
+    for flag, what in (
+        ("--allow-sagemaker", "false only: no SageMaker endpoint is served"),
+        ("--allow-vertex-ai", "false only: no Vertex AI endpoint is served"),
+    ):
+        p.add_argument(flag, type=flag_bool, nargs="?", const=True, default=False, help=what)
+    p.add_argument(
+        "--model-config-name",
+        default=None,
+        help="refused: StageServe loads each model's config.pbtxt (Triton's "
+        "configs/<name>.pbtxt is not read)",
+    )
+    p.add_argument(
+        "--response-cache-byte-size",
+        type=triton_int,
+        default=None,
+        help="deprecated in Triton: --cache-config=local,size=<bytes>",
+    )
+    for flag, (_, form) in DEPRECATED_TRACE.items():
+        p.add_argument(
+            flag,
+            type=trace_level if flag == "--trace-level" else str,
+            action="append",
+            default=[],
+            help=f"deprecated in Triton: --trace-config {form}",
+        )
+
+
+def refused(args: argparse.Namespace) -> str | None:
+    """Why a Triton flag given cannot be served, or None."""
+    if not getattr(args, "allow_grpc", True):
+        return (
+            "--allow-grpc=false is not supported: StageServe's gateways always serve "
+            "gRPC (the stack's own readiness checks use it)"
+        )
+    for flag in ("allow_sagemaker", "allow_vertex_ai"):
+        if getattr(args, flag, False):
+            name = "--" + flag.replace("_", "-")
+            return f"{name}=true is not supported: StageServe serves no such endpoint"
+    if getattr(args, "model_config_name", None) is not None:
+        return (
+            "--model-config-name is not supported: StageServe loads each model's "
+            "config.pbtxt, not configs/<name>.pbtxt"
+        )
+    return None
 
 
 def ignored(args: argparse.Namespace) -> list[str]:

@@ -6,6 +6,8 @@ same metrics port closed, the same refusals of bad values."""
 
 from __future__ import annotations
 
+import argparse
+import re
 import subprocess
 import time
 import urllib.request
@@ -15,6 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from bench.references import ReferenceNotInstalled, find_triton
+from stageserve.cli import build_parser
 from stageserve.net import free_port
 from stageserve_tools.examples import identity_model
 from tests.integration.helpers import RPC_TIMEOUT_S
@@ -38,6 +41,15 @@ LAUNCH_LINE = [
     "--http-thread-count=4",
     "--reuse-grpc-port=true",
     "--reuse-http-port=true",
+    "--grpc-keepalive-time=10000",
+    "--grpc-keepalive-timeout=5000",
+    "--grpc-keepalive-permit-without-calls=true",
+    "--grpc-http2-max-pings-without-data=0",
+    "--grpc-http2-max-ping-strikes=0",
+    "--grpc-infer-response-compression-level=none",
+    "--allow-sagemaker=false",
+    "--model-load-retry-count=1",
+    "--trace-level=OFF",
 ]
 
 # A bad value of each kind, and the line of tritonserver 2.51's answer that
@@ -51,7 +63,42 @@ BAD = {
     "--cuda-memory-pool-byte-size=abc": (
         "--<pair option> argument requires format <first>:<second>. Found: abc"
     ),
+    "--grpc-keepalive-time=abc": "Invalid option value. Got abc",
+    "--grpc-infer-response-compression-level=bogus": (
+        "invalid argument for --grpc_infer_response_compression_level"
+    ),
+    "--host-policy=abc": (
+        "--host-policy option format is '<policy name>,<setting>=<value>'. Got abc"
+    ),
+    "--sagemaker-safe-port-range=abc": (
+        "--<pair option> argument requires format <first>-<second>. Found: abc"
+    ),
+    "--trace-level=BOGUS": "invalid value for trace level option: bogus",
+    "--model-load-gpu-limit=0:abc": "Invalid option value. Got abc",
 }
+
+
+def tritonserver_flags() -> list[str]:
+    """Every flag `tritonserver --help` lists (skips without the reference)."""
+    try:
+        triton = find_triton()
+    except ReferenceNotInstalled as exc:
+        pytest.skip(str(exc))
+    out = subprocess.run(
+        [str(triton.binary), "--help"], env=triton.env(), capture_output=True, text=True, timeout=60
+    )
+    flags = sorted(set(re.findall(r"^  (--[a-z0-9-]+)", out.stdout + out.stderr, re.M)))
+    assert len(flags) > 80, (out.stdout + out.stderr)[-2000:]
+    return flags
+
+
+def test_up_takes_every_flag_tritonserver_has() -> None:
+    """A launch script may carry any of them: each is taken (applied, an alias, refused
+    with its reason when it cannot be served, or accepted without effect)."""
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    ours = {flag for action in commands.choices["up"]._actions for flag in action.option_strings}
+    missing = [flag for flag in tritonserver_flags() if flag not in ours]
+    assert missing == []
 
 
 def _bare_model(root: Path) -> None:

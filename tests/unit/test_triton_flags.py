@@ -20,6 +20,8 @@ from stageserve.triton_flags import (
     BackendConfig,
     backend_config,
     default_max_batch_size,
+    ignored,
+    refused,
     triton_int,
     triton_pair,
     unused_backend_configs,
@@ -165,6 +167,11 @@ def test_the_no_effect_flags_parse_with_tritons_types() -> None:
         (["--allow-grpc=false"], "--allow-grpc=false is not supported"),
         (["--reuse-grpc-port=false", "--gateways", "2"], "need one gateway"),
         (["--backend-config=default-max-batch-size=many"], "must be an integer"),
+        (["--allow-sagemaker=true"], "--allow-sagemaker=true is not supported"),
+        (["--allow-vertex-ai"], "--allow-vertex-ai=true is not supported"),
+        (["--model-config-name=h100"], "--model-config-name is not supported"),
+        (["--grpc-max-connection-age=x"], "Invalid option value. Got x"),
+        (["--model-load-gpu-limit=0"], "<first>:<second>. Found: 0"),
     ],
 )
 def test_bad_values_end_the_cli_with_tritons_message(
@@ -180,3 +187,70 @@ def test_ports_of_its_own_make_auto_one_gateway() -> None:
     _check_triton_flags(parser, exclusive)  # auto: allowed, it becomes one
     given = parser.parse_args(["up", "--gateways", "3"])
     assert _gateways(parser, given, _settings(parser, given)) == 3
+
+
+def test_tritons_transport_and_cloud_flags_parse_and_change_nothing() -> None:
+    args = _parse(
+        "--grpc-keepalive-time=10000",
+        "--grpc-keepalive-permit-without-calls=1",
+        "--grpc-infer-response-compression-level=high",
+        "--grpc-header-forward-pattern=x-.*",
+        "--host-policy=gpu0,numa-node=0",
+        "--host-policy=gpu1,cpu-cores=0-3",
+        "--model-load-gpu-limit=0:0.8",
+        "--sagemaker-safe-port-range=8000-8010",
+        "--allow-vertex-ai=false",
+    )
+    assert args.grpc_keepalive_time == 10000
+    assert args.grpc_keepalive_permit_without_calls is True
+    assert args.host_policy == ["gpu0,numa-node=0", "gpu1,cpu-cores=0-3"]
+    assert args.model_load_gpu_limit == [(0, 0.8)]
+    assert args.sagemaker_safe_port_range == (8000, 8010)
+    named = [entry.split(" (", 1)[0] for entry in ignored(args)]
+    for flag in (
+        "--grpc-keepalive-time",
+        "--grpc-keepalive-permit-without-calls",
+        "--grpc-infer-response-compression-level",
+        "--grpc-header-forward-pattern",
+        "--host-policy",
+        "--model-load-gpu-limit",
+        "--sagemaker-safe-port-range",
+    ):
+        assert flag in named, (flag, named)
+    assert refused(args) is None
+
+
+def test_deprecated_trace_and_cache_flags_become_their_configs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = build_parser()
+    args = parser.parse_args(
+        [
+            "up",
+            "--trace-file=/tmp/t.json",
+            "--trace-level=TIMESTAMPS",
+            "--trace-level=TENSORS",
+            "--trace-rate=10",
+            "--trace-count=5",
+            "--trace-log-frequency=2",
+            "--trace-config=mode=triton",
+            "--response-cache-byte-size=1048576",
+        ]
+    )
+    _check_triton_flags(parser, args)
+    assert args.trace_config == [
+        "triton,file=/tmp/t.json",
+        "level=TIMESTAMPS",
+        "level=TENSORS",
+        "rate=10",
+        "count=5",
+        "triton,log-frequency=2",
+        "mode=triton",
+    ]
+    assert args.cache_config == ["local,size=1048576"]
+    settings = _settings(parser, args)
+    assert settings.gateway.trace_config == tuple(args.trace_config)
+    assert settings.gateway.response_cache is not None
+    err = capsys.readouterr().err
+    assert "Warning: '--trace-file' has been deprecated" in err
+    assert "'--cache-config=local,size=1048576'" in err

@@ -1,10 +1,10 @@
 """An asyncio gRPC server on stageserve/h2grpc/connection.py, with the
 surface of `grpc.aio.Server` that StageServe's fronts use.
 
-Why: grpcio's Python servers spend ~250-350 us of CPU on every unary call
+Why: grpcio's Python servers spend ~290-370 us of CPU on every unary call
 whatever the handler does (bench.ceiling's `direct`, 2-core development VM),
 more than the whole gateway behind the HTTP front. This server answers the
-same call for ~40 us (`h2-direct`), because a call is a few frames parsed
+same call for ~70-85 us (`h2-direct`), because a call is a few frames parsed
 and built in place, one task, and one socket write shared by every answer
 ready in the same loop turn. Figures: docs/benchmarks.md, "The public gRPC
 front on its own HTTP/2 server".

@@ -231,9 +231,12 @@ def _log_triton_flags(args: argparse.Namespace) -> None:
 
 
 def _up_gateway_flags(args: argparse.Namespace, gateway: GatewaySettings) -> list[str]:
-    """Triton flags `up` hands its gateways: the exit timeout, and the reuse
-    flags where given (with several gateways `up` turns both on itself)."""
+    """Triton flags `up` hands its gateways: the exit timeout, the model
+    config name, and the reuse flags where given (with several gateways `up`
+    turns both on itself)."""
     flags = ["--exit-timeout-secs", str(gateway.exit_timeout_secs)]
+    if gateway.model_config_name is not None:
+        flags += ["--model-config-name", gateway.model_config_name]
     for flag in ("reuse_grpc_port", "reuse_http_port"):
         value = getattr(args, flag)
         if value is not None:

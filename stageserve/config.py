@@ -273,10 +273,24 @@ def parse_config_text(text: str) -> mc.ModelConfig:
     return config
 
 
-def read_config(model_dir: Path, allow_missing: bool = False) -> mc.ModelConfig:
-    """The model's config.pbtxt; with allow_missing (auto-complete on, as in
-    Triton) a missing file is an empty config named after the directory."""
-    path = model_dir / "config.pbtxt"
+def config_path(model_dir: Path, config_name: str | None = None) -> Path:
+    """The file a model's configuration is read from: with Triton's
+    --model-config-name, `configs/<name>.pbtxt` when the model has one, else
+    (and without the flag) `config.pbtxt`."""
+    if config_name:
+        custom = model_dir / "configs" / f"{config_name}.pbtxt"
+        if custom.is_file():
+            return custom
+    return model_dir / "config.pbtxt"
+
+
+def read_config(
+    model_dir: Path, allow_missing: bool = False, config_name: str | None = None
+) -> mc.ModelConfig:
+    """The model's configuration (`config_path`); with allow_missing
+    (auto-complete on, as in Triton) a missing file is an empty config named
+    after the directory."""
+    path = config_path(model_dir, config_name)
     if not path.is_file():
         if allow_missing:
             return mc.ModelConfig(name=model_dir.name)

@@ -16,6 +16,7 @@ from stageserve.config import (
     PYTHON_BACKEND,
     ConfigError,
     ModelSpec,
+    config_path,
     read_config,
     select_versions,
     to_spec,
@@ -68,8 +69,12 @@ def fingerprint(path: Path, limit: int = 10_000) -> tuple:
 
 
 def read_model(
-    root: Path, name: str, autocomplete: AutoComplete = TRITON_DEFAULT
+    root: Path,
+    name: str,
+    autocomplete: AutoComplete = TRITON_DEFAULT,
+    config_name: str | None = None,
 ) -> RepositoryModel:
+    """`config_name`: Triton's --model-config-name (stageserve/config.py `config_path`)."""
     problem = model_name_problem(name)
     path = root / name if problem is None else root
     if problem is not None:
@@ -79,9 +84,9 @@ def read_model(
             name, path, None, None, (), f"model '{name}' is not in the repository"
         )
     try:
-        config = read_config(path, allow_missing=autocomplete.enabled)
+        config = read_config(path, allow_missing=autocomplete.enabled, config_name=config_name)
         if autocomplete.enabled:
-            _complete(config, path, autocomplete)
+            _complete(config, path, autocomplete, config_path(path, config_name).is_file())
         if not config.HasField("version_policy"):
             config.version_policy.latest.num_versions = 1  # Triton's default, as it reports it
     except (ConfigError, OSError) as exc:
@@ -101,9 +106,11 @@ def read_model(
     return RepositoryModel(name, path, config, spec, tuple(versions), None, fingerprint(path))
 
 
-def _complete(config: mc.ModelConfig, path: Path, autocomplete: AutoComplete) -> None:
-    """Triton's auto-complete (stageserve/autocomplete.py), before validation."""
-    written = (path / "config.pbtxt").is_file()
+def _complete(
+    config: mc.ModelConfig, path: Path, autocomplete: AutoComplete, written: bool
+) -> None:
+    """Triton's auto-complete (stageserve/autocomplete.py), before validation;
+    `written`: the model has a configuration file."""
     model_file = model_file_for(config, path, version_folders(path))
     complete_platform(config, model_file)
     if config.backend == PYTHON_BACKEND and not config.platform:

@@ -204,6 +204,9 @@ class GatewaySettings:
     # gateway with status 1; ServerReady waits for every model, not only liveness.
     exit_on_error: bool = flag(True, "exit_on_error")
     strict_readiness: bool = flag(True, "strict_readiness")
+    # Triton's --model-config-name: a model's configs/<name>.pbtxt is read
+    # instead of its config.pbtxt where it has one (stageserve/config.py).
+    model_config_name: str | None = flag(None, "model_config_name")
     # What ServerMetadata answers (--server-name): Triton's name by default, as
     # Triton's client examples check it.
     server_name: str = flag("triton", "server_name")

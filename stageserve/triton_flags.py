@@ -11,7 +11,7 @@ groups:
 - flags with an effect here: `--allow-metrics`, `--exit-timeout-secs`,
   `--backend-config` (its `default-max-batch-size`), `--allow-grpc` (true
   only), `--allow-sagemaker` / `--allow-vertex-ai` (false only),
-  `--model-config-name` (refused), the deprecated trace flags and
+  `--model-config-name`, the deprecated trace flags and
   `--response-cache-byte-size` (the `--trace-config` / `--cache-config`
   settings they stand for), and on `up` `--reuse-grpc-port` /
   `--reuse-http-port`;
@@ -155,6 +155,15 @@ def host_policy(text: str) -> str:
     if not comma or "=" not in pair:
         raise argparse.ArgumentTypeError(
             f"--host-policy option format is '<policy name>,<setting>=<value>'. Got {text}"
+        )
+    return text
+
+
+def config_name(text: str) -> str:
+    """--model-config-name: a file name under configs/, without spaces."""
+    if not text or any(c.isspace() for c in text) or "/" in text:
+        raise argparse.ArgumentTypeError(
+            f"--model-config-name must be a name without spaces or '/', got {text!r}"
         )
     return text
 
@@ -348,9 +357,10 @@ def add_triton_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=flag_bool, nargs="?", const=True, default=False, help=what)
     p.add_argument(
         "--model-config-name",
+        type=config_name,
         default=None,
-        help="refused: StageServe loads each model's config.pbtxt (Triton's "
-        "configs/<name>.pbtxt is not read)",
+        help="as tritonserver: a model's configs/<name>.pbtxt is read instead of its "
+        "config.pbtxt where it has one",
     )
     p.add_argument(
         "--response-cache-byte-size",
@@ -379,11 +389,6 @@ def refused(args: argparse.Namespace) -> str | None:
         if getattr(args, flag, False):
             name = "--" + flag.replace("_", "-")
             return f"{name}=true is not supported: StageServe serves no such endpoint"
-    if getattr(args, "model_config_name", None) is not None:
-        return (
-            "--model-config-name is not supported: StageServe loads each model's "
-            "config.pbtxt, not configs/<name>.pbtxt"
-        )
     return None
 
 

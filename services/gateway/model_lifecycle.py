@@ -60,6 +60,7 @@ class ModelLifecycle:
     ) -> None:
         self.table = table
         self.autocomplete = autocomplete
+        self.config_name = settings.model_config_name
         self.repository = repository
         self.state = state
         self.ratelimiter = ratelimiter
@@ -264,7 +265,7 @@ class ModelLifecycle:
         auto-complete, which for a Python model starts a process and may
         unpack its execution environment (seconds for a large archive), and
         the gateway's event loop keeps answering every other RPC meanwhile."""
-        return await asyncio.to_thread(read_model, root, name, self.autocomplete)
+        return await asyncio.to_thread(read_model, root, name, self.autocomplete, self.config_name)
 
     async def _await_instances(
         self, name: str, versions: tuple[int, ...], generation: int

@@ -13,15 +13,17 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
 from bench.references import ReferenceNotInstalled, find_triton
 from stageserve.cli import build_parser
 from stageserve.net import free_port
-from stageserve_tools.examples import identity_model
-from tests.integration.helpers import RPC_TIMEOUT_S
+from stageserve_tools.examples import PY_PREPROCESS_SOURCE, identity_model, write_python_model
+from tests.integration.helpers import RPC_TIMEOUT_S, skip_if_triton_crashed, triton_grpc
 from tests.integration.up_process import UpProcess
+from tests.stack import running_stack
 
 # Flags from Triton's docs and deployment examples; --model-store and the
 # ports are added per server.
@@ -191,3 +193,42 @@ def test_triton_takes_the_same_line_and_refuses_the_same_values(tmp_path: Path) 
         proc, _, _ = _triton(tmp_path, [bad])
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 1 and line in out, (bad, out[-500:])
+
+
+def _py_config(max_batch_size: int) -> str:
+    return f"""
+name: "pym"
+backend: "python"
+max_batch_size: {max_batch_size}
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+"""
+
+
+def test_model_config_name_reads_the_named_config_as_triton_does(tmp_path: Path) -> None:
+    """--model-config-name=custom: the model's configs/custom.pbtxt, not its config.pbtxt,
+    on StageServe and on real Triton (a Python-backend model: the referee here has no
+    ONNX Runtime backend)."""
+    root = tmp_path / "repository"
+    model_dir = write_python_model(root, "pym", PY_PREPROCESS_SOURCE, _py_config(8))
+    (model_dir / "configs").mkdir()
+    (model_dir / "configs" / "custom.pbtxt").write_text(_py_config(2))
+    x = np.full((2, 4), 1.5, dtype=np.float32)
+
+    def check(url: str) -> int:
+        with grpcclient.InferenceServerClient(url) as client:
+            config = client.get_model_config("pym", client_timeout=RPC_TIMEOUT_S).config
+            inp = grpcclient.InferInput("INPUT0", [2, 4], "FP32")
+            inp.set_data_from_numpy(x)
+            out = client.infer("pym", [inp], client_timeout=RPC_TIMEOUT_S).as_numpy("OUTPUT0")
+            assert out.tolist() == ((x - 0.5) * 2).tolist()
+            return int(config.max_batch_size)
+
+    with running_stack(root, gateway_extra=("--model-config-name", "custom")) as stack:
+        ours = check(stack.url)
+    assert ours == 2
+    with (
+        triton_grpc(root, tmp_path / "triton", ["pym"], "--model-config-name=custom") as url,
+        skip_if_triton_crashed(url),
+    ):
+        assert check(url) == ours

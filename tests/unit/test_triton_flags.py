@@ -169,7 +169,7 @@ def test_the_no_effect_flags_parse_with_tritons_types() -> None:
         (["--backend-config=default-max-batch-size=many"], "must be an integer"),
         (["--allow-sagemaker=true"], "--allow-sagemaker=true is not supported"),
         (["--allow-vertex-ai"], "--allow-vertex-ai=true is not supported"),
-        (["--model-config-name=h100"], "--model-config-name is not supported"),
+        (["--model-config-name=a b"], "--model-config-name must be a name without spaces"),
         (["--grpc-max-connection-age=x"], "Invalid option value. Got x"),
         (["--model-load-gpu-limit=0"], "<first>:<second>. Found: 0"),
     ],
@@ -254,3 +254,14 @@ def test_deprecated_trace_and_cache_flags_become_their_configs(
     err = capsys.readouterr().err
     assert "Warning: '--trace-file' has been deprecated" in err
     assert "'--cache-config=local,size=1048576'" in err
+
+
+def test_model_config_name_reaches_the_gateways() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["up", "--model-config-name=h100"])
+    settings = _settings(parser, args)
+    assert settings.gateway.model_config_name == "h100"
+    flags = _up_gateway_flags(args, settings.gateway)
+    assert flags[flags.index("--model-config-name") + 1] == "h100"
+    plain = parser.parse_args(["up"])
+    assert "--model-config-name" not in _up_gateway_flags(plain, _settings(parser, plain).gateway)

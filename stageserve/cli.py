@@ -232,11 +232,14 @@ def _log_triton_flags(args: argparse.Namespace) -> None:
 
 def _up_gateway_flags(args: argparse.Namespace, gateway: GatewaySettings) -> list[str]:
     """Triton flags `up` hands its gateways: the exit timeout, the model
-    config name, and the reuse flags where given (with several gateways `up`
-    turns both on itself)."""
+    config name, the metrics address and the reuse flags where given (with
+    several gateways `up` turns both reuse flags on itself, and serves the
+    metrics port itself)."""
     flags = ["--exit-timeout-secs", str(gateway.exit_timeout_secs)]
     if gateway.model_config_name is not None:
         flags += ["--model-config-name", gateway.model_config_name]
+    if args.metrics_address is not None:
+        flags += ["--metrics-address", gateway.metrics_address]
     for flag in ("reuse_grpc_port", "reuse_http_port"):
         value = getattr(args, flag)
         if value is not None:
@@ -511,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
             grpc_address=f"{args.grpc_address}:{args.grpc_port}",
             http_address=_http_listen(args),
             metrics_port=args.metrics_port if args.allow_metrics else 0,
+            metrics_address=gateway.metrics_address,
             control_mode=gateway.model_control_mode,
             load_models=args.load_model,
             redis_url=args.redis_url,

@@ -426,6 +426,8 @@ def start_gateways(
     def own_metrics(args: list[str]) -> list[str]:
         if count == 1:
             return args
+        # up reads each gateway's own port on the loopback address
+        args = _with_flag(args, "--metrics-address", "0.0.0.0")
         return _with_flag(args, "--metrics-port", str(free_port() if metrics_port else 0))
 
     if count > 1:
@@ -507,9 +509,12 @@ def up(
     workers_per_device: int = 1,
     local_cache: bool = False,
     exit_timeout_s: int | None = None,
+    metrics_address: str = "0.0.0.0",
 ) -> int:
     """`local_cache`: the response cache is `local` (one LRU per gateway),
     which changes how the gateways' cache gauges merge (metrics_merge.py).
+    `metrics_address`: what the merged metrics port binds with several
+    gateways (Triton's --metrics-address; one gateway binds it itself).
     `exit_timeout_s`: the gateways' --exit-timeout-secs (passed to them in
     `gateway_extra`); stopping waits that long for each, and some more."""
     stack = Stack(log_verbose, log_argv)
@@ -529,6 +534,7 @@ def up(
                     metrics_port,
                     lambda: live_gateway_metrics_ports(stack),
                     LOCAL_CACHE_RULES if local_cache else SHARED_CACHE_RULES,
+                    host=metrics_address,
                 )
             except ListenFailed as exc:
                 log.error(str(exc))

@@ -204,6 +204,8 @@ class GatewaySettings:
     # gateway with status 1; ServerReady waits for every model, not only liveness.
     exit_on_error: bool = flag(True, "exit_on_error")
     strict_readiness: bool = flag(True, "strict_readiness")
+    # Triton's --metrics-address: what the Triton metrics port binds.
+    metrics_address: str = flag("0.0.0.0", "metrics_address")
     # Triton's --model-config-name: a model's configs/<name>.pbtxt is read
     # instead of its config.pbtxt where it has one (stageserve/config.py).
     model_config_name: str | None = flag(None, "model_config_name")

@@ -11,7 +11,7 @@ groups:
 - flags with an effect here: `--allow-metrics`, `--exit-timeout-secs`,
   `--backend-config` (its `default-max-batch-size`), `--allow-grpc` (true
   only), `--allow-sagemaker` / `--allow-vertex-ai` (false only),
-  `--model-config-name`, the deprecated trace flags and
+  `--model-config-name`, `--metrics-address`, the deprecated trace flags and
   `--response-cache-byte-size` (the `--trace-config` / `--cache-config`
   settings they stand for), and on `up` `--reuse-grpc-port` /
   `--reuse-http-port`;
@@ -67,7 +67,6 @@ NO_EFFECT: dict[str, str] = {
     "--allow-cpu-metrics": "the gateway's metrics port serves what it has",
     "--metrics-interval-ms": "metrics are read when scraped",
     "--metrics-config": "metrics keep StageServe's settings",
-    "--metrics-address": "the metrics port binds every address (0.0.0.0)",
     "--grpc-keepalive-time": _PINGS,
     "--grpc-keepalive-timeout": _PINGS,
     "--grpc-keepalive-permit-without-calls": _PINGS,
@@ -317,7 +316,6 @@ def add_triton_flags(p: argparse.ArgumentParser) -> None:
         ("--allow-cpu-metrics", flag_bool, False),
         ("--metrics-interval-ms", triton_int, False),
         ("--metrics-config", str, True),
-        ("--metrics-address", str, False),
         ("--grpc-keepalive-time", triton_int, False),
         ("--grpc-keepalive-timeout", triton_int, False),
         ("--grpc-keepalive-permit-without-calls", flag_bool, False),
@@ -361,6 +359,11 @@ def add_triton_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="as tritonserver: a model's configs/<name>.pbtxt is read instead of its "
         "config.pbtxt where it has one",
+    )
+    p.add_argument(
+        "--metrics-address",
+        default=None,
+        help="the address the Triton metrics port binds (default 0.0.0.0)",
     )
     p.add_argument(
         "--response-cache-byte-size",

@@ -120,7 +120,7 @@ async def serve(
             pending.refresh()
             return render()
 
-        serve_metrics(metrics_port, body=metrics_body)
+        serve_metrics(metrics_port, gateway.metrics_address, body=metrics_body)
     http: HttpServer | None = None
     announce: dict[str, str] = {}
 

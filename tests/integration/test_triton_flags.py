@@ -232,3 +232,36 @@ def test_model_config_name_reads_the_named_config_as_triton_does(tmp_path: Path)
         skip_if_triton_crashed(url),
     ):
         assert check(url) == ours
+
+
+def _other_address() -> str | None:
+    """This host's address toward the outside (no packet is sent), or None."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+        except OSError:
+            return None
+        address = s.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+@pytest.mark.parametrize("gateways", ["1", "2"])
+def test_metrics_address_is_what_the_metrics_port_binds(tmp_path: Path, gateways: str) -> None:
+    """--metrics-address=127.0.0.1: the Triton metrics port answers on the loopback
+    address only (one gateway binds it; with two, `up`'s merged port does)."""
+    other = _other_address()
+    if other is None:
+        pytest.skip("this host has no address besides the loopback one")
+    repository = tmp_path / "models"
+    _bare_model(repository)
+    port = free_port()
+    args = ["--metrics-address=127.0.0.1", "--metrics-port", str(port), "--gateways", gateways]
+    with UpProcess(repository, args) as up:
+        assert up.wait(240) is not None, "".join(up.err[-40:])
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert b"nv_cpu_memory_used_bytes" in r.read()
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://{other}:{port}/metrics", timeout=5)
+        assert up.stop() == 0

@@ -256,12 +256,17 @@ def test_deprecated_trace_and_cache_flags_become_their_configs(
     assert "'--cache-config=local,size=1048576'" in err
 
 
-def test_model_config_name_reaches_the_gateways() -> None:
+def test_model_config_name_and_metrics_address_reach_the_gateways() -> None:
     parser = build_parser()
-    args = parser.parse_args(["up", "--model-config-name=h100"])
+    args = parser.parse_args(["up", "--model-config-name=h100", "--metrics-address=127.0.0.1"])
     settings = _settings(parser, args)
     assert settings.gateway.model_config_name == "h100"
+    assert settings.gateway.metrics_address == "127.0.0.1"
     flags = _up_gateway_flags(args, settings.gateway)
     assert flags[flags.index("--model-config-name") + 1] == "h100"
+    assert flags[flags.index("--metrics-address") + 1] == "127.0.0.1"
     plain = parser.parse_args(["up"])
-    assert "--model-config-name" not in _up_gateway_flags(plain, _settings(parser, plain).gateway)
+    plain_settings = _settings(parser, plain)
+    assert plain_settings.gateway.metrics_address == "0.0.0.0"
+    plain_flags = _up_gateway_flags(plain, plain_settings.gateway)
+    assert "--model-config-name" not in plain_flags and "--metrics-address" not in plain_flags

@@ -240,6 +240,12 @@ def _up_gateway_flags(args: argparse.Namespace, gateway: GatewaySettings) -> lis
         flags += ["--model-config-name", gateway.model_config_name]
     if args.metrics_address is not None:
         flags += ["--metrics-address", gateway.metrics_address]
+    for flag, pattern in (
+        ("--grpc-header-forward-pattern", gateway.grpc_header_forward_pattern),
+        ("--http-header-forward-pattern", gateway.http_header_forward_pattern),
+    ):
+        if pattern is not None:
+            flags += [flag, pattern]
     for flag in ("reuse_grpc_port", "reuse_http_port"):
         value = getattr(args, flag)
         if value is not None:

@@ -204,6 +204,11 @@ class GatewaySettings:
     # gateway with status 1; ServerReady waits for every model, not only liveness.
     exit_on_error: bool = flag(True, "exit_on_error")
     strict_readiness: bool = flag(True, "strict_readiness")
+    # Triton's --grpc-header-forward-pattern / --http-header-forward-pattern:
+    # matching request headers become string parameters of the request
+    # (services/gateway/header_forward.py); None: none forwarded.
+    grpc_header_forward_pattern: str | None = flag(None, "grpc_header_forward_pattern")
+    http_header_forward_pattern: str | None = flag(None, "http_header_forward_pattern")
     # Triton's --metrics-address: what the Triton metrics port binds.
     metrics_address: str = flag("0.0.0.0", "metrics_address")
     # Triton's --model-config-name: a model's configs/<name>.pbtxt is read

@@ -11,7 +11,8 @@ groups:
 - flags with an effect here: `--allow-metrics`, `--exit-timeout-secs`,
   `--backend-config` (its `default-max-batch-size`), `--allow-grpc` (true
   only), `--allow-sagemaker` / `--allow-vertex-ai` (false only),
-  `--model-config-name`, `--metrics-address`, the deprecated trace flags and
+  `--model-config-name`, `--metrics-address`, the header-forward patterns,
+  the deprecated trace flags and
   `--response-cache-byte-size` (the `--trace-config` / `--cache-config`
   settings they stand for), and on `up` `--reuse-grpc-port` /
   `--reuse-http-port`;
@@ -46,7 +47,6 @@ _PINGS = (
     "the gateway's gRPC server answers every ping and finds a client gone without "
     "closing by TCP keepalive (~20 s)"
 )
-_FORWARD = "headers are not forwarded as request parameters"
 _NO_CLOUD = "no SageMaker or Vertex AI endpoint is served"
 
 #: flag -> why it changes nothing in StageServe (accepted and type-checked)
@@ -76,8 +76,6 @@ NO_EFFECT: dict[str, str] = {
     "--grpc-max-connection-age": "client connections have no age limit",
     "--grpc-max-connection-age-grace": "client connections have no age limit",
     "--grpc-infer-response-compression-level": "responses go uncompressed",
-    "--grpc-header-forward-pattern": _FORWARD,
-    "--http-header-forward-pattern": _FORWARD,
     "--cache-directory": "the response cache is built in",
     "--cuda-virtual-address-size": "implicit sequence state lives in Redis",
     "--enable-peer-access": "GPUs are taken as the backends find them",
@@ -155,6 +153,15 @@ def host_policy(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"--host-policy option format is '<policy name>,<setting>=<value>'. Got {text}"
         )
+    return text
+
+
+def regex(text: str) -> str:
+    """A header-forward pattern, compiled once here to refuse a bad one."""
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"invalid regular expression {text!r}: {exc}") from None
     return text
 
 
@@ -325,8 +332,6 @@ def add_triton_flags(p: argparse.ArgumentParser) -> None:
         ("--grpc-max-connection-age", triton_int, False),
         ("--grpc-max-connection-age-grace", triton_int, False),
         ("--grpc-infer-response-compression-level", compression_level, False),
-        ("--grpc-header-forward-pattern", str, False),
-        ("--http-header-forward-pattern", str, False),
         ("--cache-directory", str, False),
         ("--cuda-virtual-address-size", triton_pair, True),
         ("--enable-peer-access", flag_bool, False),
@@ -360,6 +365,14 @@ def add_triton_flags(p: argparse.ArgumentParser) -> None:
         help="as tritonserver: a model's configs/<name>.pbtxt is read instead of its "
         "config.pbtxt where it has one",
     )
+    for flag in ("--grpc-header-forward-pattern", "--http-header-forward-pattern"):
+        p.add_argument(
+            flag,
+            type=regex,
+            default=None,
+            help="as tritonserver: request headers whose name matches this regular "
+            "expression become string parameters of the inference request",
+        )
     p.add_argument(
         "--metrics-address",
         default=None,

@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from services.gateway import cuda_inplace, shm_copies
 from services.gateway.cache_metrics import CacheMetrics
+from services.gateway.header_forward import HeaderForward
 from services.gateway.log_control import LogControl
 from services.gateway.model_lifecycle import ModelLifecycle
 from services.gateway.model_table import ModelTable
@@ -122,6 +123,9 @@ class DataPlane:
         self.shm_copy_thread_bytes = shm_copy_thread_bytes
         self._copy_threads = ThreadPoolExecutor(shm_copy_threads, thread_name_prefix="shm-copy")
         self.traces: TraceSettings | None = None  # set by the server
+        # Triton's --grpc/http-header-forward-pattern (header_forward.py); set by the server
+        self.grpc_forward: HeaderForward | None = None
+        self.http_forward: HeaderForward | None = None
         self.overrides = OverrideArea()  # RepositoryModelLoad's config/file overrides
         # --cache-config's response cache (set by the server); None: nothing cached
         self.cache: ResponseCache | None = None

@@ -10,6 +10,7 @@ import grpc
 
 from services.gateway.cache_metrics import CacheMetrics
 from services.gateway.dataplane import DataPlane
+from services.gateway.header_forward import HeaderForward
 from services.gateway.http.app import HttpFront
 from services.gateway.http.server import HttpServer, http_server
 from services.gateway.log_control import LogControl
@@ -90,6 +91,10 @@ async def serve(
     dataplane.cache = open_cache(gateway.response_cache, redis, settings.redis_client)
     if dataplane.cache is not None:
         dataplane.cache_metrics = CacheMetrics(dataplane.cache.size)
+    if gateway.grpc_header_forward_pattern:
+        dataplane.grpc_forward = HeaderForward(gateway.grpc_header_forward_pattern)
+    if gateway.http_header_forward_pattern:
+        dataplane.http_forward = HeaderForward(gateway.http_header_forward_pattern)
     dataplane.traces = TraceSettings(TraceStore(redis), parse_trace_config(gateway.trace_config))
     dataplane.tensor_transport = tensor_transport(
         tensor_shm.install(settings.stack, redis_url, "gateway"),

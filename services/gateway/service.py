@@ -25,6 +25,7 @@ from typing import TypeVar
 import grpc
 
 from services.gateway.dataplane import DataPlane
+from services.gateway.header_forward import grpc_headers
 from services.gateway.log_control import grpc_log_settings
 from services.gateway.python_models import mark_final
 from stageserve.errors import StageError
@@ -145,6 +146,8 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
             traceparent = ""
             if self.dataplane.traces is not None and self.dataplane.traces.active:
                 traceparent = _traceparent(context)
+            if (forward := self.dataplane.grpc_forward) is not None:
+                forward.apply(request, grpc_headers(context.invocation_metadata() or ()))
             response = await self.dataplane.infer(request, traceparent=traceparent)
             code = "OK"
             return response
@@ -166,7 +169,12 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
         request's id, and an error goes into that response's error_message
         without closing the stream."""
 
+        forward = self.dataplane.grpc_forward
+        headers = grpc_headers(context.invocation_metadata() or ()) if forward else []
+
         async def answer(request: gs.ModelInferRequest, respond) -> None:
+            if forward is not None:
+                forward.apply(request, headers)
             # A decoupled model's responses before the final one go out as they come.
             stream = self.dataplane.decoupled_stream(request, respond)
             response: gs.ModelStreamInferResponse | None

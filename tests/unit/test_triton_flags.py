@@ -172,6 +172,7 @@ def test_the_no_effect_flags_parse_with_tritons_types() -> None:
         (["--model-config-name=a b"], "--model-config-name must be a name without spaces"),
         (["--grpc-max-connection-age=x"], "Invalid option value. Got x"),
         (["--model-load-gpu-limit=0"], "<first>:<second>. Found: 0"),
+        (["--grpc-header-forward-pattern=x-("], "invalid regular expression 'x-('"),
     ],
 )
 def test_bad_values_end_the_cli_with_tritons_message(
@@ -211,7 +212,6 @@ def test_tritons_transport_and_cloud_flags_parse_and_change_nothing() -> None:
         "--grpc-keepalive-time",
         "--grpc-keepalive-permit-without-calls",
         "--grpc-infer-response-compression-level",
-        "--grpc-header-forward-pattern",
         "--host-policy",
         "--model-load-gpu-limit",
         "--sagemaker-safe-port-range",
@@ -258,13 +258,24 @@ def test_deprecated_trace_and_cache_flags_become_their_configs(
 
 def test_model_config_name_and_metrics_address_reach_the_gateways() -> None:
     parser = build_parser()
-    args = parser.parse_args(["up", "--model-config-name=h100", "--metrics-address=127.0.0.1"])
+    args = parser.parse_args(
+        [
+            "up",
+            "--model-config-name=h100",
+            "--metrics-address=127.0.0.1",
+            "--http-header-forward-pattern=^x-",
+        ]
+    )
     settings = _settings(parser, args)
     assert settings.gateway.model_config_name == "h100"
+    assert settings.gateway.http_header_forward_pattern == "^x-"
+    assert settings.gateway.grpc_header_forward_pattern is None
     assert settings.gateway.metrics_address == "127.0.0.1"
     flags = _up_gateway_flags(args, settings.gateway)
     assert flags[flags.index("--model-config-name") + 1] == "h100"
     assert flags[flags.index("--metrics-address") + 1] == "127.0.0.1"
+    assert flags[flags.index("--http-header-forward-pattern") + 1] == "^x-"
+    assert "--grpc-header-forward-pattern" not in flags
     plain = parser.parse_args(["up"])
     plain_settings = _settings(parser, plain)
     assert plain_settings.gateway.metrics_address == "0.0.0.0"

@@ -25,6 +25,7 @@ from prometheus_client import Histogram
 
 from services.gateway.cuda_shared_memory import check_http_register
 from services.gateway.dataplane import DataPlane
+from services.gateway.header_forward import http_headers
 from services.gateway.http import codec
 from services.gateway.log_control import http_log_settings
 from stageserve.errors import StageError, http_status, internal, invalid
@@ -313,10 +314,16 @@ class HttpFront:
 
     # ------------------------------------------------------------------ infer
 
+    def _forward(self, infer: gs.ModelInferRequest, request: Request) -> None:
+        """Triton's --http-header-forward-pattern (services/gateway/header_forward.py)."""
+        if (forward := self.dp.http_forward) is not None:
+            forward.apply(infer, http_headers(request.headers.items()))
+
     async def infer(self, request: Request, model: str, version: str) -> Response:
         header_length = _header_length(request.headers)
         body = _decompressed(request)
         parsed = codec.parse_infer(body, header_length, model, version)
+        self._forward(parsed.request, request)
         if self.dp.is_decoupled(parsed.request.model_name):  # as Triton's HTTP front
             raise invalid("HTTP end point doesn't support models with decoupled transaction policy")
         traceparent = ""
@@ -347,6 +354,7 @@ class HttpFront:
         entry, _ = self.dp.models.resolve(model, version)
         assert entry.spec is not None
         infer = codec.parse_generate(request.body, entry.spec, version)
+        self._forward(infer, request)
         sent: list[gs.ModelStreamInferResponse] = []
         stream = self.dp.decoupled_stream(infer, sent.append)
         response = await self.dp.infer(infer, stream=stream)
@@ -372,6 +380,7 @@ class HttpFront:
         entry, _ = self.dp.models.resolve(model, version)
         assert entry.spec is not None
         infer = codec.parse_generate(request.body, entry.spec, version)
+        self._forward(infer, request)
         events: asyncio.Queue[gs.ModelStreamInferResponse | StageError | None] = asyncio.Queue()
         stream = self.dp.decoupled_stream(infer, events.put_nowait)
 

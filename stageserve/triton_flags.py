@@ -291,6 +291,8 @@ def add_triton_flags(p: argparse.ArgumentParser) -> None:
         ("--allow-metrics", True, "false: no Triton metrics port (as tritonserver)"),
         ("--allow-grpc", True, "true only: the gateways always serve gRPC (the stack's own "
          "readiness uses it)"),
+        ("--allow-sagemaker", False, "false only: no SageMaker endpoint is served"),
+        ("--allow-vertex-ai", False, "false only: no Vertex AI endpoint is served"),
     ):  # fmt: skip
         p.add_argument(flag, type=flag_bool, nargs="?", const=True, default=default, help=what)
     p.add_argument(
@@ -353,11 +355,6 @@ def add_triton_flags(p: argparse.ArgumentParser) -> None:
             help=f"accepted, no effect: {NO_EFFECT[flag]}",
         )
 
-    for flag, what in (
-        ("--allow-sagemaker", "false only: no SageMaker endpoint is served"),
-        ("--allow-vertex-ai", "false only: no Vertex AI endpoint is served"),
-    ):
-        p.add_argument(flag, type=flag_bool, nargs="?", const=True, default=False, help=what)
     p.add_argument(
         "--model-config-name",
         type=config_name,

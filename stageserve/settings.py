@@ -226,7 +226,7 @@ class GatewaySettings:
     http_server: str = one_of("uvicorn", "granian")
     # The server of the public gRPC front: StageServe's own HTTP/2 server
     # (stageserve/h2grpc/), or grpcio's grpc.aio server. The first answers a
-    # unary call for ~70-85 us of CPU against grpc.aio's ~290-370 on the 2-core
+    # unary call for ~50-85 us of CPU against grpc.aio's ~290-370 on the 2-core
     # development VM (docs/benchmarks.md, "The public gRPC front on its own
     # HTTP/2 server"); grpcio stays selectable for comparison.
     grpc_server: str = one_of("h2", "grpcio")

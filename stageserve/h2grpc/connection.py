@@ -122,9 +122,6 @@ class ServerConnection:
         stream = self._streams.get(sid)
         return stream is not None and stream.local_open
 
-    def open_streams(self) -> int:
-        return len(self._streams)
-
     def waiting_for_window(self) -> bool:
         """Whether frames are queued until the client opens its flow-control window."""
         return bool(self._blocked)
@@ -174,9 +171,6 @@ class ServerConnection:
     def goaway(self, code: int = wire.NO_ERROR, debug: bytes = b"") -> None:
         payload = self.last_stream_id.to_bytes(4, "big") + code.to_bytes(4, "big") + debug
         self._out.append(wire.frame(wire.GOAWAY, 0, 0, payload))
-
-    def ping(self, opaque: bytes = b"\x00" * 8) -> None:
-        self._out.append(wire.frame(wire.PING, 0, 0, opaque))
 
     def _write_headers(self, sid: int, block: bytes, end_stream: bool) -> None:
         flags = wire.END_STREAM if end_stream else 0

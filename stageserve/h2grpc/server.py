@@ -4,7 +4,7 @@ surface of `grpc.aio.Server` that StageServe's fronts use.
 Why: grpcio's Python servers spend ~290-370 us of CPU on every unary call
 whatever the handler does (bench.ceiling's `direct`, 2-core development VM),
 more than the whole gateway behind the HTTP front. This server answers the
-same call for ~70-85 us (`h2-direct`), because a call is a few frames parsed
+same call for ~50-85 us (`h2-direct`), because a call is a few frames parsed
 and built in place, one task, and one socket write shared by every answer
 ready in the same loop turn. Figures: docs/benchmarks.md, "The public gRPC
 front on its own HTTP/2 server".
@@ -152,12 +152,6 @@ class ServicerContext:
     async def read(self) -> Any:
         return await self._call.read()
 
-    def set_compression(self, compression: Any) -> None:
-        """Responses go uncompressed (as grpc.aio's default)."""
-
-    def disable_next_message_compression(self) -> None:
-        """Responses go uncompressed."""
-
 
 class _Call:
     """One RPC on a connection: its handler, its request and its task."""
@@ -166,7 +160,8 @@ class _Call:
         "connection",
         "sid",
         "method",
-        "metadata",
+        "headers",
+        "_metadata",
         "encoding",
         "deadline",
         "timer",
@@ -179,14 +174,14 @@ class _Call:
         "cancelled",
         "finished",
         "expired",
-        "ended",
     )
 
     def __init__(self, connection: _Connection, sid: int, method: str) -> None:
         self.connection = connection
         self.sid = sid
         self.method = method
-        self.metadata: Metadata = ()
+        self.headers: list[tuple[bytes, bytes]] = []  # as received
+        self._metadata: Metadata | None = None
         self.encoding = b"identity"
         self.deadline: float | None = None
         self.timer: asyncio.TimerHandle | None = None
@@ -199,7 +194,21 @@ class _Call:
         self.cancelled = False
         self.finished = False
         self.expired = False
-        self.ended = False  # the client's end of stream arrived
+
+    @property
+    def metadata(self) -> Metadata:
+        """The caller's metadata (grpc.aio's invocation_metadata), built from the
+        headers when first asked: most calls never ask."""
+        if self._metadata is None:
+            self._metadata = tuple(
+                (key, wire.decode_metadata_value(key, value))
+                for key, value in (
+                    (name.decode("latin-1"), value)
+                    for name, value in self.headers
+                    if name[:1] != b":" and name not in _RESERVED
+                )
+            )
+        return self._metadata
 
     # -- output ---------------------------------------------------------------
 
@@ -402,21 +411,16 @@ class _Connection(asyncio.Protocol):
             self.conn.reset(sid, wire.REFUSED_STREAM)
             return
         path = b""
-        metadata: list[tuple[str, str | bytes]] = []
         timeout = encoding = None
         for name, value in headers:
-            if name[:1] == b":":
-                if name == b":path":
-                    path = value
+            if name == b":path":
+                path = value
             elif name == b"grpc-timeout":
                 timeout = value
             elif name == b"grpc-encoding":
                 encoding = value
-            elif name not in _RESERVED:
-                key = name.decode("latin-1")
-                metadata.append((key, wire.decode_metadata_value(key, value)))
         call = _Call(self, sid, path.decode("latin-1"))
-        call.metadata = tuple(metadata)
+        call.headers = headers
         if encoding is not None:
             call.encoding = encoding
         self.calls[sid] = call
@@ -429,7 +433,9 @@ class _Connection(asyncio.Protocol):
             call.queue = asyncio.Queue()
             call.task = self._loop.create_task(self._intercepted(call))
             return
-        call.handler = server._registered.get(path) or server._generic_handler(call)
+        call.handler = server._registered.get(path) or server._generic_handler(
+            HandlerCallDetails(call.method, call.metadata)
+        )
         if call.handler is None:
             call.finish(grpc.StatusCode.UNIMPLEMENTED, UNKNOWN_METHOD)
         elif call.handler.request_streaming:
@@ -448,7 +454,6 @@ class _Connection(asyncio.Protocol):
             call.finish(grpc.StatusCode.INTERNAL, "more than one request message")
 
     def _end(self, call: _Call) -> None:
-        call.ended = True
         if call.queue is not None:
             call.queue.put_nowait(_END)
         elif call.handler is not None and call.task is None and not call.finished:
@@ -574,8 +579,7 @@ class H2GrpcServer:
         for name, handler in method_handlers.items():
             self._registered[f"/{service}/{name}".encode()] = handler
 
-    def _generic_handler(self, call: _Call) -> grpc.RpcMethodHandler | None:
-        details = HandlerCallDetails(call.method, call.metadata)
+    def _generic_handler(self, details: HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         for generic in self._generic:
             handler = generic.service(details)
             if handler is not None:
@@ -584,14 +588,7 @@ class H2GrpcServer:
 
     async def _intercept(self, details: HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         async def lookup(d: HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-            handler = self._registered.get(d.method.encode("latin-1"))
-            if handler is not None:
-                return handler
-            for generic in self._generic:
-                handler = generic.service(d)
-                if handler is not None:
-                    return handler
-            return None
+            return self._registered.get(d.method.encode("latin-1")) or self._generic_handler(d)
 
         continuation: Callable[[HandlerCallDetails], Any] = lookup
         for interceptor in reversed(self._interceptors):

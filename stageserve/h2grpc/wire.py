@@ -38,19 +38,14 @@ DEFAULT_MAX_FRAME = 16_384
 MAX_WINDOW = 2**31 - 1
 
 
-def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    n = len(payload)
-    return (
-        bytes((n >> 16 & 0xFF, n >> 8 & 0xFF, n & 0xFF, kind, flags))
-        + stream_id.to_bytes(4, "big")
-        + payload
-    )
-
-
 def frame_header(length: int, kind: int, flags: int, stream_id: int) -> bytes:
     return bytes(
         (length >> 16 & 0xFF, length >> 8 & 0xFF, length & 0xFF, kind, flags)
     ) + stream_id.to_bytes(4, "big")
+
+
+def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return frame_header(len(payload), kind, flags, stream_id) + payload
 
 
 def hpack_int(value: int, prefix_bits: int, first: int) -> bytes:

@@ -173,16 +173,17 @@ class BatchRun:
                     await job.commit(None)
                 self._deliver_all(finals)
                 return
+            # The instance is free now: the next batch may start before this
+            # one's answers go out (ModelQueue._instance_free), and before a
+            # sequence batch's commit: the next batch holds other sequences,
+            # as these stay running until this run ends (strategy.finished).
+            state.grant_returned = True
+            give_back()
             if job is not None:
                 # State first, answers second: a client that sends its next
                 # request the moment it has this answer must find the new
                 # state in Redis.
                 await job.commit(resp)
-            else:
-                # The instance is free now: the next batch may start before
-                # this one's answers go out (ModelQueue._instance_free).
-                state.grant_returned = True
-                give_back()
             self._answer(rows, hidden, request, resp, compute_start)
         finally:
             if job is not None:

@@ -1,8 +1,16 @@
-"""Lua script that claims sequence requests in Redis atomically.
+"""Lua scripts of the sequence batcher's Redis side: list, claim, commit.
 
 One claim runs as one Redis transaction, so two schedulers sharing a sequence
 never both run its head entry, and a dead scheduler's entries are dropped in
 the same step that checks the head.
+
+Listing and commit are scripts too, not pipelines of plain commands: a
+script is one command for the client to pack and one reply to parse, where
+a pipeline costs redis-py's Python per command. Measured on the 2-core
+development VM (redis-py 8.1 with hiredis, 3,000 calls): a commit of 8
+sequences as a MULTI/EXEC pipeline of 24 commands took 691 us of the
+scheduler's CPU, one script call with the same effect ~200 (docs/benchmarks.md,
+"Sequence batches: one Redis command per step").
 """
 
 from __future__ import annotations
@@ -56,4 +64,45 @@ for i = 6, #ARGV, 4 do
   end
 end
 return out
+"""
+
+# ARGV: prefix, owner key, owner ttl ms, idle ms, then (cid, entry) per
+# request, in arrival order. Renews this scheduler's owner key and appends
+# each entry to its sequence's backlog.
+SEQUENCE_LIST = """
+local p, owner_key, ttl, idle = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+redis.call('SET', owner_key, '1', 'PX', ttl)
+for i = 5, #ARGV, 2 do
+  local q = p .. ARGV[i] .. ':q'
+  redis.call('RPUSH', q, ARGV[i + 1])
+  redis.call('PEXPIRE', q, idle)
+end
+return 0
+"""
+
+# ARGV: prefix, idle ms, then per request: cid, entry, end "1"/"0", n, and n
+# (state name, raw bytes, shape "d0,d1") triples. Keeps each sequence's new
+# states (n = 0: unchanged), ends the ones whose request had END, and takes
+# each entry off its backlog so the sequence's next request may run. A rerun
+# (a retried call whose first reply was lost) changes nothing more: the
+# states are the same values and the entry is gone.
+SEQUENCE_COMMIT = """
+local p, idle = ARGV[1], ARGV[2]
+local i = 3
+while i <= #ARGV do
+  local key, entry, ended, n = p .. ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
+  i = i + 4
+  if ended == '1' then
+    redis.call('DEL', key)
+  elseif n > 0 then
+    for j = 0, n - 1 do
+      redis.call('HSET', key, 'st:' .. ARGV[i + 3 * j], ARGV[i + 3 * j + 1],
+                 'sh:' .. ARGV[i + 3 * j], ARGV[i + 3 * j + 2])
+    end
+    redis.call('PEXPIRE', key, idle)
+  end
+  i = i + 3 * n
+  redis.call('LREM', key .. ':q', 1, entry)
+end
+return 0
 """

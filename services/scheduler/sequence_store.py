@@ -75,6 +75,8 @@ class SequenceStore:
         self.idle_ms = max(1, idle_ms)
         self._counter = itertools.count()
         self._claim = redis.register_script(sequence_lua.SEQUENCE_CLAIM)
+        self._list = redis.register_script(sequence_lua.SEQUENCE_LIST)
+        self._commit = redis.register_script(sequence_lua.SEQUENCE_COMMIT)
         self._heartbeat: asyncio.Task | None = None
         # Sequences this scheduler claimed and did not see end: cid -> when
         # they idle out (monotonic s). Redis restarting empty loses their
@@ -105,13 +107,10 @@ class SequenceStore:
         """Append (cid, entry) to their sequences' backlogs, in this order."""
         if self._heartbeat is None:
             self._heartbeat = asyncio.create_task(self._beat())
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.owner_key, "1", px=self.owner_ttl_ms)
-            for cid, entry in items:
-                backlog = self.prefix + cid + ":q"
-                pipe.rpush(backlog, entry)
-                pipe.pexpire(backlog, self.idle_ms)
-            await pipe.execute()
+        args: list[EncodableT] = [self.prefix, self.owner_key, self.owner_ttl_ms, self.idle_ms]
+        for cid, entry in items:
+            args += (cid, entry)
+        await self._list(args=args)
 
     async def forget(self, items: list[tuple[str, str]]) -> None:
         """Drop entries whose requests left without executing."""
@@ -169,21 +168,15 @@ class SequenceStore:
         """After execution: keep each sequence's new states (None: unchanged),
         end the ones whose request had END, and take each entry off its
         backlog so the sequence's next request may run."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            for cid, entry, end, states in results:
-                key = self.prefix + cid
-                if end:
-                    self._open.pop(cid, None)
-                    pipe.delete(key)
-                elif states:
-                    mapping: dict[EncodableT, EncodableT] = {}
-                    for name, update in states.items():
-                        mapping[f"st:{name}"] = update.raw
-                        mapping[f"sh:{name}"] = ",".join(str(d) for d in update.shape)
-                    pipe.hset(key, mapping=mapping)
-                    pipe.pexpire(key, self.idle_ms)
-                pipe.lrem(key + ":q", 1, entry)
-            await pipe.execute()
+        args: list[EncodableT] = [self.prefix, self.idle_ms]
+        for cid, entry, end, states in results:
+            if end:
+                self._open.pop(cid, None)
+            kept = states if states and not end else {}
+            args += (cid, entry, "1" if end else "0", len(kept))
+            for name, update in kept.items():
+                args += (name, update.raw, ",".join(str(d) for d in update.shape))
+        await self._commit(args=args)
 
     def lost(self, cid: str) -> bool:
         """Whether an UNKNOWN claim of `cid` means its state was lost: this

@@ -64,8 +64,9 @@ def test_a_dead_schedulers_entry_is_dropped(redis_url) -> None:
         assert (await a.claim([("i:2", ea, True, -1)]))[0].status == CLAIMED
         await b.enqueue([("i:2", eb)])
         assert (await b.claim([("i:2", eb, False, -1)]))[0].status == WAIT
-        a.close()  # a died: no more heartbeats (one in flight could renew the key) ...
-        await asyncio.sleep(0)
+        a.close()  # a died: no more heartbeats ...
+        # (a renewal already sent reaches Redis on its own connection: let it land)
+        await asyncio.sleep(0.1)
         await r.delete(a.owner_key)  # ... and its owner key expired
         claim = (await b.claim([("i:2", eb, False, -1)]))[0]
         assert claim.status == CLAIMED

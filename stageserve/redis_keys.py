@@ -70,6 +70,8 @@ Schedulers sharded by model (stageserve/shard_map.py, shard_policy.py):
                                     renewed by its heartbeat, pruned once past
   ss:shard:addresses          hash  scheduler id -> address gateways and workers dial
   ss:shard:owners             hash  model name -> the scheduler id that owns its queues
+  ss:shard:terms              hash  model name -> a token new with each owner (a take or
+                                    a hand-over); the owner's sequence commits check it
   ss:shard:version            str   counter, bumped on every change of the three above
   ss:shard:events             pub/sub channel, message = the new version
 
@@ -105,6 +107,7 @@ TRACE_EVENTS = PREFIX + "trace:events"
 SHARD_MEMBERS = PREFIX + "shard:members"
 SHARD_ADDRESSES = PREFIX + "shard:addresses"
 SHARD_OWNERS = PREFIX + "shard:owners"
+SHARD_TERMS = PREFIX + "shard:terms"
 SHARD_VERSION = PREFIX + "shard:version"
 SHARD_EVENTS = PREFIX + "shard:events"
 TENSOR_SHM_HOSTS = PREFIX + "tshm:hosts"

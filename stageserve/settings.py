@@ -107,6 +107,12 @@ class SchedulerSettings:
     # Liveness of a scheduler's sequence backlog entries: a dead scheduler's
     # entries stop blocking their sequences after this.
     sequence_owner_ttl_ms: int = 3000
+    # Sequences whose last committed states a scheduler keeps per model, to
+    # run their next request without the backlog listing and claim (two of a
+    # request's three Redis calls; services/scheduler/sequence_cache.py).
+    # Each holds its states' bytes. 0: every request lists and claims (a
+    # START too).
+    sequence_cache_entries: int = 10_000
     # A batch with no answer from its worker within this fails
     # DEADLINE_EXCEEDED (a hung model.py; a dead worker fails at once).
     execute_timeout_s: float = 300.0

@@ -179,12 +179,13 @@ class BatchRun:
             # as these stay running until this run ends (strategy.finished).
             state.grant_returned = True
             give_back()
+            failed: dict[int, StageError] = {}
             if job is not None:
                 # State first, answers second: a client that sends its next
                 # request the moment it has this answer must find the new
                 # state in Redis.
-                await job.commit(resp)
-            self._answer(rows, hidden, request, resp, compute_start)
+                failed = await job.commit(resp)
+            self._answer(rows, hidden, request, resp, compute_start, failed)
         finally:
             if job is not None:
                 job.close()
@@ -200,14 +201,18 @@ class BatchRun:
         request: pb.ExecuteRequest,
         resp: pb.ExecuteResponse,
         compute_start: int,
+        failed: dict[int, StageError] | None = None,
     ) -> None:
-        """Each request's outputs (less `hidden` ones) or its own error; None
-        rows are padding."""
+        """Each request's outputs (less `hidden` ones) or its own error, or
+        the error `failed` gives its row; None rows are padding."""
         total = sum(request.request_batch_sizes)
         self.batch_sizes.observe(total)
         leader = True
-        for q, result in zip(rows, resp.results, strict=True):
+        for i, (q, result) in enumerate(zip(rows, resp.results, strict=True)):
             if q is None:
+                continue
+            if failed and i in failed:
+                self.deliver(q, error_response(q.msg.id, failed[i]))
                 continue
             timing = pb.Timing(
                 queue_ns=compute_start - q.enqueue_ns,

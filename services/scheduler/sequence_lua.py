@@ -80,29 +80,53 @@ end
 return 0
 """
 
-# ARGV: prefix, idle ms, then per request: cid, entry, end "1"/"0", n, and n
-# (state name, raw bytes, shape "d0,d1") triples. Keeps each sequence's new
-# states (n = 0: unchanged), ends the ones whose request had END, and takes
-# each entry off its backlog so the sequence's next request may run. A rerun
-# (a retried call whose first reply was lost) changes nothing more: the
-# states are the same values and the entry is gone.
+# ARGV: prefix, idle ms, terms hash key, model, term ("": none to check),
+# then per request: cid, entry ("": never listed), flags, slot, n, and n
+# (state name, raw bytes, shape "d0,d1") triples. Flags: "e" the request had
+# END, "s" START, "h" it ran with states this scheduler kept
+# (sequence_cache.py) instead of claiming them here.
+#
+# With a term, nothing is written unless the model's term is still that one
+# (another scheduler may own the model's sequences since): returns {1}.
+# Otherwise keeps each sequence's new states (n = 0: unchanged), ends the
+# ones whose request had END, takes each listed entry off its backlog so the
+# sequence's next request may run, and returns {0, i...}: the requests (1-based)
+# whose kept states found no sequence in Redis (it was lost), which keep
+# nothing. A rerun (a retried call whose first reply was lost) changes
+# nothing more: the states are the same values and the entries are gone.
 SEQUENCE_COMMIT = """
-local p, idle = ARGV[1], ARGV[2]
-local i = 3
-while i <= #ARGV do
-  local key, entry, ended, n = p .. ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
-  i = i + 4
-  if ended == '1' then
-    redis.call('DEL', key)
-  elseif n > 0 then
-    for j = 0, n - 1 do
-      redis.call('HSET', key, 'st:' .. ARGV[i + 3 * j], ARGV[i + 3 * j + 1],
-                 'sh:' .. ARGV[i + 3 * j], ARGV[i + 3 * j + 2])
-    end
-    redis.call('PEXPIRE', key, idle)
-  end
-  i = i + 3 * n
-  redis.call('LREM', key .. ':q', 1, entry)
+local p, idle, terms, model, term = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+if term ~= '' and redis.call('HGET', terms, model) ~= term then
+  return {1}
 end
-return 0
+local out = {0}
+local i, row = 6, 0
+while i <= #ARGV do
+  local key, entry, flags, slot, n =
+    p .. ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], tonumber(ARGV[i + 4])
+  local first = i + 5
+  i = first + 3 * n
+  row = row + 1
+  local held, start = string.find(flags, 'h', 1, true), string.find(flags, 's', 1, true)
+  if held and not start and redis.call('EXISTS', key) == 0 then
+    out[#out + 1] = row
+  elseif string.find(flags, 'e', 1, true) then
+    redis.call('DEL', key)
+  else
+    if held and start then
+      redis.call('DEL', key)
+      redis.call('HSET', key, 'slot', slot)
+    end
+    for j = first, first + 3 * (n - 1), 3 do
+      redis.call('HSET', key, 'st:' .. ARGV[j], ARGV[j + 1], 'sh:' .. ARGV[j], ARGV[j + 2])
+    end
+    if held or n > 0 then
+      redis.call('PEXPIRE', key, idle)
+    end
+  end
+  if entry ~= '' then
+    redis.call('LREM', key .. ':q', 1, entry)
+  end
+end
+return out
 """

@@ -16,6 +16,14 @@ sequence in arrival order; a request becomes eligible once its entry is
 listed), claims a formed batch's sequences and their states before it runs
 (`prepare`), and commits the new states after (`SequenceJob`).
 
+While this scheduler owns the model (sharding: a shard term, shard_lua.py),
+every commit checks the term, so only the model's current owner keeps
+states, and a request needs no listing or claim when it has nothing to
+read: a START, or a request of a sequence whose last batch this scheduler
+committed in the term (its states are kept here, sequence_cache.py). The
+commit is then its one Redis call. Other requests, and every request
+without sharding (no term), are listed and claimed.
+
 States with variable dims (-1, Triton's growable state) keep their shape in
 Redis next to their bytes; a batch only joins sequences whose inputs and
 states have the same shapes, the others run in a following batch.
@@ -34,10 +42,12 @@ import numpy as np
 from services.scheduler.batch_strategy import Queued
 from services.scheduler.execute_request import add_request_info, error_response
 from services.scheduler.model_queue import ModelQueue
+from services.scheduler.sequence_cache import Kept, SequenceCache
 from services.scheduler.sequence_store import (
     UNKNOWN,
     WAIT,
     Claim,
+    Finished,
     SequenceStore,
     StateUpdate,
 )
@@ -61,12 +71,21 @@ class SequenceIO:
     """The sequences' Redis side, for ModelQueue: listing, claims, commits."""
 
     def __init__(
-        self, store: SequenceStore, strategy: SequenceStrategy, model: str, model_dir: Path
+        self,
+        store: SequenceStore,
+        strategy: SequenceStrategy,
+        model: str,
+        model_dir: Path,
+        cache_capacity: int = 0,
     ) -> None:
         self.store = store
         self.strategy = strategy
         self.model = model
         self.model_dir = model_dir
+        self.cache = SequenceCache(cache_capacity)
+        # The model's shard term while this scheduler owns it (the service
+        # sets it from ShardMember.term); None: no kept states are used.
+        self.term: Callable[[], str | None] = lambda: None
         self._unlisted: list[Queued] = []  # accepted, entries not yet in Redis
         self._listing: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -77,6 +96,7 @@ class SequenceIO:
         self._changed = changed
 
     def close(self) -> None:
+        self.cache.clear()
         self.store.close()
 
     def _spawn(self, coro) -> None:
@@ -86,7 +106,21 @@ class SequenceIO:
 
     # ----------------------------------------------------------------- intake
 
+    def _unclaimed(self, q: Queued, term: str | None, now: float) -> Kept | None:
+        """What `q` runs with, when it needs no claim in this term."""
+        if term is None or not self.cache.capacity:  # capacity 0: all claimed
+            return None
+        kept = self.cache.get(q.cid, term, now)
+        if q.msg.sequence_start:
+            return Kept(term, self.strategy.slot(q.cid), {}, {}, now)
+        return kept
+
     def accepted(self, q: Queued) -> None:
+        if self._unclaimed(q, self.term(), time.monotonic()) is not None:
+            q.entry = ""  # never listed: its batch runs it unclaimed (prepare)
+            q.listed = True
+            self._changed()
+            return
         q.entry = self.store.new_entry()
         self._unlisted.append(q)
         if self._listing is None:
@@ -127,14 +161,38 @@ class SequenceIO:
     async def prepare(self, batch: list[Queued], instance_id: str) -> SequenceJob | None:
         """Claim the batch's sequences and build its ExecuteRequest. Requests
         whose earlier one runs elsewhere go back (retried soon), requests of
-        unknown sequences are answered; None: nothing left to run."""
+        unknown sequences are answered; None: nothing left to run. Unlisted
+        requests that still need no claim (a START, kept states) run
+        unclaimed."""
         strategy = self.strategy
-        claims = await self.store.claim(
-            [(q.cid, q.entry, q.msg.sequence_start, strategy.slot(q.cid)) for q in batch]
-        )
-        job = SequenceJob(self)
+        term = self.term()
+        now = time.monotonic()
+        held: dict[str, Kept] = {}
+        to_claim: list[Queued] = []
+        for q in batch:
+            kept = self._unclaimed(q, term, now) if not q.entry else None
+            if kept is not None:
+                held[q.cid] = kept
+                continue
+            if not q.entry:  # kept when it came, gone since: the claim lists it
+                q.entry = self.store.new_entry()
+            to_claim.append(q)
+        claims: dict[str, Claim] = {}
+        if to_claim:
+            answers = await self.store.claim(
+                [(q.cid, q.entry, q.msg.sequence_start, strategy.slot(q.cid)) for q in to_claim]
+            )
+            claims = {q.cid: c for q, c in zip(to_claim, answers, strict=True)}
+        job = SequenceJob(self, term)
         claimed: list[tuple[Queued, int]] = []
-        for q, claim in zip(batch, claims, strict=True):
+        for q in batch:
+            kept = held.get(q.cid)
+            if kept is not None:
+                job.held.add(q.cid)
+                job.states[q.cid] = (kept.states, kept.shapes)
+                claimed.append((q, kept.slot))
+                continue
+            claim = claims[q.cid]
             if claim.status == WAIT:  # an earlier request runs elsewhere: soon again
                 strategy.put_back(q, time.monotonic_ns() + BUSY_RETRY_NS)
             elif claim.status == UNKNOWN:
@@ -151,6 +209,7 @@ class SequenceIO:
             job.close()
             return None
         job.claimed = [q for q, _ in claimed]
+        job.slots = {q.cid: slot for q, slot in claimed}
         job.rows = strategy.layout(claimed)
         try:
             job.request = self._execute_request(instance_id, job)
@@ -283,14 +342,19 @@ class SequenceIO:
 
 class SequenceJob:
     """One claimed batch: its rows (None: a direct-strategy padding row), its
-    request, and what Redis must be told when it ends."""
+    request, and what Redis must be told when it ends. `term`: the model's
+    shard term when the batch formed (None: no sharding); its commit keeps
+    nothing unless the term is still Redis's."""
 
-    def __init__(self, io: SequenceIO) -> None:
+    def __init__(self, io: SequenceIO, term: str | None = None) -> None:
         self.io = io
+        self.term = term
         self.claimed: list[Queued] = []
         self.rows: list[Queued | None] = []
         self.request = pb.ExecuteRequest()
         self.states: dict[str, States] = {}  # cid -> the states it runs with
+        self.slots: dict[str, int] = {}  # cid -> its slot
+        self.held: set[str] = set()  # cids run with kept states (unclaimed, unlisted)
         self.unsettled: dict[str, str] = {}  # claimed entries not yet committed: cid -> entry
         seq = io.strategy.seq
         declared = {o.name for o in io.strategy.spec.outputs}
@@ -298,19 +362,27 @@ class SequenceJob:
         self.hidden = frozenset(s.output_name for s in seq.states) - declared
 
     async def settle_failed(self) -> None:
-        """A failed execution leaves each sequence's state as it was."""
-        await self.io.store.commit([(q.cid, q.entry, False, None) for q in self.claimed])
+        """A failed execution leaves each sequence's state as it was (the
+        kept copies too); only listed entries leave their backlogs."""
+        listed = [q for q in self.claimed if q.cid not in self.held]
+        if listed:
+            await self.io.store.commit([Finished(q.cid, q.entry, False) for q in listed])
         self.unsettled.clear()
 
-    async def commit(self, resp: pb.ExecuteResponse | None) -> None:
+    async def commit(self, resp: pb.ExecuteResponse | None) -> dict[int, StageError]:
         """Keep the new states, end the sequences whose request had END.
-        None: a decoupled batch, which has no state outputs."""
-        seq = self.io.strategy.seq
+        None: a decoupled batch, which has no state outputs. Returns the rows
+        (indexes) that must fail instead of answering: all of them when the
+        model changed owner since the batch formed, or an unclaimed row whose
+        sequence Redis lost."""
+        io = self.io
+        seq = io.strategy.seq
         state_names = {s.output_name for s in seq.states}
-        skip = 1 if self.io.strategy.spec.batching else 0  # a row's state shape has no batch dim
-        commits = []
+        skip = 1 if io.strategy.spec.batching else 0  # a row's state shape has no batch dim
+        finished: list[Finished] = []
+        indexes: list[int] = []
         results = resp.results if resp is not None else [pb.RequestOutputs()] * len(self.rows)
-        for q, result in zip(self.rows, results, strict=True):
+        for i, (q, result) in enumerate(zip(self.rows, results, strict=True)):
             if q is None:
                 continue
             new_states = {
@@ -318,11 +390,54 @@ class SequenceJob:
                 for t in result.outputs
                 if t.name in state_names
             }
-            commits.append((q.cid, q.entry, q.msg.sequence_end, new_states))
-            if q.msg.sequence_end:
-                self.io.strategy.ended(q)
-        await self.io.store.commit(commits)
+            held = q.cid in self.held
+            finished.append(
+                Finished(
+                    q.cid,
+                    q.entry,
+                    q.msg.sequence_end,
+                    new_states,
+                    start=q.msg.sequence_start,
+                    held=held,
+                    slot=self.slots.get(q.cid, -1),
+                )
+            )
+            indexes.append(i)
+        sent = time.monotonic()
+        committed = await io.store.commit(finished, self.term)
+        if committed.fenced:  # another scheduler may run these sequences now
+            io.cache.clear()  # (close() takes the listed entries back out)
+            err = unavailable(
+                f"model '{io.model}' moved to another scheduler while this request ran; "
+                f"its sequence's state is unchanged, retry"
+            )
+            return dict.fromkeys(indexes, err)
         self.unsettled.clear()
+        failed: dict[int, StageError] = {}
+        lost = set(committed.lost)
+        for k, (row, i) in enumerate(zip(finished, indexes, strict=True)):
+            q = self.rows[i]
+            assert q is not None
+            if k in lost:
+                io.cache.drop(row.cid)
+                io.strategy.refused(q)
+                failed[i] = io._unknown(q, io.store.lost(row.cid))
+                continue
+            if row.end:
+                io.cache.drop(row.cid)
+                io.strategy.ended(q)
+                continue
+            io.store.opened(row.cid, sent)
+            if self.term is not None:
+                raw, shapes = self.states[row.cid]
+                states = dict(raw)
+                shaped = dict(shapes)
+                for name, update in (row.states or {}).items():
+                    states[name] = update.raw
+                    shaped[name] = update.shape
+                until = sent + io.store.idle_ms / 1000
+                io.cache.put(row.cid, Kept(self.term, row.slot, states, shaped, until))
+        return failed
 
     def close(self) -> None:
         """After the batch, whatever happened: an unexpected error leaves
@@ -399,6 +514,7 @@ def make_sequence_queue(
         redis, model, version, spec.sequence.max_idle_us // 1000, settings.sequence_owner_ttl_ms
     )
     strategy = SequenceStrategy(spec)
+    sequences = SequenceIO(store, strategy, model, model_dir, settings.sequence_cache_entries)
     return ModelQueue(
         model,
         version,
@@ -407,5 +523,5 @@ def make_sequence_queue(
         workers,
         settings,
         strategy=strategy,
-        sequences=SequenceIO(store, strategy, model, model_dir),
+        sequences=sequences,
     )

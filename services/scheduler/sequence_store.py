@@ -59,6 +59,31 @@ class StateUpdate:
     shape: tuple[int, ...]
 
 
+@dataclass
+class Finished:
+    """One executed (or failed) request, for commit: its new states (None:
+    unchanged). `held`: it ran with states the scheduler kept
+    (sequence_cache.py), unclaimed and unlisted (entry ""); a held START
+    row also records the sequence's `slot`."""
+
+    cid: str
+    entry: str
+    end: bool
+    states: dict[str, StateUpdate] | None = None
+    start: bool = False
+    held: bool = False
+    slot: int = -1
+
+
+@dataclass
+class Committed:
+    """`fenced`: the model's term had changed, nothing was kept; `lost`:
+    the held rows (indexes) whose sequence Redis no longer has."""
+
+    fenced: bool = False
+    lost: list[int] = field(default_factory=list)
+
+
 class SequenceStore:
     def __init__(
         self, redis: aioredis.Redis, model: str, version: int, idle_ms: int, owner_ttl_ms: int
@@ -67,6 +92,7 @@ class SequenceStore:
         is renewed three times within it, so it outlives a few missed heartbeats
         and a dead scheduler's entries block their sequences at most this long."""
         self.redis = redis
+        self.model = model
         self.owner_ttl_ms = owner_ttl_ms
         self.heartbeat_s = owner_ttl_ms / 3000
         self.prefix = keys.sequence_prefix(model, version)
@@ -114,6 +140,7 @@ class SequenceStore:
 
     async def forget(self, items: list[tuple[str, str]]) -> None:
         """Drop entries whose requests left without executing."""
+        items = [(cid, entry) for cid, entry in items if entry]  # "": never listed
         if not items:
             return
         # Redis down: nothing to do, the entries go with the backlog's idle expiry.
@@ -162,21 +189,30 @@ class SequenceStore:
             out.append(claim)
         return out
 
-    async def commit(
-        self, results: Sequence[tuple[str, str, bool, dict[str, StateUpdate] | None]]
-    ) -> None:
-        """After execution: keep each sequence's new states (None: unchanged),
-        end the ones whose request had END, and take each entry off its
-        backlog so the sequence's next request may run."""
-        args: list[EncodableT] = [self.prefix, self.idle_ms]
-        for cid, entry, end, states in results:
-            if end:
-                self._open.pop(cid, None)
-            kept = states if states and not end else {}
-            args += (cid, entry, "1" if end else "0", len(kept))
+    async def commit(self, rows: Sequence[Finished], term: str | None = None) -> Committed:
+        """After execution: keep each sequence's new states, end the ones
+        whose request had END, and take each listed entry off its backlog so
+        the sequence's next request may run. `term`: keep nothing unless the
+        model's shard term is still this one (rows that ran held states)."""
+        args: list[EncodableT] = [self.prefix, self.idle_ms, keys.SHARD_TERMS, self.model]
+        args.append(term or "")
+        for row in rows:
+            if row.end:
+                self._open.pop(row.cid, None)
+            kept = row.states if row.states and not row.end else {}
+            flags = ("e" if row.end else "") + ("s" if row.start else "")
+            flags += "h" if row.held else ""
+            args += (row.cid, row.entry, flags, row.slot, len(kept))
             for name, update in kept.items():
                 args += (name, update.raw, ",".join(str(d) for d in update.shape))
-        await self._commit(args=args)
+        reply = await self._commit(args=args)
+        if int(reply[0]):
+            return Committed(fenced=True)
+        return Committed(lost=[int(i) - 1 for i in reply[1:]])
+
+    def opened(self, cid: str, now: float) -> None:
+        """`cid` ran here and did not end (see lost())."""
+        self._open[cid] = now + self.idle_ms / 1000
 
     def lost(self, cid: str) -> bool:
         """Whether an UNKNOWN claim of `cid` means its state was lost: this

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -82,12 +83,24 @@ class SchedulerService(pb_grpc.SchedulerServicer):
     async def drain(self, model: str, limit_s: float = 2.0) -> None:
         """Return once no request of `model` is queued or executing here, or
         after `limit_s` (a batch that long still finishes here; new requests
-        go to the model's next owner meanwhile)."""
+        go to the model's next owner meanwhile). A sequence batch is waited
+        for to its end (at most the execute timeout): its commit must land
+        before the model's term ends, or it keeps nothing and fails
+        (sequence_queue.py), and the next owner would not wait for it."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + limit_s
-        while loop.time() < deadline:
+        start = loop.time()
+        deadline = start + limit_s
+        last = start + max(limit_s, self.settings.execute_timeout_s)
+        while loop.time() < last:
+            now = loop.time()
             busy = [
-                q for (m, _), q in self.queues.items() if m == model and (q.pending or q.executing)
+                q
+                for (m, _), q in self.queues.items()
+                if m == model
+                and (
+                    (q.sequences is not None and q.executing)
+                    or (now < deadline and (q.pending or q.executing))
+                )
             ]
             if not busy:
                 break
@@ -152,6 +165,8 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                     self.settings,
                 )
             queue.fence = self.shard  # a batch runs only under a fresh shard lease
+            if queue.sequences is not None and self.shard is not None:
+                queue.sequences.term = functools.partial(self.shard.term, loaded.name)
             self.queues[key] = queue
         return queue
 

@@ -4,14 +4,21 @@ never both hold a model: a take succeeds only while the model has no live
 owner, a release only by its owner. Every change bumps ss:shard:version and
 publishes it on ss:shard:events, which gateways and workers follow.
 
-KEYS (all scripts): members, addresses, owners, version.
+KEYS (all scripts): members, addresses, owners, version, terms.
 ARGV[1]: the channel to publish on.
+
+A model's term (terms hash) is a token the new owner's side makes up at
+each change of owner, so a scheduler that holds the same term as Redis has
+owned the model without a break since it read it; a Redis restarted empty
+has no term at all. The sequence batcher's commit checks it
+(sequence_lua.SEQUENCE_COMMIT) before keeping states it did not read from
+Redis.
 """
 
 from __future__ import annotations
 
 _PRELUDE = """
-local members, addresses, owners, version = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local members, addresses, owners, version, terms = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local channel = ARGV[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -46,36 +53,46 @@ return redis.call('ZRANGEBYSCORE', members, now, '+inf')
 )
 
 # ARGV: channel, scheduler id, model, "1" if it may take a model no live
-# scheduler owns ("0": only adopt one handed to it). 1: the model is this
-# scheduler's (taken now or already), 0: it is not.
+# scheduler owns ("0": only adopt one handed to it), a new term token. The
+# model's term when it is this scheduler's (taken now, with the new token,
+# or already), 0 when it is not.
 TAKE = (
     _PRELUDE
     + """
-local id, model, may_take = ARGV[2], ARGV[3], ARGV[4]
+local id, model, may_take, token = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local current = redis.call('HGET', owners, model)
-if current == id then return 1 end
+if current == id then
+  local term = redis.call('HGET', terms, model)
+  if term then return term end
+  redis.call('HSET', terms, model, token)
+  return token
+end
 if may_take ~= '1' then return 0 end
 if current then
   local deadline = redis.call('ZSCORE', members, current)
   if deadline and tonumber(deadline) >= now then return 0 end
 end
 redis.call('HSET', owners, model, id)
+redis.call('HSET', terms, model, token)
 bump()
-return 1
+return token
 """
 )
 
-# ARGV: channel, scheduler id, model, next owner ("" : none). Hand a model
-# this scheduler owns to the next owner; 0 if it was not this scheduler's.
+# ARGV: channel, scheduler id, model, next owner ("" : none), a new term
+# token for the next owner. Hand a model this scheduler owns to the next
+# owner; 0 if it was not this scheduler's.
 RELEASE = (
     _PRELUDE
     + """
-local id, model, heir = ARGV[2], ARGV[3], ARGV[4]
+local id, model, heir, token = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 if redis.call('HGET', owners, model) ~= id then return 0 end
 if heir ~= '' then
   redis.call('HSET', owners, model, heir)
+  redis.call('HSET', terms, model, token)
 else
   redis.call('HDEL', owners, model)
+  redis.call('HDEL', terms, model)
 end
 bump()
 return 1

@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
@@ -48,7 +49,13 @@ from stageserve.telemetry import SCHEDULER_SHARD_OWNED
 
 log = logging.getLogger(__name__)
 
-_KEYS = [keys.SHARD_MEMBERS, keys.SHARD_ADDRESSES, keys.SHARD_OWNERS, keys.SHARD_VERSION]
+_KEYS = [
+    keys.SHARD_MEMBERS,
+    keys.SHARD_ADDRESSES,
+    keys.SHARD_OWNERS,
+    keys.SHARD_VERSION,
+    keys.SHARD_TERMS,
+]
 
 
 def _text(value: bytes | str) -> str:
@@ -83,6 +90,8 @@ class ShardMember:
         self.owned: set[str] = set()  # models whose requests this scheduler accepts
         self.leaving: set[str] = set()  # models being drained before their release
         self.live: list[str] = [scheduler_id]  # live scheduler ids, as last renewed
+        # The term (shard_lua.py) of each model owned or leaving, as last read.
+        self.terms: dict[str, str] = {}
         self._renew = redis.register_script(shard_lua.RENEW)
         self._take = redis.register_script(shard_lua.TAKE)
         self._release = redis.register_script(shard_lua.RELEASE)
@@ -107,6 +116,13 @@ class ShardMember:
     def owns(self, model: str) -> bool:
         return model in self.owned
 
+    def term(self, model: str) -> str | None:
+        """The model's term while this scheduler owns it (or drains it before
+        a hand-over), None otherwise: the token its sequence commits check."""
+        if model in self.owned or model in self.leaving:
+            return self.terms.get(model)
+        return None
+
     async def holds(self, model: str) -> bool:
         """Whether this scheduler may queue `model`'s request: it owns the
         model, adopts it now (another scheduler handed it here), or takes it
@@ -127,9 +143,11 @@ class ShardMember:
         # The policy over this scheduler's last view of the live set decides a
         # take; an adoption needs none (the heir may not have seen the change).
         may_take = "1" if self.policy.owner(model, self.live) == self.id else "0"
-        args = [keys.SHARD_EVENTS, self.id, model, may_take]
-        taken = bool(await self._take(keys=_KEYS, args=args))
+        args = [keys.SHARD_EVENTS, self.id, model, may_take, uuid.uuid4().hex]
+        term = await self._take(keys=_KEYS, args=args)
+        taken = term != 0
         if taken and model not in self.leaving:
+            self.terms[model] = _text(term)
             self._own(model)
             log.info("model taken", extra={"model": model, "scheduler": self.id})
         return taken and model in self.owned
@@ -189,11 +207,13 @@ class ShardMember:
             keys=_KEYS, args=[keys.SHARD_EVENTS, self.id, self.address, self.lease_ms]
         )
         self.live = sorted(_text(s) for s in live)
-        async with self.redis.pipeline(transaction=False) as pipe:
+        async with self.redis.pipeline(transaction=True) as pipe:  # one snapshot
             pipe.hkeys(keys.MODELS)
             pipe.hgetall(keys.SHARD_OWNERS)
-            models_raw, owners_raw = await pipe.execute()
+            pipe.hgetall(keys.SHARD_TERMS)
+            models_raw, owners_raw, terms_raw = await pipe.execute()
         owners = {_text(m): _text(s) for m, s in owners_raw.items()}
+        terms = {_text(m): _text(t) for m, t in terms_raw.items()}
         models = {_text(m) for m in models_raw} | set(owners)
         # The map is the truth: a model another scheduler took (this one's
         # lease lapsed while it stalled) is no longer accepted here.
@@ -202,6 +222,7 @@ class ShardMember:
             if heir == self.id:
                 continue
             self._disown(model)
+            self.terms.pop(model, None)
             # Another scheduler holds it: what is queued here goes there. No
             # owner at all (Redis restarted empty): it is taken back below.
             if heir is not None and self.on_lost is not None:
@@ -215,9 +236,17 @@ class ShardMember:
                     self._move(model, target)
             elif owner == self.id and model not in self.leaving:
                 self._own(model)
+            if owner == self.id:  # a term that changed (or went) since last read
+                self._set_term(model, terms.get(model))
             elif target == self.id and (owner is None or owner not in self.live):
                 await self.holds(model)
         self.fresh_until = sent + self.lease_ms / 1000
+
+    def _set_term(self, model: str, term: str | None) -> None:
+        if term is None:
+            self.terms.pop(model, None)
+        else:
+            self.terms[model] = term
 
     def _move(self, model: str, heir: str | None) -> None:
         self.leaving.add(model)
@@ -229,11 +258,13 @@ class ShardMember:
     async def _hand_over(self, model: str, heir: str | None) -> None:
         try:
             await self.drain(model)
-            args = [keys.SHARD_EVENTS, self.id, model, heir or ""]
+            args = [keys.SHARD_EVENTS, self.id, model, heir or "", uuid.uuid4().hex]
             await self._release(keys=_KEYS, args=args)
             log.info("model handed over", extra={"model": model, "to": heir or "nobody"})
         finally:
             self.leaving.discard(model)
+            if model not in self.owned:
+                self.terms.pop(model, None)
 
     async def leave(self) -> None:
         """A clean stop: hand every model to its next owner, then drop the lease."""

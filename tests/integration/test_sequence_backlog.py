@@ -61,11 +61,15 @@ def test_backlog_orders_a_sequence_across_schedulers(
         assert r.llen(key) == 0
 
 
-def test_scheduler_killed_mid_execution_does_not_block_the_sequence(tmp_path: Path) -> None:
+def test_scheduler_killed_mid_execution_does_not_block_the_sequence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The sequence's scheduler dies while executing a request: that request
     fails, its state change is never kept, and the other scheduler, the
     model's new owner, continues the sequence from the last committed state
-    once the dead scheduler's entry expires."""
+    once the dead scheduler's entry expires. (No kept states, so every
+    request is listed; the next test kills an owner that keeps them.)"""
+    monkeypatch.setenv("STAGESERVE_SCHEDULER_SEQUENCE_CACHE_ENTRIES", "0")
     write_accumulator(tmp_path, "acc", idle_us=60_000_000, extra=SLOW)
     with two_paths(tmp_path) as (running, sched2, client_b):
         r = redis.Redis.from_url(running.redis_url)
@@ -100,6 +104,90 @@ def test_scheduler_killed_mid_execution_does_not_block_the_sequence(tmp_path: Pa
             < settings_from_env().scheduler.sequence_owner_ttl_ms / 1000 + 10
         )
         assert r.llen(key) == 0
+
+
+def test_owner_killed_while_a_request_runs_with_kept_states(tmp_path: Path) -> None:
+    """The model's owner keeps a sequence's states, so its next request runs
+    unlisted and unclaimed; the owner dies while executing it: the request
+    fails, its state change is never kept, and the survivor, the model's next
+    owner, continues from the last committed state with no entry to wait for."""
+    write_accumulator(tmp_path, "acc", idle_us=60_000_000, extra=SLOW)
+    with two_paths(tmp_path) as (running, sched2, client_b):
+        r = redis.Redis.from_url(running.redis_url)
+        client_a = running.client()
+        key = BACKLOG.format(cid=6161)
+        send(client_a, "acc", 10, 6161, start=True)
+        assert send(client_a, "acc", 5, 6161).as_numpy("OUTPUT")[0, 0] == 15
+        errors: list[InferenceServerException] = []
+
+        def doomed() -> None:
+            try:
+                send(client_a, "acc", 1000, 6161)
+            except InferenceServerException as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=doomed)
+        t.start()
+        time.sleep(SLOW_MS / 2000)  # inside the execution
+        assert r.llen(key) == 0  # kept states: nothing listed
+        owner = {"scheduler": running.scheduler, "scheduler-2": sched2}[
+            r.hget("ss:shard:owners", "acc").decode()  # type: ignore[union-attr]
+        ]
+        owner.proc.send_signal(signal.SIGKILL)
+        owner.proc.wait(10)
+        t.join(30)
+        assert errors and errors[0].status() == "StatusCode.UNAVAILABLE", errors
+        out = send(client_b, "acc", 1, 6161, end=True).as_numpy("OUTPUT")[0, 0]
+        assert out == 16  # 10 + 5 + 1: the killed request's +1000 was never committed
+        assert r.llen(key) == 0
+
+
+def test_a_stalled_owner_s_commit_is_fenced_after_its_model_moved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owner stalls (SIGSTOP) while a request of a sequence whose states
+    it keeps executes; its lease runs out and the survivor takes the model
+    and continues the sequence from Redis. Resumed, the stalled scheduler's
+    commit finds the model's term changed: it keeps nothing and its request
+    fails UNAVAILABLE, so the survivor's state stands."""
+    monkeypatch.setenv("STAGESERVE_SCHEDULER_SHARD_LEASE_MS", "1500")
+    slow_ms = 2500
+    slow = f'parameters {{ key: "execute_delay_ms" value {{ string_value: "{slow_ms}" }} }}'
+    write_accumulator(tmp_path, "acc", idle_us=60_000_000, extra=slow)
+    with two_paths(tmp_path) as (running, sched2, client_b):
+        r = redis.Redis.from_url(running.redis_url)
+        client_a = running.client()
+        send(client_a, "acc", 10, 6262, start=True)
+        owner_id = r.hget("ss:shard:owners", "acc").decode()  # type: ignore[union-attr]
+        owner = {"scheduler": running.scheduler, "scheduler-2": sched2}[owner_id]
+        survivor = "scheduler-2" if owner_id == "scheduler" else "scheduler"
+        errors: list[InferenceServerException] = []
+
+        def stalled() -> None:
+            try:
+                send(client_a, "acc", 1000, 6262)
+            except InferenceServerException as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=stalled)
+        t.start()
+        time.sleep(slow_ms / 3000)  # inside the execution
+        owner.proc.send_signal(signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            assert wait_until(
+                lambda: r.hget("ss:shard:owners", "acc") == survivor.encode(), timeout_s=15
+            )
+            # The survivor continues from Redis: the stalled +1000 is not there.
+            assert send(client_b, "acc", 1, 6262).as_numpy("OUTPUT")[0, 0] == 11
+            assert time.monotonic() - began < 15
+        finally:
+            owner.proc.send_signal(signal.SIGCONT)
+        t.join(30)
+        assert errors and errors[0].status() == "StatusCode.UNAVAILABLE", errors
+        assert "moved to another scheduler" in errors[0].message()
+        out = send(client_b, "acc", 100, 6262, end=True).as_numpy("OUTPUT")[0, 0]
+        assert out == 111  # the stalled commit kept nothing
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +259,8 @@ def test_start_waiting_for_a_slot_runs_when_the_slot_idles_out(
 
 
 def test_without_redis_a_sequence_request_is_unavailable(tmp_path: Path) -> None:
-    """The backlog cannot be written: the request is answered UNAVAILABLE
-    with the reason, at once, instead of waiting."""
+    """The sequence's state cannot be kept: the request is answered
+    UNAVAILABLE with the reason, at once, instead of waiting."""
     write_accumulator(tmp_path, "acc", idle_us=60_000_000)
     with running_stack(tmp_path) as running:
         client = running.client()
@@ -183,4 +271,4 @@ def test_without_redis_a_sequence_request_is_unavailable(tmp_path: Path) -> None
         with pytest.raises(InferenceServerException) as info:
             send(client, "acc", 2, 31)
         assert info.value.status() == "StatusCode.UNAVAILABLE"
-        assert "sequence backlog in Redis unavailable" in info.value.message()
+        assert "the state store is unavailable" in info.value.message()

@@ -11,6 +11,8 @@ from services.scheduler.sequence_store import (
     CLAIMED,
     UNKNOWN,
     WAIT,
+    Committed,
+    Finished,
     SequenceStore,
     StateUpdate,
 )
@@ -46,11 +48,11 @@ def test_entries_run_in_arrival_order_across_schedulers(redis_url) -> None:
         # b's request arrived second: it waits, even though it asks first
         assert (await b.claim([("i:1", eb, False, -1)]))[0].status == WAIT
         assert (await a.claim([("i:1", ea, True, 3)]))[0].status == CLAIMED
-        await a.commit([("i:1", ea, False, {"S": StateUpdate(b"\x05", (1,))})])
+        await a.commit([Finished("i:1", ea, False, {"S": StateUpdate(b"\x05", (1,))})])
         claim = (await b.claim([("i:1", eb, False, -1)]))[0]
         assert claim.status == CLAIMED and claim.slot == 3
         assert claim.states == {"S": b"\x05"} and claim.shapes == {"S": (1,)}
-        await b.commit([("i:1", eb, True, None)])
+        await b.commit([Finished("i:1", eb, True)])
         assert await a.backlog("i:1") == []
         assert not await r.exists(redis_keys.sequence_prefix("m", 1) + "i:1")
 
@@ -115,7 +117,7 @@ def test_forget_and_failed_commit_free_the_sequence(redis_url) -> None:
         e1, e2, e3 = a.new_entry(), a.new_entry(), a.new_entry()
         await a.enqueue([("i:5", e1), ("i:5", e2), ("i:5", e3)])
         assert (await a.claim([("i:5", e1, True, -1)]))[0].status == CLAIMED
-        await a.commit([("i:5", e1, False, None)])  # failed execution: no state
+        await a.commit([Finished("i:5", e1, False)])  # failed execution: no state
         await a.forget([("i:5", e2)])  # answered without running
         claim = (await a.claim([("i:5", e3, False, -1)]))[0]
         assert claim.status == CLAIMED and claim.states == {}
@@ -133,7 +135,7 @@ def test_growing_state_keeps_its_shape(redis_url) -> None:
             if n > 1:
                 assert claim.shapes == {"S": (2, n - 1)}
                 assert len(claim.states["S"]) == 2 * (n - 1)
-            await a.commit([("i:6", e, False, {"S": StateUpdate(b"\x01" * 2 * n, (2, n))})])
+            await a.commit([Finished("i:6", e, False, {"S": StateUpdate(b"\x01" * 2 * n, (2, n))})])
 
     run(redis_url, body)
 
@@ -143,9 +145,81 @@ def test_sequence_and_backlog_expire_when_idle(redis_url) -> None:
         e1, e2 = a.new_entry(), a.new_entry()
         await a.enqueue([("i:7", e1)])
         await a.claim([("i:7", e1, True, -1)])
-        await a.commit([("i:7", e1, False, {"S": StateUpdate(b"\x01", (1,))})])
+        await a.commit([Finished("i:7", e1, False, {"S": StateUpdate(b"\x01", (1,))})])
         await asyncio.sleep(0.3)
         await a.enqueue([("i:7", e2)])
         assert (await a.claim([("i:7", e2, False, -1)]))[0].status == UNKNOWN
 
     run(redis_url, body, idle_ms=150)
+
+
+def test_held_rows_commit_without_a_listing_or_claim(redis_url) -> None:
+    """Rows run with kept states (held): a START records its slot and
+    states; a later row keeps its new states and renews the idle expiry."""
+
+    async def body(a: SequenceStore, b: SequenceStore, r) -> None:
+        await r.hset(redis_keys.SHARD_TERMS, "m", "t1")
+        start = Finished("i:8", "", False, {"S": StateUpdate(b"\x02", (1,))}, True, True, 4)
+        assert await a.commit([start], "t1") == Committed()
+        e = a.new_entry()  # a listed request of the sequence sees what was kept
+        await a.enqueue([("i:8", e)])
+        claim = (await a.claim([("i:8", e, False, -1)]))[0]
+        assert claim.status == CLAIMED and claim.slot == 4 and claim.states == {"S": b"\x02"}
+        await a.commit([Finished("i:8", e, False)])
+        key = redis_keys.sequence_prefix("m", 1) + "i:8"
+        await r.persist(key)
+        later = Finished("i:8", "", False, {"S": StateUpdate(b"\x03", (1,))}, held=True, slot=4)
+        assert await a.commit([later], "t1") == Committed()
+        assert await r.hget(key, "st:S") == b"\x03" and await r.hget(key, "slot") == b"4"
+        assert 0 < await r.pttl(key) <= 60_000
+        await a.commit([Finished("i:8", "", True, held=True, slot=4)], "t1")
+        assert not await r.exists(key)
+        assert await a.backlog("i:8") == []
+
+    run(redis_url, body)
+
+
+def test_a_held_commit_under_another_term_keeps_nothing(redis_url) -> None:
+    """The model changed owner (or Redis restarted empty): the term no longer
+    matches, and no state, listed entry or end is written."""
+
+    async def body(a: SequenceStore, b: SequenceStore, r) -> None:
+        e = a.new_entry()
+        await a.enqueue([("i:9", e)])
+        assert (await a.claim([("i:9", e, True, -1)]))[0].status == CLAIMED
+        await r.hset(redis_keys.SHARD_TERMS, "m", "t2")
+        rows = [
+            Finished("i:9", e, False, {"S": StateUpdate(b"\x07", (1,))}),
+            Finished("i:10", "", True, held=True),
+        ]
+        assert await a.commit(rows, "t1") == Committed(fenced=True)
+        assert await a.backlog("i:9") == [e]
+        key = redis_keys.sequence_prefix("m", 1) + "i:9"
+        assert await r.exists(key) and await r.hget(key, "st:S") is None
+        await r.hdel(redis_keys.SHARD_TERMS, "m")  # Redis restarted empty: no term
+        assert await a.commit(rows, "t1") == Committed(fenced=True)
+        assert await a.commit(rows, "t2") == Committed(fenced=True)
+
+    run(redis_url, body)
+
+
+def test_a_held_row_whose_sequence_is_gone_is_reported_lost(redis_url) -> None:
+    """A held non-START row finds no sequence (Redis lost it): that row keeps
+    nothing and is reported; the batch's other rows commit."""
+
+    async def body(a: SequenceStore, b: SequenceStore, r) -> None:
+        await r.hset(redis_keys.SHARD_TERMS, "m", "t1")
+        e = a.new_entry()
+        await a.enqueue([("i:12", e)])
+        assert (await a.claim([("i:12", e, True, -1)]))[0].status == CLAIMED
+        rows = [
+            Finished("i:11", "", False, {"S": StateUpdate(b"\x01", (1,))}, held=True),
+            Finished("i:12", e, False, {"S": StateUpdate(b"\x05", (1,))}),
+        ]
+        assert await a.commit(rows, "t1") == Committed(lost=[0])
+        prefix = redis_keys.sequence_prefix("m", 1)
+        assert not await r.exists(prefix + "i:11")
+        assert await r.hget(prefix + "i:12", "st:S") == b"\x05"
+        assert await a.backlog("i:12") == []
+
+    run(redis_url, body)

@@ -195,3 +195,35 @@ def test_a_leaving_scheduler_hands_everything_over_and_the_view_sees_the_move(
         assert not await view.moved(b_model, "a:1", 0.2)  # no further move: times out
 
     run(redis_url, body)
+
+
+def test_each_change_of_owner_makes_a_new_term_and_only_the_owner_holds_it(redis_url) -> None:
+    """A model's term (what sequence commits check) is new with each take and
+    hand-over, matches Redis's while the scheduler owns the model, and is
+    gone once the model left it."""
+
+    async def body(r, member, view: ShardView, drained) -> None:
+        a, b = member("a"), member("b")
+        await a.tick()  # a alone takes every model
+        model = MODELS[0]
+        first = a.term(model)
+        assert first and _text(await r.hget(keys.SHARD_TERMS, model)) == first
+        await a.tick()
+        assert a.term(model) == first  # still a's, no break: the same term
+        assert b.term(model) is None
+        await b.tick()
+        await a.tick()  # hands b its share
+        await asyncio.gather(*a._moves)
+        moved = next(m for m in MODELS if assign(MODELS, ["a", "b"])[m] == "b")
+        kept = next(m for m in MODELS if assign(MODELS, ["a", "b"])[m] == "a")
+        assert a.term(moved) is None
+        assert await b.holds(moved)
+        handed = b.term(moved)
+        assert handed and handed != a.terms.get(moved) and handed != first
+        assert _text(await r.hget(keys.SHARD_TERMS, moved)) == handed
+        assert a.term(kept) == _text(await r.hget(keys.SHARD_TERMS, kept))
+        await r.delete(keys.SHARD_TERMS, keys.SHARD_OWNERS)  # Redis restarted empty
+        await a.tick()  # a takes its models back: new terms
+        assert a.term(kept) not in (None, first)
+
+    run(redis_url, body)

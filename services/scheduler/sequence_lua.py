@@ -86,8 +86,10 @@ return 0
 # END, "s" START, "h" it ran with states this scheduler kept
 # (sequence_cache.py) instead of claiming them here.
 #
-# With a term, nothing is written unless the model's term is still that one
-# (another scheduler may own the model's sequences since): returns {1}.
+# With a term, nothing is written when the model has another term (another
+# scheduler may own the model's sequences since): returns {1}. No term at
+# all means Redis restarted empty and nobody took the model since: the
+# commit goes on, and a held row finds its sequence lost.
 # Otherwise keeps each sequence's new states (n = 0: unchanged), ends the
 # ones whose request had END, takes each listed entry off its backlog so the
 # sequence's next request may run, and returns {0, i...}: the requests (1-based)
@@ -96,8 +98,11 @@ return 0
 # nothing more: the states are the same values and the entries are gone.
 SEQUENCE_COMMIT = """
 local p, idle, terms, model, term = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-if term ~= '' and redis.call('HGET', terms, model) ~= term then
-  return {1}
+if term ~= '' then
+  local current = redis.call('HGET', terms, model)
+  if current and current ~= term then
+    return {1}
+  end
 end
 local out = {0}
 local i, row = 6, 0

@@ -9,8 +9,9 @@ ARGV[1]: the channel to publish on.
 
 A model's term (terms hash) is a token the new owner's side makes up at
 each change of owner, so a scheduler that holds the same term as Redis has
-owned the model without a break since it read it; a Redis restarted empty
-has no term at all. The sequence batcher's commit checks it
+owned the model without a break since it read it. A hand-over to nobody
+makes a new term too, so only a Redis restarted empty has none (and then
+nobody has taken the model since). The sequence batcher's commit checks it
 (sequence_lua.SEQUENCE_COMMIT) before keeping states it did not read from
 Redis.
 """
@@ -80,7 +81,7 @@ return token
 )
 
 # ARGV: channel, scheduler id, model, next owner ("" : none), a new term
-# token for the next owner. Hand a model this scheduler owns to the next
+# token (the next owner's, or none's). Hand a model this scheduler owns to the next
 # owner; 0 if it was not this scheduler's.
 RELEASE = (
     _PRELUDE
@@ -92,7 +93,7 @@ if heir ~= '' then
   redis.call('HSET', terms, model, token)
 else
   redis.call('HDEL', owners, model)
-  redis.call('HDEL', terms, model)
+  redis.call('HSET', terms, model, token)
 end
 bump()
 return 1

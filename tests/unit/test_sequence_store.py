@@ -196,9 +196,7 @@ def test_a_held_commit_under_another_term_keeps_nothing(redis_url) -> None:
         assert await a.backlog("i:9") == [e]
         key = redis_keys.sequence_prefix("m", 1) + "i:9"
         assert await r.exists(key) and await r.hget(key, "st:S") is None
-        await r.hdel(redis_keys.SHARD_TERMS, "m")  # Redis restarted empty: no term
-        assert await a.commit(rows, "t1") == Committed(fenced=True)
-        assert await a.commit(rows, "t2") == Committed(fenced=True)
+        assert await a.commit(rows, "t3") == Committed(fenced=True)
 
     run(redis_url, body)
 
@@ -221,5 +219,23 @@ def test_a_held_row_whose_sequence_is_gone_is_reported_lost(redis_url) -> None:
         assert not await r.exists(prefix + "i:11")
         assert await r.hget(prefix + "i:12", "st:S") == b"\x05"
         assert await a.backlog("i:12") == []
+
+    run(redis_url, body)
+
+
+def test_with_no_term_at_all_a_held_commit_finds_what_redis_lost(redis_url) -> None:
+    """Redis restarted empty (no term: nobody took the model since): the
+    commit goes on; a held row whose sequence is gone is reported lost, a
+    held START keeps its states."""
+
+    async def body(a: SequenceStore, b: SequenceStore, r) -> None:
+        rows = [
+            Finished("i:13", "", False, {"S": StateUpdate(b"\x01", (1,))}, held=True),
+            Finished("i:14", "", False, {"S": StateUpdate(b"\x02", (1,))}, True, True),
+        ]
+        assert await a.commit(rows, "t1") == Committed(lost=[0])
+        prefix = redis_keys.sequence_prefix("m", 1)
+        assert not await r.exists(prefix + "i:13")
+        assert await r.hget(prefix + "i:14", "st:S") == b"\x02"
 
     run(redis_url, body)

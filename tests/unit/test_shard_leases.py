@@ -227,3 +227,21 @@ def test_each_change_of_owner_makes_a_new_term_and_only_the_owner_holds_it(redis
         assert a.term(kept) not in (None, first)
 
     run(redis_url, body)
+
+
+def test_a_hand_over_to_nobody_still_makes_a_new_term(redis_url) -> None:
+    """The last scheduler leaves: the models have no owner but a new term, so
+    a commit of the old term cannot pass (only a Redis restarted empty has
+    no term)."""
+
+    async def body(r, member, view: ShardView, drained) -> None:
+        a = member("a")
+        await a.tick()
+        before = a.term(MODELS[0])
+        await a.leave()
+        assert await owners(r) == {}
+        after = _text(await r.hget(keys.SHARD_TERMS, MODELS[0]))
+        assert after and after != before
+        assert a.term(MODELS[0]) is None
+
+    run(redis_url, body)

@@ -20,6 +20,7 @@ import redis
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from stageserve.launcher import Child
 from stageserve.settings import settings_from_env
 from stageserve_tools.examples import write_accumulator, write_history
 from tests.integration.helpers import two_paths
@@ -29,6 +30,30 @@ from tests.stack import RunningStack, running_stack, wait_until
 SLOW_MS = 600
 SLOW = f'parameters {{ key: "execute_delay_ms" value {{ string_value: "{SLOW_MS}" }} }}'
 BACKLOG = "ss:seq:acc:1:i:{cid}:q"
+
+
+def _in_background(
+    client: grpcclient.InferenceServerClient, value: int, cid: int
+) -> tuple[threading.Thread, list[InferenceServerException]]:
+    """Send one request of sequence `cid` from a thread; its errors collect."""
+    errors: list[InferenceServerException] = []
+
+    def call() -> None:
+        try:
+            send(client, "acc", value, cid)
+        except InferenceServerException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=call)
+    t.start()
+    return t, errors
+
+
+def _owner(r: redis.Redis, running: RunningStack, sched2: Child) -> tuple[Child, str]:
+    """The scheduler that owns "acc", and the other one's id."""
+    owner_id = r.hget("ss:shard:owners", "acc").decode()  # type: ignore[union-attr]
+    other = "scheduler-2" if owner_id == "scheduler" else "scheduler"
+    return {"scheduler": running.scheduler, "scheduler-2": sched2}[owner_id], other
 
 
 def test_backlog_orders_a_sequence_across_schedulers(
@@ -76,21 +101,10 @@ def test_scheduler_killed_mid_execution_does_not_block_the_sequence(
         client_a = running.client()
         key = BACKLOG.format(cid=5151)
         send(client_a, "acc", 10, 5151, start=True)
-        errors: list[InferenceServerException] = []
-
-        def doomed() -> None:
-            try:
-                send(client_a, "acc", 1000, 5151)
-            except InferenceServerException as exc:
-                errors.append(exc)
-
-        t = threading.Thread(target=doomed)
-        t.start()
+        t, errors = _in_background(client_a, 1000, 5151)
         assert wait_until(lambda: r.llen(key) == 1, interval_s=0.01)
         time.sleep(SLOW_MS / 3000)  # inside the execution
-        owner = {"scheduler": running.scheduler, "scheduler-2": sched2}[
-            r.hget("ss:shard:owners", "acc").decode()  # type: ignore[union-attr]
-        ]
+        owner, _ = _owner(r, running, sched2)
         owner.proc.send_signal(signal.SIGKILL)
         owner.proc.wait(10)
         t.join(30)
@@ -118,21 +132,10 @@ def test_owner_killed_while_a_request_runs_with_kept_states(tmp_path: Path) -> N
         key = BACKLOG.format(cid=6161)
         send(client_a, "acc", 10, 6161, start=True)
         assert send(client_a, "acc", 5, 6161).as_numpy("OUTPUT")[0, 0] == 15
-        errors: list[InferenceServerException] = []
-
-        def doomed() -> None:
-            try:
-                send(client_a, "acc", 1000, 6161)
-            except InferenceServerException as exc:
-                errors.append(exc)
-
-        t = threading.Thread(target=doomed)
-        t.start()
+        t, errors = _in_background(client_a, 1000, 6161)
         time.sleep(SLOW_MS / 2000)  # inside the execution
         assert r.llen(key) == 0  # kept states: nothing listed
-        owner = {"scheduler": running.scheduler, "scheduler-2": sched2}[
-            r.hget("ss:shard:owners", "acc").decode()  # type: ignore[union-attr]
-        ]
+        owner, _ = _owner(r, running, sched2)
         owner.proc.send_signal(signal.SIGKILL)
         owner.proc.wait(10)
         t.join(30)
@@ -158,19 +161,8 @@ def test_a_stalled_owner_s_commit_is_fenced_after_its_model_moved(
         r = redis.Redis.from_url(running.redis_url)
         client_a = running.client()
         send(client_a, "acc", 10, 6262, start=True)
-        owner_id = r.hget("ss:shard:owners", "acc").decode()  # type: ignore[union-attr]
-        owner = {"scheduler": running.scheduler, "scheduler-2": sched2}[owner_id]
-        survivor = "scheduler-2" if owner_id == "scheduler" else "scheduler"
-        errors: list[InferenceServerException] = []
-
-        def stalled() -> None:
-            try:
-                send(client_a, "acc", 1000, 6262)
-            except InferenceServerException as exc:
-                errors.append(exc)
-
-        t = threading.Thread(target=stalled)
-        t.start()
+        owner, survivor = _owner(r, running, sched2)
+        t, errors = _in_background(client_a, 1000, 6262)
         time.sleep(slow_ms / 3000)  # inside the execution
         owner.proc.send_signal(signal.SIGSTOP)
         try:

@@ -123,6 +123,9 @@ class SequenceBatching:
     controls: tuple[ControlInput, ...]
     states: tuple[StateSpec, ...]
     max_queue_delay_us: int = 0
+    # oldest: max_candidate_sequences per instance; 0 (unset): max_batch_size,
+    # as Triton 2.51 does (sequence_strategy.py)
+    max_candidates: int = 0
 
     def control(self, kind: str) -> ControlInput | None:
         return next((c for c in self.controls if c.kind == kind), None)
@@ -804,6 +807,7 @@ def _sequence_spec(config: mc.ModelConfig) -> SequenceBatching:
         controls=tuple(controls),
         states=tuple(states),
         max_queue_delay_us=int(delay),
+        max_candidates=int(sb.oldest.max_candidate_sequences) if strategy == "oldest" else 0,
     )
 
 

@@ -6,11 +6,17 @@ entry is listed in Redis (`listed`), while no request of the sequence runs
 and no retry is pending (sequence_slots.ready_in_age_order). Rows of one
 batch share their input shapes (the oldest head's).
 
-- oldest: up to max_batch_size sequences, oldest head first;
+- oldest: up to max_batch_size sequences, oldest head first, among the
+  candidate sequences: a sequence is a candidate from its START to its END
+  (or idle timeout), and a START waits while max_candidate_sequences per
+  instance are candidates (unset: max_batch_size per instance, as Triton
+  2.51 does; tests/integration/test_sequence_candidates.py);
 - direct: each sequence owns a slot from its START to its END (or idle
-  timeout); a START waits while every slot is taken, and `wake_at_ns` says
-  when the least recently used idle slot frees. Row i of a batch is slot i,
-  gaps are padding (`layout`).
+  timeout); a START waits while every slot is taken. Row i of a batch is
+  slot i, gaps are padding (`layout`).
+
+Both admit sequences with `DirectSlots`; `wake_at_ns` says when the least
+recently used idle one frees.
 
 A batch waits for max_queue_delay after its oldest head unless it is full.
 The Redis side (listing, claims, states) is the adapter's,
@@ -35,7 +41,7 @@ class SequenceStrategy:
     def __init__(self, spec: ModelSpec) -> None:
         self.backlogs: dict[str, deque[Queued]] = {}
         self.running: set[str] = set()  # sequences with a request executing
-        self.slots: DirectSlots = DirectSlots()  # the direct strategy's slots
+        self.slots: DirectSlots = DirectSlots()  # admitted sequences (direct: their slots)
         self.retry_at: dict[str, float] = {}  # busy elsewhere: not before this time (s)
         self._count = 0
         self._waiting_for_slot = False
@@ -47,6 +53,10 @@ class SequenceStrategy:
         self.seq: SequenceBatching = spec.sequence
         self.direct = self.seq.strategy == "direct"
         self.capacity = max(1, spec.max_batch_size)
+        # how many sequences may be active at once
+        instances = sum(g.count * max(1, len(g.gpus)) for g in spec.instance_groups)
+        per_instance = self.seq.max_candidates or self.capacity
+        self.admitted = self.capacity if self.direct else per_instance * max(1, instances)
         self.idle_s = self.seq.max_idle_us / 1e6
         self.delay_ns = self.seq.max_queue_delay_us * 1000
 
@@ -98,15 +108,13 @@ class SequenceStrategy:
             now,
         )
         self._waiting_for_slot = False
-        if not self.direct:
-            return ready
         self.slots.free_idle(
             now, self.idle_s, lambda cid: cid in self.running or bool(self.backlogs.get(cid))
         )
         out = []
         for cid in ready:
             start = self.backlogs[cid][0].msg.sequence_start
-            if self.slots.admit(cid, start, self.capacity, now):
+            if self.slots.admit(cid, start, self.admitted, now):
                 out.append(cid)
             else:
                 self._waiting_for_slot = True

@@ -12,7 +12,14 @@ MS = 1_000_000
 S = 1_000_000_000
 
 
-def _strategy(kind: str, delay_us: int = 0, max_batch: int = 2, idle_us: int = 1_000_000):
+def _strategy(
+    kind: str,
+    delay_us: int = 0,
+    max_batch: int = 2,
+    idle_us: int = 1_000_000,
+    extra: str = "",
+    instances: int = 1,
+):
     spec = to_spec(
         parse_config_text(
             f"""name: "m" platform: "onnxruntime_onnx" max_batch_size: {max_batch}
@@ -20,8 +27,9 @@ def _strategy(kind: str, delay_us: int = 0, max_batch: int = 2, idle_us: int = 1
             output [ {{ name: "O" data_type: TYPE_INT32 dims: [ -1 ] }} ]
             sequence_batching {{
               max_sequence_idle_microseconds: {idle_us}
-              {kind} {{ max_queue_delay_microseconds: {delay_us} }}
-            }}"""
+              {kind} {{ max_queue_delay_microseconds: {delay_us} {extra} }}
+            }}
+            instance_group [ {{ kind: KIND_CPU count: {instances} }} ]"""
         )
     )
     return SequenceStrategy(spec)
@@ -144,3 +152,30 @@ def test_drain_leaves_running_sequences_and_listing_reports_the_gone() -> None:
     assert sorted(q.msg.sequence_id for q in s.drain()) == [2, 3]  # a2 stays: 1 runs
     assert len(s) == 1 and s.listed([c]) == [c]  # answered meanwhile: forget its entry
     assert s.drop(a2) and not s.drop(a2) and len(s) == 0
+
+
+def test_oldest_start_waits_while_the_candidates_are_full() -> None:
+    """max_candidate_sequences per instance: a START beyond them waits until a
+    candidate sequence ends or idles out (Triton 2.51 does the same)."""
+    s = _strategy("oldest", max_batch=4, idle_us=2_000_000, extra="max_candidate_sequences: 1")
+    a = _added(s, _q(1, 0, start=True))[0]
+    assert s.next_batch(0).batch == [a]
+    s.finished([a], 1 * S)
+    b = _added(s, _q(2, 1 * S, start=True))[0]
+    assert not s.has_work(1 * S)  # sequence 1 is the one candidate
+    assert s.wake_at_ns(1 * S) == 3 * S + MS  # 1 ms after sequence 1 idles out
+    a2 = _added(s, _q(1, 2 * S, end=True))[0]
+    assert s.next_batch(2 * S).batch == [a2]  # a candidate's request runs
+    s.ended(a2)
+    s.finished([a2], 2 * S)
+    assert s.next_batch(2 * S).batch == [b]  # sequence 1 ended: 2 is a candidate
+
+
+def test_oldest_candidates_default_to_max_batch_size_per_instance() -> None:
+    s = _strategy("oldest", max_batch=2, instances=2)
+    first = _added(s, *(_q(i, i, start=True) for i in range(1, 6)))
+    batch = s.next_batch(10).batch
+    assert batch == first[:2]  # a batch holds max_batch_size rows
+    s.finished(batch, 11)
+    assert s.next_batch(12).batch == first[2:4]  # 4 candidates: 2 instances x 2
+    assert not s.has_work(13)  # the fifth waits

@@ -178,7 +178,7 @@ class SequenceStore:
         ):
             claim = Claim(int(status), int(slot))
             if claim.status == CLAIMED:
-                self._open[cid] = now + self.idle_ms / 1000
+                self.opened(cid, now)
             for k, v in zip(fields[::2], fields[1::2], strict=True):
                 name = k.decode()
                 if name.startswith("st:"):
@@ -192,8 +192,9 @@ class SequenceStore:
     async def commit(self, rows: Sequence[Finished], term: str | None = None) -> Committed:
         """After execution: keep each sequence's new states, end the ones
         whose request had END, and take each listed entry off its backlog so
-        the sequence's next request may run. `term`: keep nothing unless the
-        model's shard term is still this one (rows that ran held states)."""
+        the sequence's next request may run. `term` (the model's shard term
+        when the batch formed; None without sharding): keep nothing when
+        the model has another term now."""
         args: list[EncodableT] = [self.prefix, self.idle_ms, keys.SHARD_TERMS, self.model]
         args.append(term or "")
         for row in rows:

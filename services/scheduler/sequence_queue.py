@@ -55,6 +55,7 @@ from services.scheduler.sequence_strategy import SequenceStrategy
 from stageserve.config import ControlInput, ModelSpec, StateSpec
 from stageserve.errors import StageError, invalid, unavailable
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve.script_lane import ScriptLane
 from stageserve.settings import SchedulerSettings
 from stageserve.tensors import element_count, numpy_to_raw, serialize_bytes_elements
 
@@ -508,10 +509,16 @@ def make_sequence_queue(
     redis,
     model_dir: Path,
     settings: SchedulerSettings,
+    lane: ScriptLane | None = None,
 ) -> ModelQueue:
     assert spec.sequence is not None
     store = SequenceStore(
-        redis, model, version, spec.sequence.max_idle_us // 1000, settings.sequence_owner_ttl_ms
+        redis,
+        model,
+        version,
+        spec.sequence.max_idle_us // 1000,
+        settings.sequence_owner_ttl_ms,
+        lane,
     )
     strategy = SequenceStrategy(spec)
     sequences = SequenceIO(store, strategy, model, model_dir, settings.sequence_cache_entries)

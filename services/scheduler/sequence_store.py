@@ -37,6 +37,7 @@ from redis.typing import EncodableT
 
 from services.scheduler import sequence_lua
 from stageserve import redis_keys as keys
+from stageserve.script_lane import ScriptLane
 
 CLAIMED, UNKNOWN, WAIT = 0, 1, 2
 
@@ -86,11 +87,19 @@ class Committed:
 
 class SequenceStore:
     def __init__(
-        self, redis: aioredis.Redis, model: str, version: int, idle_ms: int, owner_ttl_ms: int
+        self,
+        redis: aioredis.Redis,
+        model: str,
+        version: int,
+        idle_ms: int,
+        owner_ttl_ms: int,
+        lane: ScriptLane | None = None,
     ) -> None:
         """`owner_ttl_ms`: SchedulerSettings.sequence_owner_ttl_ms; the owner key
         is renewed three times within it, so it outlives a few missed heartbeats
-        and a dead scheduler's entries block their sequences at most this long."""
+        and a dead scheduler's entries block their sequences at most this long.
+        `lane`: the scheduler's pipelined connection for the scripts, which
+        run on every batch (stageserve/script_lane.py); None: redis-py's."""
         self.redis = redis
         self.model = model
         self.owner_ttl_ms = owner_ttl_ms
@@ -100,9 +109,10 @@ class SequenceStore:
         self.owner_key = keys.sequence_owner(self.owner)
         self.idle_ms = max(1, idle_ms)
         self._counter = itertools.count()
-        self._claim = redis.register_script(sequence_lua.SEQUENCE_CLAIM)
-        self._list = redis.register_script(sequence_lua.SEQUENCE_LIST)
-        self._commit = redis.register_script(sequence_lua.SEQUENCE_COMMIT)
+        script = lane.script if lane is not None else redis.register_script
+        self._claim = script(sequence_lua.SEQUENCE_CLAIM)
+        self._list = script(sequence_lua.SEQUENCE_LIST)
+        self._commit = script(sequence_lua.SEQUENCE_COMMIT)
         self._heartbeat: asyncio.Task | None = None
         # Sequences this scheduler claimed and did not see end: cid -> when
         # they idle out (monotonic s). Redis restarting empty loses their

@@ -26,6 +26,7 @@ from stageserve.redis_connect import connect
 from stageserve.response_cache import open_cache
 from stageserve.scheduler_link import SchedulerLink
 from stageserve.scheduler_routing import SchedulerRouter
+from stageserve.script_lane import ScriptLane
 from stageserve.settings import SchedulerSettings, Settings
 from stageserve.shard_map import ShardView
 from stageserve.transport import serve_stream
@@ -68,6 +69,11 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         self.peers: SchedulerRouter | None = None
         # --cache-config's response cache for ensemble steps; None: none kept
         self.step_cache: StepCache | None = None
+
+    @functools.cached_property
+    def script_lane(self) -> ScriptLane | None:
+        """The pipelined connection the sequence models' scripts share."""
+        return ScriptLane.of(self.state.redis)
 
     async def _not_ours(self, msg: pb.ScheduleRequest, respond) -> bool:
         """Refuse (NOT_OWNER, which the gateway resends to the owner) a request
@@ -154,6 +160,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                     self.state.redis,
                     loaded.path,
                     self.settings,
+                    self.script_lane,
                 )
             else:
                 queue = ModelQueue(
@@ -373,4 +380,6 @@ async def serve(
         if service.step_cache is not None:
             await service.step_cache.close()
         await asyncio.to_thread(spans.close)
+        if "script_lane" in vars(service) and service.script_lane is not None:  # (made)
+            service.script_lane.close()
         await redis.aclose()

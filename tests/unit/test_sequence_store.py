@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis.asyncio as aioredis
 
 from services.scheduler.sequence_store import (
@@ -17,7 +18,17 @@ from services.scheduler.sequence_store import (
     StateUpdate,
 )
 from stageserve import redis_keys
+from stageserve.script_lane import ScriptLane
 from stageserve.settings import SchedulerSettings
+
+# Every test runs with the scripts called through redis-py and through the
+# scheduler's pipelined connection (stageserve/script_lane.py).
+_CALLS = {"through": "redis-py"}
+
+
+@pytest.fixture(autouse=True, params=["redis-py", "lane"])
+def scripts_through(request: pytest.FixtureRequest) -> None:
+    _CALLS["through"] = request.param
 
 
 def run(url: str, body, idle_ms: int = 60_000):
@@ -26,14 +37,17 @@ def run(url: str, body, idle_ms: int = 60_000):
     async def main():
         r = aioredis.from_url(url)
         await r.flushdb()
+        lane = ScriptLane.of(r) if _CALLS["through"] == "lane" else None
         owner_ttl_ms = SchedulerSettings().sequence_owner_ttl_ms
-        a = SequenceStore(r, "m", 1, idle_ms, owner_ttl_ms)
-        b = SequenceStore(r, "m", 1, idle_ms, owner_ttl_ms)
+        a = SequenceStore(r, "m", 1, idle_ms, owner_ttl_ms, lane)
+        b = SequenceStore(r, "m", 1, idle_ms, owner_ttl_ms, lane)
         try:
             await body(a, b, r)
         finally:
             a.close()
             b.close()
+            if lane is not None:
+                lane.close()
             await r.aclose()
 
     asyncio.run(main())

@@ -315,6 +315,9 @@ SMOKE: dict[str, Smoke] = {
     "bench/stream_vs_unary.py": Smoke(
         (*PY, "bench.stream_vs_unary", "--seconds", "0.3", "--inflight", "1"), "stream"
     ),
+    "bench/script_lane.py": Smoke(
+        (*PY, "bench.script_lane", "--calls", "20", "--rounds", "1"), "cpu us/call"
+    ),
     "bench/transport.py": Smoke(
         (*PY, "bench.transport", "--seconds", "0.3", "--inflight", "1"), "calls/s"
     ),

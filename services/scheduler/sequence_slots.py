@@ -7,8 +7,9 @@ pure (no I/O, time passed in), unit-tested on their own.
   come.
 - `DirectSlots`: the direct strategy's slots. A sequence owns a batch slot
   from its START to its END or idle timeout; START on an active id starts it
-  over; a START waits while every slot is taken. Row i of a batch is slot i
-  (`layout`), gaps are padding.
+  over; a START waits while every slot is taken. Slot s is row
+  s % max_batch_size of its instance group's batches (`layout`), gaps are
+  padding.
 """
 
 from __future__ import annotations
@@ -80,15 +81,17 @@ class DirectSlots(Generic[R]):
         return min(idle) + idle_s if idle else None
 
     def layout(self, claimed: list[tuple[str, R, int]], capacity: int) -> list[R | None]:
-        """Batch rows for (sequence, row, slot it claimed with): row i is slot
-        i, gaps are None (padding); a row whose slot clashes or is out of range
-        (e.g. after a restart) takes the first gap, or goes at the end."""
+        """Batch rows for (sequence, row, slot it claimed with): slot s is row
+        s % capacity (slots of several instances repeat the rows), gaps are
+        None (padding); a row whose slot clashes or is unknown (e.g. after a
+        restart) takes the first gap, or goes at the end."""
         by_slot: dict[int, R] = {}
         spill: list[R] = []
         for cid, row, claimed_slot in claimed:
             slot = self.slot(cid, claimed_slot)
-            if 0 <= slot < capacity and slot not in by_slot:
-                by_slot[slot] = row
+            index = slot % capacity if slot >= 0 else -1
+            if index >= 0 and index not in by_slot:
+                by_slot[index] = row
             else:
                 spill.append(row)
         rows: list[R | None] = [by_slot.get(i) for i in range(max(by_slot, default=-1) + 1)]

@@ -11,9 +11,11 @@ batch share their input shapes (the oldest head's).
   (or idle timeout), and a START waits while max_candidate_sequences per
   instance are candidates (unset: max_batch_size per instance, as Triton
   2.51 does; tests/integration/test_sequence_candidates.py);
-- direct: each sequence owns a slot from its START to its END (or idle
-  timeout); a START waits while every slot is taken. Row i of a batch is
-  slot i, gaps are padding (`layout`).
+- direct: every instance has max_batch_size slots, as in Triton 2.51; a
+  sequence owns one from its START to its END (or idle timeout), and a
+  START waits while every slot is taken. Slot s is row s % max_batch_size
+  of instance group s // max_batch_size; a batch takes the sequences of
+  one group, gaps are padding (`layout`).
 
 Both admit sequences with `DirectSlots`; `wake_at_ns` says when the least
 recently used idle one frees.
@@ -55,8 +57,8 @@ class SequenceStrategy:
         self.capacity = max(1, spec.max_batch_size)
         # how many sequences may be active at once
         instances = sum(g.count * max(1, len(g.gpus)) for g in spec.instance_groups)
-        per_instance = self.seq.max_candidates or self.capacity
-        self.admitted = self.capacity if self.direct else per_instance * max(1, instances)
+        per_instance = self.capacity if self.direct else self.seq.max_candidates or self.capacity
+        self.admitted = per_instance * max(1, instances)
         self.idle_s = self.seq.max_idle_us / 1e6
         self.delay_ns = self.seq.max_queue_delay_us * 1000
 
@@ -151,7 +153,11 @@ class SequenceStrategy:
         want = shape_key(self.backlogs[eligible[0]][0].msg, batching)
         chosen = [
             cid for cid in eligible if shape_key(self.backlogs[cid][0].msg, batching) == want
-        ][: self.capacity]
+        ]
+        if self.direct:  # one instance group's slots
+            group = self.slots.slot(chosen[0]) // self.capacity
+            chosen = [cid for cid in chosen if self.slots.slot(cid) // self.capacity == group]
+        chosen = chosen[: self.capacity]
         batch = []
         for cid in chosen:
             batch.append(self.backlogs[cid].popleft())
@@ -161,7 +167,7 @@ class SequenceStrategy:
 
     def layout(self, claimed: list[tuple[Queued, int]]) -> list[Queued | None]:
         """Batch rows for (request, slot it claimed with in Redis); for direct,
-        row i is slot i and gaps are padding (None)."""
+        slot s is row s % max_batch_size and gaps are padding (None)."""
         if not self.direct:
             return [q for q, _ in claimed]
         return self.slots.layout([(q.cid, q, slot) for q, slot in claimed], self.capacity)

@@ -1,11 +1,13 @@
-"""The oldest strategy's candidate sequences, as real Triton 2.51 has them.
+"""How many sequences run at once, as real Triton 2.51 has it.
 
-A sequence is a candidate from its START to its END (or idle timeout); a
-START beyond max_candidate_sequences per instance (unset: max_batch_size)
-waits until a candidate ends, while the candidates' own requests go on.
-Triton 2.51 was asked with this same model and calls: it holds the waiting
-START exactly so (test_triton_holds_the_start_the_same runs it again when
-.venv-triton is installed, and skips without it).
+Oldest strategy: a sequence is a candidate from its START to its END (or
+idle timeout); a START beyond max_candidate_sequences per instance (unset:
+max_batch_size) waits until a candidate ends, while the candidates' own
+requests go on. Direct strategy: every instance has max_batch_size slots,
+and a START beyond them waits the same way. Triton 2.51 was asked with this
+same model and calls: it holds the waiting START exactly so
+(test_triton_holds_the_start_the_same runs it again when .venv-triton is
+installed, and skips without it).
 """
 
 from __future__ import annotations
@@ -23,26 +25,31 @@ from tests.integration.helpers import triton_grpc
 from tests.integration.test_python_backend_sequence import MODEL
 from tests.stack import running_stack
 
-# model -> (max_batch_size, the oldest strategy's fields): one candidate set
-# on purpose, one left to the default (max_batch_size, here 2).
-MODELS = {"cand_one": (4, "max_candidate_sequences: 1"), "cand_default": (2, "")}
+# model -> (max_batch_size, strategy, instance count, sequences open at once):
+# one candidate set on purpose, one left to the default (max_batch_size,
+# here 2), and direct slots on two instances (max_batch_size 1 each).
+MODELS = {
+    "cand_one": (4, "oldest { max_candidate_sequences: 1 }", 1, 1),
+    "cand_default": (2, "oldest { }", 1, 2),
+    "direct_two": (1, "direct { }", 2, 2),
+}
 WAIT_S = 1.0
 
 
-def _config(name: str, max_batch: int, oldest: str, log: Path) -> str:
+def _config(name: str, max_batch: int, strategy: str, count: int, log: Path) -> str:
     return f"""name: "{name}"
 backend: "python"
 max_batch_size: {max_batch}
 input [ {{ name: "IN" data_type: TYPE_INT32 dims: [ 1 ] }} ]
 output [ {{ name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
 sequence_batching {{
-  oldest {{ {oldest} }}
+  {strategy}
   max_sequence_idle_microseconds: 60000000
   control_input [
     {{ name: "READY" control [ {{ kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] }} ] }}
   ]
 }}
-instance_group [ {{ kind: KIND_CPU count: 1 }} ]
+instance_group [ {{ kind: KIND_CPU count: {count} }} ]
 parameters {{ key: "log" value: {{ string_value: "{log}" }} }}
 """
 
@@ -50,11 +57,11 @@ parameters {{ key: "log" value: {{ string_value: "{log}" }} }}
 @pytest.fixture
 def repository(tmp_path: Path) -> Path:
     root = tmp_path / "repo"
-    for name, (max_batch, oldest) in MODELS.items():
+    for name, (max_batch, strategy, count, _) in MODELS.items():
         (root / name / "1").mkdir(parents=True)
         (root / name / "1" / "model.py").write_text(MODEL)
         (root / name / "config.pbtxt").write_text(
-            _config(name, max_batch, oldest, root / f"{name}.log")
+            _config(name, max_batch, strategy, count, root / f"{name}.log")
         )
     return root
 
@@ -67,10 +74,10 @@ def _send(client, model: str, cid: int, start: bool = False, end: bool = False) 
 
 
 def _held_start(url: str, model: str) -> dict[str, bool]:
-    """Fill the candidates with sequences 1.., START one more from a thread,
-    run a candidate's request, END sequence 1: what happened to the extra
-    START at each step."""
-    full = 1 if model == "cand_one" else 2
+    """Open as many sequences as may be (1..), START one more from a
+    thread, run an open one's request, END sequence 1: what happened to the
+    extra START at each step."""
+    full = MODELS[model][3]
     extra = full + 1
     seen: dict[str, bool] = {}
     done = threading.Event()

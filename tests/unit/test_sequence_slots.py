@@ -46,7 +46,7 @@ def test_idle_slots_come_free_unless_busy():
     assert DirectSlots().next_idle_expiry(set(), 5.0) is None
 
 
-def test_layout_puts_row_i_in_slot_i_with_padding_and_spills_clashes():
+def test_layout_puts_slot_s_in_row_s_mod_capacity_with_padding_and_spills_clashes():
     slots: DirectSlots[str] = DirectSlots()
     for cid in ("a", "b", "c"):
         slots.admit(cid, True, 4, 0.0)
@@ -56,8 +56,14 @@ def test_layout_puts_row_i_in_slot_i_with_padding_and_spills_clashes():
         None,
         "row-c",
     ]
-    # unknown here (e.g. claimed by another scheduler): its claimed slot, or the first gap
+    # unknown here (e.g. claimed by another scheduler): its claimed slot's row
+    # (slot 9: row 1 of the third instance's slots), or after a clash the first gap
     assert slots.layout([("a", "A", -1), ("x", "X", 0), ("y", "Y", 9)], capacity=4) == [
+        "A",
+        "Y",
+        "X",
+    ]
+    assert slots.layout([("a", "A", -1), ("x", "X", 0), ("y", "Y", 10)], capacity=4) == [
         "A",
         "X",
         "Y",

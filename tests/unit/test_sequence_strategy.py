@@ -179,3 +179,23 @@ def test_oldest_candidates_default_to_max_batch_size_per_instance() -> None:
     s.finished(batch, 11)
     assert s.next_batch(12).batch == first[2:4]  # 4 candidates: 2 instances x 2
     assert not s.has_work(13)  # the fifth waits
+
+
+def test_direct_slots_are_per_instance_and_a_batch_holds_one_instances() -> None:
+    """Triton 2.51 gives every instance max_batch_size slots: with two
+    instances of max_batch_size 2, four sequences run at once and a fifth
+    START waits; a batch holds the sequences of one instance's slots, each
+    in its row (slot % max_batch_size)."""
+    s = _strategy("direct", max_batch=2, instances=2)
+    first = _added(s, *(_q(i, i, start=True) for i in range(1, 6)))
+    b1 = s.next_batch(10).batch
+    assert b1 == first[:2] and [s.slot(q.cid) for q in b1] == [0, 1]
+    b2 = s.next_batch(10).batch
+    assert b2 == first[2:4] and [s.slot(q.cid) for q in b2] == [2, 3]
+    assert not s.has_work(10)  # the fifth START: every slot taken
+    assert s.layout([(q, s.slot(q.cid)) for q in b2]) == b2  # slots 2, 3: rows 0, 1
+    s.finished(b1 + b2, 11)
+    one, four, three = _added(s, _q(1, 12), _q(4, 13), _q(3, 14))
+    assert s.next_batch(20).batch == [one]  # slot 0; 4 and 3 are the other instance's
+    assert s.next_batch(20).batch == [four, three]
+    assert s.layout([(four, 3)]) == [None, four]  # slot 3: row 1, row 0 padding

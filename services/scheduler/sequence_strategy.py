@@ -151,9 +151,7 @@ class SequenceStrategy:
         # Rows of one batch share their input shapes (the oldest one's).
         batching = self.spec.batching
         want = shape_key(self.backlogs[eligible[0]][0].msg, batching)
-        chosen = [
-            cid for cid in eligible if shape_key(self.backlogs[cid][0].msg, batching) == want
-        ]
+        chosen = [cid for cid in eligible if shape_key(self.backlogs[cid][0].msg, batching) == want]
         if self.direct:  # one instance group's slots
             group = self.slots.slot(chosen[0]) // self.capacity
             chosen = [cid for cid in chosen if self.slots.slot(cid) // self.capacity == group]

@@ -52,6 +52,8 @@ class Rule(Enum):
 
 
 _HOST_GAUGES = (
+    "nv_pinned_memory_pool_total_bytes",
+    "nv_pinned_memory_pool_used_bytes",
     "nv_cpu_utilization",
     "nv_cpu_memory_total_bytes",
     "nv_cpu_memory_used_bytes",

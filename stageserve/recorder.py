@@ -27,6 +27,8 @@ from stageserve.telemetry import (
 )
 
 _PHASES = ("request", "queue", "compute_input", "compute_infer", "compute_output")
+# Triton's reason labels of nv_inference_request_failure, in its order.
+FAILURE_REASONS = ("OTHER", "BACKEND", "CANCELED", "REJECTED")
 
 
 class RequestRecorder:
@@ -45,6 +47,10 @@ class RequestRecorder:
                 model_labels(model, version),
                 tuple(REQUEST_DURATION.labels(model, v, phase) for phase in _PHASES),
             )
+            # Triton 2.51 shows a model's failure counter for each reason at 0
+            # before any failure (tests/integration/test_metrics_triton.py).
+            for reason in FAILURE_REASONS:
+                self.triton.inc("nv_inference_request_failure", (*cached[0], ("reason", reason)), 0)
         return cached
 
     def success(

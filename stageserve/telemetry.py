@@ -29,20 +29,42 @@ from stageserve.net import listen_failed
 # ------------------------------------------------------------------- Triton
 
 TRITON_FAMILIES: dict[str, tuple[str, str]] = {
-    "nv_inference_request_success": ("counter", "Inference requests that succeeded"),
-    "nv_inference_request_failure": ("counter", "Inference requests that failed, by reason"),
-    "nv_inference_count": ("counter", "Inferences run (a request of batch n counts n)"),
-    "nv_inference_exec_count": ("counter", "Model executions (one per batch)"),
-    "nv_inference_request_duration_us": ("counter", "Total request time, microseconds"),
-    "nv_inference_queue_duration_us": ("counter", "Total time queued, microseconds"),
+    "nv_inference_request_success": (
+        "counter",
+        "Number of successful inference requests, all batch sizes",
+    ),
+    "nv_inference_request_failure": (
+        "counter",
+        "Number of failed inference requests, all batch sizes",
+    ),
+    "nv_inference_count": (
+        "counter",
+        "Number of inferences performed (does not include cached requests)",
+    ),
+    "nv_inference_exec_count": (
+        "counter",
+        "Number of model executions performed (does not include cached requests)",
+    ),
+    "nv_inference_request_duration_us": (
+        "counter",
+        "Cumulative inference request duration in microseconds (includes cached requests)",
+    ),
+    "nv_inference_queue_duration_us": (
+        "counter",
+        "Cumulative inference queuing duration in microseconds (includes cached requests)",
+    ),
     "nv_inference_compute_input_duration_us": (
         "counter",
-        "Total input preparation time, microseconds",
+        "Cumulative compute input duration in microseconds (does not include cached requests)",
     ),
-    "nv_inference_compute_infer_duration_us": ("counter", "Total model run time, microseconds"),
+    "nv_inference_compute_infer_duration_us": (
+        "counter",
+        "Cumulative compute inference duration in microseconds (does not include cached requests)",
+    ),
     "nv_inference_compute_output_duration_us": (
         "counter",
-        "Total output extraction time, microseconds",
+        "Cumulative inference compute output duration in microseconds "
+        "(does not include cached requests)",
     ),
     "nv_cache_num_hits_per_model": ("counter", "Number of cache hits per model"),
     "nv_cache_hit_duration_per_model": (
@@ -67,16 +89,28 @@ TRITON_FAMILIES: dict[str, tuple[str, str]] = {
         "Total cache lookup duration (hit and miss), in microseconds",
     ),
     "nv_cache_insertion_duration": ("gauge", "Total cache insertion duration, in microseconds"),
-    "nv_inference_pending_request_count": ("gauge", "Requests queued, awaiting execution"),
-    "nv_model_load_duration_secs": ("gauge", "Time the last load of the model took, seconds"),
-    "nv_cpu_utilization": ("gauge", "CPU utilization, 0.0 to 1.0"),
-    "nv_cpu_memory_total_bytes": ("gauge", "Total CPU memory, bytes"),
-    "nv_cpu_memory_used_bytes": ("gauge", "Used CPU memory, bytes"),
-    "nv_gpu_utilization": ("gauge", "GPU utilization, 0.0 to 1.0"),
-    "nv_gpu_memory_total_bytes": ("gauge", "Total GPU memory, bytes"),
-    "nv_gpu_memory_used_bytes": ("gauge", "Used GPU memory, bytes"),
-    "nv_gpu_power_usage": ("gauge", "GPU power draw, watts"),
-    "nv_gpu_power_limit": ("gauge", "GPU power management limit, watts"),
+    "nv_inference_pending_request_count": (
+        "gauge",
+        "Instantaneous number of pending requests awaiting execution per-model.",
+    ),
+    "nv_model_load_duration_secs": ("gauge", "Model load time in seconds"),
+    # StageServe keeps no pinned memory pool: both read 0 (Triton 2.51 shows
+    # its pool's size, 256 MiB by default, even without CUDA).
+    "nv_pinned_memory_pool_total_bytes": (
+        "gauge",
+        "Pinned memory pool total memory size, in bytes",
+    ),
+    "nv_pinned_memory_pool_used_bytes": ("gauge", "Pinned memory pool used memory size, in bytes"),
+    "nv_cpu_utilization": ("gauge", "CPU utilization rate [0.0 - 1.0]"),
+    "nv_cpu_memory_total_bytes": ("gauge", "CPU total memory (RAM), in bytes"),
+    "nv_cpu_memory_used_bytes": ("gauge", "CPU used memory (RAM), in bytes"),
+    # Triton's texts for the GPU families (its metrics.cc); not checked
+    # against a running Triton here (no GPU on the test machines).
+    "nv_gpu_utilization": ("gauge", "GPU utilization rate [0.0 - 1.0)"),
+    "nv_gpu_memory_total_bytes": ("gauge", "GPU total memory, in bytes"),
+    "nv_gpu_memory_used_bytes": ("gauge", "GPU used memory, in bytes"),
+    "nv_gpu_power_usage": ("gauge", "GPU power usage in watts"),
+    "nv_gpu_power_limit": ("gauge", "GPU power management limit in watts"),
     "nv_energy_consumption": ("gauge", "GPU energy consumed since the driver loaded, joules"),
 }
 
@@ -151,6 +185,8 @@ TRITON = TritonMetrics()
 
 def update_system_metrics(metrics: TritonMetrics = TRITON) -> None:
     """CPU and memory (and GPU, via nvidia-ml-py, when one is present)."""
+    metrics.set("nv_pinned_memory_pool_total_bytes", (), 0.0)
+    metrics.set("nv_pinned_memory_pool_used_bytes", (), 0.0)
     metrics.set("nv_cpu_utilization", (), psutil.cpu_percent(interval=None) / 100.0)
     mem = psutil.virtual_memory()
     metrics.set("nv_cpu_memory_total_bytes", (), float(mem.total))

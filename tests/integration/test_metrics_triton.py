@@ -1,0 +1,87 @@
+"""Our metrics port against real Triton 2.51's, family by family: the same
+names, types and help texts for every family Triton shows on this host (no
+GPU) after a model's first requests, and the same labels for the failure
+counter (one series per reason, at 0)."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from stageserve.launcher import Stack, start_services
+from stageserve.net import free_port
+from tests.integration.helpers import triton_grpc
+
+MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "IN").as_numpy()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x)]))
+        return out
+"""
+CONFIG = """name: "echo"
+backend: "python"
+max_batch_size: 4
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+REASONS = {"OTHER", "BACKEND", "CANCELED", "REJECTED"}
+
+
+def _repository(root: Path) -> Path:
+    (root / "echo" / "1").mkdir(parents=True)
+    (root / "echo" / "1" / "model.py").write_text(MODEL)
+    (root / "echo" / "config.pbtxt").write_text(CONFIG)
+    return root
+
+
+def _families(grpc_url: str, metrics_port: int) -> dict[str, dict[str, str]]:
+    """After three inferences: family -> HELP, TYPE, and the failure
+    counter's reasons (with their values)."""
+    with grpcclient.InferenceServerClient(grpc_url) as client:
+        inp = grpcclient.InferInput("IN", [1, 1], "INT32")
+        inp.set_data_from_numpy(np.array([[7]], np.int32))
+        for _ in range(3):
+            assert client.infer("echo", [inp]).as_numpy("OUT")[0][0] == 7
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out: dict[str, dict[str, str]] = {}
+    for line in text.splitlines():
+        meta = re.match(r"# (HELP|TYPE) (\S+) (.*)", line)
+        if meta:
+            out.setdefault(meta[2], {})[meta[1]] = meta[3]
+        elif line.startswith("nv_inference_request_failure{"):
+            reason = re.search(r'reason="(\w+)"', line)
+            assert reason is not None
+            out["nv_inference_request_failure"][reason[1]] = line.rsplit(" ", 1)[1]
+    return out
+
+
+def test_every_family_triton_shows_is_ours_with_its_type_help_and_fixed_values(
+    tmp_path: Path,
+) -> None:
+    repo = _repository(tmp_path / "repo")
+    port = free_port()
+    extra = ("--allow-metrics=true", f"--metrics-port={port}")
+    with triton_grpc(repo, tmp_path / "triton", ["echo"], *extra) as url:
+        triton = _families(url, port)
+    assert {k: v for k, v in triton["nv_inference_request_failure"].items() if k in REASONS} == (
+        dict.fromkeys(REASONS, "0")
+    )
+    stack = Stack()
+    try:
+        port = free_port()
+        services = start_services(stack, repo, device="cpu", metrics_port=port)
+        ours = _families(services.gateway.address, port)
+    finally:
+        stack.stop()
+    assert {name: ours.get(name) for name in triton} == triton

@@ -37,6 +37,11 @@ CONNECTION_WINDOW = 64 * 1024 * 1024
 #: frame instead of four, and each frame is a turn of Python here.
 MAX_FRAME_IN = 1024 * 1024
 MAX_REMEMBERED_BLOCKS = 64
+#: A header block larger than this ends the connection (COMPRESSION_ERROR, as
+#: a client that sends it is not one to keep). Smaller ones are decoded
+#: whole, so HPACK's table stays in step, and a header list over grpc's
+#: hard limit (server.py, METADATA_HARD_LIMIT) fails only its own call.
+MAX_HEADER_LIST = 1024 * 1024
 
 
 class ProtocolError(Exception):
@@ -77,6 +82,7 @@ class ServerConnection:
         self._out: list[bytes | memoryview] = []
         self._preface_seen = False
         self._decoder = hpack.Decoder()
+        self._decoder.max_header_list_size = MAX_HEADER_LIST
         self._blocks: dict[bytes, list[tuple[bytes, bytes]]] = {}  # see _decode
         self._streams: dict[int, _Stream] = {}
         self._blocked: dict[int, _Stream] = {}  # streams with pending frames, in order
@@ -361,6 +367,8 @@ class ServerConnection:
         if stream is None or (stream.sid and stream.sid != sid):
             raise ProtocolError(wire.PROTOCOL_ERROR, "CONTINUATION without HEADERS")
         self._header_block += payload
+        if len(self._header_block) > MAX_HEADER_LIST:
+            raise ProtocolError(wire.COMPRESSION_ERROR, "header block too large")
         if flags & wire.END_HEADERS:
             self._headers_of = None
             block = bytes(self._header_block)

@@ -53,6 +53,19 @@ from stageserve.h2grpc.connection import (
 
 log = logging.getLogger(__name__)
 
+#: grpc's hard limit on a request's header list (its default
+#: GRPC_ARG_ABSOLUTE_MAX_METADATA_SIZE), which Triton 2.51's gRPC front
+#: applies: a call over it fails RESOURCE_EXHAUSTED, the connection and its
+#: other calls go on (tests/integration/test_grpc_metadata_limit.py).
+METADATA_HARD_LIMIT = 16384
+
+
+def metadata_size(headers: Iterable[tuple[bytes, bytes]]) -> int:
+    """A header list's size as HTTP/2 and grpc count it: name, value and 32
+    bytes per field, pseudo-headers included."""
+    return sum(len(name) + len(value) + 32 for name, value in headers)
+
+
 Metadata = tuple[tuple[str, str | bytes], ...]
 #: Request headers that are the protocol's, not the caller's metadata.
 _RESERVED = frozenset(
@@ -421,6 +434,14 @@ class _Connection(asyncio.Protocol):
                 encoding = value
         call = _Call(self, sid, path.decode("latin-1"))
         call.headers = headers
+        size = metadata_size(headers)
+        if size > METADATA_HARD_LIMIT:
+            self.calls[sid] = call
+            call.finish(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"received metadata size exceeds hard limit ({size} vs. {METADATA_HARD_LIMIT})",
+            )
+            return
         if encoding is not None:
             call.encoding = encoding
         self.calls[sid] = call

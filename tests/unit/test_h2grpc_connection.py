@@ -379,3 +379,27 @@ def test_repeated_indexed_blocks_decode_as_the_table_says() -> None:
     request(7, client.encoder.encode([*REQUEST_HEADERS, ("x-new", "shifts the table")]))
     shifted = request(9, indexed)  # the same bytes, now naming other entries
     assert shifted != first
+
+
+def test_a_large_header_list_decodes_whole_and_keeps_hpack_in_step() -> None:
+    """Over hpack's default 64 KiB list limit: decoded (the server then
+    refuses the call alone, server.py), and the next block, which indexes the
+    big field from the shared table, decodes as the table says."""
+    client = Client()
+    big = [("x-big", "a" * 100_000)]
+    head = client.headers(1, end_stream=True, extra=big)  # (one frame: within max frame)
+    events = client.send(head + client.headers(3, end_stream=True, extra=big))
+    assert [(e[0], e[1]) for e in events] == [(REQUEST, 1), (END, 1), (REQUEST, 3), (END, 3)]
+    assert dict(events[2][2])[b"x-big"] == b"a" * 100_000
+
+
+def test_a_header_block_over_a_mebibyte_is_a_connection_error() -> None:
+    client = Client()
+    big = [("x-big", "a" * (1024 * 1024 + 1))]
+    block = client.encoder.encode(REQUEST_HEADERS + big, huffman=False)
+    data = wire.frame(wire.HEADERS, 0, 1, block[:1000])
+    for at in range(1000, len(block), 500_000):
+        data += wire.frame(wire.CONTINUATION, 0, 1, block[at : at + 500_000])
+    with pytest.raises(ProtocolError) as err:
+        client.send(data)
+    assert err.value.code == wire.COMPRESSION_ERROR

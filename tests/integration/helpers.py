@@ -409,3 +409,41 @@ def skip_if_triton_crashed(url: str) -> Iterator[None]:
             if mark in text:
                 pytest.skip(f"real Triton crashed during the check ({mark!r} in its log)")
         raise
+
+
+# ------------------------------------------------------------- a Python echo
+
+# Echoes IN (INT32, dims [1]) as OUT; a negative value first sleeps 1 s (a
+# call kept in flight). Real Triton 2.51 has only the Python backend here, so
+# checks that run the same calls against both servers use it.
+ECHO_MODEL = """
+import time
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "IN").as_numpy()
+            if int(x.flat[0]) < 0:
+                time.sleep(1.0)
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x)]))
+        return out
+"""
+
+
+def write_echo(root: Path, max_batch_size: int = 0, count: int = 1) -> Path:
+    """The `echo` model above in the repository `root`; returns `root`."""
+    (root / "echo" / "1").mkdir(parents=True)
+    (root / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
+    (root / "echo" / "config.pbtxt").write_text(
+        f"""name: "echo"
+backend: "python"
+max_batch_size: {max_batch_size}
+input [ {{ name: "IN" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+instance_group [ {{ kind: KIND_CPU count: {count} }} ]
+"""
+    )
+    return root

@@ -16,41 +16,13 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from bench.references import wait_ready
-from tests.integration.helpers import triton_grpc
+from tests.integration.helpers import triton_grpc, write_echo
 from tests.stack import running_stack
-
-# Echoes IN; a negative value first sleeps 1 s (a call kept in flight).
-MODEL = """
-import time
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        out = []
-        for r in requests:
-            x = pb_utils.get_input_tensor_by_name(r, "IN").as_numpy()
-            if int(x.flat[0]) < 0:
-                time.sleep(1.0)
-            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x)]))
-        return out
-"""
-CONFIG = """name: "echo"
-backend: "python"
-max_batch_size: 0
-input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
-output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
-instance_group [ { kind: KIND_CPU count: 2 } ]
-"""
 
 
 @pytest.fixture
 def repository(tmp_path: Path) -> Path:
-    root = tmp_path / "repo"
-    (root / "echo" / "1").mkdir(parents=True)
-    (root / "echo" / "1" / "model.py").write_text(MODEL)
-    (root / "echo" / "config.pbtxt").write_text(CONFIG)
-    return root
+    return write_echo(tmp_path / "repo", count=2)
 
 
 def _input(value: int) -> grpcclient.InferInput:

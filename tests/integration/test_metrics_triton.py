@@ -14,34 +14,9 @@ import tritonclient.grpc as grpcclient
 
 from stageserve.launcher import Stack, start_services
 from stageserve.net import free_port
-from tests.integration.helpers import triton_grpc
+from tests.integration.helpers import triton_grpc, write_echo
 
-MODEL = """
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        out = []
-        for r in requests:
-            x = pb_utils.get_input_tensor_by_name(r, "IN").as_numpy()
-            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x)]))
-        return out
-"""
-CONFIG = """name: "echo"
-backend: "python"
-max_batch_size: 4
-input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
-output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
-"""
 REASONS = {"OTHER", "BACKEND", "CANCELED", "REJECTED"}
-
-
-def _repository(root: Path) -> Path:
-    (root / "echo" / "1").mkdir(parents=True)
-    (root / "echo" / "1" / "model.py").write_text(MODEL)
-    (root / "echo" / "config.pbtxt").write_text(CONFIG)
-    return root
 
 
 def _families(grpc_url: str, metrics_port: int) -> dict[str, dict[str, str]]:
@@ -69,7 +44,7 @@ def _families(grpc_url: str, metrics_port: int) -> dict[str, dict[str, str]]:
 def test_every_family_triton_shows_is_ours_with_its_type_help_and_fixed_values(
     tmp_path: Path,
 ) -> None:
-    repo = _repository(tmp_path / "repo")
+    repo = write_echo(tmp_path / "repo", max_batch_size=4)
     port = free_port()
     extra = ("--allow-metrics=true", f"--metrics-port={port}")
     with triton_grpc(repo, tmp_path / "triton", ["echo"], *extra) as url:

@@ -29,6 +29,17 @@ from stageserve.telemetry import (
 _PHASES = ("request", "queue", "compute_input", "compute_infer", "compute_output")
 # Triton's reason labels of nv_inference_request_failure, in its order.
 FAILURE_REASONS = ("OTHER", "BACKEND", "CANCELED", "REJECTED")
+# A model version's counters without a reason label.
+MODEL_COUNTERS = (
+    "nv_inference_request_success",
+    "nv_inference_count",
+    "nv_inference_exec_count",
+    "nv_inference_request_duration_us",
+    "nv_inference_queue_duration_us",
+    "nv_inference_compute_input_duration_us",
+    "nv_inference_compute_infer_duration_us",
+    "nv_inference_compute_output_duration_us",
+)
 
 
 class RequestRecorder:
@@ -52,6 +63,13 @@ class RequestRecorder:
             for reason in FAILURE_REASONS:
                 self.triton.inc("nv_inference_request_failure", (*cached[0], ("reason", reason)), 0)
         return cached
+
+    def loaded(self, model: str, version: int) -> None:
+        """A loaded version's counters exist, at 0 until its first request,
+        as Triton 2.51 shows them from the model's load."""
+        labels, _ = self._labels_of(model, version)
+        for name in MODEL_COUNTERS:
+            self.triton.inc(name, labels, 0)
 
     def success(
         self, model: str, version: int, request_ns: int, batch_size: int, timing: pb.Timing

@@ -1,7 +1,8 @@
 """Our metrics port against real Triton 2.51's, family by family: the same
 names, types and help texts for every family Triton shows on this host (no
-GPU) after a model's first requests, and the same labels for the failure
-counter (one series per reason, at 0)."""
+GPU) after a model's first requests, the same labels for the failure
+counter (one series per reason), and a loaded model's counters at 0 before
+its first request."""
 
 from __future__ import annotations
 
@@ -12,11 +13,28 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from bench.references import wait_ready
 from stageserve.launcher import Stack, start_services
 from stageserve.net import free_port
 from tests.integration.helpers import triton_grpc, write_echo
 
 REASONS = {"OTHER", "BACKEND", "CANCELED", "REJECTED"}
+
+
+def _scrape(metrics_port: int) -> str:
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    return urllib.request.urlopen(url, timeout=10).read().decode()
+
+
+def _counters(text: str) -> dict[tuple[str, frozenset], str]:
+    """The per-model counters' samples: (family, labels) -> value."""
+    out = {}
+    for line in text.splitlines():
+        sample = re.match(r"(nv_inference_\w+)\{(.*)\} (\S+)$", line)
+        if sample and sample[1] != "nv_inference_pending_request_count":
+            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', sample[2]))
+            out[(sample[1], labels)] = sample[3]
+    return out
 
 
 def _families(grpc_url: str, metrics_port: int) -> dict[str, dict[str, str]]:
@@ -27,10 +45,8 @@ def _families(grpc_url: str, metrics_port: int) -> dict[str, dict[str, str]]:
         inp.set_data_from_numpy(np.array([[7]], np.int32))
         for _ in range(3):
             assert client.infer("echo", [inp]).as_numpy("OUT")[0][0] == 7
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
     out: dict[str, dict[str, str]] = {}
-    for line in text.splitlines():
+    for line in _scrape(metrics_port).splitlines():
         meta = re.match(r"# (HELP|TYPE) (\S+) (.*)", line)
         if meta:
             out.setdefault(meta[2], {})[meta[1]] = meta[3]
@@ -48,15 +64,21 @@ def test_every_family_triton_shows_is_ours_with_its_type_help_and_fixed_values(
     port = free_port()
     extra = ("--allow-metrics=true", f"--metrics-port={port}")
     with triton_grpc(repo, tmp_path / "triton", ["echo"], *extra) as url:
+        triton_loaded = _counters(_scrape(port))
         triton = _families(url, port)
     assert {k: v for k, v in triton["nv_inference_request_failure"].items() if k in REASONS} == (
         dict.fromkeys(REASONS, "0")
     )
+    # a loaded model's counters, before its first request: every one at 0
+    assert len(triton_loaded) == 12 and set(triton_loaded.values()) == {"0"}
     stack = Stack()
     try:
         port = free_port()
         services = start_services(stack, repo, device="cpu", metrics_port=port)
+        wait_ready(services.gateway.address, ["echo"], 60)
+        ours_loaded = _counters(_scrape(port))
         ours = _families(services.gateway.address, port)
     finally:
         stack.stop()
+    assert ours_loaded == triton_loaded
     assert {name: ours.get(name) for name in triton} == triton

@@ -46,36 +46,52 @@ class RequestRecorder:
     def __init__(self, book: StatsBook, triton: TritonMetrics = TRITON) -> None:
         self.book = book
         self.triton = triton
-        self._labels: dict[tuple[str, int], tuple[Labels, tuple[LoopHistogramChild, ...]]] = {}
+        # (model, version) -> its counter labels, phase histograms (in _PHASES
+        # order) and the model's load (generation) they count
+        self._labels: dict[tuple[str, int], tuple[Labels, tuple[LoopHistogramChild, ...], int]] = {}
 
-    def _labels_of(self, model: str, version: int) -> tuple[Labels, tuple[LoopHistogramChild, ...]]:
-        """A (model, version)'s counter labels and phase histograms, in _PHASES order."""
+    def _labels_of(
+        self, model: str, version: int
+    ) -> tuple[Labels, tuple[LoopHistogramChild, ...], int]:
+        """A (model, version)'s counter labels and phase histograms, in _PHASES
+        order. A model loaded again counts from 0, as in Triton 2.51."""
         key = (model, version)
         cached = self._labels.get(key)
-        if cached is None:
+        generation = self.book.generation(model)
+        if cached is None or cached[2] != generation:
             v = str(version)
+            labels = model_labels(model, version)
             cached = self._labels[key] = (
-                model_labels(model, version),
+                labels,
                 tuple(REQUEST_DURATION.labels(model, v, phase) for phase in _PHASES),
+                generation,
             )
-            # Triton 2.51 shows a model's failure counter for each reason at 0
-            # before any failure (tests/integration/test_metrics_triton.py).
+            # Triton 2.51 shows a model's counters at 0 from its load, the
+            # failure counter once per reason (tests/integration/test_metrics_triton.py).
+            for name in MODEL_COUNTERS:
+                self.triton.set(name, labels, 0)
             for reason in FAILURE_REASONS:
-                self.triton.inc("nv_inference_request_failure", (*cached[0], ("reason", reason)), 0)
+                self.triton.set("nv_inference_request_failure", (*labels, ("reason", reason)), 0)
         return cached
+
+    def unloaded(self, ready: set[tuple[str, int]]) -> None:
+        """Versions no longer loaded lose their counters, all but the failure
+        counter, as Triton 2.51's do at the unload."""
+        for key in [k for k in self._labels if k not in ready]:
+            labels = self._labels.pop(key)[0]
+            for name in MODEL_COUNTERS:
+                self.triton.remove(name, labels)
 
     def loaded(self, model: str, version: int) -> None:
         """A loaded version's counters exist, at 0 until its first request,
         as Triton 2.51 shows them from the model's load."""
-        labels, _ = self._labels_of(model, version)
-        for name in MODEL_COUNTERS:
-            self.triton.inc(name, labels, 0)
+        self._labels_of(model, version)
 
     def success(
         self, model: str, version: int, request_ns: int, batch_size: int, timing: pb.Timing
     ) -> None:
         self.book.of(model, version).record_success(request_ns, batch_size, timing)
-        labels, phases = self._labels_of(model, version)
+        labels, phases, _ = self._labels_of(model, version)
         inc = self.triton.inc
         inc("nv_inference_request_success", labels)
         inc("nv_inference_count", labels, max(batch_size, 1))
@@ -100,7 +116,7 @@ class RequestRecorder:
         for a hit (a success, its request and queue time, the hit; no
         inference count, no execution, no compute phases)."""
         self.book.of(model, version).record_cache_hit(request_ns, queue_ns, lookup_ns)
-        labels, phases = self._labels_of(model, version)
+        labels, phases, _ = self._labels_of(model, version)
         inc = self.triton.inc
         inc("nv_inference_request_success", labels)
         inc("nv_inference_request_duration_us", labels, request_ns // 1000)
@@ -112,7 +128,7 @@ class RequestRecorder:
     def cache_miss(self, model: str, version: int, lookup_insert_ns: int) -> None:
         """The cache's share of a request that missed (its success recorded by success())."""
         self.book.of(model, version).record_cache_miss(lookup_insert_ns)
-        labels, _ = self._labels_of(model, version)
+        labels, _, _ = self._labels_of(model, version)
         inc = self.triton.inc
         inc("nv_inference_request_duration_us", labels, lookup_insert_ns // 1000)
         inc("nv_cache_num_misses_per_model", labels)

@@ -155,6 +155,10 @@ class StatsBook:
         self._stats: dict[tuple[str, int], tuple[int, ModelVersionStats]] = {}
         self._generation_of = generation_of
 
+    def generation(self, model: str) -> int:
+        """The model's current load."""
+        return self._generation_of(model)
+
     def of(self, model: str, version: int) -> ModelVersionStats:
         key = (model, version)
         generation = self._generation_of(model)

@@ -518,11 +518,16 @@ class DataPlane:
 
     def _loaded_series(self) -> None:
         """Every ready model version's Triton counters (0 until its first
-        request). Runs on the metrics server's thread: reads a copy of the
-        table's entries."""
-        for name, entry in list(self.models.entries.items()):
-            for version in entry.ready_versions():
-                self.recorder.loaded(name, version)
+        request), none of the others' (their failure counters stay). Runs on
+        the metrics server's thread: reads a copy of the table's entries."""
+        ready = {
+            (name, version)
+            for name, entry in list(self.models.entries.items())
+            for version in entry.ready_versions()
+        }
+        self.recorder.unloaded(ready)
+        for name, version in ready:
+            self.recorder.loaded(name, version)
 
     def _generation_of(self, model: str) -> int:
         entry = self.models.entries.get(model)

@@ -17,6 +17,7 @@ from bench.references import wait_ready
 from stageserve.launcher import Stack, start_services
 from stageserve.net import free_port
 from tests.integration.helpers import triton_grpc, write_echo
+from tests.stack import wait_until
 
 REASONS = {"OTHER", "BACKEND", "CANCELED", "REJECTED"}
 
@@ -82,3 +83,55 @@ def test_every_family_triton_shows_is_ours_with_its_type_help_and_fixed_values(
         stack.stop()
     assert ours_loaded == triton_loaded
     assert {name: ours.get(name) for name in triton} == triton
+
+
+def _unload_and_load(grpc_url: str, metrics_port: int) -> tuple[dict, dict]:
+    """A model's counters after one request and its unload, then after its
+    load again."""
+    with grpcclient.InferenceServerClient(grpc_url) as client:
+        inp = grpcclient.InferInput("IN", [1, 1], "INT32")
+        inp.set_data_from_numpy(np.array([[7]], np.int32))
+        client.infer("echo", [inp])
+        client.unload_model("echo")
+
+        def unloaded_now() -> dict:
+            return _counters(_scrape(metrics_port))
+
+        # (Triton takes its counters away once the model is destroyed, a
+        # moment after the unload returned)
+        wait_until(
+            lambda: {name for name, _ in unloaded_now()} == {"nv_inference_request_failure"}, 20
+        )
+        unloaded = unloaded_now()
+        client.load_model("echo")
+        return unloaded, _counters(_scrape(metrics_port))
+
+
+def test_an_unload_and_a_load_again_leave_the_counters_as_triton_does(tmp_path: Path) -> None:
+    """Triton 2.51: the unload takes the counters away but for the failure
+    counter's; the load again starts every one from 0."""
+    repo = write_echo(tmp_path / "repo", max_batch_size=4)
+    port = free_port()
+    explicit = ("--model-control-mode=explicit", "--load-model=echo")
+    extra = ("--allow-metrics=true", f"--metrics-port={port}", *explicit)
+    with triton_grpc(repo, tmp_path / "triton", ["echo"], *extra) as url:
+        triton = _unload_and_load(url, port)
+    unloaded, reloaded = triton
+    assert {name for name, _ in unloaded} == {"nv_inference_request_failure"}
+    assert len(reloaded) == 12 and set(reloaded.values()) == {"0"}
+    stack = Stack()
+    try:
+        port = free_port()
+        services = start_services(
+            stack,
+            repo,
+            control_mode="explicit",
+            load_models=["echo"],
+            device="cpu",
+            metrics_port=port,
+        )
+        wait_ready(services.gateway.address, ["echo"], 60)
+        ours = _unload_and_load(services.gateway.address, port)
+    finally:
+        stack.stop()
+    assert ours == triton

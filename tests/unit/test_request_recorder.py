@@ -103,6 +103,30 @@ def test_a_success_moves_statistics_counters_and_histograms_together() -> None:
     assert sample("stageserve_request_duration_seconds_bucket", le_1ms) == 1
 
 
+def test_a_model_loaded_again_counts_from_zero_and_an_unloaded_one_keeps_only_failures() -> None:
+    model = _unique("reloaded")
+    metrics = TritonMetrics()
+    generation = {model: 1}
+    recorder = RequestRecorder(StatsBook(lambda m: generation.get(m, 0)), metrics)
+    labels = model_labels(model, 1)
+    other = _unique("other")
+    recorder.loaded(other, 1)
+    recorder.loaded(model, 1)  # before any request: every counter at 0
+    assert metrics.get("nv_inference_request_success", labels) == 0
+    assert (labels, 0) in metrics._values["nv_inference_count"].items()
+    recorder.success(model, 1, 1_000, 1, pb.Timing(batch_leader=True, batch_size=1))
+    recorder.failure(model, 1, 1_000, pb.BACKEND_FAILED)
+    assert metrics.get("nv_inference_request_success", labels) == 1
+    generation[model] = 2  # loaded again
+    recorder.success(model, 1, 1_000, 1, pb.Timing(batch_leader=True, batch_size=1))
+    assert metrics.get("nv_inference_request_success", labels) == 1
+    assert metrics.get("nv_inference_request_failure", (*labels, ("reason", "BACKEND"))) == 0
+    recorder.unloaded({(other, 1)})  # this model is not loaded now
+    assert labels not in metrics._values["nv_inference_request_success"]
+    assert (*labels, ("reason", "OTHER")) in metrics._values["nv_inference_request_failure"]
+    assert model_labels(other, 1) in metrics._values["nv_inference_request_success"]
+
+
 def test_the_inflight_gauge_reads_the_model_tables_count() -> None:
     model = _unique("inflight")
     models = ModelTable()

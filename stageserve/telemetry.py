@@ -136,9 +136,6 @@ class TritonMetrics:
     def __init__(self) -> None:
         self._values: dict[str, dict[Labels, float]] = {name: {} for name in TRITON_FAMILIES}
         self._lock = threading.Lock()
-        # Called (on the metrics server's thread) before each render: the
-        # gateway adds its loaded models' series at 0 there (dataplane.py).
-        self.before_render: Callable[[], None] | None = None
 
     def inc(self, name: str, labels: Labels, value: float = 1.0) -> None:
         family = self._values[name]
@@ -154,8 +151,6 @@ class TritonMetrics:
         self._values[name].pop(labels, None)
 
     def render(self) -> str:
-        if self.before_render is not None:
-            self.before_render()
         lines: list[str] = []
         for name, (kind, help_text) in TRITON_FAMILIES.items():
             samples = list(self._values[name].items())

@@ -113,8 +113,6 @@ class DataPlane:
         self.scheduler = scheduler
         self.stats = StatsBook(self._generation_of)
         self.recorder = RequestRecorder(self.stats)
-        # (one gateway per process: its loaded models' series, at each scrape)
-        self.recorder.triton.before_render = self._loaded_series
         self.shared: SharedStats | None = None  # set by the server: fleet-wide totals
         self.log_control: LogControl | None = None  # set by the server: LogSettings
         self._inflight_watched: set[str] = set()
@@ -516,7 +514,7 @@ class DataPlane:
             reason = pb.UNIMPLEMENTED if err.unimplemented else pb.INVALID_INPUT
             raise StageError.of(reason, err.message) from None
 
-    def _loaded_series(self) -> None:
+    def loaded_series(self) -> None:
         """Every ready model version's Triton counters (0 until its first
         request), none of the others' (their failure counters stay). Runs on
         the metrics server's thread: reads a copy of the table's entries."""

@@ -123,6 +123,7 @@ async def serve(
 
         def metrics_body() -> bytes:
             pending.refresh()
+            dataplane.loaded_series()
             return render()
 
         serve_metrics(metrics_port, gateway.metrics_address, body=metrics_body)

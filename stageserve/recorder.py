@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from stageserve.errors import triton_reason
 from stageserve.generated import stageserve_pb2 as pb
-from stageserve.statistics import StatsBook
+from stageserve.statistics import ModelVersionStats, StatsBook
 from stageserve.telemetry import (
     REQUEST_DURATION,
     TRITON,
@@ -50,14 +50,23 @@ class RequestRecorder:
         # order) and the model's load (generation) they count
         self._labels: dict[tuple[str, int], tuple[Labels, tuple[LoopHistogramChild, ...], int]] = {}
 
-    def _labels_of(
+    def _of(
         self, model: str, version: int
+    ) -> tuple[ModelVersionStats, Labels, tuple[LoopHistogramChild, ...]]:
+        """A (model, version)'s statistics, counter labels and phase
+        histograms (in _PHASES order), for the model's current load: the load
+        is looked up once per request."""
+        generation = self.book.generation(model)
+        labels, phases, _ = self._labels_of(model, version, generation)
+        return self.book.of(model, version, generation), labels, phases
+
+    def _labels_of(
+        self, model: str, version: int, generation: int
     ) -> tuple[Labels, tuple[LoopHistogramChild, ...], int]:
-        """A (model, version)'s counter labels and phase histograms, in _PHASES
-        order. A model loaded again counts from 0, as in Triton 2.51."""
+        """A (model, version)'s counter labels and phase histograms, kept per
+        load: a model loaded again counts from 0, as in Triton 2.51."""
         key = (model, version)
         cached = self._labels.get(key)
-        generation = self.book.generation(model)
         if cached is None or cached[2] != generation:
             v = str(version)
             labels = model_labels(model, version)
@@ -77,21 +86,23 @@ class RequestRecorder:
     def unloaded(self, ready: set[tuple[str, int]]) -> None:
         """Versions no longer loaded lose their counters, all but the failure
         counter, as Triton 2.51's do at the unload."""
-        for key in [k for k in self._labels if k not in ready]:
-            labels = self._labels.pop(key)[0]
-            for name in MODEL_COUNTERS:
-                self.triton.remove(name, labels)
+        # (on the metrics server's thread: a copy of the keys, as the loop may add one)
+        for key in [k for k in list(self._labels) if k not in ready]:
+            gone = self._labels.pop(key, None)
+            if gone is not None:
+                for name in MODEL_COUNTERS:
+                    self.triton.remove(name, gone[0])
 
     def loaded(self, model: str, version: int) -> None:
         """A loaded version's counters exist, at 0 until its first request,
         as Triton 2.51 shows them from the model's load."""
-        self._labels_of(model, version)
+        self._labels_of(model, version, self.book.generation(model))
 
     def success(
         self, model: str, version: int, request_ns: int, batch_size: int, timing: pb.Timing
     ) -> None:
-        self.book.of(model, version).record_success(request_ns, batch_size, timing)
-        labels, phases, _ = self._labels_of(model, version)
+        stats, labels, phases = self._of(model, version)
+        stats.record_success(request_ns, batch_size, timing)
         inc = self.triton.inc
         inc("nv_inference_request_success", labels)
         inc("nv_inference_count", labels, max(batch_size, 1))
@@ -115,8 +126,8 @@ class RequestRecorder:
         """A request answered from the response cache: Triton 2.51's figures
         for a hit (a success, its request and queue time, the hit; no
         inference count, no execution, no compute phases)."""
-        self.book.of(model, version).record_cache_hit(request_ns, queue_ns, lookup_ns)
-        labels, phases, _ = self._labels_of(model, version)
+        stats, labels, phases = self._of(model, version)
+        stats.record_cache_hit(request_ns, queue_ns, lookup_ns)
         inc = self.triton.inc
         inc("nv_inference_request_success", labels)
         inc("nv_inference_request_duration_us", labels, request_ns // 1000)
@@ -127,8 +138,8 @@ class RequestRecorder:
 
     def cache_miss(self, model: str, version: int, lookup_insert_ns: int) -> None:
         """The cache's share of a request that missed (its success recorded by success())."""
-        self.book.of(model, version).record_cache_miss(lookup_insert_ns)
-        labels, _, _ = self._labels_of(model, version)
+        stats, labels, _ = self._of(model, version)
+        stats.record_cache_miss(lookup_insert_ns)
         inc = self.triton.inc
         inc("nv_inference_request_duration_us", labels, lookup_insert_ns // 1000)
         inc("nv_cache_num_misses_per_model", labels)
@@ -143,6 +154,8 @@ class RequestRecorder:
     ) -> None:
         """A failed request; `reason` (a FailureReason, as the stages told it)
         gives Triton's reason label of nv_inference_request_failure."""
-        self.book.of(model, version).record_failure(request_ns)
-        labels = (*model_labels(model, version), ("reason", triton_reason(reason)))
-        self.triton.inc("nv_inference_request_failure", labels)
+        stats, labels, _ = self._of(model, version)  # (a new load's counters start at 0 first)
+        stats.record_failure(request_ns)
+        self.triton.inc(
+            "nv_inference_request_failure", (*labels, ("reason", triton_reason(reason)))
+        )

@@ -100,14 +100,14 @@ class ScriptLane:
             hello.append(("AUTH", *auth))
         if int(conn.db):
             hello.append(("SELECT", int(conn.db)))
-        timeouts = {
+        options = {
             "hello": hello,
             "timeout_s": conn.socket_timeout,
             "connect_timeout_s": conn.socket_connect_timeout,
         }
         if isinstance(conn, UnixDomainSocketConnection):
-            return cls(client, path=conn.path, **timeouts)
-        return cls(client, host=conn.host, port=int(conn.port), **timeouts)
+            return cls(client, path=conn.path, **options)
+        return cls(client, host=conn.host, port=int(conn.port), **options)
 
     def script(self, text: str) -> LaneScript:
         return LaneScript(self, text)

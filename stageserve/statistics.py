@@ -159,9 +159,11 @@ class StatsBook:
         """The model's current load."""
         return self._generation_of(model)
 
-    def of(self, model: str, version: int) -> ModelVersionStats:
+    def of(self, model: str, version: int, generation: int | None = None) -> ModelVersionStats:
+        """`generation`: the model's current load, when the caller has it."""
         key = (model, version)
-        generation = self._generation_of(model)
+        if generation is None:
+            generation = self._generation_of(model)
         held = self._stats.get(key)
         if held is None or held[0] != generation:
             held = self._stats[key] = (generation, ModelVersionStats())

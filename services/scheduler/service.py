@@ -380,6 +380,7 @@ async def serve(
         if service.step_cache is not None:
             await service.step_cache.close()
         await asyncio.to_thread(spans.close)
-        if "script_lane" in vars(service) and service.script_lane is not None:  # (made)
-            service.script_lane.close()
+        lane = vars(service).get("script_lane")  # made by the first sequence model, if any
+        if lane is not None:
+            lane.close()
         await redis.aclose()

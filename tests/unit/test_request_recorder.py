@@ -127,6 +127,20 @@ def test_a_model_loaded_again_counts_from_zero_and_an_unloaded_one_keeps_only_fa
     assert model_labels(other, 1) in metrics._values["nv_inference_request_success"]
 
 
+def test_a_failure_first_after_a_load_again_is_counted_in_the_new_load() -> None:
+    model = _unique("failed_first")
+    metrics = TritonMetrics()
+    generation = {model: 1}
+    recorder = RequestRecorder(StatsBook(lambda m: generation.get(m, 0)), metrics)
+    backend = (*model_labels(model, 1), ("reason", "BACKEND"))
+    recorder.failure(model, 1, 1_000, pb.BACKEND_FAILED)
+    generation[model] = 2
+    recorder.failure(model, 1, 1_000, pb.BACKEND_FAILED)
+    recorder.success(model, 1, 1_000, 1, pb.Timing(batch_leader=True, batch_size=1))
+    assert metrics.get("nv_inference_request_failure", backend) == 1
+    assert metrics.get("nv_inference_request_success", model_labels(model, 1)) == 1
+
+
 def test_the_inflight_gauge_reads_the_model_tables_count() -> None:
     model = _unique("inflight")
     models = ModelTable()

@@ -53,6 +53,7 @@ class Queued:
     cid: str = ""  # sequences: its sequence (sequence_store.sequence_key)
     entry: str = ""  # sequences: its backlog entry in Redis
     listed: bool = True  # sequences: the entry is in Redis, the request may run
+    shape: tuple = ()  # sequences: its inputs' shape_key, which rows of a batch share
 
 
 class Strategy(Protocol):

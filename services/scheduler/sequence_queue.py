@@ -37,12 +37,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import numpy as np
-
 from services.scheduler.batch_strategy import Queued
 from services.scheduler.execute_request import add_request_info, error_response
 from services.scheduler.model_queue import ModelQueue
 from services.scheduler.sequence_cache import Kept, SequenceCache
+from services.scheduler.sequence_controls import ControlFill
 from services.scheduler.sequence_store import (
     UNKNOWN,
     WAIT,
@@ -52,12 +51,12 @@ from services.scheduler.sequence_store import (
     StateUpdate,
 )
 from services.scheduler.sequence_strategy import SequenceStrategy
-from stageserve.config import ControlInput, ModelSpec, StateSpec
+from stageserve.config import ModelSpec, SequenceBatching, StateSpec
 from stageserve.errors import StageError, invalid, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.script_lane import ScriptLane
 from stageserve.settings import SchedulerSettings
-from stageserve.tensors import element_count, numpy_to_raw, serialize_bytes_elements
+from stageserve.tensors import element_count, serialize_bytes_elements
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +90,8 @@ class SequenceIO:
         self._listing: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._changed: Callable[[], None] = lambda: None
+        self._fills: list[ControlFill] = []
+        self._fills_for: SequenceBatching | None = None
 
     def bind(self, changed: Callable[[], None]) -> None:
         """`changed`: the queue's depth or eligibility changed (wakes its loop)."""
@@ -288,8 +289,9 @@ class SequenceIO:
                     raw=b"".join(parts),
                 )
             )
-        for control in seq.controls:
-            req.inputs.append(_control_tensor(control, rows, batch_dim))
+        msgs = [r.msg if r is not None else None for r in rows]
+        for fill in self._control_fills(seq):
+            req.inputs.append(fill.tensor(msgs, batch_dim))
         for state in seq.states:
             shape = self._state_shape(state, head, job.states[head.cid])  # every row has it
             raw = b"".join(
@@ -318,6 +320,13 @@ class SequenceIO:
             if request_info:
                 add_request_info(req, r.msg if r is not None else None)
         return req
+
+    def _control_fills(self, seq: SequenceBatching) -> list[ControlFill]:
+        """The model's control inputs, encoded once per config (a reload may change them)."""
+        if self._fills_for is not seq:
+            self._fills = [ControlFill(c) for c in seq.controls]
+            self._fills_for = seq
+        return self._fills
 
     def _state_row(
         self, state: StateSpec, q: Queued, states: States, shape: tuple[int, ...]
@@ -386,11 +395,7 @@ class SequenceJob:
         for i, (q, result) in enumerate(zip(self.rows, results, strict=True)):
             if q is None:
                 continue
-            new_states = {
-                t.name: StateUpdate(t.raw, tuple(t.shape[skip:]))
-                for t in result.outputs
-                if t.name in state_names
-            }
+            new_states = _state_updates(result.outputs, state_names, skip)
             held = q.cid in self.held
             finished.append(
                 Finished(
@@ -448,6 +453,21 @@ class SequenceJob:
             self.unsettled.clear()
 
 
+def _state_updates(
+    outputs: Sequence[pb.Tensor], names: set[str], skip: int
+) -> dict[str, StateUpdate]:
+    """A row's new states among its outputs. Searched from the end: the
+    batch asks for the state outputs after the client's (`_execute_request`)."""
+    found: dict[str, StateUpdate] = {}
+    for k in range(len(outputs) - 1, -1, -1):
+        t = outputs[k]
+        if t.name in names:
+            found[t.name] = StateUpdate(t.raw, tuple(t.shape[skip:]))
+            if len(found) == len(names):
+                break
+    return found
+
+
 def _start_states(q: Queued, claim: Claim) -> States:
     """The states a request runs with: the kept ones, or initial at START."""
     if q.msg.sequence_start:
@@ -461,43 +481,6 @@ def _padding(t: pb.Tensor) -> bytes:
         return serialize_bytes_elements([b""] * element_count(t.shape[1:]))
     rows = t.shape[0] if t.shape else 1
     return b"\0" * (len(t.raw) // max(rows, 1))
-
-
-def _control_tensor(
-    control: ControlInput, rows: Sequence[Queued | None], batch_dim: list[int]
-) -> pb.Tensor:
-    dt = control.datatype
-    values: list = []
-    for r in rows:
-        msg = r.msg if r is not None else None
-        if control.kind == "CONTROL_SEQUENCE_CORRID":
-            if msg is None:
-                values.append("" if dt.triton == "BYTES" else 0)
-            elif dt.triton == "BYTES":
-                values.append(msg.sequence_id_str or str(msg.sequence_id))
-            elif msg.sequence_id_str:
-                raise invalid(
-                    f"string correlation id '{msg.sequence_id_str}' cannot fill the "
-                    f"{dt.triton} CORRID control '{control.name}'"
-                )
-            else:
-                values.append(msg.sequence_id)
-            continue
-        flag = (
-            msg is not None
-            and {
-                "CONTROL_SEQUENCE_START": msg.sequence_start,
-                "CONTROL_SEQUENCE_END": msg.sequence_end,
-                "CONTROL_SEQUENCE_READY": True,
-            }[control.kind]
-        )
-        values.append(control.true_value if flag else control.false_value)
-    shape = [*batch_dim, 1] if batch_dim else [1]
-    if dt.triton == "BYTES":
-        raw = serialize_bytes_elements(values)
-    else:
-        raw = numpy_to_raw(np.asarray(values, dtype=dt.numpy).reshape(shape), dt)
-    return pb.Tensor(name=control.name, datatype=dt.triton, shape=shape, raw=raw)
 
 
 def make_sequence_queue(

@@ -61,6 +61,9 @@ class SequenceStrategy:
         self.admitted = per_instance * max(1, instances)
         self.idle_s = self.seq.max_idle_us / 1e6
         self.delay_ns = self.seq.max_queue_delay_us * 1000
+        for backlog in self.backlogs.values():  # batching may have changed
+            for q in backlog:
+                q.shape = shape_key(q.msg, spec.batching)
 
     def __len__(self) -> int:
         return self._count
@@ -70,6 +73,7 @@ class SequenceStrategy:
     def add(self, q: Queued) -> bool:
         q.cid = sequence_key(q.msg.sequence_id, q.msg.sequence_id_str)
         q.listed = False
+        q.shape = shape_key(q.msg, self.spec.batching)
         self.backlogs.setdefault(q.cid, deque()).append(q)
         self._count += 1
         return False
@@ -110,19 +114,41 @@ class SequenceStrategy:
             now,
         )
         self._waiting_for_slot = False
-        self.slots.free_idle(
-            now, self.idle_s, lambda cid: cid in self.running or bool(self.backlogs.get(cid))
-        )
+        reclaimed = False
         out = []
         for cid in ready:
             start = self.backlogs[cid][0].msg.sequence_start
-            if self.slots.admit(cid, start, self.admitted, now):
+            admitted = self.slots.admit(cid, start, self.admitted, now)
+            if not admitted and not reclaimed:
+                # Idle sequences give their slots up only when a new one needs
+                # one: walking every slot on each call cost more than the
+                # rest of this method at c=8 (py-spy, docs/benchmarks.md).
+                reclaimed = True
+                self.slots.free_idle(now, self.idle_s, self._busy)
+                admitted = self.slots.admit(cid, start, self.admitted, now)
+            if admitted:
                 out.append(cid)
             else:
                 self._waiting_for_slot = True
         return out
 
+    def _busy(self, cid: str) -> bool:
+        return cid in self.running or bool(self.backlogs.get(cid))
+
     def has_work(self, now_ns: int) -> bool:
+        now = now_ns * _S
+        running, retry_at, slots = self.running, self.retry_at, self.slots
+        for cid, backlog in self.backlogs.items():
+            # the common case first: a continuing sequence's listed request
+            if (
+                backlog
+                and backlog[0].listed
+                and not backlog[0].msg.sequence_start
+                and cid in slots
+                and cid not in running
+                and retry_at.get(cid, 0.0) <= now
+            ):
+                return True
         return bool(self._eligible(now_ns))
 
     def wake_at_ns(self, now_ns: int) -> int | None:
@@ -149,9 +175,8 @@ class SequenceStrategy:
             deadline = oldest + self.delay_ns
             return Decision(None, deadline if wake is None else min(wake, deadline))
         # Rows of one batch share their input shapes (the oldest one's).
-        batching = self.spec.batching
-        want = shape_key(self.backlogs[eligible[0]][0].msg, batching)
-        chosen = [cid for cid in eligible if shape_key(self.backlogs[cid][0].msg, batching) == want]
+        want = self.backlogs[eligible[0]][0].shape
+        chosen = [cid for cid in eligible if self.backlogs[cid][0].shape == want]
         if self.direct:  # one instance group's slots
             group = self.slots.slot(chosen[0]) // self.capacity
             chosen = [cid for cid in chosen if self.slots.slot(cid) // self.capacity == group]

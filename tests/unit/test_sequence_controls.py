@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.scheduler.batch_strategy import Queued
-from services.scheduler.sequence_queue import _control_tensor, _padding
+from services.scheduler.sequence_controls import ControlFill
+from services.scheduler.sequence_queue import _padding
 from stageserve.config import ControlInput, parse_config_text, to_spec
 from stageserve.datatypes import from_triton
 from stageserve.errors import StageError
@@ -15,10 +15,13 @@ from stageserve.tensors import raw_to_numpy
 
 
 def _row(sid=0, sid_str="", start=False, end=False):
-    msg = pb.ScheduleRequest(
+    return pb.ScheduleRequest(
         sequence_id=sid, sequence_id_str=sid_str, sequence_start=start, sequence_end=end
     )
-    return Queued(msg, lambda _r: None, 0)
+
+
+def _control_tensor(control: ControlInput, rows: list, batch_dim: list[int]) -> pb.Tensor:
+    return ControlFill(control).tensor(rows, batch_dim)
 
 
 ROWS = [_row(11, start=True), None, _row(12, end=True)]  # None: a padding row (direct)
@@ -41,6 +44,7 @@ def test_start_end_ready_in_every_form(triton, false, true) -> None:
         t = _control_tensor(ControlInput("C", kind, dt, false, true), ROWS, [3])
         assert t.datatype == triton and list(t.shape) == [3, 1]
         assert _values(t) == expected, kind
+        assert t.raw == np.asarray(expected, dtype=dt.numpy).tobytes(), kind
 
 
 def test_corrid_integer_and_string() -> None:
@@ -53,6 +57,10 @@ def test_corrid_integer_and_string() -> None:
         ControlInput("ID", "CONTROL_SEQUENCE_CORRID", from_triton("BYTES")), rows, [2]
     )
     assert _values(t) == [b"alpha", b"7"]
+    t = _control_tensor(
+        ControlInput("ID", "CONTROL_SEQUENCE_CORRID", from_triton("BYTES")), ROWS, [3]
+    )
+    assert _values(t) == [b"11", b"", b"12"]  # a padding row's id is the empty string
 
 
 def test_string_id_cannot_fill_an_integer_corrid() -> None:
@@ -72,6 +80,10 @@ def test_no_batch_dimension_for_max_batch_size_zero() -> None:
         [],
     )
     assert list(t.shape) == [1] and _values(t) == [1]
+    t = _control_tensor(
+        ControlInput("ID", "CONTROL_SEQUENCE_CORRID", from_triton("UINT64")), [_row(9)], []
+    )
+    assert list(t.shape) == [1] and _values(t) == [9]
 
 
 def test_padding_rows_are_zeros_or_empty_strings() -> None:
@@ -104,3 +116,14 @@ def test_config_forms_parse() -> None:
     assert seq.max_idle_us == 1_000_000  # Triton's default
     assert [c.datatype.triton for c in seq.controls] == ["FP32", "BOOL", "BYTES"]
     assert spec.extra_inputs() == {"S": "FP32", "R": "BOOL", "C": "BYTES"}
+
+
+@pytest.mark.parametrize("triton", ["UINT64", "INT64", "UINT32", "INT32"])
+def test_corrid_bytes_are_little_endian_and_wide_ids_keep_their_low_bytes(triton) -> None:
+    dt = from_triton(triton)
+    control = ControlInput("ID", "CONTROL_SEQUENCE_CORRID", dt)
+    ids = [1, 2**31 + 5, 2**40 + 7]  # 2**40 + 7 fits the 64-bit forms only
+    t = _control_tensor(control, [_row(i) for i in ids], [3])
+    width = dt.item_size * 8
+    want = np.asarray([i % 2**width for i in ids], dtype=np.uint64).astype(dt.numpy)
+    assert t.raw == want.astype(np.dtype(dt.numpy).newbyteorder("<")).tobytes()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -49,12 +50,16 @@ class ControlFill:
             self._true = _row_bytes(control, control.true_value)
             self._false = _row_bytes(control, control.false_value)
 
-    def tensor(self, rows: Sequence[pb.ScheduleRequest | None], batch_dim: list[int]) -> pb.Tensor:
-        """`rows`: the batch's requests in row order (None: a padding row);
-        `batch_dim`: [rows] for a batching model, [] otherwise."""
+    def add_to(
+        self, inputs: Any, rows: Sequence[pb.ScheduleRequest | None], batch_dim: list[int]
+    ) -> pb.Tensor:
+        """Add the tensor for a batch's `rows` (its requests in row order,
+        None: a padding row) to `inputs` (an ExecuteRequest's, built in place:
+        an appended message is a copy); `batch_dim`: [rows] for a batching
+        model, [] otherwise."""
         raw = self._corrid(rows, batch_dim) if self.kind == CORRID else self._flags(rows)
         shape = [*batch_dim, 1] if batch_dim else [1]
-        return pb.Tensor(name=self.name, datatype=self.datatype.triton, shape=shape, raw=raw)
+        return inputs.add(name=self.name, datatype=self.datatype.triton, shape=shape, raw=raw)
 
     def _flags(self, rows: Sequence[pb.ScheduleRequest | None]) -> bytes:
         true, false = self._true, self._false

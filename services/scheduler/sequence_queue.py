@@ -281,17 +281,15 @@ class SequenceIO:
             parts = []
             for r in rows:
                 parts.append(r.msg.inputs[i].raw if r is not None else _padding(t))
-            req.inputs.append(
-                pb.Tensor(
-                    name=t.name,
-                    datatype=t.datatype,
-                    shape=batch_dim + list(t.shape[1:] if spec.batching else t.shape),
-                    raw=b"".join(parts),
-                )
+            req.inputs.add(  # built in place: an appended message is a copy
+                name=t.name,
+                datatype=t.datatype,
+                shape=batch_dim + list(t.shape[1:] if spec.batching else t.shape),
+                raw=b"".join(parts),
             )
         msgs = [r.msg if r is not None else None for r in rows]
         for fill in self._control_fills(seq):
-            req.inputs.append(fill.tensor(msgs, batch_dim))
+            fill.add_to(req.inputs, msgs, batch_dim)
         for state in seq.states:
             shape = self._state_shape(state, head, job.states[head.cid])  # every row has it
             raw = b"".join(
@@ -300,22 +298,24 @@ class SequenceIO:
                 else self._initial(state, shape)
                 for r in rows
             )
-            req.inputs.append(
-                pb.Tensor(
-                    name=state.input_name,
-                    datatype=state.datatype.triton,
-                    shape=batch_dim + list(shape),
-                    raw=raw,
-                )
+            req.inputs.add(
+                name=state.input_name,
+                datatype=state.datatype.triton,
+                shape=batch_dim + list(shape),
+                raw=raw,
             )
         state_outputs = [s.output_name for s in seq.states]
+        every = [o.name for o in spec.outputs]  # a request naming no outputs gets them all
+        every += [s for s in state_outputs if s not in every]
         request_info = spec.backend == "python"  # only Python models read it
+        req.request_batch_sizes.extend([1] * n)
         for r in rows:
-            req.request_batch_sizes.append(1)
             if r is None:
                 req.requested.add(names=state_outputs)
+            elif not r.msg.outputs:
+                req.requested.add(names=every)
             else:
-                wanted = list(r.msg.outputs) or [o.name for o in spec.outputs]
+                wanted = list(r.msg.outputs)
                 req.requested.add(names=wanted + [s for s in state_outputs if s not in wanted])
             if request_info:
                 add_request_info(req, r.msg if r is not None else None)

@@ -21,7 +21,10 @@ def _row(sid=0, sid_str="", start=False, end=False):
 
 
 def _control_tensor(control: ControlInput, rows: list, batch_dim: list[int]) -> pb.Tensor:
-    return ControlFill(control).tensor(rows, batch_dim)
+    inputs = pb.ExecuteRequest().inputs
+    t = ControlFill(control).add_to(inputs, rows, batch_dim)
+    assert list(inputs) == [t]
+    return t
 
 
 ROWS = [_row(11, start=True), None, _row(12, end=True)]  # None: a padding row (direct)

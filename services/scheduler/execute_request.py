@@ -38,17 +38,15 @@ def build_execute_request(
     req = pb.ExecuteRequest(instance_id=instance_id)
     for i, t in enumerate(first.inputs):
         if t.name in ragged:
-            req.inputs.append(_ragged_input(req, t, [q.msg.inputs[i] for q in batch]))
+            _add_ragged_input(req, t, [q.msg.inputs[i] for q in batch])
             continue
         if len(batch) == 1:
             req.inputs.append(t)
             continue
         total = sum(q.msg.inputs[i].shape[0] for q in batch)
-        req.inputs.append(
-            _joined(
-                pb.Tensor(name=t.name, datatype=t.datatype, shape=[total, *t.shape[1:]]),
-                [q.msg.inputs[i] for q in batch],
-            )
+        _join_into(  # built in place: an appended message is a copy of its bytes
+            req.inputs.add(name=t.name, datatype=t.datatype, shape=[total, *t.shape[1:]]),
+            [q.msg.inputs[i] for q in batch],
         )
     req.request_batch_sizes.extend(q.msg.batch_size if batching else 1 for q in batch)
     for q in batch:
@@ -64,19 +62,18 @@ def build_execute_request(
     return req
 
 
-def _joined(out: pb.Tensor, parts: list[pb.Tensor]) -> pb.Tensor:
-    """`out` holding the requests' bytes in order: concatenated raw bytes, or,
+def _join_into(out: pb.Tensor, parts: list[pb.Tensor]) -> None:
+    """`out` gets the requests' bytes in order: concatenated raw bytes, or,
     when some request's bytes are in a gateway's shared memory, the list of
     every request's parts (references passed through, never read here)."""
     if not any(t.parts for t in parts):
         out.raw = b"".join(t.raw for t in parts)
-        return out
+        return
     for t in parts:
         if t.parts:
             out.parts.extend(t.parts)
         else:
             out.parts.add(raw=t.raw)
-    return out
 
 
 def add_request_info(req: pb.ExecuteRequest, msg: pb.ScheduleRequest | None) -> None:
@@ -95,14 +92,10 @@ def add_request_info(req: pb.ExecuteRequest, msg: pb.ScheduleRequest | None) -> 
     )
 
 
-def _ragged_input(req: pb.ExecuteRequest, first: pb.Tensor, parts: list[pb.Tensor]) -> pb.Tensor:
+def _add_ragged_input(req: pb.ExecuteRequest, first: pb.Tensor, parts: list[pb.Tensor]) -> None:
     """One ragged input across the batch; records each request's shape in req."""
     shapes = req.ragged_shapes.add(input=first.name, rank=len(first.shape))
     for t in parts:
         shapes.dims.extend(t.shape)
-    return _joined(
-        pb.Tensor(
-            name=first.name, datatype=first.datatype, shape=[sum(math.prod(t.shape) for t in parts)]
-        ),
-        parts,
-    )
+    total = sum(math.prod(t.shape) for t in parts)
+    _join_into(req.inputs.add(name=first.name, datatype=first.datatype, shape=[total]), parts)

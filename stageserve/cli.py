@@ -240,6 +240,11 @@ def _up_gateway_flags(args: argparse.Namespace, gateway: GatewaySettings) -> lis
         flags += ["--model-config-name", gateway.model_config_name]
     if args.metrics_address is not None:
         flags += ["--metrics-address", gateway.metrics_address]
+    if args.grpc_infer_response_compression_level is not None:
+        flags += [
+            "--grpc-infer-response-compression-level",
+            gateway.grpc_infer_response_compression,
+        ]
     for flag, pattern in (
         ("--grpc-header-forward-pattern", gateway.grpc_header_forward_pattern),
         ("--http-header-forward-pattern", gateway.http_header_forward_pattern),

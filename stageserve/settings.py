@@ -215,6 +215,10 @@ class GatewaySettings:
     # (services/gateway/header_forward.py); None: none forwarded.
     grpc_header_forward_pattern: str | None = flag(None, "grpc_header_forward_pattern")
     http_header_forward_pattern: str | None = flag(None, "http_header_forward_pattern")
+    # Triton's --grpc-infer-response-compression-level: the gRPC front's
+    # ModelInfer / ModelStreamInfer answers compressed as Triton does
+    # (stageserve/h2grpc/wire.py response_encoding); "none": uncompressed.
+    grpc_infer_response_compression: str = flag("none", "grpc_infer_response_compression_level")
     # Triton's --metrics-address: what the Triton metrics port binds.
     metrics_address: str = flag("0.0.0.0", "metrics_address")
     # Triton's --model-config-name: a model's configs/<name>.pbtxt is read

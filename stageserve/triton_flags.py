@@ -75,7 +75,6 @@ NO_EFFECT: dict[str, str] = {
     "--grpc-http2-max-ping-strikes": _PINGS,
     "--grpc-max-connection-age": "client connections have no age limit",
     "--grpc-max-connection-age-grace": "client connections have no age limit",
-    "--grpc-infer-response-compression-level": "responses go uncompressed",
     "--cache-directory": "the response cache is built in",
     "--cuda-virtual-address-size": "implicit sequence state lives in Redis",
     "--enable-peer-access": "GPUs are taken as the backends find them",
@@ -333,7 +332,6 @@ def add_triton_flags(p: argparse.ArgumentParser) -> None:
         ("--grpc-http2-max-ping-strikes", triton_int, False),
         ("--grpc-max-connection-age", triton_int, False),
         ("--grpc-max-connection-age-grace", triton_int, False),
-        ("--grpc-infer-response-compression-level", compression_level, False),
         ("--cache-directory", str, False),
         ("--cuda-virtual-address-size", triton_pair, True),
         ("--enable-peer-access", flag_bool, False),
@@ -361,6 +359,14 @@ def add_triton_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="as tritonserver: a model's configs/<name>.pbtxt is read instead of its "
         "config.pbtxt where it has one",
+    )
+    p.add_argument(
+        "--grpc-infer-response-compression-level",
+        type=compression_level,
+        default=None,
+        help="as tritonserver: none, low, medium or high; ModelInfer and ModelStreamInfer "
+        "answers are compressed with gzip or deflate as the client accepts (StageServe's "
+        "own gRPC server, the default front; grpcio's front leaves them uncompressed)",
     )
     for flag in ("--grpc-header-forward-pattern", "--http-header-forward-pattern"):
         p.add_argument(

@@ -42,6 +42,11 @@ from stageserve.tracing import parse_trace_config
 
 log = logging.getLogger(__name__)
 
+# The methods whose answers Triton's --grpc-infer-response-compression-level
+# compresses (Triton 2.51, tests/integration/test_grpc_response_compression.py).
+INFERENCE_SERVICE = "inference.GRPCInferenceService"
+INFER_METHODS = ("ModelInfer", "ModelStreamInfer")
+
 
 async def serve(
     listen: str,
@@ -112,11 +117,17 @@ async def serve(
     # --reuse-grpc-port says, so a port another process holds fails the bind
     # unless several gateways are meant to share it.
     options = [*SERVER_OPTIONS, ("grpc.so_reuseport", int(gateway.reuse_grpc_port))]
-    server = (
-        H2GrpcServer(options=options, interceptors=interceptors)
-        if gateway.grpc_server == "h2"
-        else grpc.aio.server(options=options, interceptors=interceptors)
-    )
+    level = gateway.grpc_infer_response_compression
+    if gateway.grpc_server == "h2":
+        compressed = {f"/{INFERENCE_SERVICE}/{m}": level for m in INFER_METHODS}
+        server = H2GrpcServer(options=options, interceptors=interceptors, compression=compressed)
+    else:
+        if level != "none":
+            log.info(
+                "flag accepted, no effect in StageServe",
+                extra={"flag": "--grpc-infer-response-compression-level (grpcio's front)"},
+            )
+        server = grpc.aio.server(options=options, interceptors=interceptors)
     gs_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(dataplane), server)
     if metrics_port:
         pending = PendingGauge(models, link, asyncio.get_running_loop())

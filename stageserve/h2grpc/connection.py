@@ -145,12 +145,13 @@ class ServerConnection:
         if end_stream:
             self._maybe_close(stream)
 
-    def send_message(self, sid: int, message: bytes) -> None:
-        """One gRPC message (uncompressed) as DATA, within the flow-control windows."""
+    def send_message(self, sid: int, message: bytes, compressed: bool = False) -> None:
+        """One gRPC message as DATA, within the flow-control windows
+        (`compressed`: its bytes are, with the response's grpc-encoding)."""
         stream = self._streams.get(sid)
         if stream is None or not stream.local_open:
             return
-        prefix = b"\x00" + len(message).to_bytes(4, "big")
+        prefix = (b"\x01" if compressed else b"\x00") + len(message).to_bytes(4, "big")
         total = len(message) + 5
         if (
             not stream.pending

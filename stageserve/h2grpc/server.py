@@ -24,7 +24,10 @@ exception text leaves the process); a client's reset or a passed
 grpc-timeout cancels the handler's task (the latter answering
 DEADLINE_EXCEEDED); `stop(grace)` refuses new calls (GOAWAY), lets calls in
 flight finish for `grace` seconds, then cancels them. Requests compressed
-with gzip or deflate are accepted; responses are not compressed.
+with gzip or deflate are accepted; the answers of the methods given a
+compression level (Triton's --grpc-infer-response-compression-level, for
+ModelInfer and ModelStreamInfer) are compressed as Triton compresses them
+(wire.response_encoding), the others are not.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import logging
 import socket
 import ssl
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import grpc
@@ -176,6 +179,7 @@ class _Call:
         "headers",
         "_metadata",
         "encoding",
+        "compression",
         "deadline",
         "timer",
         "handler",
@@ -196,6 +200,7 @@ class _Call:
         self.headers: list[tuple[bytes, bytes]] = []  # as received
         self._metadata: Metadata | None = None
         self.encoding = b"identity"
+        self.compression: bytes | None = None  # the answers' algorithm (None: none)
         self.deadline: float | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.handler: grpc.RpcMethodHandler | None = None
@@ -225,10 +230,15 @@ class _Call:
 
     # -- output ---------------------------------------------------------------
 
+    def _response_headers(self) -> bytes:
+        if self.compression is None:
+            return wire.RESPONSE_HEADERS
+        return wire.ENCODED_RESPONSE_HEADERS[self.compression]
+
     def send_headers(self, extra: bytes = b"") -> None:
         if not self.headers_sent:
             self.headers_sent = True
-            self.connection.conn.send_headers(self.sid, wire.RESPONSE_HEADERS + extra)
+            self.connection.conn.send_headers(self.sid, self._response_headers() + extra)
             self.connection.flush_soon()
 
     def send_message(self, message: Any) -> None:
@@ -238,8 +248,16 @@ class _Call:
         assert handler is not None
         data = handler.response_serializer(message) if handler.response_serializer else message
         self.send_headers()
-        self.connection.conn.send_message(self.sid, data)
+        self._send_data(data)
         self.connection.flush_soon()
+
+    def _send_data(self, data: bytes) -> None:
+        if self.compression is not None:
+            packed = wire.compress(self.compression, data)
+            if packed is not None:
+                self.connection.conn.send_message(self.sid, packed, compressed=True)
+                return
+        self.connection.conn.send_message(self.sid, data)
 
     def finish(
         self, code: grpc.StatusCode, message: str = "", response: bytes | None = None
@@ -280,11 +298,11 @@ class _Call:
             return
         if not self.headers_sent:
             self.headers_sent = True
-            conn.send_headers(self.sid, wire.RESPONSE_HEADERS)
+            conn.send_headers(self.sid, self._response_headers())
         if response is not None:
             if not isinstance(response, bytes | bytearray | memoryview):
                 raise TypeError(f"the answer is {type(response).__name__}, not bytes")
-            conn.send_message(self.sid, bytes(response))
+            self._send_data(bytes(response))
         conn.send_headers(self.sid, block, end_stream=True)
 
     # -- input ----------------------------------------------------------------
@@ -424,7 +442,7 @@ class _Connection(asyncio.Protocol):
             self.conn.reset(sid, wire.REFUSED_STREAM)
             return
         path = b""
-        timeout = encoding = None
+        timeout = encoding = accepted = None
         for name, value in headers:
             if name == b":path":
                 path = value
@@ -432,6 +450,8 @@ class _Connection(asyncio.Protocol):
                 timeout = value
             elif name == b"grpc-encoding":
                 encoding = value
+            elif name == b"grpc-accept-encoding":
+                accepted = value
         call = _Call(self, sid, path.decode("latin-1"))
         call.headers = headers
         size = metadata_size(headers)
@@ -444,6 +464,9 @@ class _Connection(asyncio.Protocol):
             return
         if encoding is not None:
             call.encoding = encoding
+        level = server._compression.get(path)
+        if level is not None:
+            call.compression = wire.response_encoding(level, accepted)
         self.calls[sid] = call
         if timeout is not None:
             seconds = wire.parse_timeout(timeout.decode("latin-1"))
@@ -578,7 +601,15 @@ class H2GrpcServer:
         self,
         options: Sequence[tuple[str, Any]] = (),
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        compression: Mapping[str, str] | None = None,
     ) -> None:
+        """`compression`: method path -> Triton's compression level for its
+        answers ("none", "low", "medium", "high"); others go uncompressed."""
+        self._compression = {
+            path.encode(): level
+            for path, level in (compression or {}).items()
+            if level in wire.COMPRESSING_LEVELS
+        }
         self._reuse_port = bool(dict(options).get("grpc.so_reuseport", 1))
         self._interceptors = list(interceptors)
         self._registered: dict[bytes, grpc.RpcMethodHandler] = {}

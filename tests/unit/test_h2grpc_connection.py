@@ -6,6 +6,9 @@ from hpack's own encoder; what the server writes is parsed back into frames.
 
 from __future__ import annotations
 
+import gzip
+import zlib
+
 import hpack
 import pytest
 
@@ -403,3 +406,54 @@ def test_a_header_block_over_a_mebibyte_is_a_connection_error() -> None:
     with pytest.raises(ProtocolError) as err:
         client.send(data)
     assert err.value.code == wire.COMPRESSION_ERROR
+
+
+def test_a_compressed_message_is_flagged_under_its_encoding_header() -> None:
+    client = Client()
+    client.send(client.headers(1, end_stream=True))
+    client.server.send_headers(1, wire.ENCODED_RESPONSE_HEADERS[b"gzip"])
+    packed = wire.compress(b"gzip", bytes(4096))
+    assert packed is not None
+    client.server.send_message(1, packed, compressed=True)
+    out = client.output()
+    assert ("grpc-encoding", "gzip") in list(hpack.Decoder().decode(out[0][3]))
+    assert out[1][3] == grpc_message(packed, compressed=True)
+
+
+# grpc-accept-encoding -> algorithm, per level, as Triton 2.51 answered a raw
+# HTTP/2 client (tests/integration/test_grpc_response_compression.py checks it live)
+ENCODINGS = {
+    "low": {
+        "identity,deflate,gzip": "gzip",
+        "identity,gzip": "gzip",
+        "identity,deflate": "deflate",
+    },
+    "medium": {
+        "identity,deflate,gzip": "deflate",
+        "identity,gzip": "gzip",
+        "identity,deflate": "deflate",
+    },
+    "high": {
+        "identity,deflate,gzip": "deflate",
+        "identity,gzip": "gzip",
+        "identity,deflate": "deflate",
+    },
+}
+
+
+@pytest.mark.parametrize("level", ["none", "low", "medium", "high"])
+def test_response_encoding_per_level_and_accepted_set(level: str) -> None:
+    for accepted in ("identity,deflate,gzip", "identity,gzip", "identity,deflate", "identity"):
+        want = ENCODINGS.get(level, {}).get(accepted)
+        got = wire.response_encoding(level, accepted.encode())
+        assert got == (want.encode() if want else None), (level, accepted)
+    assert wire.response_encoding(level, None) is None  # no grpc-accept-encoding
+
+
+def test_compress_round_trips_and_keeps_a_message_it_would_lengthen() -> None:
+    body = bytes(8192)
+    packed_gzip = wire.compress(b"gzip", body)
+    packed_deflate = wire.compress(b"deflate", body)
+    assert packed_gzip is not None and gzip.decompress(packed_gzip) == body
+    assert packed_deflate is not None and zlib.decompress(packed_deflate) == body  # zlib format
+    assert wire.compress(b"gzip", b"\x08\x01") is None  # 2 bytes: compressing lengthens

@@ -211,13 +211,24 @@ def test_tritons_transport_and_cloud_flags_parse_and_change_nothing() -> None:
     for flag in (
         "--grpc-keepalive-time",
         "--grpc-keepalive-permit-without-calls",
-        "--grpc-infer-response-compression-level",
         "--host-policy",
         "--model-load-gpu-limit",
         "--sagemaker-safe-port-range",
     ):
         assert flag in named, (flag, named)
     assert refused(args) is None
+    # compression takes effect (stageserve/h2grpc/wire.py response_encoding),
+    # in every gateway `up` starts
+    assert "--grpc-infer-response-compression-level" not in named
+    parser = build_parser()
+    up = parser.parse_args(["up", "--grpc-infer-response-compression-level=high"])
+    gateway = _settings(parser, up).gateway
+    assert gateway.grpc_infer_response_compression == "high"
+    flags = _up_gateway_flags(up, gateway)
+    at = flags.index("--grpc-infer-response-compression-level")
+    assert flags[at + 1] == "high"
+    plain = parser.parse_args(["up"])
+    assert _settings(parser, plain).gateway.grpc_infer_response_compression == "none"
 
 
 def test_deprecated_trace_and_cache_flags_become_their_configs(

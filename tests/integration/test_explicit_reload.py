@@ -84,9 +84,13 @@ def test_an_explicit_load_of_an_unchanged_model_is_a_no_op_as_in_triton(tmp_path
     triton_repo = _repository(tmp_path / "triton_repo", triton_inits)
     with triton_grpc(triton_repo, tmp_path / "triton", ["echo"], *explicit) as url:
         triton = _load_twice(url, triton_inits)
-    # Triton: the first load reloads (its own __pycache__ changed the folder),
-    # the second is a no-op
-    assert triton == [(2, 1), (0, 2), (2, 2), (2, 2), (3, 2)]
+    # Triton: the first load reloads where its Python backend wrote a
+    # __pycache__ into the model's folder (it changed the folder), the second
+    # is a no-op
+    if (triton_repo / "echo" / "1" / "__pycache__").is_dir():
+        assert triton == [(2, 1), (0, 2), (2, 2), (2, 2), (3, 2)]
+    else:  # no bytecode written (PYTHONDONTWRITEBYTECODE, say): no reload at all
+        assert triton == [(2, 1), (2, 1), (4, 1), (4, 1), (5, 1)]
     inits = tmp_path / "inits.log"
     repo = _repository(tmp_path / "repo", inits)
     stack = Stack()

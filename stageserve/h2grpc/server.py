@@ -294,7 +294,7 @@ class _Call:
         )
         if not self.headers_sent and response is None:
             # Trailers-only: one HEADERS frame carries status and trailers.
-            conn.send_headers(self.sid, wire.RESPONSE_HEADERS + block, end_stream=True)
+            conn.send_headers(self.sid, wire.TRAILERS_ONLY_HEADERS + block, end_stream=True)
             return
         if not self.headers_sent:
             self.headers_sent = True

@@ -69,16 +69,17 @@ def hpack_literal(name: bytes, value: bytes) -> bytes:
 
 
 STATUS_200 = b"\x88"  # static table index 8, ":status: 200"
-RESPONSE_HEADERS = (
-    STATUS_200
-    + hpack_literal(b"content-type", b"application/grpc")
-    + hpack_literal(b"grpc-accept-encoding", b"identity,deflate,gzip")
-)
+# The header fields and values Triton 2.51's C++ gRPC server answers with, in
+# its order (tests/integration/test_grpc_response_compression.py): a
+# trailers-only answer carries no grpc-accept-encoding there.
+TRAILERS_ONLY_HEADERS = STATUS_200 + hpack_literal(b"content-type", b"application/grpc")
+_ACCEPTED = hpack_literal(b"grpc-accept-encoding", b"identity, deflate, gzip")
+RESPONSE_HEADERS = TRAILERS_ONLY_HEADERS + _ACCEPTED
 
 
 #: A response's headers naming the algorithm its messages are compressed with.
 ENCODED_RESPONSE_HEADERS = {
-    algorithm: RESPONSE_HEADERS + hpack_literal(b"grpc-encoding", algorithm)
+    algorithm: TRAILERS_ONLY_HEADERS + hpack_literal(b"grpc-encoding", algorithm) + _ACCEPTED
     for algorithm in (b"gzip", b"deflate")
 }
 

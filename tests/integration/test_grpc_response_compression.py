@@ -43,10 +43,10 @@ def _frames(sock: socket.socket, buffer: bytearray) -> tuple[int, int, int, byte
 
 
 def raw_call(
-    url: str, method: str, body: bytes, accept: str | None
+    url: str, method: str, body: bytes, accept: str | None, blocks: list | None = None
 ) -> tuple[str | None, int, bytes, str]:
     """One call: (the answer's grpc-encoding, its message's flag byte, the
-    message decompressed, grpc-status)."""
+    message decompressed, grpc-status); `blocks` gets its header blocks."""
     host, port = url.rsplit(":", 1)
     encoder, decoder = hpack.Encoder(), hpack.Decoder()
     headers = [
@@ -68,7 +68,7 @@ def raw_call(
             + wire.frame(wire.DATA, wire.END_STREAM, 1, message)
         )
         buffer = bytearray()
-        blocks: list[dict[str, str]] = []
+        blocks = [] if blocks is None else blocks
         data = b""
         while True:
             kind, flags, sid, payload = _frames(sock, buffer)
@@ -77,12 +77,12 @@ def raw_call(
             if sid != 1:
                 continue
             if kind == wire.HEADERS:
-                blocks.append({str(k): str(v) for k, v in decoder.decode(payload)})
+                blocks.append([(str(k), str(v)) for k, v in decoder.decode(payload)])
             elif kind == wire.DATA:
                 data += payload
             if flags & wire.END_STREAM:
                 break
-    first, last = blocks[0], blocks[-1]
+    first, last = dict(blocks[0]), dict(blocks[-1])
     encoding = first.get("grpc-encoding")
     flag = data[0] if data else -1
     answer = data[5:]
@@ -117,6 +117,17 @@ def _observe(url: str) -> dict[tuple[str, str, str | None], tuple[str | None, in
     return seen
 
 
+def _header_blocks(url: str) -> list[list[tuple[str, str]]]:
+    """Every header block of a compressed answer, an uncompressed one and a
+    trailers-only error, fields in order."""
+    blocks: list[list[tuple[str, str]]] = []
+    raw_call(url, "ModelInfer", _echo_request(2048), "identity,deflate,gzip", blocks)
+    raw_call(url, "ServerLive", b"", "identity,deflate,gzip", blocks)
+    unknown = service_pb2.ModelInferRequest(model_name="nope").SerializeToString()
+    raw_call(url, "ModelInfer", unknown, "identity,deflate,gzip", blocks)
+    return blocks
+
+
 def _repository(root: Path) -> Path:
     repo = write_echo(root, max_batch_size=4)
     config = repo / "echo" / "config.pbtxt"
@@ -130,6 +141,7 @@ def test_infer_answers_compress_as_tritons_do(tmp_path: Path, level: str) -> Non
     repo = _repository(tmp_path / "repo")
     with triton_grpc(repo, tmp_path / "triton", ["echo"], flag) as url:
         triton = _observe(url)
+        triton_blocks = _header_blocks(url)
     # what Triton answered: both infer methods, a large answer compressed
     both = "gzip" if level == "low" else "deflate"
     assert triton[("ModelInfer", "large", "identity,deflate,gzip")] == (both, 1, "0")
@@ -142,6 +154,7 @@ def test_infer_answers_compress_as_tritons_do(tmp_path: Path, level: str) -> Non
         services = start_services(stack, repo, device="cpu", gateway_extra=[flag])
         wait_ready(services.gateway.address, ["echo"], 60)
         ours = _observe(services.gateway.address)
+        ours_blocks = _header_blocks(services.gateway.address)
         with grpcclient.InferenceServerClient(services.gateway.address) as client:
             inp = grpcclient.InferInput("IN", [1, 2048], "INT32")
             data = np.arange(2048, dtype=np.int32).reshape(1, 2048)
@@ -151,6 +164,7 @@ def test_infer_answers_compress_as_tritons_do(tmp_path: Path, level: str) -> Non
     finally:
         stack.stop()
     assert ours == triton
+    assert ours_blocks == triton_blocks
 
 
 def test_without_the_flag_nothing_is_compressed(tmp_path: Path) -> None:

@@ -187,7 +187,7 @@ def test_response_frames_and_trailers_only() -> None:
     assert decoder.decode(out[0][3]) == [
         (":status", "200"),
         ("content-type", "application/grpc"),
-        ("grpc-accept-encoding", "identity,deflate,gzip"),
+        ("grpc-accept-encoding", "identity, deflate, gzip"),
     ]
     assert decoder.decode(out[2][3]) == [("grpc-status", "0")]
     assert not client.server.is_open(1)

@@ -185,10 +185,10 @@ class TensorBatches:
 class _OutputRows:
     """One output of a batch, cut into its requests' tensors. What every row
     shares (the config's shape and datatype, byte order) is settled once per
-    batch, not per row: the example accumulator's batch of four (6 outputs,
-    24 row tensors) cost 146 us of the worker's CPU per batch against
-    `simple`'s 62 (2 outputs), most of it per row (cProfile, 2-core VM;
-    docs/benchmarks.md)."""
+    batch, not per row. `execute_batch` alone on a 4-row batch of the
+    example accumulator (6 outputs, 24 row tensors): 133-141 us of CPU
+    settled per row, 108-113 us so (`simple`, 2 outputs: 58-60 and 50-51;
+    2-core VM, docs/benchmarks.md "Per-row costs of a sequence batch")."""
 
     def __init__(self, name: str, arr: np.ndarray, spec: ModelSpec) -> None:
         self.name = name

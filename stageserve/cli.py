@@ -240,6 +240,8 @@ def _up_gateway_flags(args: argparse.Namespace, gateway: GatewaySettings) -> lis
         flags += ["--model-config-name", gateway.model_config_name]
     if args.metrics_address is not None:
         flags += ["--metrics-address", gateway.metrics_address]
+    if args.model_load_retry_count is not None:
+        flags += ["--model-load-retry-count", str(gateway.model_load_retry_count)]
     if args.grpc_infer_response_compression_level is not None:
         flags += [
             "--grpc-infer-response-compression-level",

@@ -215,6 +215,9 @@ class GatewaySettings:
     # (services/gateway/header_forward.py); None: none forwarded.
     grpc_header_forward_pattern: str | None = flag(None, "grpc_header_forward_pattern")
     http_header_forward_pattern: str | None = flag(None, "http_header_forward_pattern")
+    # Triton's --model-load-retry-count: a load whose instances failed is
+    # published again (a new generation) this many more times before it fails.
+    model_load_retry_count: int = flag(0, "model_load_retry_count")
     # Triton's --grpc-infer-response-compression-level: the gRPC front's
     # ModelInfer / ModelStreamInfer answers compressed as Triton does
     # (stageserve/h2grpc/wire.py response_encoding); "none": uncompressed.

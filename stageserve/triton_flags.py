@@ -80,7 +80,6 @@ NO_EFFECT: dict[str, str] = {
     "--enable-peer-access": "GPUs are taken as the backends find them",
     "--host-policy": "instances are placed by the workers",
     "--model-load-gpu-limit": "loads are not limited by GPU memory use",
-    "--model-load-retry-count": "a load that fails is not retried",
     "--sagemaker-port": _NO_CLOUD,
     "--sagemaker-safe-port-range": _NO_CLOUD,
     "--sagemaker-thread-count": _NO_CLOUD,
@@ -337,7 +336,6 @@ def add_triton_flags(p: argparse.ArgumentParser) -> None:
         ("--enable-peer-access", flag_bool, False),
         ("--host-policy", host_policy, True),
         ("--model-load-gpu-limit", triton_fraction_pair, True),
-        ("--model-load-retry-count", triton_int, False),
         ("--sagemaker-port", triton_int, False),
         ("--sagemaker-safe-port-range", triton_range, False),
         ("--sagemaker-thread-count", triton_int, False),
@@ -359,6 +357,12 @@ def add_triton_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="as tritonserver: a model's configs/<name>.pbtxt is read instead of its "
         "config.pbtxt where it has one",
+    )
+    p.add_argument(
+        "--model-load-retry-count",
+        type=triton_int,
+        default=None,
+        help="as tritonserver: how many times a model load that fails is tried again (default 0)",
     )
     p.add_argument(
         "--grpc-infer-response-compression-level",

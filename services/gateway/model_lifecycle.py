@@ -66,6 +66,7 @@ class ModelLifecycle:
         self.ratelimiter = ratelimiter
         self.control_mode = settings.model_control_mode
         self.load_timeout_s = settings.load_timeout_s
+        self.load_retries = max(0, settings.model_load_retry_count)
         self._locks: dict[str, asyncio.Lock] = {}
         self._drains: set[asyncio.Task] = set()
 
@@ -196,20 +197,29 @@ class ModelLifecycle:
             # the folder it reads, and reloads what changed since.
             files = files_digest(model.fingerprint)
             draining = () if model.spec.steps else removed_versions(old, published, model.versions)
-            generation = await self.state.publish_loaded(
-                model.config,
-                model.versions,
-                model.path,
-                files,
-                adopt=adopt,
-                match_files=self.control_mode == "poll",
-                draining=draining,
-            )
             reasons: dict[int, str]
-            if model.spec.steps:  # an ensemble has no instances of its own
-                versions, reasons = dict.fromkeys(model.versions, READY), {}
-            else:
+            for attempt in range(1 + self.load_retries):
+                # A retry (Triton's --model-load-retry-count) publishes the load
+                # again: a new generation the workers load afresh.
+                generation = await self.state.publish_loaded(
+                    model.config,
+                    model.versions,
+                    model.path,
+                    files,
+                    adopt=adopt and attempt == 0,
+                    match_files=self.control_mode == "poll",
+                    draining=draining,
+                )
+                if model.spec.steps:  # an ensemble has no instances of its own
+                    versions, reasons = dict.fromkeys(model.versions, READY), {}
+                    break
                 versions, reasons = await self._await_instances(name, model.versions, generation)
+                if not reasons or attempt == self.load_retries:
+                    break
+                log.warning(
+                    "model load failed; trying again",
+                    extra={"model": name, "reasons": reasons, "attempt": attempt + 1},
+                )
             entry = ModelEntry(
                 name,
                 versions=versions,

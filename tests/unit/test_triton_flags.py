@@ -229,6 +229,12 @@ def test_tritons_transport_and_cloud_flags_parse_and_change_nothing() -> None:
     assert flags[at + 1] == "high"
     plain = parser.parse_args(["up"])
     assert _settings(parser, plain).gateway.grpc_infer_response_compression == "none"
+    assert _settings(parser, plain).gateway.model_load_retry_count == 0
+    retry = parser.parse_args(["up", "--model-load-retry-count=2"])
+    gateway = _settings(parser, retry).gateway
+    assert gateway.model_load_retry_count == 2
+    assert _up_gateway_flags(retry, gateway)[-2:] == ["--model-load-retry-count", "2"]
+    assert not any(e.startswith("--model-load-retry-count") for e in ignored(retry))
 
 
 def test_deprecated_trace_and_cache_flags_become_their_configs(

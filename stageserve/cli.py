@@ -240,6 +240,12 @@ def _up_gateway_flags(args: argparse.Namespace, gateway: GatewaySettings) -> lis
         flags += ["--model-config-name", gateway.model_config_name]
     if args.metrics_address is not None:
         flags += ["--metrics-address", gateway.metrics_address]
+    for flag, ms in (
+        ("--grpc-max-connection-age", gateway.grpc_max_connection_age_ms),
+        ("--grpc-max-connection-age-grace", gateway.grpc_max_connection_age_grace_ms),
+    ):
+        if ms is not None:
+            flags += [flag, str(ms)]
     if args.model_load_retry_count is not None:
         flags += ["--model-load-retry-count", str(gateway.model_load_retry_count)]
     if args.grpc_infer_response_compression_level is not None:

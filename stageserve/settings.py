@@ -215,6 +215,11 @@ class GatewaySettings:
     # (services/gateway/header_forward.py); None: none forwarded.
     grpc_header_forward_pattern: str | None = flag(None, "grpc_header_forward_pattern")
     http_header_forward_pattern: str | None = flag(None, "http_header_forward_pattern")
+    # Triton's --grpc-max-connection-age / -grace (ms; None: unset): a client
+    # connection older than that is ended (GOAWAY) once its calls finish, the
+    # grace bounding how long they may take (grpc's channel arguments).
+    grpc_max_connection_age_ms: int | None = flag(None, "grpc_max_connection_age")
+    grpc_max_connection_age_grace_ms: int | None = flag(None, "grpc_max_connection_age_grace")
     # Triton's --model-load-retry-count: a load whose instances failed is
     # published again (a new generation) this many more times before it fails.
     model_load_retry_count: int = flag(0, "model_load_retry_count")

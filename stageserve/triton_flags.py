@@ -73,8 +73,6 @@ NO_EFFECT: dict[str, str] = {
     "--grpc-http2-max-pings-without-data": _PINGS,
     "--grpc-http2-min-recv-ping-interval-without-data": _PINGS,
     "--grpc-http2-max-ping-strikes": _PINGS,
-    "--grpc-max-connection-age": "client connections have no age limit",
-    "--grpc-max-connection-age-grace": "client connections have no age limit",
     "--cache-directory": "the response cache is built in",
     "--cuda-virtual-address-size": "implicit sequence state lives in Redis",
     "--enable-peer-access": "GPUs are taken as the backends find them",
@@ -329,8 +327,6 @@ def add_triton_flags(p: argparse.ArgumentParser) -> None:
         ("--grpc-http2-max-pings-without-data", triton_int, False),
         ("--grpc-http2-min-recv-ping-interval-without-data", triton_int, False),
         ("--grpc-http2-max-ping-strikes", triton_int, False),
-        ("--grpc-max-connection-age", triton_int, False),
-        ("--grpc-max-connection-age-grace", triton_int, False),
         ("--cache-directory", str, False),
         ("--cuda-virtual-address-size", triton_pair, True),
         ("--enable-peer-access", flag_bool, False),
@@ -358,6 +354,13 @@ def add_triton_flags(p: argparse.ArgumentParser) -> None:
         help="as tritonserver: a model's configs/<name>.pbtxt is read instead of its "
         "config.pbtxt where it has one",
     )
+    for flag, what in (
+        ("--grpc-max-connection-age", "how long a client connection may live, in ms: then "
+         "the gateway ends it (GOAWAY) once its calls finish; unset: no limit"),
+        ("--grpc-max-connection-age-grace", "how long calls in flight on such a connection "
+         "may go on, in ms; unset: until they finish"),
+    ):  # fmt: skip
+        p.add_argument(flag, type=triton_int, default=None, help=f"as tritonserver: {what}")
     p.add_argument(
         "--model-load-retry-count",
         type=triton_int,

@@ -117,6 +117,12 @@ async def serve(
     # --reuse-grpc-port says, so a port another process holds fails the bind
     # unless several gateways are meant to share it.
     options = [*SERVER_OPTIONS, ("grpc.so_reuseport", int(gateway.reuse_grpc_port))]
+    for option, ms in (
+        ("grpc.max_connection_age_ms", gateway.grpc_max_connection_age_ms),
+        ("grpc.max_connection_age_grace_ms", gateway.grpc_max_connection_age_grace_ms),
+    ):
+        if ms is not None:  # both servers take grpc's channel arguments
+            options.append((option, ms))
     level = gateway.grpc_infer_response_compression
     if gateway.grpc_server == "h2":
         compressed = {f"/{INFERENCE_SERVICE}/{m}": level for m in INFER_METHODS}

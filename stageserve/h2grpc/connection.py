@@ -175,9 +175,17 @@ class ServerConnection:
             self._blocked.pop(sid, None)
             self._out.append(wire.frame(wire.RST_STREAM, 0, sid, code.to_bytes(4, "big")))
 
-    def goaway(self, code: int = wire.NO_ERROR, debug: bytes = b"") -> None:
-        payload = self.last_stream_id.to_bytes(4, "big") + code.to_bytes(4, "big") + debug
+    def goaway(
+        self, code: int = wire.NO_ERROR, debug: bytes = b"", last_stream_id: int | None = None
+    ) -> None:
+        """`last_stream_id` None: the last stream taken (2**31 - 1 announces a
+        shutdown without naming it yet, as grpc's first GOAWAY does)."""
+        last = self.last_stream_id if last_stream_id is None else last_stream_id
+        payload = last.to_bytes(4, "big") + code.to_bytes(4, "big") + debug
         self._out.append(wire.frame(wire.GOAWAY, 0, 0, payload))
+
+    def ping(self, payload: bytes = bytes(8)) -> None:
+        self._out.append(wire.frame(wire.PING, 0, 0, payload))
 
     def _write_headers(self, sid: int, block: bytes, end_stream: bool) -> None:
         flags = wire.END_STREAM if end_stream else 0

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import socket
 import ssl
 import zlib
@@ -375,6 +376,8 @@ class _Connection(asyncio.Protocol):
         self._flush_pending = False
         self._loop = asyncio.get_running_loop()
         self.closing = False
+        self.going_away = False  # past its max age: new calls are refused
+        self._aging: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -385,12 +388,44 @@ class _Connection(asyncio.Protocol):
         if self.server._stopping:
             self.conn.goaway()
         transport.write(self.conn.data_to_send())
+        age = self.server._max_age_s
+        if age is not None:
+            # grpc's +-10 % jitter: connections made together do not all end together
+            self._aging = self._loop.call_later(age * random.uniform(0.9, 1.1), self._aged)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server._connections.discard(self)
         self.transport = None
+        if self._aging is not None:
+            self._aging.cancel()
         for call in list(self.calls.values()):
             call.cancel()
+
+    def _aged(self) -> None:
+        """The connection reached its max age (Triton's --grpc-max-connection-age),
+        ended as grpc's C++ server ends it (tests/integration/test_grpc_connection_age.py):
+        a GOAWAY announcing the end, a PING, a GOAWAY naming the last stream
+        taken; new calls are refused, calls in flight finish (cancelled once
+        the grace, if given, is over), then the connection closes."""
+        self._aging = None
+        if self.transport is None or self.going_away:
+            return
+        self.going_away = True
+        self.conn.goaway(last_stream_id=2**31 - 1)
+        self.conn.ping()
+        self.conn.goaway()
+        self.closing = True
+        self.flush()
+        grace = self.server._max_age_grace_s
+        if grace is not None and self.calls:
+            self._loop.call_later(grace, self._grace_over)
+
+    def _grace_over(self) -> None:
+        for call in list(self.calls.values()):
+            call.cancel()
+        self.flush()
+        if self.transport is not None:
+            self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -438,7 +473,7 @@ class _Connection(asyncio.Protocol):
 
     def _request(self, sid: int, headers: list[tuple[bytes, bytes]]) -> None:
         server = self.server
-        if server._stopping:
+        if server._stopping or self.going_away:
             self.conn.reset(sid, wire.REFUSED_STREAM)
             return
         path = b""
@@ -610,7 +645,13 @@ class H2GrpcServer:
             for path, level in (compression or {}).items()
             if level in wire.COMPRESSING_LEVELS
         }
-        self._reuse_port = bool(dict(options).get("grpc.so_reuseport", 1))
+        given = dict(options)
+        self._reuse_port = bool(given.get("grpc.so_reuseport", 1))
+        # grpc's channel arguments for Triton's --grpc-max-connection-age(-grace), in ms
+        age_ms = given.get("grpc.max_connection_age_ms")
+        grace_ms = given.get("grpc.max_connection_age_grace_ms")
+        self._max_age_s: float | None = None if age_ms is None else age_ms / 1000
+        self._max_age_grace_s: float | None = None if grace_ms is None else grace_ms / 1000
         self._interceptors = list(interceptors)
         self._registered: dict[bytes, grpc.RpcMethodHandler] = {}
         self._generic: list[grpc.GenericRpcHandler] = []

@@ -457,3 +457,16 @@ def test_compress_round_trips_and_keeps_a_message_it_would_lengthen() -> None:
     assert packed_gzip is not None and gzip.decompress(packed_gzip) == body
     assert packed_deflate is not None and zlib.decompress(packed_deflate) == body  # zlib format
     assert wire.compress(b"gzip", b"\x08\x01") is None  # 2 bytes: compressing lengthens
+
+
+def test_goaway_may_name_any_last_stream_and_the_server_may_ping() -> None:
+    client = Client()
+    client.send(client.headers(1, end_stream=True))
+    client.server.goaway(last_stream_id=2**31 - 1)
+    client.server.ping()
+    client.server.goaway()
+    out = client.output()
+    assert [(k, s) for k, _, s, _ in out] == [(wire.GOAWAY, 0), (wire.PING, 0), (wire.GOAWAY, 0)]
+    assert out[0][3][:4] == (2**31 - 1).to_bytes(4, "big")  # a notice: no last stream yet
+    assert out[1][1] == 0 and len(out[1][3]) == 8  # a PING asking for its ACK
+    assert out[2][3][:4] == (1).to_bytes(4, "big")  # the last stream taken

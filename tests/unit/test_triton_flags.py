@@ -235,6 +235,21 @@ def test_tritons_transport_and_cloud_flags_parse_and_change_nothing() -> None:
     assert gateway.model_load_retry_count == 2
     assert _up_gateway_flags(retry, gateway)[-2:] == ["--model-load-retry-count", "2"]
     assert not any(e.startswith("--model-load-retry-count") for e in ignored(retry))
+    aged = parser.parse_args(
+        ["up", "--grpc-max-connection-age=60000", "--grpc-max-connection-age-grace=5000"]
+    )
+    gateway = _settings(parser, aged).gateway
+    assert (gateway.grpc_max_connection_age_ms, gateway.grpc_max_connection_age_grace_ms) == (
+        60000,
+        5000,
+    )
+    assert _up_gateway_flags(aged, gateway)[-4:] == [
+        "--grpc-max-connection-age",
+        "60000",
+        "--grpc-max-connection-age-grace",
+        "5000",
+    ]
+    assert not any(e.startswith("--grpc-max-connection-age") for e in ignored(aged))
 
 
 def test_deprecated_trace_and_cache_flags_become_their_configs(

@@ -61,6 +61,8 @@ def _watch(url: str, call_at_s: float | None) -> list[tuple[float, str, int]]:
                 data = sock.recv(65536)
             except TimeoutError:
                 continue
+            except ConnectionResetError:  # closed while our last ACK was on its way
+                data = b""
             if not data:
                 seen.append((round(now, 2), "closed", 0))
                 break
@@ -127,5 +129,5 @@ def test_an_aged_connection_ends_as_tritons_do(tmp_path: Path) -> None:
     assert _shape(ours_idle) == _shape(triton_idle)
     assert _shape(ours_busy) == _shape(triton_busy)
     for seen in (ours_idle, ours_busy):
-        assert 0.85 <= _goaway_at(seen) <= 1.5, seen  # the age, with grpc's jitter
+        assert 0.85 <= _goaway_at(seen) <= 2.0, seen  # the age, with grpc's jitter
     assert _ended_at(ours_busy) >= 1.5, ours_busy  # the call (1 s from 0.6 s) finished first

@@ -32,17 +32,14 @@ _PACKED = {"UINT64": "Q", "INT64": "Q", "UINT32": "I", "INT32": "I"}
 
 
 def _row_bytes(control: ControlInput, value: float | bool) -> bytes:
-    dt = control.datatype
-    if dt.triton == "BYTES":
-        return serialize_bytes_elements([str(value)])
-    return numpy_to_raw(np.asarray([value], dtype=dt.numpy), dt)
+    """One row of a flag (config.py gives flags INT32, FP32 or BOOL only)."""
+    return numpy_to_raw(np.asarray([value], dtype=control.datatype.numpy), control.datatype)
 
 
 class ControlFill:
     """Builds one control input's tensor for a batch's rows."""
 
     def __init__(self, control: ControlInput) -> None:
-        self.control = control
         self.name = control.name
         self.kind = control.kind
         self.datatype = control.datatype

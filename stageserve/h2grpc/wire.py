@@ -10,6 +10,7 @@ of every call are two constants.
 from __future__ import annotations
 
 import base64
+import gzip
 import zlib
 from collections.abc import Iterable
 
@@ -107,8 +108,7 @@ def compress(algorithm: bytes, message: bytes) -> bytes | None:
     """`message` compressed (gzip, or deflate: zlib's format), or None where
     that would make it longer: grpc then sends it as it is (flag 0) under the
     same grpc-encoding header, as Triton does with a small answer."""
-    z = zlib.compressobj(wbits=31 if algorithm == b"gzip" else 15)
-    out = z.compress(message) + z.flush()
+    out = (gzip.compress if algorithm == b"gzip" else zlib.compress)(message)
     return out if len(out) <= len(message) else None
 
 

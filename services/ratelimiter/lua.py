@@ -184,7 +184,7 @@ return 1
 )
 
 # ARGV: prefix, model, version, grant_id, now_ms, lease_ms, mode, demand_ttl_ms,
-# origin, waiting_ttl_ms
+# origin, waiting_ttl_ms[, n, only ids (n), other_than ids]
 # -> nil if nothing can run now, -3 if this pool waits for another pool's
 #    lower scaled priority, -1 if no instance is registered, {-2, reason}
 #    if no instance can ever run (a resource need above its available count),
@@ -206,12 +206,51 @@ return 1
 # too: if one of them could run now, would be stopped by this grant, and has
 # a lower scaled priority, this one waits. A pool whose resources are busy
 # never makes another wait (no head-of-line blocking across models).
+#
+# ARGV[11] (optional) = n, then n instance ids (`only`: the grant names one of
+# them; a sequence model's pinned instances), then more ids (`other_than`:
+# the grant names none of them while the pool has another instance). When
+# none of `only` is registered with a live worker: {-4, those ids}.
 ACQUIRE = """
 local p, model, ver, gid = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local now, lease, mode, ttl = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])
 local origin, wttl = ARGV[9], tonumber(ARGV[10])
 local pk = model .. ':' .. ver
 local free = p .. 'free:' .. pk
+local pool = p .. 'pool:' .. pk
+
+-- registered, with a live worker
+local function live(iid)
+  local wid = redis.call('HGET', p .. 'inst:' .. iid, 'worker_id')
+  return redis.call('SISMEMBER', pool, iid) == 1 and wid
+    and redis.call('EXISTS', p .. 'worker:' .. wid) == 1
+end
+
+local n_only = tonumber(ARGV[11] or '0') or 0
+local only, other, has_other = {}, {}, false
+for i = 12, 11 + n_only do only[ARGV[i]] = true end
+for i = 12 + n_only, #ARGV do other[ARGV[i]] = true; has_other = true end
+if has_other then  -- a preference: kept only while another instance is there
+  has_other = false
+  for _, iid in ipairs(redis.call('SMEMBERS', pool)) do
+    if not other[iid] and live(iid) then has_other = true; break end
+  end
+end
+local filtered = n_only > 0 or has_other
+local function allowed(iid)
+  if n_only > 0 then return only[iid] == true end
+  return not (has_other and other[iid])
+end
+-- {-4, ids} when no instance of `only` is there any more, else nil
+local function gone()
+  if n_only == 0 then return nil end
+  local out = {-4}
+  for iid in pairs(only) do
+    if live(iid) then return nil end
+    table.insert(out, iid)
+  end
+  return out
+end
 
 local function busy()
   if origin and origin ~= '' then
@@ -230,11 +269,11 @@ local function grant(iid, f, need)
   return {iid, f[1], f[2], f[3], f[4], need and need ~= '' and '1' or '0', f[5] or '0'}
 end
 
-if mode ~= 'execution_count' then
+if mode ~= 'execution_count' and not filtered then
   while true do
     local iid = redis.call('LPOP', free)
     if not iid then
-      if redis.call('SCARD', p .. 'pool:' .. pk) == 0 then return -1 end
+      if redis.call('SCARD', pool) == 0 then return -1 end
       return busy()
     end
     local f = redis.call('HMGET', p .. 'inst:' .. iid, 'kind', 'device_id', 'worker_id',
@@ -244,6 +283,20 @@ if mode ~= 'execution_count' then
     end
     -- a stale entry (its worker is gone): drop it and look further
   end
+end
+if mode ~= 'execution_count' then
+  for _, iid in ipairs(redis.call('LRANGE', free, 0, -1)) do
+    local f = redis.call('HMGET', p .. 'inst:' .. iid, 'kind', 'device_id', 'worker_id',
+      'worker_address', 'prio')
+    if not (f[3] and redis.call('EXISTS', p .. 'worker:' .. f[3]) == 1) then
+      redis.call('LREM', free, 0, iid)  -- stale
+    elseif allowed(iid) then
+      redis.call('LREM', free, 1, iid)
+      return grant(iid, f, nil)
+    end
+  end
+  if redis.call('SCARD', pool) == 0 then return -1 end
+  return gone() or busy()
 end
 
 local held = {}
@@ -266,13 +319,13 @@ local function decode(s) if s and s ~= '' then return cjson.decode(s) end return
 
 -- The best instance of a pool that can run now (given resources `taken`
 -- beyond those held): {iid, scaled priority, need table, need text}.
-local function best(pool_key, taken, drop_stale)
+local function best(pool_key, taken, drop_stale, pick)
   local out = nil
   for _, iid in ipairs(redis.call('LRANGE', p .. 'free:' .. pool_key, 0, -1)) do
     local f = redis.call('HMGET', p .. 'inst:' .. iid, 'worker_id', 'need', 'prio', 'execs')
     if f[1] and redis.call('EXISTS', p .. 'worker:' .. f[1]) == 1 then
       local need = decode(f[2])
-      if runnable(need, taken) then
+      if (not pick or pick(iid)) and runnable(need, taken) then
         local prio = math.max(tonumber(f[3]) or 0, 1)
         local scaled = (tonumber(f[4]) or 0) * prio
         if not out or scaled < out[2] then out = {iid, scaled, need, f[2]} end
@@ -286,9 +339,11 @@ end
 
 redis.call('ZREMRANGEBYSCORE', p .. 'demand', '-inf', now)
 redis.call('ZADD', p .. 'demand', now + ttl, pk)
-local mine = best(pk, {}, true)
+local mine = best(pk, {}, true, filtered and allowed or nil)
 if not mine then
-  if redis.call('SCARD', p .. 'pool:' .. pk) == 0 then return -1 end
+  if redis.call('SCARD', pool) == 0 then return -1 end
+  local g = gone()
+  if g then return g end
   -- busy, or can never run: say which when no instance could ever run
   local reason = nil
   for _, iid in ipairs(redis.call('SMEMBERS', p .. 'pool:' .. pk)) do

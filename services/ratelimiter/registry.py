@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -41,6 +42,13 @@ class Busy:
     """Nothing can run now; look again on a release signal or after `recheck_s`."""
 
     recheck_s: float
+
+
+@dataclass(frozen=True)
+class Gone:
+    """None of the instances the grant had to name is registered any more."""
+
+    instances: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -169,8 +177,18 @@ class RedisRegistry:
         none left: NoInstances). Rare (registrations), so its own round trip."""
         await self._notify_all(args=[self.prefix, self.origin, now_ms()])
 
-    async def attempt(self, model: str, version: int, lease_ms: int) -> Grant | Busy:
-        """A grant on a free instance, else how to wait; NoInstances if none exist."""
+    async def attempt(
+        self,
+        model: str,
+        version: int,
+        lease_ms: int,
+        only: Sequence[str] = (),
+        other_than: Sequence[str] = (),
+    ) -> Grant | Busy | Gone:
+        """A grant on a free instance, else how to wait; NoInstances if none
+        exist. `only`: the grant names one of these instances (Gone when none
+        of them is registered); `other_than`: none of these while the pool
+        has another instance."""
         grant_id = uuid.uuid4().hex
         args: list[str | int] = [
             self.prefix,
@@ -181,13 +199,18 @@ class RedisRegistry:
             lease_ms,
             self.mode,
         ]
-        res = await self._acquire(args=[*args, DEMAND_TTL_MS, self.origin, self.waiting_ttl_ms])
+        args += [DEMAND_TTL_MS, self.origin, self.waiting_ttl_ms]
+        if only or other_than:
+            args += [len(only), *only, *other_than]
+        res = await self._acquire(args=args)
         if res is None:
             return self.busy
         if res == -3:
             return self.deferred
         if res == -1:
             raise NoInstances(f"no instance of model '{model}' version {version} is registered")
+        if res[0] == -4:
+            return Gone(tuple(x.decode() for x in res[1:]))
         if res[0] == -2:
             raise NeverRunnable(
                 f"no instance of model '{model}' version {version} can ever run: {res[1].decode()}"

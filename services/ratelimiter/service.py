@@ -17,6 +17,7 @@ import grpc
 
 from services.ratelimiter.errors import stage_error, typed_errors
 from services.ratelimiter.registry import (
+    Gone,
     Grant,
     Instance,
     NoInstances,
@@ -170,7 +171,14 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
         started = time.monotonic()
         deadline = started + request.wait_ms / 1000.0
         start_ns = time.monotonic_ns() if request.traceparents else 0
-        resp = await self._acquire(model, version, lease_ms, deadline)
+        resp = await self._acquire(
+            model,
+            version,
+            lease_ms,
+            deadline,
+            tuple(request.only_instances),
+            tuple(request.other_than),
+        )
         if request.traceparents:
             await record_grant_spans(request, resp, start_ns, time.monotonic_ns())
         waited = time.monotonic() - started
@@ -180,16 +188,29 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
         return resp
 
     async def _acquire(
-        self, model: str, version: int, lease_ms: int, deadline: float
+        self,
+        model: str,
+        version: int,
+        lease_ms: int,
+        deadline: float,
+        only: tuple[str, ...] = (),
+        other_than: tuple[str, ...] = (),
     ) -> pb.AcquireResponse:
         while True:
             event = self.wakeups.event(model, version)
             try:
-                got = await self.registry.attempt(model, version, lease_ms)
+                got = await self.registry.attempt(model, version, lease_ms, only, other_than)
             except NoInstances as exc:
                 return pb.AcquireResponse(granted=False, reason=str(exc), failure=pb.NO_INSTANCE)
             if isinstance(got, Grant):
                 return self._granted(got)
+            if isinstance(got, Gone):  # the asker picks other instances
+                return pb.AcquireResponse(
+                    granted=False,
+                    reason="the instances asked for are gone",
+                    failure=pb.INSTANCE_BUSY,
+                    gone_instances=got.instances,
+                )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return pb.AcquireResponse(

@@ -31,6 +31,7 @@ from services.scheduler.batcher import (
     QueuePolicy,
 )
 from services.scheduler.batcher import shape_key as batch_shape_key
+from services.scheduler.instance_pins import InstanceFilter
 from stageserve.config import ModelSpec, QueuePolicySpec
 from stageserve.generated import stageserve_pb2 as pb
 
@@ -76,8 +77,23 @@ class Strategy(Protocol):
         (a retry or an idle-out coming due); None: only those wake it."""
         ...
 
-    def next_batch(self, now_ns: int) -> Decision[Queued]:
-        """Decision.batch holds Queued requests (not batcher entries)."""
+    def instance_filter(self, now_ns: int) -> InstanceFilter | None:
+        """Which instances can run the next batch (None: any); a sequence
+        model's sequences stay on their instance (instance_pins.py)."""
+        ...
+
+    def next_batch(self, now_ns: int, instance: str | None = None) -> Decision[Queued]:
+        """A batch to run on `instance` (None: any); Decision.batch holds
+        Queued requests (not batcher entries)."""
+        ...
+
+    def forget_instance(self, instance: str) -> None:
+        """The instance went away (its worker died or unloaded the model)."""
+        ...
+
+    def crowded(self, now_ns: int) -> None:
+        """The rate limiter granted an instance the filter excluded: no other
+        instance was there."""
         ...
 
     def finished(self, batch: list[Queued], now_ns: int) -> None:
@@ -163,7 +179,16 @@ class QueueStrategy:
     def wake_at_ns(self, now_ns: int) -> int | None:
         return None
 
-    def next_batch(self, now_ns: int) -> Decision[Queued]:
+    def instance_filter(self, now_ns: int) -> InstanceFilter | None:
+        return None
+
+    def forget_instance(self, instance: str) -> None:
+        pass
+
+    def crowded(self, now_ns: int) -> None:
+        pass
+
+    def next_batch(self, now_ns: int, instance: str | None = None) -> Decision[Queued]:
         decision = self.batcher.next_batch(now_ns)
         batch: list = decision.batch or []
         for i, p in enumerate(batch):  # in place: no new list per batch

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -30,6 +30,13 @@ class Granted:
     # It holds rate_limiter resources: released after one execution, never
     # kept for reuse (other instances wait for those resources).
     holds_resources: bool = False
+
+
+@dataclass(frozen=True)
+class InstancesGone:
+    """None of the instances an acquire asked for is registered any more."""
+
+    instances: tuple[str, ...]
 
 
 class RateLimiterClient:
@@ -104,11 +111,18 @@ class RateLimiterClient:
                 log.warning("grant renewal failed", extra={"error": str(exc)})
 
     async def acquire(
-        self, model: str, version: int, traceparents: Sequence[str] = ()
-    ) -> Granted | None:
+        self,
+        model: str,
+        version: int,
+        traceparents: Sequence[str] = (),
+        only: Collection[str] = (),
+        other_than: Collection[str] = (),
+    ) -> Granted | InstancesGone | None:
         """A grant, or None when every instance stayed busy for wait_ms;
         `traceparents`: the traced requests waiting for it (the rate limiter
-        emits a "grant" span under each).
+        emits a "grant" span under each). `only`: the grant names one of
+        these instances (InstancesGone when none of them is registered any
+        more); `other_than`: none of these while the model has another.
 
         Raises StageError (UNAVAILABLE) when no instance exists, or the rate
         limiter or its Redis cannot be reached.
@@ -120,6 +134,10 @@ class RateLimiterClient:
         )
         if traceparents:
             request.acquire.traceparents.extend(traceparents)
+        if only:
+            request.acquire.only_instances.extend(only)
+        if other_than:
+            request.acquire.other_than.extend(other_than)
         resp = await self._acquire_call(request, self.wait_ms / 1000.0 + 5.0)
         if resp.granted:
             self.held.add(resp.grant_id)
@@ -133,6 +151,8 @@ class RateLimiterClient:
             )
         if resp.failure == pb.NO_INSTANCE:
             raise StageError.of(pb.NO_INSTANCE, resp.reason)
+        if resp.gone_instances:
+            return InstancesGone(tuple(resp.gone_instances))
         return None
 
     async def release(self, grant_id: str, failed: bool = False, reason: str = "") -> None:

@@ -66,17 +66,34 @@ class GrantPool(Generic[G]):
         self._spare.append(held)
         return True
 
-    def take(self, usable: Callable[[G], Usable]) -> tuple[Held[G] | None, list[tuple[G, bool]]]:
-        """A usable held grant (most recent first) or None, and the unusable
-        ones met on the way: (grant, release as failed) for the caller."""
+    def take(
+        self,
+        usable: Callable[[G], Usable],
+        fits: Callable[[G], bool] | None = None,
+        now: float = 0.0,
+    ) -> tuple[Held[G] | None, list[tuple[G, bool]]]:
+        """A usable held grant that `fits` (most recent first) or None, and
+        the unusable ones met on the way: (grant, release as failed) for the
+        caller. Grants that do not fit stay held (a sequence's instance may
+        be needed again soon) until `reuse_s` after they were acquired, then
+        go back (not failed) so other queues get their instances."""
         releases: list[tuple[G, bool]] = []
+        unfit: list[Held[G]] = []
+        found: Held[G] | None = None
         while self._spare:
             held = self._spare.pop()
             state = usable(held.grant)
-            if state is Usable.OK:
-                return held, releases
-            releases.append((held.grant, state is Usable.BROKEN))
-        return None, releases
+            if state is not Usable.OK:
+                releases.append((held.grant, state is Usable.BROKEN))
+            elif fits is None or fits(held.grant):
+                found = held
+                break
+            elif now - held.since > self.reuse_s:
+                releases.append((held.grant, False))
+            else:
+                unfit.append(held)
+        self._spare.extend(reversed(unfit))
+        return found, releases
 
     def busy(self) -> None:
         """The queue has work: no standby hold is running."""

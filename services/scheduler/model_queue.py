@@ -30,9 +30,10 @@ from redis.exceptions import RedisError
 from services.scheduler.batch_run import BatchRun, RunState
 from services.scheduler.batch_strategy import Queued, QueueStrategy, Respond, Strategy
 from services.scheduler.batcher import QueueFull
-from services.scheduler.clients import Granted, RateLimiterClient, WorkerClients
+from services.scheduler.clients import Granted, InstancesGone, RateLimiterClient, WorkerClients
 from services.scheduler.execute_request import error_response
 from services.scheduler.grant_pool import GrantPool, Held, Usable
+from services.scheduler.instance_pins import InstanceFilter
 from services.scheduler.response_order import ResponseOrder
 from services.scheduler.wakeup import Wakeup
 from stageserve.config import ModelSpec
@@ -94,6 +95,8 @@ class ModelQueue:
         self._grant_event = asyncio.Event()
         self.grants: GrantPool[Granted] = GrantPool(settings.grant_reuse_s, settings.standby_hold_s)
         self._acquiring: asyncio.Task | None = None
+        # instance -> its grants out with this queue's batches (not in the pool)
+        self._running_on: dict[str, int] = {}
         # traced requests queued and not yet in a batch: an acquire names them
         # all (the rate limiter's "grant" span of each); empty when untraced
         self._traced_waiting: list[Queued] = []
@@ -275,6 +278,9 @@ class ModelQueue:
         """A finished batch's grant: the pool keeps it for the next batch, or it
         goes back to the rate limiter."""
         grant = held.grant
+        left = self._running_on.pop(grant.instance_id, 1) - 1
+        if left:
+            self._running_on[grant.instance_id] = left
         if not self.grants.finished(held, failed, grant.holds_resources, time.monotonic()):
             self._spawn(self.ratelimiter.release(grant.grant_id, failed=bool(failed)))
         self._grant_event.set()
@@ -304,17 +310,26 @@ class ModelQueue:
 
     def _usable(self, grant: Granted) -> Usable:
         if self.workers.is_broken(grant.worker_address):
+            self.strategy.forget_instance(grant.instance_id)
             return Usable.BROKEN
-        if grant.grant_id in self.ratelimiter.lost:
+        if grant.grant_id in self.ratelimiter.lost:  # its worker died
+            self.strategy.forget_instance(grant.instance_id)
             return Usable.LOST
         return Usable.OK
 
-    async def _acquire_into_spare(self) -> None:
+    async def _acquire_into_spare(self, wanted: InstanceFilter | None) -> None:
         try:
             traced = [q.msg.traceparent for q in self._traced_waiting]
-            grant = await self.ratelimiter.acquire(self.model, self.version, traced)
-            if grant is not None:
-                self.grants.acquired(grant, time.monotonic())
+            only = wanted.only if wanted is not None else ()
+            other_than = wanted.other_than if wanted is not None else ()
+            got = await self.ratelimiter.acquire(self.model, self.version, traced, only, other_than)
+            if isinstance(got, InstancesGone):
+                for instance in got.instances:
+                    self.strategy.forget_instance(instance)
+            elif got is not None:
+                if got.instance_id in other_than:  # no other instance is there
+                    self.strategy.crowded(time.monotonic_ns())
+                self.grants.acquired(got, time.monotonic())
         except StageError as err:
             # No instance at all, or the rate limiter is down: answer now
             # rather than keep clients waiting.
@@ -323,9 +338,11 @@ class ModelQueue:
             self._acquiring = None
             self._grant_event.set()
 
-    def _take_held(self) -> Held[Granted] | None:
-        """A usable held grant, if any; unusable ones met on the way go back."""
-        held, releases = self.grants.take(self._usable)
+    def _take_held(self, wanted: InstanceFilter | None) -> Held[Granted] | None:
+        """A usable held grant on an instance `wanted` names, if any;
+        unusable ones met on the way go back."""
+        fits = None if wanted is None else (lambda g: wanted.fits(g.instance_id))
+        held, releases = self.grants.take(self._usable, fits, time.monotonic())
         for grant, failed in releases:
             self._spawn(self.ratelimiter.release(grant.grant_id, failed=failed))
         return held
@@ -334,15 +351,27 @@ class ModelQueue:
         """A held grant if there is one, else wait for a batch to finish or the
         rate limiter to grant another instance. None once the queue emptied."""
         while True:
-            held = self._take_held()
+            now_ns = time.monotonic_ns()
+            wanted = self.strategy.instance_filter(now_ns)
+            held = self._take_held(wanted)
             if held is not None:
                 return held
-            if not self.strategy.has_work(time.monotonic_ns()):
+            if not self.strategy.has_work(now_ns):
                 return None
-            if self._acquiring is None:
-                self._acquiring = asyncio.create_task(self._acquire_into_spare())
+            if self._acquiring is None and not self._running_all(wanted):
+                self._acquiring = asyncio.create_task(self._acquire_into_spare(wanted))
             self._grant_event.clear()
             await self._grant_event.wait()
+
+    def _running_all(self, wanted: InstanceFilter | None) -> bool:
+        """Whether every instance `wanted` allows runs a batch of ours: their
+        grants come back to the pool when those end, asking the rate limiter
+        would only wait."""
+        return (
+            wanted is not None
+            and bool(wanted.only)
+            and all(i in self._running_on for i in wanted.only)
+        )
 
     # ---------------------------------------------------------------- dispatch
 
@@ -373,7 +402,7 @@ class ModelQueue:
                 held = await self._next_grant()
                 if held is None:
                     continue
-                batch, formed_ns = await self._form_batch()
+                batch, formed_ns = await self._form_batch(held.grant.instance_id)
                 if not batch:
                     self.grants.put_back(held)
                     continue
@@ -386,13 +415,13 @@ class ModelQueue:
 
     def _dispatch_at_once(self) -> bool:
         """A batch started from wake(); False: none could start here."""
-        held = self._take_held()
+        held = self._take_held(self.strategy.instance_filter(time.monotonic_ns()))
         if held is None:
             return False
         try:
             self._expire()
             formed_ns = time.monotonic_ns()
-            batch = self.strategy.next_batch(formed_ns).batch
+            batch = self.strategy.next_batch(formed_ns, held.grant.instance_id).batch
         except BaseException:  # the grant goes back to the pool, not lost with the error
             self.grants.put_back(held)
             raise
@@ -422,14 +451,17 @@ class ModelQueue:
     def _dispatch(self, batch: list[Queued], held: Held[Granted], formed_ns: int) -> None:
         """`formed_ns`: when the strategy picked the batch (its "batch" span starts)."""
         self.executing += 1
+        instance = held.grant.instance_id
+        self._running_on[instance] = self._running_on.get(instance, 0) + 1
         self._spawn(self._guarded(batch, held, formed_ns))
 
-    async def _form_batch(self) -> tuple[list[Queued], int]:
-        """A batch and when the strategy picked it; ([], 0) when none is due."""
+    async def _form_batch(self, instance: str) -> tuple[list[Queued], int]:
+        """A batch for `instance` and when the strategy picked it; ([], 0)
+        when none is due."""
         while True:
             self._expire()
             now_ns = time.monotonic_ns()
-            decision = self.strategy.next_batch(now_ns)
+            decision = self.strategy.next_batch(now_ns, instance)
             batch = decision.batch
             if batch:
                 return self._formed(batch), now_ns

@@ -7,8 +7,8 @@ pure (no I/O, time passed in), unit-tested on their own.
   come.
 - `DirectSlots`: the direct strategy's slots. A sequence owns a batch slot
   from its START to its END or idle timeout; START on an active id starts it
-  over; a START waits while every slot is taken. Slot s is row
-  s % max_batch_size of its instance group's batches (`layout`), gaps are
+  over; a START waits while every slot is taken. With G instance groups,
+  slot s is row s // G of group s % G's batches (`layout`), gaps are
   padding.
 """
 
@@ -42,6 +42,12 @@ class DirectSlots(Generic[R]):
     def __contains__(self, cid: str) -> bool:
         return cid in self._slots
 
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def taken(self) -> set[int]:
+        return {slot for slot, _ in self._slots.values()}
+
     def slot(self, cid: str, default: int = -1) -> int:
         return self._slots.get(cid, (default, 0.0))[0]
 
@@ -52,7 +58,7 @@ class DirectSlots(Generic[R]):
                 del self._slots[cid]
 
     def free_slot(self, capacity: int) -> int | None:
-        used = {slot for slot, _ in self._slots.values()}
+        used = self.taken()
         return next((s for s in range(capacity) if s not in used), None)
 
     def admit(self, cid: str, start: bool, capacity: int, now: float) -> bool:
@@ -80,16 +86,16 @@ class DirectSlots(Generic[R]):
         idle = [last for cid, (_, last) in self._slots.items() if cid not in running]
         return min(idle) + idle_s if idle else None
 
-    def layout(self, claimed: list[tuple[str, R, int]], capacity: int) -> list[R | None]:
-        """Batch rows for (sequence, row, slot it claimed with): slot s is row
-        s % capacity (slots of several instances repeat the rows), gaps are
-        None (padding); a row whose slot clashes or is unknown (e.g. after a
-        restart) takes the first gap, or goes at the end."""
+    def layout(self, claimed: list[tuple[str, R, int]], groups: int) -> list[R | None]:
+        """Batch rows for (sequence, row, slot it claimed with) of one group's
+        batch: slot s is row s // groups, gaps are None (padding); a row whose
+        slot clashes or is unknown (e.g. after a restart) takes the first gap,
+        or goes at the end."""
         by_slot: dict[int, R] = {}
         spill: list[R] = []
         for cid, row, claimed_slot in claimed:
             slot = self.slot(cid, claimed_slot)
-            index = slot % capacity if slot >= 0 else -1
+            index = slot // groups if slot >= 0 else -1
             if index >= 0 and index not in by_slot:
                 by_slot[index] = row
             else:

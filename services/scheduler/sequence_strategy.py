@@ -13,9 +13,16 @@ batch share their input shapes (the oldest head's).
   2.51 does; tests/integration/test_sequence_candidates.py);
 - direct: every instance has max_batch_size slots, as in Triton 2.51; a
   sequence owns one from its START to its END (or idle timeout), and a
-  START waits while every slot is taken. Slot s is row s % max_batch_size
-  of instance group s // max_batch_size; a batch takes the sequences of
-  one group, gaps are padding (`layout`).
+  START waits while every slot is taken.
+
+With G instances in the config, slot s belongs to instance group s % G
+(lowest free slot first, so sequences spread over the instances as in
+Triton) and, for direct, is row s // G of that group's batches, gaps being
+padding (`layout`). A batch holds the sequences of one group, and a group
+runs on one instance from its first batch while any of its slots is taken
+(instance_pins.py): a sequence's requests all run on one instance, as
+Triton promises. `instance_filter` says which grants can run a batch now;
+`next_batch(instance=...)` forms one for the granted instance.
 
 Both admit sequences with `DirectSlots`; `wake_at_ns` says when the least
 recently used idle one frees.
@@ -32,6 +39,7 @@ from collections import deque
 
 from services.scheduler.batch_strategy import Queued, shape_key
 from services.scheduler.batcher import Decision
+from services.scheduler.instance_pins import InstanceFilter, InstancePins
 from services.scheduler.sequence_slots import DirectSlots, ready_in_age_order
 from services.scheduler.sequence_store import sequence_key
 from stageserve.config import ModelSpec, SequenceBatching
@@ -59,6 +67,7 @@ class SequenceStrategy:
         instances = sum(g.count * max(1, len(g.gpus)) for g in spec.instance_groups)
         per_instance = self.capacity if self.direct else self.seq.max_candidates or self.capacity
         self.admitted = per_instance * max(1, instances)
+        self.pins = InstancePins(instances)  # a reload's instances are new ones
         self.idle_s = self.seq.max_idle_us / 1e6
         self.delay_ns = self.seq.max_queue_delay_us * 1000
         for backlog in self.backlogs.values():  # batching may have changed
@@ -164,8 +173,50 @@ class SequenceStrategy:
                 times.append(max(expiry, now) + 0.001)
         return round(min(times) * 1e9) if times else None
 
-    def next_batch(self, now_ns: int) -> Decision[Queued]:
+    def _group(self, cid: str) -> int:
+        return self.pins.group_of(self.slots.slot(cid))
+
+    def _unpin_empty_groups(self) -> None:
+        if self.pins.groups == 1:
+            if not len(self.slots):
+                self.pins.clear()
+        else:
+            self.pins.keep_only({self.pins.group_of(s) for s in self.slots.taken()})
+
+    def instance_filter(self, now_ns: int) -> InstanceFilter | None:
+        """Which grants can run a batch now (None: any)."""
+        self._unpin_empty_groups()
+        pins = self.pins
+        if pins.groups == 1:  # no eligibility walk: one group holds every sequence
+            pinned = pins.instance_of(0)
+            return None if pinned is None else InstanceFilter(only=frozenset((pinned,)))
+        return pins.filter({self._group(cid) for cid in self._eligible(now_ns)}, now_ns * _S)
+
+    def _runnable(self, eligible: list[str], instance: str | None, now_ns: int) -> list[str]:
+        """The eligible sequences of the one group a batch on `instance` takes
+        (None: the oldest eligible sequence's group), oldest first."""
+        pins = self.pins
+        if pins.groups == 1:
+            pinned = pins.instance_of(0)
+            return eligible if instance is None or pinned in (None, instance) else []
+        if instance is None:
+            first = self._group(eligible[0])
+            return [cid for cid in eligible if self._group(cid) == first]
+        own = [cid for cid in eligible if pins.instance_of(self._group(cid)) == instance]
+        if not own and pins.may_adopt(instance, now_ns * _S):
+            own = [cid for cid in eligible if pins.instance_of(self._group(cid)) is None]
+        if not own:
+            return []
+        first = self._group(own[0])
+        return [cid for cid in own if self._group(cid) == first]
+
+    def next_batch(self, now_ns: int, instance: str | None = None) -> Decision[Queued]:
+        """A batch for `instance` (the granted one; None: any instance)."""
         eligible = self._eligible(now_ns)
+        if not eligible:
+            return Decision(None, None)
+        self._unpin_empty_groups()
+        eligible = self._runnable(eligible, instance, now_ns)
         if not eligible:
             return Decision(None, None)
         oldest = self.backlogs[eligible[0]][0].enqueue_ns
@@ -177,10 +228,9 @@ class SequenceStrategy:
         # Rows of one batch share their input shapes (the oldest one's).
         want = self.backlogs[eligible[0]][0].shape
         chosen = [cid for cid in eligible if self.backlogs[cid][0].shape == want]
-        if self.direct:  # one instance group's slots
-            group = self.slots.slot(chosen[0]) // self.capacity
-            chosen = [cid for cid in chosen if self.slots.slot(cid) // self.capacity == group]
         chosen = chosen[: self.capacity]
+        if instance is not None:
+            self.pins.pin(self._group(chosen[0]), instance)
         batch = []
         for cid in chosen:
             batch.append(self.backlogs[cid].popleft())
@@ -188,12 +238,20 @@ class SequenceStrategy:
         self._count -= len(batch)
         return Decision(batch, None)
 
+    def forget_instance(self, instance: str) -> None:
+        """The instance went away: its groups run on another one."""
+        self.pins.forget(instance)
+
+    def crowded(self, now_ns: int) -> None:
+        """A grant named an instance the filter excluded (no other is there)."""
+        self.pins.crowd(now_ns * _S)
+
     def layout(self, claimed: list[tuple[Queued, int]]) -> list[Queued | None]:
         """Batch rows for (request, slot it claimed with in Redis); for direct,
-        slot s is row s % max_batch_size and gaps are padding (None)."""
+        slot s is row s // G and gaps are padding (None)."""
         if not self.direct:
             return [q for q, _ in claimed]
-        return self.slots.layout([(q.cid, q, slot) for q, slot in claimed], self.capacity)
+        return self.slots.layout([(q.cid, q, slot) for q, slot in claimed], self.pins.groups)
 
     def slot(self, cid: str) -> int:
         return self.slots.slot(cid)

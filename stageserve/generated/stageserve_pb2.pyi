@@ -322,34 +322,40 @@ class DeregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("model", "version", "wait_ms", "lease_ms", "traceparents")
+    __slots__ = ("model", "version", "wait_ms", "lease_ms", "traceparents", "only_instances", "other_than")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
+    ONLY_INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    OTHER_THAN_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     wait_ms: int
     lease_ms: int
     traceparents: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ..., traceparents: _Optional[_Iterable[str]] = ...) -> None: ...
+    only_instances: _containers.RepeatedScalarFieldContainer[str]
+    other_than: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ..., traceparents: _Optional[_Iterable[str]] = ..., only_instances: _Optional[_Iterable[str]] = ..., other_than: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("granted", "grant_id", "instance", "reason", "holds_resources", "failure")
+    __slots__ = ("granted", "grant_id", "instance", "reason", "holds_resources", "failure", "gone_instances")
     GRANTED_FIELD_NUMBER: _ClassVar[int]
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     HOLDS_RESOURCES_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    GONE_INSTANCES_FIELD_NUMBER: _ClassVar[int]
     granted: bool
     grant_id: str
     instance: InstanceInfo
     reason: str
     holds_resources: bool
     failure: FailureReason
-    def __init__(self, granted: _Optional[bool] = ..., grant_id: _Optional[str] = ..., instance: _Optional[_Union[InstanceInfo, _Mapping]] = ..., reason: _Optional[str] = ..., holds_resources: _Optional[bool] = ..., failure: _Optional[_Union[FailureReason, str]] = ...) -> None: ...
+    gone_instances: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, granted: _Optional[bool] = ..., grant_id: _Optional[str] = ..., instance: _Optional[_Union[InstanceInfo, _Mapping]] = ..., reason: _Optional[str] = ..., holds_resources: _Optional[bool] = ..., failure: _Optional[_Union[FailureReason, str]] = ..., gone_instances: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("grant_id", "instance_failed", "reason")

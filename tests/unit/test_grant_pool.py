@@ -1,10 +1,12 @@
-"""services/scheduler/grant_pool.py and response_order.py: the scheduler's pure parts."""
+"""services/scheduler/grant_pool.py, instance_pins.InstanceFilter and response_order.py:
+the scheduler's pure parts."""
 
 from __future__ import annotations
 
 import pytest
 
 from services.scheduler.grant_pool import GrantPool, Held, Usable
+from services.scheduler.instance_pins import InstanceFilter
 from services.scheduler.response_order import ResponseOrder
 
 
@@ -40,6 +42,29 @@ def test_take_skips_broken_and_lost_grants_and_says_how_to_release_them():
     assert held is not None and held.grant == "good"
     assert releases == [("broken", True), ("lost", False)]
     assert pool.take(ok) == (None, [])
+
+
+def test_take_leaves_grants_that_do_not_fit_held_until_their_reuse_window_ends():
+    pool: GrantPool[str] = GrantPool(reuse_s=2.0, standby_s=0.5)
+    pool.acquired("old-B", 0.0)
+    pool.acquired("A", 1.0)
+    pool.acquired("new-B", 1.5)
+    wants_b = InstanceFilter(only=frozenset({"old-B", "new-B"}))
+    held, releases = pool.take(ok, wants_b.fits, now=1.6)
+    assert held == Held("new-B", 1.5) and releases == [] and len(pool) == 2
+    wants_a = InstanceFilter(other_than=frozenset({"old-B", "new-B"}))
+    wants_c = InstanceFilter(only=frozenset({"C"}))
+    # neither fits: old-B (2.5 s old) goes back, A (1.5 s) stays
+    assert pool.take(ok, wants_c.fits, now=2.5) == (None, [("old-B", False)])
+    assert pool.take(ok, wants_a.fits, now=2.5) == (Held("A", 1.0), [])
+    assert len(pool) == 0
+
+
+def test_a_filter_names_only_or_avoids_instances():
+    assert InstanceFilter().fits("x")
+    assert InstanceFilter(only=frozenset({"a"}), other_than=frozenset({"a"})).fits("a")
+    assert not InstanceFilter(only=frozenset({"a"})).fits("b")
+    assert not InstanceFilter(other_than=frozenset({"a"})).fits("a")
 
 
 def test_standby_hold_runs_from_the_first_idle_moment():

@@ -39,7 +39,9 @@ class OneInstance:
     lost: set[str] = field(default_factory=set)
     granted: int = 0
 
-    async def acquire(self, _model: str, _version: int, _traced: list[str]) -> Granted | None:
+    async def acquire(
+        self, _model: str, _version: int, _traced: list[str], *_filter
+    ) -> Granted | None:
         if self.granted:
             await asyncio.Event().wait()  # the one instance is held: no second grant
         self.granted += 1
@@ -104,12 +106,12 @@ async def _answers_meet_the_next_batch(
     form = queue.strategy.next_batch
     calls = 0
 
-    def next_batch(now_ns: int):
+    def next_batch(now_ns: int, instance: str | None = None):
         nonlocal calls
         calls += 1
         if 1 < calls <= 1 + failing_formations:
             raise RuntimeError("a bug in batch formation")
-        return form(now_ns)
+        return form(now_ns, instance)
 
     queue.strategy.next_batch = next_batch  # type: ignore[method-assign]
 

@@ -46,24 +46,25 @@ def test_idle_slots_come_free_unless_busy():
     assert DirectSlots().next_idle_expiry(set(), 5.0) is None
 
 
-def test_layout_puts_slot_s_in_row_s_mod_capacity_with_padding_and_spills_clashes():
+def test_layout_puts_slot_s_in_row_s_div_groups_with_padding_and_spills_clashes():
     slots: DirectSlots[str] = DirectSlots()
     for cid in ("a", "b", "c"):
         slots.admit(cid, True, 4, 0.0)
     slots.release("b")  # slot 1 free: a=0, c=2
-    assert slots.layout([("c", "row-c", -1), ("a", "row-a", -1)], capacity=4) == [
+    assert slots.layout([("c", "row-c", -1), ("a", "row-a", -1)], groups=1) == [
         "row-a",
         None,
         "row-c",
     ]
-    # unknown here (e.g. claimed by another scheduler): its claimed slot's row
-    # (slot 9: row 1 of the third instance's slots), or after a clash the first gap
-    assert slots.layout([("a", "A", -1), ("x", "X", 0), ("y", "Y", 9)], capacity=4) == [
+    # two groups: slot s is row s // 2 of group s % 2; a sequence unknown here
+    # (e.g. claimed by another scheduler) takes its claimed slot's row (slot 3:
+    # row 1), or after a clash the first gap
+    assert slots.layout([("a", "A", -1), ("x", "X", 0), ("y", "Y", 3)], groups=2) == [
         "A",
         "Y",
         "X",
     ]
-    assert slots.layout([("a", "A", -1), ("x", "X", 0), ("y", "Y", 10)], capacity=4) == [
+    assert slots.layout([("a", "A", -1), ("x", "X", 0), ("y", "Y", 4)], groups=2) == [
         "A",
         "X",
         "Y",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from services.scheduler.batch_strategy import Queued
+from services.scheduler.instance_pins import InstanceFilter
 from services.scheduler.sequence_strategy import SequenceStrategy
 from stageserve.config import parse_config_text, to_spec
 from stageserve.generated import stageserve_pb2 as pb
@@ -175,27 +176,80 @@ def test_oldest_candidates_default_to_max_batch_size_per_instance() -> None:
     s = _strategy("oldest", max_batch=2, instances=2)
     first = _added(s, *(_q(i, i, start=True) for i in range(1, 6)))
     batch = s.next_batch(10).batch
-    assert batch == first[:2]  # a batch holds max_batch_size rows
+    # 4 candidates (2 instances x 2) in slots 0-3; a batch holds one
+    # instance's group (slot % 2), at most max_batch_size of them
+    assert batch == [first[0], first[2]]
     s.finished(batch, 11)
-    assert s.next_batch(12).batch == first[2:4]  # 4 candidates: 2 instances x 2
+    assert s.next_batch(12).batch == [first[1], first[3]]
     assert not s.has_work(13)  # the fifth waits
 
 
 def test_direct_slots_are_per_instance_and_a_batch_holds_one_instances() -> None:
-    """Triton 2.51 gives every instance max_batch_size slots: with two
-    instances of max_batch_size 2, four sequences run at once and a fifth
-    START waits; a batch holds the sequences of one instance's slots, each
-    in its row (slot % max_batch_size)."""
+    """Triton 2.51 gives every instance max_batch_size slots and hands out
+    the lowest slot index across its instances: with two instances of
+    max_batch_size 2, slots 0 and 2 are the first instance's rows 0 and 1,
+    slots 1 and 3 the second's; four sequences run at once and a fifth
+    START waits."""
     s = _strategy("direct", max_batch=2, instances=2)
     first = _added(s, *(_q(i, i, start=True) for i in range(1, 6)))
     b1 = s.next_batch(10).batch
-    assert b1 == first[:2] and [s.slot(q.cid) for q in b1] == [0, 1]
+    assert b1 == [first[0], first[2]] and [s.slot(q.cid) for q in b1] == [0, 2]
     b2 = s.next_batch(10).batch
-    assert b2 == first[2:4] and [s.slot(q.cid) for q in b2] == [2, 3]
+    assert b2 == [first[1], first[3]] and [s.slot(q.cid) for q in b2] == [1, 3]
     assert not s.has_work(10)  # the fifth START: every slot taken
-    assert s.layout([(q, s.slot(q.cid)) for q in b2]) == b2  # slots 2, 3: rows 0, 1
+    assert s.layout([(q, s.slot(q.cid)) for q in b2]) == b2  # slots 1, 3: rows 0, 1
     s.finished(b1 + b2, 11)
     one, four, three = _added(s, _q(1, 12), _q(4, 13), _q(3, 14))
-    assert s.next_batch(20).batch == [one]  # slot 0; 4 and 3 are the other instance's
-    assert s.next_batch(20).batch == [four, three]
+    assert s.next_batch(20).batch == [one, three]  # slots 0, 2: the first instance's
+    assert s.next_batch(20).batch == [four]
     assert s.layout([(four, 3)]) == [None, four]  # slot 3: row 1, row 0 padding
+
+
+def test_a_group_stays_on_the_instance_of_its_first_batch() -> None:
+    s = _strategy("direct", max_batch=2, instances=2)
+    one, two = _added(s, _q(1, 1, start=True), _q(2, 2, start=True))  # groups 0, 1
+    assert s.instance_filter(3) is None  # nothing pinned: any instance
+    assert s.next_batch(3, "A").batch == [one]  # group 0 now runs on A
+    # group 1's work: not for A (it holds group 0), for any other instance
+    assert s.instance_filter(3) == InstanceFilter(other_than=frozenset({"A"}))
+    assert s.next_batch(3, "A").batch is None
+    assert s.next_batch(3, "B").batch == [two]
+    s.finished([one, two], 4)
+    two2, one2 = _added(s, _q(2, 5), _q(1, 6))
+    assert s.instance_filter(7) == InstanceFilter(only=frozenset({"A", "B"}))
+    assert s.next_batch(7, "A").batch == [one2]  # its own group, not the older two2
+    assert s.instance_filter(7) == InstanceFilter(only=frozenset({"B"}))
+    assert s.next_batch(7, "C").batch is None  # C holds nothing: no unpinned work
+    assert s.next_batch(7, "B").batch == [two2]
+
+
+def test_a_group_comes_unpinned_when_its_slots_are_free_or_its_instance_is_gone() -> None:
+    s = _strategy("direct", max_batch=2, instances=2)
+    one, two = _added(s, _q(1, 1, start=True, end=True), _q(2, 2, start=True))
+    assert s.next_batch(3, "A").batch == [one]
+    assert s.next_batch(3, "B").batch == [two]
+    s.ended(one)
+    s.finished([one, two], 4)
+    three = _added(s, _q(3, 5, start=True))[0]  # slot 0 again: group 0, now free
+    # group 0 came free of A: any instance but B, whose group has no work
+    assert s.instance_filter(6) == InstanceFilter(other_than=frozenset({"B"}))
+    assert s.next_batch(6, "C").batch == [three]
+    s.finished([three], 7)
+    two2 = _added(s, _q(2, 8))[0]
+    s.forget_instance("B")  # its worker died
+    assert s.instance_filter(9) == InstanceFilter(other_than=frozenset({"C"}))
+    assert s.next_batch(9, "C").batch is None  # C keeps to its group ...
+    s.crowded(9)  # ... until the rate limiter had no other instance
+    assert s.instance_filter(9) is None
+    assert s.next_batch(9, "C").batch == [two2]
+
+
+def test_one_instance_group_pins_without_walking_the_sequences() -> None:
+    s = _strategy("oldest", max_batch=2)
+    a = _added(s, _q(1, 0, start=True, end=True))[0]
+    assert s.instance_filter(1) is None
+    assert s.next_batch(1, "A").batch == [a]
+    assert s.instance_filter(2) == InstanceFilter(only=frozenset({"A"}))
+    s.ended(a)
+    s.finished([a], 2)
+    assert s.instance_filter(3) is None  # no sequence left: any instance

@@ -219,7 +219,7 @@ class RateLimiter:
         self.go = asyncio.Event()
         self.lost: set[str] = set()
 
-    async def acquire(self, _model: str, _version: int, traceparents=()) -> Granted:
+    async def acquire(self, _model: str, _version: int, traceparents=(), *_filter) -> Granted:
         self.asked.append(list(traceparents))
         await self.go.wait()
         self.go.clear()

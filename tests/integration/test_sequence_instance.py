@@ -23,8 +23,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from bench.references import wait_ready
-from tests.integration.helpers import triton_grpc
-from tests.stack import running_stack
+from tests.integration.helpers import registered_instances, triton_grpc
+from tests.stack import running_stack, wait_until
 
 MODEL = """\
 import os
@@ -159,9 +159,16 @@ def test_sequences_move_on_when_their_instances_worker_dies(tmp_path: Path) -> N
         with grpcclient.InferenceServerClient(stack.url) as client:
             for cid in (1, 2, 3, 4):  # two sequences per instance, left open
                 _step(client, model, cid, 1, start=True)
+            old = registered_instances(stack.redis_url, model)
             os.kill(stack.workers[0].proc.pid, signal.SIGKILL)
             stack.start_worker()
-            wait_ready(stack.url, list(MODELS), 120)
+
+            def replaced() -> bool:
+                now = registered_instances(stack.redis_url, model)
+                return len(now) == 2 and not now & old
+
+            # (with no instance registered a request fails UNAVAILABLE, as on Triton)
+            assert wait_until(replaced, timeout_s=30)
             for cid in (1, 2, 3, 4):
                 _step(client, model, cid, 1, end=True)  # answered, not stuck
         tags = check(run_sequences(stack.url, model))

@@ -134,12 +134,14 @@ def _serving(server: str, repository: Path, workdir: Path) -> Iterator[str]:
         with triton_grpc(repository, workdir, list(MODELS)) as url:
             yield url
         return
-    with running_stack(repository) as stack:
+    # "stageserve-2": two workers, four instances; the sequences still take
+    # the config's two (the others stand by for a worker's death)
+    with running_stack(repository, workers=2 if server.endswith("-2") else 1) as stack:
         wait_ready(stack.url, list(MODELS), 120)
         yield stack.url
 
 
-@pytest.mark.parametrize("server", ["stageserve", "triton"])
+@pytest.mark.parametrize("server", ["stageserve", "stageserve-2", "triton"])
 def test_a_sequence_stays_on_one_instance(server: str, tmp_path: Path) -> None:
     repository = write_repository(tmp_path / "repo")
     with _serving(server, repository, tmp_path) as url:

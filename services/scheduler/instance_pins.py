@@ -19,6 +19,11 @@ than live instances: an instance's worker died, or fewer workers serve the
 model than its config counts), the rate limiter grants one of them anyway;
 the queue is `crowded` for a moment and that instance takes the group on
 too. An instance that went away (`forget`) leaves its groups unpinned.
+
+The pins outlive the scheduler that holds them: its sequence adapter saves
+them in Redis when they change (`version`, `snapshot`), and the model's next
+owner takes them up (`adopt`) with the slots of the sequences it continues
+(sequence_queue.py).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class InstancePins:
         self.groups = max(1, groups)
         self._pin: dict[int, str] = {}  # group -> instance
         self._crowded_until = 0.0
+        self.version = 0  # counts the changes, for whoever saves them
 
     def group_of(self, slot: int) -> int:
         return slot % self.groups
@@ -62,20 +68,35 @@ class InstancePins:
         return {g for g, i in self._pin.items() if i == instance}
 
     def pin(self, group: int, instance: str) -> None:
-        self._pin[group] = instance
+        if self._pin.get(group) != instance:
+            self._pin[group] = instance
+            self.version += 1
+
+    def _unpin(self, groups: Collection[int]) -> None:
+        for group in groups:
+            del self._pin[group]
+        if groups:
+            self.version += 1
 
     def forget(self, instance: str) -> None:
         """The instance is gone: its groups go to whichever instance runs them next."""
-        for group in self.groups_on(instance):
-            del self._pin[group]
+        self._unpin(self.groups_on(instance))
 
     def clear(self) -> None:
-        self._pin.clear()
+        self._unpin(list(self._pin))
 
     def keep_only(self, occupied: Collection[int]) -> None:
         """Groups with no taken slot come unpinned."""
-        for group in [g for g in self._pin if g not in occupied]:
-            del self._pin[group]
+        self._unpin([g for g in self._pin if g not in occupied])
+
+    def snapshot(self) -> dict[int, str]:
+        return dict(self._pin)
+
+    def adopt(self, saved: dict[int, str]) -> None:
+        """Pins a previous owner saved, for the groups not pinned here."""
+        for group, instance in saved.items():
+            if 0 <= group < self.groups and group not in self._pin:
+                self.pin(group, instance)
 
     def crowd(self, now: float) -> None:
         """The rate limiter granted a pinned instance for an unpinned group

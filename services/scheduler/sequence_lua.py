@@ -18,6 +18,8 @@ from __future__ import annotations
 # Keys (prefix = "ss:seq:{model}:{version}:"; see services/scheduler/sequence_store.py):
 #   {prefix}{cid}        hash  slot, st:{state} -> raw bytes, sh:{state} -> "d0,d1"; PX idle
 #   {prefix}{cid}:q      list  backlog entries "{owner}:{n}", arrival order; PX idle
+#   {prefix}pins         hash  instance group -> the instance its sequences run on
+#                              (instance_pins.py), as the owner last saved it; PX idle
 #   ss:seq-owner:{owner} str   a scheduler's liveness; PX OWNER_TTL_MS
 
 # ARGV: prefix, owner key prefix, owner, owner ttl ms, idle ms, then
@@ -66,18 +68,26 @@ end
 return out
 """
 
-# ARGV: prefix, owner key, owner ttl ms, idle ms, then (cid, entry) per
-# request, in arrival order. Renews this scheduler's owner key and appends
-# each entry to its sequence's backlog.
+# ARGV: prefix, owner key, owner ttl ms, idle ms, then (cid, entry, place
+# "1"/"0") per request, in arrival order. Renews this scheduler's owner key
+# and appends each entry to its sequence's backlog. 0 when no request asks
+# for its place; else {the pins hash's fields and values, the slot (-1:
+# none) of each sequence whose request has place "1", in order}: a
+# sequence the scheduler has no slot for continues in the slot it had.
 SEQUENCE_LIST = """
 local p, owner_key, ttl, idle = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 redis.call('SET', owner_key, '1', 'PX', ttl)
-for i = 5, #ARGV, 2 do
-  local q = p .. ARGV[i] .. ':q'
-  redis.call('RPUSH', q, ARGV[i + 1])
-  redis.call('PEXPIRE', q, idle)
+local slots = {}
+for i = 5, #ARGV, 3 do
+  local key = p .. ARGV[i]
+  redis.call('RPUSH', key .. ':q', ARGV[i + 1])
+  redis.call('PEXPIRE', key .. ':q', idle)
+  if ARGV[i + 2] == '1' then
+    slots[#slots + 1] = tonumber(redis.call('HGET', key, 'slot')) or -1
+  end
 end
-return 0
+if #slots == 0 then return 0 end
+return {redis.call('HGETALL', p .. 'pins'), slots}
 """
 
 # ARGV: prefix, idle ms, terms hash key, model, term ("": none to check),
@@ -104,6 +114,7 @@ if term ~= '' then
     return {1}
   end
 end
+redis.call('PEXPIRE', p .. 'pins', idle)  -- kept while the model's sequences run
 local out = {0}
 local i, row = 6, 0
 while i <= #ARGV do

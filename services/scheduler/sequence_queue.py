@@ -92,6 +92,8 @@ class SequenceIO:
         self._changed: Callable[[], None] = lambda: None
         self._fills: list[ControlFill] = []
         self._fills_for: SequenceBatching | None = None
+        self._pins_saved = 0  # the strategy's pins version last saved in Redis
+        self._saving_pins: asyncio.Task | None = None
 
     def bind(self, changed: Callable[[], None]) -> None:
         """`changed`: the queue's depth or eligibility changed (wakes its loop)."""
@@ -134,8 +136,11 @@ class SequenceIO:
         try:
             while self._unlisted:
                 items, self._unlisted = self._unlisted, []
+                strategy = self.strategy
                 try:
-                    await self.store.enqueue([(q.cid, q.entry) for q in items])
+                    placement = await self.store.enqueue(
+                        [(q.cid, q.entry, strategy.wants_placement(q)) for q in items]
+                    )
                 except Exception as exc:  # Redis unreachable: answer, never hang
                     err = unavailable(f"sequence backlog in Redis unavailable: {exc}")
                     for q in items:
@@ -143,7 +148,8 @@ class SequenceIO:
                             q.respond(error_response(q.msg.id, err))
                     self._changed()
                     continue
-                gone = self.strategy.listed(items)  # answered meanwhile (failed)
+                # (gone: answered meanwhile, failed)
+                gone = strategy.listed(items, placement, time.monotonic_ns())
                 if gone:
                     await self.store.forget([(q.cid, q.entry) for q in gone])
                 self._changed()
@@ -151,6 +157,20 @@ class SequenceIO:
             log.exception("listing sequence requests failed", extra={"model": self.model})
         finally:
             self._listing = None
+
+    async def _save_pins(self) -> None:
+        """Save the instance pins until Redis has the latest (one save at a
+        time, so an older one never lands last)."""
+        pins = self.strategy.pins
+        try:
+            while pins.version != self._pins_saved:
+                version = pins.version
+                await self.store.save_pins(pins.snapshot())
+                self._pins_saved = version
+        except Exception as exc:  # Redis down: the pins stay here, the next batch retries
+            log.warning("saving instance pins failed", extra={"error": repr(exc)})
+        finally:
+            self._saving_pins = None
 
     def dropped(self, failed: list[Queued]) -> None:
         """Requests answered without running: their listed entries leave Redis."""
@@ -167,6 +187,8 @@ class SequenceIO:
         requests that still need no claim (a START, kept states) run
         unclaimed."""
         strategy = self.strategy
+        if strategy.pins.version != self._pins_saved and self._saving_pins is None:
+            self._saving_pins = asyncio.create_task(self._save_pins())
         term = self.term()
         now = time.monotonic()
         held: dict[str, Kept] = {}

@@ -74,6 +74,14 @@ class DirectSlots(Generic[R]):
         self._slots[cid] = (slot, now)
         return True
 
+    def admit_at(self, cid: str, slot: int, capacity: int, now: float) -> bool:
+        """Give a sequence unknown here the slot it had (at the model's
+        previous owner) when that slot is free; False: it was not."""
+        if cid in self._slots or not 0 <= slot < capacity or slot in self.taken():
+            return False
+        self._slots[cid] = (slot, now)
+        return True
+
     def touch(self, cid: str, now: float) -> None:
         if cid in self._slots:
             self._slots[cid] = (self._slots[cid][0], now)

@@ -55,6 +55,15 @@ class Claim:
 
 
 @dataclass
+class Placement:
+    """Where a model's previous owner ran continuing sequences: their slots
+    (cid -> slot) and its instance pins (group -> instance, instance_pins.py)."""
+
+    slots: dict[str, int]
+    pins: dict[int, str]
+
+
+@dataclass
 class StateUpdate:
     raw: bytes
     shape: tuple[int, ...]
@@ -139,14 +148,34 @@ class SequenceStore:
 
     # ------------------------------------------------------------ backlog
 
-    async def enqueue(self, items: list[tuple[str, str]]) -> None:
-        """Append (cid, entry) to their sequences' backlogs, in this order."""
+    async def enqueue(self, items: list[tuple[str, str, bool]]) -> Placement | None:
+        """Append (cid, entry, place) to their sequences' backlogs, in this
+        order; with any `place`, also where those sequences ran before."""
         if self._heartbeat is None:
             self._heartbeat = asyncio.create_task(self._beat())
         args: list[EncodableT] = [self.prefix, self.owner_key, self.owner_ttl_ms, self.idle_ms]
-        for cid, entry in items:
-            args += (cid, entry)
-        await self._list(args=args)
+        for cid, entry, place in items:
+            args += (cid, entry, "1" if place else "0")
+        reply = await self._list(args=args)
+        if not isinstance(reply, list):
+            return None
+        fields, slots = reply
+        wanted = [cid for cid, _, place in items if place]
+        pins = {int(k): v.decode() for k, v in zip(fields[::2], fields[1::2], strict=True)}
+        return Placement(
+            {cid: int(slot) for cid, slot in zip(wanted, slots, strict=True) if int(slot) >= 0},
+            pins,
+        )
+
+    async def save_pins(self, pins: dict[int, str]) -> None:
+        """The owner's instance pins, for the model's next owner."""
+        key = self.prefix + "pins"
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(key)
+            if pins:
+                pipe.hset(key, mapping={str(g): i for g, i in pins.items()})
+                pipe.pexpire(key, self.idle_ms)
+            await pipe.execute()
 
     async def forget(self, items: list[tuple[str, str]]) -> None:
         """Drop entries whose requests left without executing."""

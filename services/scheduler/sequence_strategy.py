@@ -41,7 +41,7 @@ from services.scheduler.batch_strategy import Queued, shape_key
 from services.scheduler.batcher import Decision
 from services.scheduler.instance_pins import InstanceFilter, InstancePins
 from services.scheduler.sequence_slots import DirectSlots, ready_in_age_order
-from services.scheduler.sequence_store import sequence_key
+from services.scheduler.sequence_store import Placement, sequence_key
 from stageserve.config import ModelSpec, SequenceBatching
 
 _S = 1e-9  # ns -> s: the slots keep seconds
@@ -87,9 +87,23 @@ class SequenceStrategy:
         self._count += 1
         return False
 
-    def listed(self, items: list[Queued]) -> list[Queued]:
+    def wants_placement(self, q: Queued) -> bool:
+        """Whether `q` continues a sequence this scheduler has no slot for
+        (the model moved here, or the scheduler restarted): the adapter then
+        fetches the slot and pins its previous owner saved (`listed`)."""
+        return not q.msg.sequence_start and q.cid not in self.slots
+
+    def listed(
+        self, items: list[Queued], placement: Placement | None = None, now_ns: int = 0
+    ) -> list[Queued]:
         """Their entries are in Redis now; returns those no longer queued
-        (answered meanwhile), whose entries the adapter takes back out."""
+        (answered meanwhile), whose entries the adapter takes back out.
+        `placement`: the previous owner's slots of continuing sequences and
+        its pins, so they run on the instance they ran on."""
+        if placement is not None:
+            for cid, slot in placement.slots.items():
+                self.slots.admit_at(cid, slot, self.admitted, now_ns * _S)
+            self.pins.adopt(placement.pins)
         gone = []
         for q in items:
             q.listed = True

@@ -14,6 +14,7 @@ from services.scheduler.sequence_store import (
     WAIT,
     Committed,
     Finished,
+    Placement,
     SequenceStore,
     StateUpdate,
 )
@@ -56,8 +57,8 @@ def run(url: str, body, idle_ms: int = 60_000):
 def test_entries_run_in_arrival_order_across_schedulers(redis_url) -> None:
     async def body(a: SequenceStore, b: SequenceStore, r) -> None:
         ea, eb = a.new_entry(), b.new_entry()
-        await a.enqueue([("i:1", ea)])
-        await b.enqueue([("i:1", eb)])
+        await a.enqueue([("i:1", ea, False)])
+        await b.enqueue([("i:1", eb, False)])
         assert await a.backlog("i:1") == [ea, eb]
         # b's request arrived second: it waits, even though it asks first
         assert (await b.claim([("i:1", eb, False, -1)]))[0].status == WAIT
@@ -76,9 +77,9 @@ def test_entries_run_in_arrival_order_across_schedulers(redis_url) -> None:
 def test_a_dead_schedulers_entry_is_dropped(redis_url) -> None:
     async def body(a: SequenceStore, b: SequenceStore, r) -> None:
         ea, eb = a.new_entry(), b.new_entry()
-        await a.enqueue([("i:2", ea)])
+        await a.enqueue([("i:2", ea, False)])
         assert (await a.claim([("i:2", ea, True, -1)]))[0].status == CLAIMED
-        await b.enqueue([("i:2", eb)])
+        await b.enqueue([("i:2", eb, False)])
         assert (await b.claim([("i:2", eb, False, -1)]))[0].status == WAIT
         a.close()  # a died: no more heartbeats ...
         # (a renewal already sent reaches Redis on its own connection: let it land)
@@ -94,9 +95,9 @@ def test_a_dead_schedulers_entry_is_dropped(redis_url) -> None:
 def test_a_live_schedulers_running_entry_is_kept(redis_url) -> None:
     async def body(a: SequenceStore, b: SequenceStore, r) -> None:
         ea, eb = a.new_entry(), b.new_entry()
-        await a.enqueue([("i:3", ea)])
+        await a.enqueue([("i:3", ea, False)])
         await a.claim([("i:3", ea, True, -1)])
-        await b.enqueue([("i:3", eb)])
+        await b.enqueue([("i:3", eb, False)])
         for _ in range(3):
             assert (await b.claim([("i:3", eb, False, -1)]))[0].status == WAIT
         assert await a.backlog("i:3") == [ea, eb]
@@ -107,7 +108,7 @@ def test_a_live_schedulers_running_entry_is_kept(redis_url) -> None:
 def test_non_start_for_unknown_sequence_leaves_the_backlog(redis_url) -> None:
     async def body(a: SequenceStore, b: SequenceStore, r) -> None:
         e1, e2 = a.new_entry(), a.new_entry()
-        await a.enqueue([("s:x", e1), ("s:x", e2)])
+        await a.enqueue([("s:x", e1, False), ("s:x", e2, False)])
         assert (await a.claim([("s:x", e1, False, -1)]))[0].status == UNKNOWN
         assert await a.backlog("s:x") == [e2]
         assert (await a.claim([("s:x", e2, True, -1)]))[0].status == CLAIMED
@@ -118,7 +119,7 @@ def test_non_start_for_unknown_sequence_leaves_the_backlog(redis_url) -> None:
 def test_a_lost_entry_queues_again_at_the_back(redis_url) -> None:
     async def body(a: SequenceStore, b: SequenceStore, r) -> None:
         ea, eb = a.new_entry(), b.new_entry()
-        await b.enqueue([("i:4", eb)])
+        await b.enqueue([("i:4", eb, False)])
         # ea was never listed (or its backlog idled out): it waits behind eb
         assert (await a.claim([("i:4", ea, False, -1)]))[0].status == WAIT
         assert await a.backlog("i:4") == [eb, ea]
@@ -129,7 +130,7 @@ def test_a_lost_entry_queues_again_at_the_back(redis_url) -> None:
 def test_forget_and_failed_commit_free_the_sequence(redis_url) -> None:
     async def body(a: SequenceStore, b: SequenceStore, r) -> None:
         e1, e2, e3 = a.new_entry(), a.new_entry(), a.new_entry()
-        await a.enqueue([("i:5", e1), ("i:5", e2), ("i:5", e3)])
+        await a.enqueue([("i:5", e1, False), ("i:5", e2, False), ("i:5", e3, False)])
         assert (await a.claim([("i:5", e1, True, -1)]))[0].status == CLAIMED
         await a.commit([Finished("i:5", e1, False)])  # failed execution: no state
         await a.forget([("i:5", e2)])  # answered without running
@@ -143,7 +144,7 @@ def test_growing_state_keeps_its_shape(redis_url) -> None:
     async def body(a: SequenceStore, b: SequenceStore, r) -> None:
         for n in range(1, 4):
             e = a.new_entry()
-            await a.enqueue([("i:6", e)])
+            await a.enqueue([("i:6", e, False)])
             claim = (await a.claim([("i:6", e, n == 1, -1)]))[0]
             assert claim.status == CLAIMED
             if n > 1:
@@ -157,11 +158,11 @@ def test_growing_state_keeps_its_shape(redis_url) -> None:
 def test_sequence_and_backlog_expire_when_idle(redis_url) -> None:
     async def body(a: SequenceStore, b: SequenceStore, r) -> None:
         e1, e2 = a.new_entry(), a.new_entry()
-        await a.enqueue([("i:7", e1)])
+        await a.enqueue([("i:7", e1, False)])
         await a.claim([("i:7", e1, True, -1)])
         await a.commit([Finished("i:7", e1, False, {"S": StateUpdate(b"\x01", (1,))})])
         await asyncio.sleep(0.3)
-        await a.enqueue([("i:7", e2)])
+        await a.enqueue([("i:7", e2, False)])
         assert (await a.claim([("i:7", e2, False, -1)]))[0].status == UNKNOWN
 
     run(redis_url, body, idle_ms=150)
@@ -176,7 +177,7 @@ def test_held_rows_commit_without_a_listing_or_claim(redis_url) -> None:
         start = Finished("i:8", "", False, {"S": StateUpdate(b"\x02", (1,))}, True, True, 4)
         assert await a.commit([start], "t1") == Committed()
         e = a.new_entry()  # a listed request of the sequence sees what was kept
-        await a.enqueue([("i:8", e)])
+        await a.enqueue([("i:8", e, False)])
         claim = (await a.claim([("i:8", e, False, -1)]))[0]
         assert claim.status == CLAIMED and claim.slot == 4 and claim.states == {"S": b"\x02"}
         await a.commit([Finished("i:8", e, False)])
@@ -199,7 +200,7 @@ def test_a_held_commit_under_another_term_keeps_nothing(redis_url) -> None:
 
     async def body(a: SequenceStore, b: SequenceStore, r) -> None:
         e = a.new_entry()
-        await a.enqueue([("i:9", e)])
+        await a.enqueue([("i:9", e, False)])
         assert (await a.claim([("i:9", e, True, -1)]))[0].status == CLAIMED
         await r.hset(redis_keys.SHARD_TERMS, "m", "t2")
         rows = [
@@ -222,7 +223,7 @@ def test_a_held_row_whose_sequence_is_gone_is_reported_lost(redis_url) -> None:
     async def body(a: SequenceStore, b: SequenceStore, r) -> None:
         await r.hset(redis_keys.SHARD_TERMS, "m", "t1")
         e = a.new_entry()
-        await a.enqueue([("i:12", e)])
+        await a.enqueue([("i:12", e, False)])
         assert (await a.claim([("i:12", e, True, -1)]))[0].status == CLAIMED
         rows = [
             Finished("i:11", "", False, {"S": StateUpdate(b"\x01", (1,))}, held=True),
@@ -251,5 +252,28 @@ def test_with_no_term_at_all_a_held_commit_finds_what_redis_lost(redis_url) -> N
         prefix = redis_keys.sequence_prefix("m", 1)
         assert not await r.exists(prefix + "i:13")
         assert await r.hget(prefix + "i:14", "st:S") == b"\x02"
+
+    run(redis_url, body)
+
+
+def test_a_next_owner_finds_the_slots_and_pins_the_last_one_saved(redis_url) -> None:
+    async def body(a: SequenceStore, b: SequenceStore, r) -> None:
+        e1, e2 = a.new_entry(), a.new_entry()
+        assert await a.enqueue([("i:1", e1, False), ("i:2", e2, False)]) is None
+        await a.claim([("i:1", e1, True, 2), ("i:2", e2, True, 1)])  # STARTs in slots 2, 1
+        await a.save_pins({0: "inst-A", 1: "inst-B"})
+        await a.commit([Finished("i:1", e1, False), Finished("i:2", e2, False)])
+        assert 0 < await r.pttl(a.prefix + "pins") <= 60_000  # the commit keeps it
+        # b takes the model over: sequence 1 continues, 3 is unknown, 2 is not asked
+        placement = await b.enqueue(
+            [
+                ("i:1", b.new_entry(), True),
+                ("i:2", b.new_entry(), False),
+                ("i:3", b.new_entry(), True),
+            ]
+        )
+        assert placement == Placement({"i:1": 2}, {0: "inst-A", 1: "inst-B"})
+        await b.save_pins({})
+        assert not await r.exists(b.prefix + "pins")
 
     run(redis_url, body)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from services.scheduler.batch_strategy import Queued
 from services.scheduler.instance_pins import InstanceFilter
+from services.scheduler.sequence_store import Placement
 from services.scheduler.sequence_strategy import SequenceStrategy
 from stageserve.config import parse_config_text, to_spec
 from stageserve.generated import stageserve_pb2 as pb
@@ -253,3 +254,22 @@ def test_one_instance_group_pins_without_walking_the_sequences() -> None:
     s.ended(a)
     s.finished([a], 2)
     assert s.instance_filter(3) is None  # no sequence left: any instance
+
+
+def test_continuing_sequences_take_the_slots_and_pins_of_the_previous_owner() -> None:
+    s = _strategy("direct", max_batch=2, instances=2)
+    fresh = _q(9, 0, start=True)
+    one, four = _q(1, 1), _q(4, 2)
+    assert not s.wants_placement(fresh) and s.wants_placement(one)
+    for q in (fresh, one, four):
+        s.add(q)
+    s.listed([fresh])
+    assert s.next_batch(3).batch == [fresh] and s.slot("i:9") == 0
+    # the previous owner ran 1 in slot 0 (taken here now) and 4 in slot 3, and
+    # its group 1 on instance B
+    s.listed([one, four], Placement({"i:1": 0, "i:4": 3}, {1: "B", 0: "A"}), 4)
+    assert s.slot("i:4") == 3 and s.slot("i:1") == -1  # slot 0 is taken here
+    assert s.instance_filter(5) == InstanceFilter(only=frozenset({"B"}))
+    assert s.slot("i:1") == 1  # admitted as any sequence: the lowest free slot
+    assert s.next_batch(5, "B").batch == [one, four]  # group 1's slots 1 and 3
+    assert s.layout([(one, 1), (four, 3)]) == [one, four]

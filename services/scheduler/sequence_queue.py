@@ -92,7 +92,8 @@ class SequenceIO:
         self._changed: Callable[[], None] = lambda: None
         self._fills: list[ControlFill] = []
         self._fills_for: SequenceBatching | None = None
-        self._pins_saved = 0  # the strategy's pins version last saved in Redis
+        # the strategy's pins (a reload makes new ones) and version last saved
+        self._pins_saved: tuple[int, int] = (0, 0)
         self._saving_pins: asyncio.Task | None = None
 
     def bind(self, changed: Callable[[], None]) -> None:
@@ -161,16 +162,20 @@ class SequenceIO:
     async def _save_pins(self) -> None:
         """Save the instance pins until Redis has the latest (one save at a
         time, so an older one never lands last)."""
-        pins = self.strategy.pins
         try:
-            while pins.version != self._pins_saved:
-                version = pins.version
+            while self._pins_unsaved():
+                pins = self.strategy.pins
+                saving = (id(pins), pins.version)
                 await self.store.save_pins(pins.snapshot())
-                self._pins_saved = version
+                self._pins_saved = saving
         except Exception as exc:  # Redis down: the pins stay here, the next batch retries
             log.warning("saving instance pins failed", extra={"error": repr(exc)})
         finally:
             self._saving_pins = None
+
+    def _pins_unsaved(self) -> bool:
+        pins = self.strategy.pins
+        return (id(pins), pins.version) != self._pins_saved
 
     def dropped(self, failed: list[Queued]) -> None:
         """Requests answered without running: their listed entries leave Redis."""
@@ -187,7 +192,7 @@ class SequenceIO:
         requests that still need no claim (a START, kept states) run
         unclaimed."""
         strategy = self.strategy
-        if strategy.pins.version != self._pins_saved and self._saving_pins is None:
+        if self._saving_pins is None and self._pins_unsaved():
             self._saving_pins = asyncio.create_task(self._save_pins())
         term = self.term()
         now = time.monotonic()

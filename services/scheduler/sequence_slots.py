@@ -74,12 +74,19 @@ class DirectSlots(Generic[R]):
         self._slots[cid] = (slot, now)
         return True
 
-    def admit_at(self, cid: str, slot: int, capacity: int, now: float) -> bool:
+    def admit_at(self, cid: str, slot: int, groups: int, capacity: int, now: float) -> bool:
         """Give a sequence unknown here the slot it had (at the model's
-        previous owner) when that slot is free; False: it was not."""
-        if cid in self._slots or not 0 <= slot < capacity or slot in self.taken():
+        previous owner), or when another sequence holds that one the lowest
+        free slot of its group (slot % groups: the same instance); False:
+        none of them is free."""
+        if cid in self._slots or not 0 <= slot < capacity:
             return False
-        self._slots[cid] = (slot, now)
+        used = self.taken()
+        free = (s for s in range(slot % groups, capacity, groups) if s not in used)
+        chosen = slot if slot not in used else next(free, None)
+        if chosen is None:
+            return False
+        self._slots[cid] = (chosen, now)
         return True
 
     def touch(self, cid: str, now: float) -> None:

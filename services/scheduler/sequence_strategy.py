@@ -102,7 +102,7 @@ class SequenceStrategy:
         its pins, so they run on the instance they ran on."""
         if placement is not None:
             for cid, slot in placement.slots.items():
-                self.slots.admit_at(cid, slot, self.admitted, now_ns * _S)
+                self.slots.admit_at(cid, slot, self.pins.groups, self.admitted, now_ns * _S)
             self.pins.adopt(placement.pins)
         gone = []
         for q in items:

@@ -265,11 +265,12 @@ def test_continuing_sequences_take_the_slots_and_pins_of_the_previous_owner() ->
         s.add(q)
     s.listed([fresh])
     assert s.next_batch(3).batch == [fresh] and s.slot("i:9") == 0
-    # the previous owner ran 1 in slot 0 (taken here now) and 4 in slot 3, and
-    # its group 1 on instance B
+    # the previous owner ran 1 in slot 0 (taken here now) and 4 in slot 3,
+    # its group 0 on instance A and group 1 on B
     s.listed([one, four], Placement({"i:1": 0, "i:4": 3}, {1: "B", 0: "A"}), 4)
-    assert s.slot("i:4") == 3 and s.slot("i:1") == -1  # slot 0 is taken here
-    assert s.instance_filter(5) == InstanceFilter(only=frozenset({"B"}))
-    assert s.slot("i:1") == 1  # admitted as any sequence: the lowest free slot
-    assert s.next_batch(5, "B").batch == [one, four]  # group 1's slots 1 and 3
-    assert s.layout([(one, 1), (four, 3)]) == [one, four]
+    assert s.slot("i:4") == 3 and s.slot("i:1") == 2  # slot 0 is taken: group 0's next
+    assert s.instance_filter(5) == InstanceFilter(only=frozenset({"A", "B"}))
+    assert s.next_batch(5, "B").batch == [four]  # group 1's slot 3: row 1
+    assert s.layout([(four, 3)]) == [None, four]
+    assert s.next_batch(5, "C").batch is None  # group 0 runs on A
+    assert s.next_batch(5, "A").batch == [one]

@@ -29,7 +29,7 @@ from tritonclient.utils import InferenceServerException
 from bench.references import wait_ready
 from stageserve import redis_keys as keys
 from stageserve.launcher import Stack, start_services
-from tests.integration.helpers import registered_instances, triton_grpc
+from tests.integration.helpers import granted_instances, registered_instances, triton_grpc
 from tests.stack import running_stack, wait_until
 
 MODEL = """\
@@ -145,6 +145,9 @@ def _serving(server: str, repository: Path, workdir: Path) -> Iterator[str]:
     with running_stack(repository, workers=2 if server.endswith("-2") else 1) as stack:
         wait_ready(stack.url, list(MODELS), 120)
         yield stack.url
+        # every grant goes back once the queues are idle: none kept for an
+        # instance the filters stopped naming
+        assert wait_until(lambda: not granted_instances(stack.redis_url), timeout_s=10)
 
 
 @pytest.mark.parametrize("server", ["stageserve", "stageserve-2", "triton"])

@@ -12,10 +12,13 @@ from services.worker.tensor_batches import TensorBatches
 from stageserve.config import read_config, to_spec
 from stageserve_tools import examples
 
+CPU = Placement("KIND_CPU", -1)
 
-def hosted_simple(root: Path, extra: str = "") -> HostedInstance:
+
+def hosted_simple(root: Path, extra: str = "", placement: Placement = CPU) -> HostedInstance:
     """`simple` written under `root` (with `extra` appended to its
-    config.pbtxt) and hosted as instance w/simple/1/g1/0."""
+    config.pbtxt) and hosted as instance w/simple/1/g1/0 on `placement`
+    (its ONNX session runs on the CPU whatever the placement says)."""
     examples.write_simple(root, "simple", max_batch_size=8)
     config = root / "simple" / "config.pbtxt"
     config.write_text(config.read_text() + extra)
@@ -32,7 +35,7 @@ def hosted_simple(root: Path, extra: str = "") -> HostedInstance:
         "simple",
         1,
         1,
-        Placement("KIND_CPU", -1),
+        placement,
         spec,
         TensorBatches(spec, backend),
     )

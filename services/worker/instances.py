@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from services.worker.backends import Emit, InstanceBackend, StillSending
-from services.worker.inline_policy import InlinePolicy
+from services.worker.inline_policy import GPU_INLINE_LIMIT_NS, InlinePolicy
 from services.worker.tensor_batches import TensorBatches, execute_delay_s
 from stageserve import tensor_shm
 from stageserve.config import InstanceGroup, ModelSpec
@@ -87,6 +87,8 @@ class HostedInstance:
     def __post_init__(self) -> None:
         if self.backend.thread_bound:
             self.inline = InlinePolicy(limit_ns=0)
+        elif self.placement.kind == "KIND_GPU":
+            self.inline = InlinePolicy(limit_ns=GPU_INLINE_LIMIT_NS)
         labels = (self.model, str(self.version), self.instance_id)
         self.compute_timers = tuple(
             WORKER_COMPUTE.labels(*labels, phase) for phase in ("input", "infer", "output")

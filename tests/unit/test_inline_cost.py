@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.worker.inline_policy import INLINE_LIMIT_NS
+from services.worker.inline_policy import GPU_INLINE_LIMIT_NS, INLINE_LIMIT_NS
 from services.worker.instances import HostedInstance, Placement
 from services.worker.tensor_batches import TensorBatches
 from stageserve.config import read_config, to_spec
@@ -136,3 +136,20 @@ def test_a_torchscript_instance_stays_on_its_own_thread(tmp_path: Path) -> None:
     assert inst.inline.mean_ns is not None
     assert inst.inline.limit_ns == 0
     assert not inst.inline.runs_inline(executing_on_worker=0)
+
+
+@pytest.mark.parametrize(
+    ("placement", "inline"),
+    [(Placement("KIND_CPU", -1), True), (Placement("KIND_GPU", 0), False)],
+)
+def test_a_gpu_instance_keeps_the_lower_limit(
+    tmp_path: Path, placement: Placement, inline: bool
+) -> None:
+    """A model between the two limits: inline on the CPU, on its thread on a GPU."""
+    assert GPU_INLINE_LIMIT_NS < INLINE_LIMIT_NS
+    inst = hosted_simple(tmp_path, placement=placement)
+    try:
+        inst.inline.observe((GPU_INLINE_LIMIT_NS + INLINE_LIMIT_NS) // 2)
+        assert inst.inline.runs_inline(executing_on_worker=0) is inline
+    finally:
+        inst.close()

@@ -29,7 +29,7 @@ def commit_args(rows: int, start: bool = False) -> list[bytes | str | int]:
     """A batch of `rows` sequences run with kept states (their STARTs, or
     requests that continue them), each keeping one 4-byte state."""
     flags = "hs" if start else "h"
-    args: list[bytes | str | int] = ["ss:bench:", 5000, "ss:bench:terms", "m", "T1"]
+    args: list[bytes | str | int] = ["ss:bench:", 5000, "ss:bench:terms", "m", "T1", -1]
     for i in range(rows):
         args += [f"i:{i}", "", flags, i, 1, "ACC_OUT", b"\x01\0\0\0", "1"]
     return args

@@ -91,6 +91,10 @@ return {redis.call('HGETALL', p .. 'pins'), slots}
 """
 
 # ARGV: prefix, idle ms, terms hash key, model, term ("": none to check),
+# np: -1 when the owner's instance pins did not change since its last
+# commit, else the number of (group, instance) pairs that follow its writer
+# id and serial (the pins as they are now: the next owner reads them; a
+# writer's older serial arriving late, a reordered retry, is not written),
 # then per request: cid, entry ("": never listed), flags, slot, n, and n
 # (state name, raw bytes, shape "d0,d1") triples. Flags: "e" the request had
 # END, "s" START, "h" it ran with states this scheduler kept
@@ -114,9 +118,22 @@ if term ~= '' then
     return {1}
   end
 end
+local np, i = tonumber(ARGV[6]), 7
+if np >= 0 then  -- saved before the batch's answers go out
+  local pins, writer, serial = p .. 'pins', ARGV[7], tonumber(ARGV[8])
+  i = 9 + 2 * np
+  local last = redis.call('HMGET', pins, 'w', 'n')
+  if last[1] ~= writer or (tonumber(last[2]) or -1) < serial then
+    redis.call('DEL', pins)
+    redis.call('HSET', pins, 'w', writer, 'n', serial)
+    for j = 9, i - 1, 2 do
+      redis.call('HSET', pins, ARGV[j], ARGV[j + 1])
+    end
+  end
+end
 redis.call('PEXPIRE', p .. 'pins', idle)  -- kept while the model's sequences run
 local out = {0}
-local i, row = 6, 0
+local row = 0
 while i <= #ARGV do
   local key, entry, flags, slot, n =
     p .. ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], tonumber(ARGV[i + 4])

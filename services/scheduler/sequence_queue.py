@@ -32,6 +32,7 @@ states have the same shapes, the others run in a following batch.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +48,7 @@ from services.scheduler.sequence_store import (
     WAIT,
     Claim,
     Finished,
+    PinsSnapshot,
     SequenceStore,
     StateUpdate,
 )
@@ -94,7 +96,7 @@ class SequenceIO:
         self._fills_for: SequenceBatching | None = None
         # the strategy's pins (a reload makes new ones) and version last saved
         self._pins_saved: tuple[int, int] = (0, 0)
-        self._saving_pins: asyncio.Task | None = None
+        self._pins_serial = itertools.count()
 
     def bind(self, changed: Callable[[], None]) -> None:
         """`changed`: the queue's depth or eligibility changed (wakes its loop)."""
@@ -159,23 +161,20 @@ class SequenceIO:
         finally:
             self._listing = None
 
-    async def _save_pins(self) -> None:
-        """Save the instance pins until Redis has the latest (one save at a
-        time, so an older one never lands last)."""
-        try:
-            while self._pins_unsaved():
-                pins = self.strategy.pins
-                saving = (id(pins), pins.version)
-                await self.store.save_pins(pins.snapshot())
-                self._pins_saved = saving
-        except Exception as exc:  # Redis down: the pins stay here, the next batch retries
-            log.warning("saving instance pins failed", extra={"error": repr(exc)})
-        finally:
-            self._saving_pins = None
-
-    def _pins_unsaved(self) -> bool:
+    def pins_to_save(self) -> tuple[PinsSnapshot | None, tuple[int, int]]:
+        """The instance pins a commit carries (None: Redis has them already)
+        and what to pass to `pins_saved` once it landed. Every commit after a
+        change carries them until one lands, so they are in Redis before the
+        answers of the batch that pinned a group go out; a snapshot's serial
+        keeps an older one landing late from replacing a newer one."""
         pins = self.strategy.pins
-        return (id(pins), pins.version) != self._pins_saved
+        version = (id(pins), pins.version)
+        if version == self._pins_saved:
+            return None, version
+        return PinsSnapshot(next(self._pins_serial), pins.snapshot()), version
+
+    def pins_saved(self, version: tuple[int, int]) -> None:
+        self._pins_saved = version
 
     def dropped(self, failed: list[Queued]) -> None:
         """Requests answered without running: their listed entries leave Redis."""
@@ -192,8 +191,6 @@ class SequenceIO:
         requests that still need no claim (a START, kept states) run
         unclaimed."""
         strategy = self.strategy
-        if self._saving_pins is None and self._pins_unsaved():
-            self._saving_pins = asyncio.create_task(self._save_pins())
         term = self.term()
         now = time.monotonic()
         held: dict[str, Kept] = {}
@@ -437,7 +434,8 @@ class SequenceJob:
             )
             indexes.append(i)
         sent = time.monotonic()
-        committed = await io.store.commit(finished, self.term)
+        pins, version = io.pins_to_save()
+        committed = await io.store.commit(finished, self.term, pins)
         if committed.fenced:  # another scheduler may run these sequences now
             io.cache.clear()  # (close() takes the listed entries back out)
             err = unavailable(
@@ -446,6 +444,7 @@ class SequenceJob:
             )
             return dict.fromkeys(indexes, err)
         self.unsettled.clear()
+        io.pins_saved(version)
         failed: dict[int, StageError] = {}
         lost = set(committed.lost)
         for k, (row, i) in enumerate(zip(finished, indexes, strict=True)):

@@ -63,6 +63,15 @@ class Placement:
     pins: dict[int, str]
 
 
+@dataclass(frozen=True)
+class PinsSnapshot:
+    """The owner's instance pins (group -> instance) as a commit carries
+    them; `serial` orders one owner's snapshots."""
+
+    serial: int
+    pins: dict[int, str]
+
+
 @dataclass
 class StateUpdate:
     raw: bytes
@@ -161,21 +170,15 @@ class SequenceStore:
             return None
         fields, slots = reply
         wanted = [cid for cid, _, place in items if place]
-        pins = {int(k): v.decode() for k, v in zip(fields[::2], fields[1::2], strict=True)}
+        pins = {  # the group fields (the others say who wrote them)
+            int(k): v.decode()
+            for k, v in zip(fields[::2], fields[1::2], strict=True)
+            if k.isdigit()
+        }
         return Placement(
             {cid: int(slot) for cid, slot in zip(wanted, slots, strict=True) if int(slot) >= 0},
             pins,
         )
-
-    async def save_pins(self, pins: dict[int, str]) -> None:
-        """The owner's instance pins, for the model's next owner."""
-        key = self.prefix + "pins"
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(key)
-            if pins:
-                pipe.hset(key, mapping={str(g): i for g, i in pins.items()})
-                pipe.pexpire(key, self.idle_ms)
-            await pipe.execute()
 
     async def forget(self, items: list[tuple[str, str]]) -> None:
         """Drop entries whose requests left without executing."""
@@ -228,14 +231,27 @@ class SequenceStore:
             out.append(claim)
         return out
 
-    async def commit(self, rows: Sequence[Finished], term: str | None = None) -> Committed:
+    async def commit(
+        self,
+        rows: Sequence[Finished],
+        term: str | None = None,
+        pins: PinsSnapshot | None = None,
+    ) -> Committed:
         """After execution: keep each sequence's new states, end the ones
         whose request had END, and take each listed entry off its backlog so
         the sequence's next request may run. `term` (the model's shard term
         when the batch formed; None without sharding): keep nothing when
-        the model has another term now."""
+        the model has another term now. `pins`: the owner's instance pins
+        for the model's next owner, when they changed (None: unchanged); a
+        snapshot older than the last one this store wrote is not written."""
         args: list[EncodableT] = [self.prefix, self.idle_ms, keys.SHARD_TERMS, self.model]
         args.append(term or "")
+        if pins is None:
+            args.append(-1)
+        else:
+            args += (len(pins.pins), self.owner, pins.serial)
+            for group, instance in pins.pins.items():
+                args += (group, instance)
         for row in rows:
             if row.end:
                 self._open.pop(row.cid, None)

@@ -220,6 +220,10 @@ def test_a_killed_schedulers_sequences_stay_on_their_instances(tmp_path: Path) -
         with grpcclient.InferenceServerClient(url) as client:
             tags = {cid: _step(client, model, cid, cid, start=True)[1] for cid in sequences}
             assert len(set(tags.values())) == 2, tags  # both instances
+            # the batch that pinned a group saved the pins before it answered
+            saved = shards.hgetall(keys.sequence_prefix(model, 1) + "pins")
+            pins = {g: i for g, i in saved.items() if g.isdigit()}
+            assert sorted(pins) == ["0", "1"] and len(set(pins.values())) == 2, saved
             owner = str(shards.hget(keys.SHARD_OWNERS, model))
             victim = next(c for c in s.schedulers if c.name == owner)
             victim.proc.send_signal(signal.SIGKILL)

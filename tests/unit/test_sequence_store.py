@@ -14,6 +14,7 @@ from services.scheduler.sequence_store import (
     WAIT,
     Committed,
     Finished,
+    PinsSnapshot,
     Placement,
     SequenceStore,
     StateUpdate,
@@ -261,8 +262,8 @@ def test_a_next_owner_finds_the_slots_and_pins_the_last_one_saved(redis_url) -> 
         e1, e2 = a.new_entry(), a.new_entry()
         assert await a.enqueue([("i:1", e1, False), ("i:2", e2, False)]) is None
         await a.claim([("i:1", e1, True, 2), ("i:2", e2, True, 1)])  # STARTs in slots 2, 1
-        await a.save_pins({0: "inst-A", 1: "inst-B"})
-        await a.commit([Finished("i:1", e1, False), Finished("i:2", e2, False)])
+        rows = [Finished("i:1", e1, False), Finished("i:2", e2, False)]
+        await a.commit(rows, pins=PinsSnapshot(0, {0: "inst-A", 1: "inst-B"}))
         assert 0 < await r.pttl(a.prefix + "pins") <= 60_000  # the commit keeps it
         # b takes the model over: sequence 1 continues, 3 is unknown, 2 is not asked
         placement = await b.enqueue(
@@ -273,7 +274,34 @@ def test_a_next_owner_finds_the_slots_and_pins_the_last_one_saved(redis_url) -> 
             ]
         )
         assert placement == Placement({"i:1": 2}, {0: "inst-A", 1: "inst-B"})
-        await b.save_pins({})
-        assert not await r.exists(b.prefix + "pins")
+        # b's own pins replace a's, whatever a's serial was
+        await b.commit([], pins=PinsSnapshot(0, {}))
+        assert await _pins_found(b) == {}
+
+    run(redis_url, body)
+
+
+async def _pins_found(store: SequenceStore) -> dict[int, str]:
+    """The pins a scheduler taking the model over finds, listing i:1."""
+    placement = await store.enqueue([("i:1", store.new_entry(), True)])
+    assert placement is not None
+    return placement.pins
+
+
+def test_a_snapshot_older_than_the_writers_last_is_not_written(redis_url) -> None:
+    """A commit carrying pins that lands after a newer one of the same
+    scheduler (a retried call, another connection) leaves the newer pins."""
+
+    async def body(a: SequenceStore, b: SequenceStore, r) -> None:
+        e1 = a.new_entry()
+        await a.enqueue([("i:1", e1, False)])
+        await a.claim([("i:1", e1, True, 0)])
+        await a.commit([], pins=PinsSnapshot(5, {0: "inst-B", 1: "inst-A"}))
+        await a.commit([], pins=PinsSnapshot(4, {0: "inst-A"}))  # late
+        await a.commit([Finished("i:1", e1, False)])  # unchanged: nothing carried
+        placement = await b.enqueue([("i:1", b.new_entry(), True)])
+        assert placement == Placement({"i:1": 0}, {0: "inst-B", 1: "inst-A"})
+        await a.commit([], pins=PinsSnapshot(6, {1: "inst-C"}))
+        assert await _pins_found(b) == {1: "inst-C"}
 
     run(redis_url, body)

@@ -32,14 +32,14 @@ another instance arriving meanwhile, by at most that. At 200 µs two common
 models sat just above it in the stack and went to the thread for most
 batches: the example accumulator (6 inputs, 6 outputs; a mean 243 µs per
 batch in the stack, 114 µs for its execute_batch alone; 215 of 5,454
-batches inline at c=8) and `simple` at c=64 (batches of ~7). Three interleaved rounds on the 2-core
-VM (docs/benchmarks.md "The inline limit"), 200 µs against 500 µs: the
-accumulator's worker CPU per inference 1.21-1.55x `simple`'s against
-1.23-1.28x, `simple` c=64 worker 69-89 against 56-63 µs per inference, mlp
-(batches of ~22, above either limit) unchanged within noise. A GPU
-instance keeps 200 µs (GPU_INLINE_LIMIT_NS): its cost is wall time, an
-inline run holds the loop while the device computes, and the larger limit
-was not measured on a GPU host.
+batches inline at c=8) and `simple` at c=64 (batches of ~7). Three
+interleaved rounds on the 2-core VM (docs/benchmarks.md "The inline
+limit"), 200 µs against 500 µs: the accumulator's worker CPU per inference
+1.21-1.55x `simple`'s against 1.23-1.28x, `simple` c=64 worker 69-89
+against 56-63 µs per inference, mlp (batches of ~22, above either limit)
+unchanged within noise. A GPU instance keeps 200 µs (GPU_INLINE_LIMIT_NS):
+its cost is wall time, an inline run holds the loop while the device
+computes, and the larger limit was not measured on a GPU host.
 """
 
 from __future__ import annotations

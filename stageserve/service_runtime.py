@@ -16,6 +16,7 @@ from typing import NoReturn
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from stageserve import heap_freeze
 from stageserve.net import add_stage_port, listen_failed
 from stageserve.stage_tls import StageTls
 
@@ -115,6 +116,7 @@ async def run_server(
     # Handlers before the ready line: whoever reads it may signal at once.
     stop = asyncio.Event()
     _stop_on_signals(stop, grace_s + SHUTDOWN_SLACK_S)
+    heap_freeze.settle("ready")
     announce_ready(service, address, announce)
 
     waiter = asyncio.create_task(server.wait_for_termination())

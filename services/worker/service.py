@@ -31,8 +31,8 @@ from services.worker.publishers import PublisherWatch
 from services.worker.python_backend.bls import install as bls_install
 from services.worker.stale import stale_instances
 from services.worker.warmup import WarmupError
+from stageserve import heap_freeze, tensor_shm, trace_spans
 from stageserve import redis_keys as keys
-from stageserve import tensor_shm, trace_spans
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.gpus import gpu_count
@@ -251,7 +251,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             if changed:
                 await self.register()
             if complete:
-                await self._unload_stale(wanted)
+                changed |= await self._unload_stale(wanted)
             elif self.publishers.waiting_for() != waiting:
                 # Redis lost the model set and not every gateway republished
                 # yet: what is missing may still be served, keep it.
@@ -259,6 +259,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                     "model set incomplete; unloading nothing",
                     extra={"waiting_for": self.publishers.waiting_for()},
                 )
+            if changed:  # the loaded models' objects out of the collector's walks
+                heap_freeze.settle("model set changed")
 
     async def _unload_stale(self, wanted: dict[str, LoadedModel]) -> bool:
         stale = stale_instances(self.instances.values(), wanted)

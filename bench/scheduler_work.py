@@ -1,0 +1,148 @@
+"""`python -m bench.scheduler_work`: the scheduler's own work per request, in one process.
+
+What one scheduler does for each request of a stateless batch, without its
+streams: parse the gateway's message, queue the request (Queued, its batch
+key, the dynamic batcher), form the batch, build and serialize the worker's
+ExecuteRequest, parse the worker's answer, build each request's
+ScheduleResponse (BatchRun._answer) and pack and serialize the answers.
+Each step is timed apart (best of --repeats, us per request) and the whole
+path once more on fresh messages, where protobuf builds its wrappers on
+first access as it does in the stack. The model is bench.scale's
+`identity` (FP32 [16], max_batch_size 64, dynamic batching).
+
+The streams' own costs (grpc, system calls, event-loop turns) are not here:
+`python -m bench.scale` measures the scheduler's CPU per inference in a
+stack, which this bounds from below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import timeit
+from collections.abc import Callable, Sequence
+
+from services.scheduler.batch_run import BatchRun
+from services.scheduler.batch_strategy import Queued, QueueStrategy
+from services.scheduler.execute_request import build_execute_request
+from stageserve.config import parse_config_text, to_spec
+from stageserve.generated import stageserve_pb2 as pb
+
+CONFIG = """name: "identity" backend: "onnxruntime" max_batch_size: 64
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+dynamic_batching { }"""
+
+
+class _Sizes:
+    def observe(self, value: float) -> None:
+        pass
+
+
+def _gateway_message(n: int) -> bytes:
+    batch = pb.ScheduleBatch()
+    for i in range(n):
+        m = batch.requests.add(id=i + 1, model="identity", version=1, batch_size=1)
+        m.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16], raw=bytes(64))
+        m.outputs.append("OUTPUT0")
+    return batch.SerializeToString()
+
+
+def _worker_answer(n: int) -> bytes:
+    resp = pb.ExecuteResponse(id=1, compute_input_ns=10, compute_infer_ns=20, compute_output_ns=30)
+    for _ in range(n):
+        resp.results.add().outputs.add(
+            name="OUTPUT0", datatype="FP32", shape=[1, 16], raw=bytes(64)
+        )
+    return resp.SerializeToString()
+
+
+def measure(n: int, repeats: int, number: int) -> list[tuple[str, float]]:
+    """(step, us per request) for batches of `n` requests."""
+    spec = to_spec(parse_config_text(CONFIG))
+    incoming, answer_wire = _gateway_message(n), _worker_answer(n)
+    answers: list[pb.ScheduleResponse] = []
+    run = BatchRun(
+        "identity",
+        None,  # type: ignore[arg-type]  # no worker call: _answer only
+        None,
+        lambda _q, r: answers.append(r),
+        lambda _b: False,
+        _Sizes(),
+    )
+
+    def respond(_r: pb.ScheduleResponse) -> None:
+        pass
+
+    def queue(msgs) -> QueueStrategy:
+        strategy = QueueStrategy(spec)
+        for m in msgs:
+            strategy.add(Queued(m, respond, time.monotonic_ns()))
+        return strategy
+
+    def formed(msgs) -> list[Queued]:
+        return queue(msgs).next_batch(time.monotonic_ns() + 10**9).batch or []
+
+    msgs = list(pb.ScheduleBatch.FromString(incoming).requests)
+    batch = formed(msgs)
+    request = build_execute_request("identity_0", batch, True, spec.ragged_inputs)
+    response = pb.ExecuteResponse.FromString(answer_wire)
+
+    def answer() -> None:
+        answers.clear()
+        run._answer(batch, frozenset(), request, response, time.monotonic_ns())
+
+    answer()
+    ready = list(answers)
+
+    def whole() -> None:
+        fresh = formed(pb.ScheduleBatch.FromString(incoming).requests)
+        built = build_execute_request("identity_0", fresh, True, spec.ragged_inputs)
+        built.SerializeToString()
+        answers.clear()
+        run._answer(
+            fresh,
+            frozenset(),
+            built,
+            pb.ExecuteResponse.FromString(answer_wire),
+            time.monotonic_ns(),
+        )
+        pb.ScheduleResponses(responses=answers).SerializeToString()
+
+    steps: list[tuple[str, Callable[[], object]]] = [
+        ("parse the gateway's message", lambda: pb.ScheduleBatch.FromString(incoming)),
+        ("queue (Queued, batch key, batcher)", lambda: queue(msgs)),
+        ("queue and form the batch", lambda: formed(msgs)),
+        (
+            "build the ExecuteRequest",
+            lambda: build_execute_request("identity_0", batch, True, spec.ragged_inputs),
+        ),
+        ("serialize it", request.SerializeToString),
+        ("parse the worker's answer", lambda: pb.ExecuteResponse.FromString(answer_wire)),
+        ("answer each request (_answer)", answer),
+        (
+            "pack and serialize the answers",
+            lambda: pb.ScheduleResponses(responses=ready).SerializeToString(),
+        ),
+        ("whole path, fresh messages", whole),
+    ]
+    return [
+        (name, min(timeit.repeat(fn, number=number, repeat=repeats)) / number / n * 1e6)
+        for name, fn in steps
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.scheduler_work")
+    parser.add_argument("--requests", type=int, default=20, help="requests per batch")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--number", type=int, default=2000, help="batches per repeat")
+    args = parser.parse_args(argv)
+    print(f"scheduler work per request, batches of {args.requests} (best of {args.repeats})")
+    for name, us in measure(args.requests, args.repeats, args.number):
+        print(f"  {name:40s} {us:6.2f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

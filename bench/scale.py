@@ -48,6 +48,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.perf_analyzer import PerfAnalyzerError, PerfAnalyzerUnstable, run_perf
+from bench.profile import Recorder, format_profile
 from bench.references import (
     BenchModel,
     _StageServeLogs,
@@ -218,6 +219,30 @@ def measure(
     settle_s: float,
 ) -> Point:
     """One perf_analyzer run and the stages' CPU over it."""
+    recorder = Recorder(args.profile) if args.profile is not None else None
+    if recorder is not None:  # py-spy on every stage process, the retries included
+        recorder.start(
+            [(f"{stage}-{i}", pid) for stage, procs in pids.items() for i, pid in enumerate(procs)],
+            f"{model.name}-c{concurrency}",
+        )
+    try:
+        return _measure(url, pids, metrics_ports, model, concurrency, args, input_data, settle_s)
+    finally:
+        if recorder is not None:
+            for stage_profile in recorder.stop():
+                print(format_profile(stage_profile), flush=True)
+
+
+def _measure(
+    url: str,
+    pids: dict[str, list[int]],
+    metrics_ports: Sequence[int],
+    model: BenchModel,
+    concurrency: int,
+    args: argparse.Namespace,
+    input_data: Path,
+    settle_s: float,
+) -> Point:
     pct, trials, stable = args.stability_pct, args.max_trials, True
     while True:
         count0, executions0 = inference_counts(url, model.name)
@@ -326,11 +351,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="no stable measurement: once more over 3 windows at this -s, marked unstable",
     )
     ap.add_argument("--json", type=Path, default=None, help="write the points here as JSON")
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="py-spy every stage process during each point (raw stacks into this folder) and "
+        "print where each spends its CPU; the figures of a profiled run include py-spy's cost",
+    )
     return ap.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.profile is not None and not Recorder.available():
+        print("bench.scale --profile: py-spy is not installed (pip install py-spy)", flush=True)
+        return 2
     settings = settings_from_env()
     gateways = gateway_count(args.gateways, settings.stack)
     workers: int | str = args.workers if args.workers == AUTO else int(args.workers)

@@ -6,8 +6,9 @@
 # to /tmp/gpu-parts by earlier transfers, one each (the device tool sends at most 64 MiB
 # per call, the checkout included), or lie in BUNDLE. It installs what is missing (the host
 # keeps /tmp while it stays warm), then runs STEPS (default: all, in this order: tests scale
-# onnx scaled http), most important first, each cut to the time left of SECONDS (default
-# 590), so a step that runs long costs the ones after it, never the results before it.
+# onnx scaled http; the py-spy runs `profile` and `scaleprof` only when named), most
+# important first, each cut to the time left of SECONDS (default 590), so a step that runs
+# long costs the ones after it, never the results before it.
 # Results go to $OUT (the device tool's output folder, at most 8 files come back):
 # steps.txt and one file per step.
 set -u
@@ -85,6 +86,10 @@ if want scale; then
   run scale 70 $SC --gateways 4
 fi
 want http && run http 70 $G --backend torch $S --protocol http
+# Where the headline's stages spend their CPU, the model's one scheduler above all
+# (py-spy, when the bundle brings it; the figures of this run include py-spy's cost).
+want scaleprof && run scaleprof 80 python3 -m bench.scale --models identity --concurrency 256 \
+  --measurement-ms 2500 --max-trials 4 --profile /tmp/scale-profile
 # Where the scaled stack's CPU goes (py-spy, when the bundle brings it).
 want profile && run profile 80 $G --backend onnx $S --profile /tmp/gpu-profile
 el end

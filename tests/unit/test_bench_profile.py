@@ -3,7 +3,8 @@
 from bench.profile import area_of, format_profile, is_idle, parse_collapsed
 
 RAW = [
-    "<module> (x.py:1);run (asyncio/base_events.py:600);_run (grpc/_cython/cygrpc.pyx:10) 30\n",
+    "<module> (x.py:1);run_forever (asyncio/base_events.py:608);"
+    "_run (grpc/_cython/cygrpc.pyx:10) 30\n",
     "<module> (x.py:1);infer (services/gateway/dataplane.py:120) 10\n",
     "<module> (x.py:1);infer (services/gateway/dataplane.py:120);"
     "SerializeToString (google/protobuf/message.py:5) 20\n",
@@ -21,6 +22,7 @@ def test_self_samples_go_to_the_leaf_frame_and_its_area():
     assert profile.self_frames["_run (grpc/_cython/cygrpc.pyx:10)"] == 30
     assert profile.self_frames["infer (services/gateway/dataplane.py:120)"] == 10
     assert profile.areas == {"grpc cython": 30, "protobuf": 20, "stageserve services": 10}
+    assert profile.loop == 30  # on CPU under the event loop's run_forever; its epoll is idle
 
 
 def test_area_of_unknown_file_is_other():
@@ -30,7 +32,9 @@ def test_area_of_unknown_file_is_other():
 
 def test_format_lists_areas_and_top_frames_as_shares():
     text = format_profile(parse_collapsed(RAW, "gateway"), top=2)
-    assert text.splitlines()[0] == "gateway: 60 samples on CPU (540 blocked in a wait, left out)"
+    assert text.splitlines()[0] == (
+        "gateway: 60 samples on CPU (540 blocked in a wait, left out); the event loop's thread 50%"
+    )
     assert "grpc cython 50%" in text
     assert "50.0%  _run (grpc/_cython/cygrpc.pyx:10)" in text
     assert "infer (services" not in text  # only the top 2 frames

@@ -34,6 +34,7 @@ headline. Figures: docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -41,7 +42,7 @@ import resource
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -208,6 +209,25 @@ def inference_counts(url: str, model: str) -> tuple[int, int]:
     )
 
 
+@contextlib.contextmanager
+def profiled(folder: Path | None, pids: dict[str, list[int]], label: str) -> Iterator[None]:
+    """With a folder: py-spy on every stage process meanwhile, each stage's
+    summary printed after (bench/profile.py)."""
+    if folder is None:
+        yield
+        return
+    recorder = Recorder(folder)
+    recorder.start(
+        [(f"{stage}-{i}", pid) for stage, procs in pids.items() for i, pid in enumerate(procs)],
+        label,
+    )
+    try:
+        yield
+    finally:
+        for stage_profile in recorder.stop():
+            print(format_profile(stage_profile), flush=True)
+
+
 def measure(
     url: str,
     pids: dict[str, list[int]],
@@ -219,30 +239,6 @@ def measure(
     settle_s: float,
 ) -> Point:
     """One perf_analyzer run and the stages' CPU over it."""
-    recorder = Recorder(args.profile) if args.profile is not None else None
-    if recorder is not None:  # py-spy on every stage process, the retries included
-        recorder.start(
-            [(f"{stage}-{i}", pid) for stage, procs in pids.items() for i, pid in enumerate(procs)],
-            f"{model.name}-c{concurrency}",
-        )
-    try:
-        return _measure(url, pids, metrics_ports, model, concurrency, args, input_data, settle_s)
-    finally:
-        if recorder is not None:
-            for stage_profile in recorder.stop():
-                print(format_profile(stage_profile), flush=True)
-
-
-def _measure(
-    url: str,
-    pids: dict[str, list[int]],
-    metrics_ports: Sequence[int],
-    model: BenchModel,
-    concurrency: int,
-    args: argparse.Namespace,
-    input_data: Path,
-    settle_s: float,
-) -> Point:
     pct, trials, stable = args.stability_pct, args.max_trials, True
     while True:
         count0, executions0 = inference_counts(url, model.name)
@@ -412,7 +408,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 data = model.write_input_data(work / "input" / f"{model.name}.json")
                 for c in args.concurrency:
                     try:
-                        point = measure(url, pids, metrics_ports, model, c, args, data, settle_s)
+                        with profiled(args.profile, pids, f"{model.name}-c{c}"):
+                            point = measure(
+                                url, pids, metrics_ports, model, c, args, data, settle_s
+                            )
                     except PerfAnalyzerError as exc:
                         print(f"{model.name} c={c}: FAILED {str(exc).splitlines()[0]}", flush=True)
                         continue

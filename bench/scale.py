@@ -146,6 +146,10 @@ class Point:
     # stack: where the stack uses fewer cores than the host has, this says
     # whether the client took the rest)
     client_cores: float | None = None
+    # the busiest scheduler's main thread (its event loop, where its own work
+    # runs; grpc's poller threads are apart) in cores over the run: near 1.0,
+    # that loop is what binds the model
+    sched_loop_cores: float | None = None
 
 
 #: The links whose requests per message a point shows, and their column names.
@@ -187,6 +191,17 @@ def reaped_children_cpu() -> float:
     are still running and count nowhere here)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def main_thread_cpu(pid: int) -> float:
+    """user+system CPU seconds of a process's main thread (its task whose id
+    is the pid), from /proc; 0.0 once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def stage_cpu(pids: dict[str, list[int]]) -> dict[str, float]:
@@ -243,6 +258,7 @@ def measure(
     while True:
         count0, executions0 = inference_counts(url, model.name)
         streams0 = stream_counts(metrics_ports)
+        loops0 = {pid: main_thread_cpu(pid) for pid in pids.get("scheduler", [])}
         cpu0, t0 = stage_cpu(pids), time.monotonic()
         client0 = reaped_children_cpu()
         try:
@@ -266,6 +282,7 @@ def measure(
             continue
         break
     cpu1, wall = stage_cpu(pids), time.monotonic() - t0
+    loops = [(main_thread_cpu(pid) - used) / wall for pid, used in loops0.items()]
     client_cores = (reaped_children_cpu() - client0) / wall
     streams1 = stream_counts(metrics_ports)
     # Every gateway publishes its statistics each stats_publish_s: wait one
@@ -294,6 +311,7 @@ def measure(
         stages,
         per_message(streams0, streams1),
         client_cores,
+        max(loops) if loops else None,
     )
 
 
@@ -301,7 +319,7 @@ def format_points(points: Sequence[Point]) -> str:
     head = ["model", "c", "infer/s", "p50 ms", "p99 ms", "batch", "cores"]
     stages = [s for s in STAGES if any(s in p.stages for p in points)]
     head += [f"{SHORT[s]} us/inf" for s in stages] + [f"{SHORT[s]} cores" for s in stages]
-    head += [*LINKS.values(), "pa cores"]
+    head += [*LINKS.values(), "pa cores", "sched loop cores"]
     rows = []
     for p in points:
         row = [
@@ -322,6 +340,7 @@ def format_points(points: Sequence[Point]) -> str:
             ratio = p.per_message.get(link)
             row.append("-" if ratio is None else f"{ratio:.1f}")
         row.append("-" if p.client_cores is None else f"{p.client_cores:.2f}")
+        row.append("-" if p.sched_loop_cores is None else f"{p.sched_loop_cores:.2f}")
         rows.append(row)
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     return "\n".join(

@@ -38,6 +38,35 @@ def test_the_clients_cpu_is_what_its_ended_children_used() -> None:
     subprocess.run([sys.executable, "-c", burn], check=True)
     assert reaped_children_cpu() - before >= 0.3
 
-    point = Point("identity", 8, "grpc", 1000.0, 1.0, 2.0, 1.5, 4.0, True, client_cores=0.75)
+    point = Point(
+        "identity", 8, "grpc", 1000.0, 1.0, 2.0, 1.5, 4.0, True, client_cores=0.75,
+        sched_loop_cores=0.93,
+    )  # fmt: skip
     head, row = format_points([point]).splitlines()
-    assert head.split()[-2:] == ["pa", "cores"] and row.split()[-1] == "0.75"
+    assert head.split()[-5:] == ["pa", "cores", "sched", "loop", "cores"]
+    assert row.split()[-2:] == ["0.75", "0.93"]
+
+
+def test_a_main_thread_counts_its_own_cpu_not_its_other_threads() -> None:
+    import os
+    import threading
+    import time
+
+    from bench.scale import main_thread_cpu
+
+    def burn(seconds: float) -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < seconds:
+            pass
+
+    pid = os.getpid()
+    before, process_before = main_thread_cpu(pid), time.process_time()
+    other = threading.Thread(target=burn, args=(0.4,))
+    other.start()
+    other.join()
+    assert time.process_time() - process_before >= 0.4
+    assert main_thread_cpu(pid) - before < 0.2  # the other thread's CPU is not the main one's
+    before = main_thread_cpu(pid)
+    burn(0.3)
+    assert main_thread_cpu(pid) - before >= 0.25  # clock ticks: 10 ms each
+    assert main_thread_cpu(2**22 + 12345) == 0.0  # no such process

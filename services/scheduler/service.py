@@ -7,7 +7,6 @@ import functools
 import logging
 import os
 import socket
-from collections.abc import Awaitable
 
 import grpc
 
@@ -178,28 +177,6 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             self.queues[key] = queue
         return queue
 
-    def _submit_now(
-        self, msg: pb.ScheduleRequest, respond, woken: set[ModelQueue]
-    ) -> Awaitable[None] | None:
-        """A gateway's request: queued right here when its model is known at
-        its generation, its version served and the model owned (no coroutine
-        per request on the stream's read loop); otherwise _submit's
-        coroutine, which the stream awaits before its next request."""
-        cached = self.models.get(msg.model)
-        shard = self.shard
-        if (
-            cached is None
-            or cached.generation != msg.config_generation
-            or msg.version not in cached.served_versions
-            or (shard is not None and msg.model not in shard.owned)
-            or cached.spec.steps
-        ):
-            return self._submit(msg, respond, woken)
-        queue = self._queue(cached, msg.version)
-        queue.submit(msg, respond, wake=False)
-        woken.add(queue)
-        return None
-
     async def _submit(
         self, msg: pb.ScheduleRequest, respond, woken: set[ModelQueue] | None = None
     ) -> None:
@@ -302,7 +279,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         async for message in serve_stream(
             request_iterator,
             unpack=_requests_of,
-            handle=lambda msg, respond: self._submit_now(msg, respond, woken),
+            handle=lambda msg, respond: self._submit(msg, respond, woken),
             pack=_pack_responses,
             on_error=_scheduler_error,
             on_message_end=wake_all,

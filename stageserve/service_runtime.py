@@ -16,9 +16,10 @@ from typing import NoReturn
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from stageserve import heap_freeze
+from stageserve import heap_freeze, loop_lag
 from stageserve.net import add_stage_port, listen_failed
 from stageserve.stage_tls import StageTls
+from stageserve.telemetry import EVENT_LOOP_LAG
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ async def run_server(
     _stop_on_signals(stop, grace_s + SHUTDOWN_SLACK_S)
     heap_freeze.settle("ready")
     announce_ready(service, address, announce)
+    lag = asyncio.create_task(loop_lag.probe(EVENT_LOOP_LAG.labels().observe))
 
     waiter = asyncio.create_task(server.wait_for_termination())
     stopper = asyncio.create_task(stop.wait())
@@ -131,6 +133,7 @@ async def run_server(
     await _set_status(health_servicer, "", health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace_s)
     stopper.cancel()
+    lag.cancel()
     sys.stdout.flush()
 
 

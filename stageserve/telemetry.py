@@ -340,6 +340,13 @@ GATEWAY_RPC_DURATION = LoopHistogram(
     ["method", "code"],
     buckets=LATENCY_BUCKETS,
 )
+#: stageserve/loop_lag.py's probe: how late the stage's event loop woke it
+EVENT_LOOP_LAG = LoopHistogram(
+    "stageserve_event_loop_lag_seconds",
+    "How much later than due the stage's event loop ran a periodic probe",
+    [],
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0),
+)
 GATEWAY_INFLIGHT = Gauge(
     "stageserve_gateway_inflight_requests", "Inference requests in flight at the gateway", ["model"]
 )

@@ -79,6 +79,18 @@ def test_every_service_serves_parseable_metrics(mstack: MetricsStack) -> None:
         assert "nv_cpu_utilization" in samples and "nv_cpu_memory_total_bytes" in samples, name
 
 
+def test_every_stage_reports_its_event_loop_lag(mstack: MetricsStack) -> None:
+    """Each stage's loop-lag probe (stageserve/loop_lag.py) wakes every 50 ms
+    once the stage is ready: its histogram has counts, and an idle stage's
+    loop is not seconds late."""
+    for name, port in mstack.ports.items():
+        samples = scrape(port)
+        count = value(samples, "stageserve_event_loop_lag_seconds_count")
+        assert count >= 1, name
+        under_5s = value(samples, "stageserve_event_loop_lag_seconds_bucket", le="5.0")
+        assert under_5s == count, name
+
+
 def test_triton_counters_follow_triton_semantics(mstack: MetricsStack) -> None:
     client = grpcclient.InferenceServerClient(mstack.url)
     before = scrape(mstack.ports["gateway"])

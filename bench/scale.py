@@ -150,6 +150,10 @@ class Point:
     # runs; grpc's poller threads are apart) in cores over the run: near 1.0,
     # that loop is what binds the model
     sched_loop_cores: float | None = None
+    # the p99 of the busiest scheduler's event-loop lag over the run (a bucket
+    # bound of stageserve_event_loop_lag_seconds, in ms): how long what is
+    # due there (a result that hands out the next batch) waits for its loop
+    sched_lag_p99_ms: float | None = None
 
 
 #: The links whose requests per message a point shows, and their column names.
@@ -183,6 +187,38 @@ def per_message(before: Counts, after: Counts) -> dict[str, float]:
         if messages > m0:
             out[link] = (requests - r0) / (messages - m0)
     return out
+
+
+LAG = "stageserve_event_loop_lag_seconds"
+Buckets = dict[float, float]  # upper bound (le) -> cumulative count
+
+
+def lag_buckets(port: int) -> Buckets:
+    """The event-loop lag histogram (stageserve/loop_lag.py) of the stage
+    serving /metrics on `port`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        float(sample.labels["le"]): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == LAG
+        for sample in family.samples
+        if sample.name == f"{LAG}_bucket"
+    }
+
+
+def quantile_bound(before: Buckets, after: Buckets, q: float) -> float | None:
+    """The smallest bucket bound under which at least `q` of the
+    observations between two lag_buckets fall (inf: beyond the last bound);
+    None without observations."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return None
+    for bound, count in zip(bounds, counts, strict=True):
+        if count >= q * counts[-1]:
+            return bound
+    return bounds[-1]
 
 
 def reaped_children_cpu() -> float:
@@ -252,12 +288,15 @@ def measure(
     args: argparse.Namespace,
     input_data: Path,
     settle_s: float,
+    lag_ports: Sequence[int] = (),
 ) -> Point:
-    """One perf_analyzer run and the stages' CPU over it."""
+    """One perf_analyzer run and the stages' CPU over it; `lag_ports`: the
+    schedulers' metrics ports, for their event-loop lag."""
     pct, trials, stable = args.stability_pct, args.max_trials, True
     while True:
         count0, executions0 = inference_counts(url, model.name)
         streams0 = stream_counts(metrics_ports)
+        lags0 = {port: lag_buckets(port) for port in lag_ports}
         loops0 = {pid: main_thread_cpu(pid) for pid in pids.get("scheduler", [])}
         cpu0, t0 = stage_cpu(pids), time.monotonic()
         client0 = reaped_children_cpu()
@@ -283,6 +322,8 @@ def measure(
         break
     cpu1, wall = stage_cpu(pids), time.monotonic() - t0
     loops = [(main_thread_cpu(pid) - used) / wall for pid, used in loops0.items()]
+    lag_p99 = [quantile_bound(lags0[port], lag_buckets(port), 0.99) for port in lag_ports]
+    lag_known = [b for b in lag_p99 if b is not None]
     client_cores = (reaped_children_cpu() - client0) / wall
     streams1 = stream_counts(metrics_ports)
     # Every gateway publishes its statistics each stats_publish_s: wait one
@@ -312,6 +353,7 @@ def measure(
         per_message(streams0, streams1),
         client_cores,
         max(loops) if loops else None,
+        max(lag_known) * 1000 if lag_known else None,
     )
 
 
@@ -319,7 +361,7 @@ def format_points(points: Sequence[Point]) -> str:
     head = ["model", "c", "infer/s", "p50 ms", "p99 ms", "batch", "cores"]
     stages = [s for s in STAGES if any(s in p.stages for p in points)]
     head += [f"{SHORT[s]} us/inf" for s in stages] + [f"{SHORT[s]} cores" for s in stages]
-    head += [*LINKS.values(), "pa cores", "sched loop cores"]
+    head += [*LINKS.values(), "pa cores", "sched loop cores", "sched lag p99 ms"]
     rows = []
     for p in points:
         row = [
@@ -341,6 +383,7 @@ def format_points(points: Sequence[Point]) -> str:
             row.append("-" if ratio is None else f"{ratio:.1f}")
         row.append("-" if p.client_cores is None else f"{p.client_cores:.2f}")
         row.append("-" if p.sched_loop_cores is None else f"{p.sched_loop_cores:.2f}")
+        row.append("-" if p.sched_lag_p99_ms is None else f"<={p.sched_lag_p99_ms:g}")
         rows.append(row)
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     return "\n".join(
@@ -422,6 +465,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for child in stack.children:
                 pids.setdefault(stage_of(child.name), []).append(child.proc.pid)
             metrics_ports = [c.metrics_port for c in stack.children if c.metrics_port]
+            lag_ports = [
+                c.metrics_port
+                for c in stack.children
+                if c.metrics_port and stage_of(c.name) == "scheduler"
+            ]
             settle_s = settings.gateway.stats_publish_s + 0.5 if gateways > 1 else 0.0
             for model, _ in models:
                 data = model.write_input_data(work / "input" / f"{model.name}.json")
@@ -429,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     try:
                         with profiled(args.profile, pids, f"{model.name}-c{c}"):
                             point = measure(
-                                url, pids, metrics_ports, model, c, args, data, settle_s
+                                url, pids, metrics_ports, model, c, args, data, settle_s, lag_ports
                             )
                     except PerfAnalyzerError as exc:
                         print(f"{model.name} c={c}: FAILED {str(exc).splitlines()[0]}", flush=True)

@@ -40,11 +40,35 @@ def test_the_clients_cpu_is_what_its_ended_children_used() -> None:
 
     point = Point(
         "identity", 8, "grpc", 1000.0, 1.0, 2.0, 1.5, 4.0, True, client_cores=0.75,
-        sched_loop_cores=0.93,
+        sched_loop_cores=0.93, sched_lag_p99_ms=2.0,
     )  # fmt: skip
     head, row = format_points([point]).splitlines()
-    assert head.split()[-5:] == ["pa", "cores", "sched", "loop", "cores"]
-    assert row.split()[-2:] == ["0.75", "0.93"]
+    assert head.split()[-9:] == [
+        "pa",
+        "cores",
+        "sched",
+        "loop",
+        "cores",
+        "sched",
+        "lag",
+        "p99",
+        "ms",
+    ]
+    assert row.split()[-3:] == ["0.75", "0.93", "<=2"]
+
+
+def test_the_lag_quantile_is_the_bucket_bound_that_holds_it() -> None:
+    from bench.scale import quantile_bound
+
+    inf = float("inf")
+    before = {0.001: 10.0, 0.002: 10.0, 0.005: 10.0, inf: 10.0}
+    # 100 more observations: 90 under 1 ms, 9 in (1, 2] ms, 1 in (2, 5] ms
+    after = {0.001: 100.0, 0.002: 109.0, 0.005: 110.0, inf: 110.0}
+    assert quantile_bound(before, after, 0.5) == 0.001
+    assert quantile_bound(before, after, 0.99) == 0.002
+    assert quantile_bound(before, after, 1.0) == 0.005
+    assert quantile_bound(after, after, 0.99) is None  # nothing observed in between
+    assert quantile_bound({}, {0.001: 0.0, inf: 3.0}, 0.99) == inf  # beyond the last bound
 
 
 def test_a_main_thread_counts_its_own_cpu_not_its_other_threads() -> None:

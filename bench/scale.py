@@ -46,6 +46,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.perf_analyzer import PerfAnalyzerError, PerfAnalyzerUnstable, run_perf
@@ -161,15 +163,19 @@ LINKS = {"scheduler": "req/msg sched", "worker": "batches/msg wk"}
 Counts = dict[str, tuple[float, float]]  # link -> (messages, requests)
 
 
+def scrape(port: int) -> list[Metric]:
+    """The metric families of the stage serving /metrics on `port`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return list(text_string_to_metric_families(r.read().decode()))
+
+
 def stream_counts(metrics_ports: Sequence[int]) -> Counts:
     """link -> (messages, requests) written on it by the stages serving
     /metrics on `metrics_ports`, summed."""
     which = {"stageserve_stream_messages": 0, "stageserve_stream_requests": 1}
     totals: dict[str, list[float]] = {}
     for port in metrics_ports:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        for family in text_string_to_metric_families(text):
+        for family in scrape(port):
             if family.name not in which:
                 continue
             for sample in family.samples:
@@ -196,11 +202,9 @@ Buckets = dict[float, float]  # upper bound (le) -> cumulative count
 def lag_buckets(port: int) -> Buckets:
     """The event-loop lag histogram (stageserve/loop_lag.py) of the stage
     serving /metrics on `port`."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
     return {
         float(sample.labels["le"]): sample.value
-        for family in text_string_to_metric_families(text)
+        for family in scrape(port)
         if family.name == LAG
         for sample in family.samples
         if sample.name == f"{LAG}_bucket"
@@ -230,14 +234,13 @@ def reaped_children_cpu() -> float:
 
 
 def main_thread_cpu(pid: int) -> float:
-    """user+system CPU seconds of a process's main thread (its task whose id
-    is the pid), from /proc; 0.0 once the process is gone."""
+    """user+system CPU seconds of a process's main thread (the thread whose
+    id is the pid); 0.0 once the process is gone."""
     try:
-        with open(f"/proc/{pid}/task/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
+        threads = psutil.Process(pid).threads()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(t.user_time + t.system_time for t in threads if t.id == pid)
 
 
 def stage_cpu(pids: dict[str, list[int]]) -> dict[str, float]:

@@ -8,8 +8,11 @@ One stack (explicit model control, every model loaded) serves identity models
 configured for one test each. A model with the `execute_delay_ms` parameter
 sleeps that long per execution in the worker; with max_batch_size 1 and one
 instance, a first "blocker" request keeps the instance busy while the test
-queues others behind it, so what is queued is deterministic. Timing
-assertions are tolerances well inside those delays, never tight timings.
+queues others behind it, so what is queued is deterministic. The
+preserve_ordering test uses a two-instance Python model that sleeps on a
+marked request instead, so which answer is late does not depend on the
+machine's load. Timing assertions are tolerances well inside those delays,
+never tight timings.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +33,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from stageserve.net import free_port
-from stageserve_tools.examples import write_identity
+from stageserve_tools.examples import python_config_text, write_identity, write_python_model
 from tests.integration.helpers import (
     RPC_TIMEOUT_S,
     expect_error,
@@ -81,6 +84,43 @@ MODELS: dict[str, tuple[int, int, str, int]] = {
 }
 
 
+# A Python model that sleeps SLOW_S on a request whose first value is
+# negative: with two instances, a marked request dispatched first is answered
+# after unmarked ones dispatched later, whatever the machine's load.
+SLOW_S = 1.0
+SLOW_WHEN_MARKED_SOURCE = f"""\
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            if x.size and x.flat[0] < 0:
+                time.sleep({SLOW_S})
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)]))
+        return responses
+"""
+# name: dynamic_batching body
+SLOW_WHEN_MARKED: dict[str, str] = {"py_ordered": "preserve_ordering: true", "py_unordered": ""}
+
+
+def _write_slow_when_marked(root: Path, name: str, body: str) -> None:
+    config = python_config_text(
+        name,
+        [("INPUT0", "FP32", (-1,))],
+        [("OUTPUT0", "FP32", (-1,))],
+        max_batch_size=8,
+        dynamic_batching=True,
+        instance_count=2,
+    )
+    write_python_model(root, name, SLOW_WHEN_MARKED_SOURCE, config)
+    _set_dynamic_batching(root, name, body)
+
+
 def _config_path(root: Path, name: str) -> Path:
     return root / name / "config.pbtxt"
 
@@ -107,6 +147,8 @@ def _write_repository(root: Path) -> None:
             path = _config_path(root, name)
             param = f'key: "execute_delay_ms" value {{ string_value: "{delay_ms}" }}'
             path.write_text(path.read_text() + f"parameters {{ {param} }}\n")
+    for name, body in SLOW_WHEN_MARKED.items():
+        _write_slow_when_marked(root, name, body)
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +179,7 @@ def qstack(repo: Path, metrics_port: int) -> Iterator[RunningStack]:
         # (SchedulerLink._ensure_stream). Then touch every model once (queue
         # created, instance warm) so no test pays first-request costs.
         c.infer("unordered", [_input(np.zeros((1, 4), np.float32))], client_timeout=RPC_TIMEOUT_S)
-        warm = [Calls(c, name) for name in MODELS]
+        warm = [Calls(c, name) for name in [*MODELS, *SLOW_WHEN_MARKED]]
         for calls in warm:
             calls.send("warm-up")
         for calls in warm:
@@ -408,8 +450,14 @@ def test_timeout_delay_puts_expired_requests_behind_live_ones(qstack: RunningSta
 # ------------------------------------------------------------------ preserve_ordering
 
 
-def _stream(c: grpcclient.InferenceServerClient, model: str, arrays: list[np.ndarray]) -> list[str]:
-    """Send arrays on one stream concurrently; the request ids in answer order."""
+def _stream(
+    c: grpcclient.InferenceServerClient,
+    model: str,
+    arrays: list[np.ndarray],
+    after_first: Callable[[], None] | None = None,
+) -> list[str]:
+    """Send arrays on one stream concurrently; the request ids in answer order.
+    `after_first` runs between the first send and the rest."""
     answers: list[tuple[grpcclient.InferResult | None, InferenceServerException | None]] = []
     done = threading.Event()
 
@@ -422,6 +470,8 @@ def _stream(c: grpcclient.InferenceServerClient, model: str, arrays: list[np.nda
     try:
         for i, a in enumerate(arrays):
             c.async_stream_infer(model, [_input(a)], request_id=str(i))
+            if i == 0 and after_first is not None:
+                after_first()
         assert done.wait(RPC_TIMEOUT_S), f"{len(answers)} of {len(arrays)} answers"
         got = answers[: len(arrays)]
     finally:
@@ -437,20 +487,27 @@ def _stream(c: grpcclient.InferenceServerClient, model: str, arrays: list[np.nda
     return ids
 
 
-def _big_then_small() -> list[np.ndarray]:
-    # The big request is dispatched first but takes longer (16 MB through
-    # every hop and back) than the small ones on the model's second instance.
-    big = np.full((1, 4_000_000), 7.0, np.float32)
-    return [big] + [np.full((1, 4), float(k), np.float32) for k in range(1, 5)]
+def _slow_then_fast() -> list[np.ndarray]:
+    # The first request is marked: it sleeps on one instance while the others
+    # run on the second.
+    return [np.full((1, 4), -1.0, np.float32)] + [
+        np.full((1, 4), float(k), np.float32) for k in range(1, 5)
+    ]
 
 
 def test_preserve_ordering_releases_responses_in_dispatch_order(qstack: RunningStack) -> None:
     c = qstack.client()
-    arrays = _big_then_small()
-    # premise: without preserve_ordering the small requests finish first
-    unordered = _stream(c, "unordered", arrays)
-    assert unordered[0] != "0", unordered
-    ordered = _stream(c, "ordered", arrays)
+    arrays = _slow_then_fast()
+
+    def stream(model: str) -> list[str]:
+        assert wait_until(lambda: model_grants(qstack, model) == 0, RPC_TIMEOUT_S)
+        # the rest are sent once the first runs, so they cannot join its batch
+        return _stream(c, model, arrays, after_first=lambda: _executing(qstack, model))
+
+    # premise: without preserve_ordering the later requests finish first
+    unordered = stream("py_unordered")
+    assert unordered[-1] == "0", unordered
+    ordered = stream("py_ordered")
     assert ordered == [str(i) for i in range(len(arrays))]
 
 

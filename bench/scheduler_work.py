@@ -39,28 +39,54 @@ class _Sizes:
         pass
 
 
-def _gateway_message(n: int) -> bytes:
+# What a tensor in shared memory carries instead of its bytes (--shm): one
+# extent of its owner's region (stageserve/tensor_shm.py names them so).
+SHM_BYTES = 49152
+
+
+def _part(owner: str, k: int) -> pb.TensorPart:
+    return pb.TensorPart(
+        region=f"stageserve-{owner}-vm-4242-0f3a9c",
+        offset=k * 65536,
+        length=SHM_BYTES,
+        generation=1000 + k,
+    )
+
+
+def _gateway_message(n: int, shm: bool) -> bytes:
     batch = pb.ScheduleBatch()
     for i in range(n):
         m = batch.requests.add(id=i + 1, model="identity", version=1, batch_size=1)
-        m.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16], raw=bytes(64))
+        if shm:
+            t = m.inputs.add(name="INPUT0", datatype="FP32", shape=[1, SHM_BYTES // 4])
+            t.parts.append(_part("gw", i))
+            m.shm_host, m.shm_pid = "vm-4242", 4242
+        else:
+            m.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16], raw=bytes(64))
         m.outputs.append("OUTPUT0")
     return batch.SerializeToString()
 
 
-def _worker_answer(n: int) -> bytes:
+def _worker_answer(n: int, shm: bool) -> bytes:
     resp = pb.ExecuteResponse(id=1, compute_input_ns=10, compute_infer_ns=20, compute_output_ns=30)
-    for _ in range(n):
-        resp.results.add().outputs.add(
-            name="OUTPUT0", datatype="FP32", shape=[1, 16], raw=bytes(64)
-        )
+    for k in range(n):
+        if shm:
+            t = resp.results.add().outputs.add(
+                name="OUTPUT0", datatype="FP32", shape=[1, SHM_BYTES // 4]
+            )
+            t.parts.append(_part("wk", k))
+        else:
+            resp.results.add().outputs.add(
+                name="OUTPUT0", datatype="FP32", shape=[1, 16], raw=bytes(64)
+            )
     return resp.SerializeToString()
 
 
-def measure(n: int, repeats: int, number: int) -> list[tuple[str, float]]:
-    """(step, us per request) for batches of `n` requests."""
+def measure(n: int, repeats: int, number: int, shm: bool = False) -> list[tuple[str, float]]:
+    """(step, us per request) for batches of `n` requests; `shm`: every input
+    and output in shared memory (a reference on the streams, not bytes)."""
     spec = to_spec(parse_config_text(CONFIG))
-    incoming, answer_wire = _gateway_message(n), _worker_answer(n)
+    incoming, answer_wire = _gateway_message(n, shm), _worker_answer(n, shm)
     answers: list[pb.ScheduleResponse] = []
     run = BatchRun(
         "identity",
@@ -137,9 +163,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=20, help="requests per batch")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--number", type=int, default=2000, help="batches per repeat")
+    parser.add_argument(
+        "--shm",
+        action="store_true",
+        help="49 KB inputs and outputs in shared memory: the streams carry references",
+    )
     args = parser.parse_args(argv)
-    print(f"scheduler work per request, batches of {args.requests} (best of {args.repeats})")
-    for name, us in measure(args.requests, args.repeats, args.number):
+    where = "in shared memory" if args.shm else "inline"
+    print(
+        f"scheduler work per request, batches of {args.requests}, tensors {where} "
+        f"(best of {args.repeats})"
+    )
+    for name, us in measure(args.requests, args.repeats, args.number, args.shm):
         print(f"  {name:40s} {us:6.2f} us")
     return 0
 

@@ -215,24 +215,31 @@ def release_outputs(resp: pb.ScheduleResponse) -> None:
         _free_parts(t)
 
 
-def take_outputs(tensors: Iterable[pb.Tensor]) -> None:
+def take_outputs(tensors: Iterable[pb.Tensor]) -> list[bytes | None]:
     """Copy each output held in a worker's region into `raw` and free its
-    slots. StageError (unavailable) when the worker reclaimed an extent
-    before it was copied (its answer took past SHM_LOST_AFTER_S to arrive):
-    those bytes may be another answer's; the other extents are freed."""
+    slots; the bytes copied, per tensor in order (None: it was inline), for a
+    caller that would read `raw` again (each read of a bytes field copies it).
+    StageError (unavailable) when the worker reclaimed an extent before it
+    was copied (its answer took past SHM_LOST_AFTER_S to arrive): those bytes
+    may be another answer's; the other extents are freed."""
     tensors = list(tensors)
+    taken: list[bytes | None] = []
     for t in tensors:
-        if t.parts:
-            raw = bytes(tensor_bytes(t))
-            if any(_retaken(part) for part in t.parts):
-                for held in tensors:
-                    _free_parts(held)
-                raise unavailable(
-                    f"output '{t.name}' was reclaimed from shared memory before it was read"
-                )
-            _free_parts(t)
-            del t.parts[:]
-            t.raw = raw
+        if not t.parts:
+            taken.append(None)
+            continue
+        raw = bytes(tensor_bytes(t))
+        if any(_retaken(part) for part in t.parts):
+            for held in tensors:
+                _free_parts(held)
+            raise unavailable(
+                f"output '{t.name}' was reclaimed from shared memory before it was read"
+            )
+        _free_parts(t)
+        del t.parts[:]
+        t.raw = raw
+        taken.append(raw)
+    return taken
 
 
 def _retaken(part: pb.TensorPart) -> bool:
@@ -305,13 +312,22 @@ class TensorShm:
         if t.datatype == "BYTES" or t.parts:
             return None
         raw = t.raw  # each read of a bytes field copies it: once
+        part = self.place(raw, tag)
+        if part is None:
+            return None
+        t.ClearField("raw")
+        t.parts.append(part)
+        return part
+
+    def place(self, raw: bytes, tag: int) -> pb.TensorPart | None:
+        """`raw` in a fresh extent tagged `tag`, when it is large enough and
+        the region has room: the part that refers to it; None: it stays inline."""
         if len(raw) < self.threshold:
             return None
         offset = self._put(raw, tag)
         if offset is None:
             return None
-        t.ClearField("raw")
-        return t.parts.add(
+        return pb.TensorPart(
             region=self.region.name,
             offset=offset,
             length=len(raw),
@@ -329,6 +345,12 @@ class TensorShm:
             if part is not None:
                 held.append(part)
         return held
+
+    def stage_bytes(self, raw: bytes, datatype: str) -> pb.TensorPart | None:
+        """An input's bytes, before they are in any message, into this region
+        (a full region or a small or BYTES tensor: None, it stays inline); the
+        extent to `release` when the request ends."""
+        return None if datatype == "BYTES" else self.place(raw, self.pid)
 
     def release(self, held: Iterable[pb.TensorPart]) -> None:
         for part in held:

@@ -87,6 +87,9 @@ ReadShared = Callable[[SharedRef], bytes]
 #: (an input's shared-memory reference, its datatype) -> a reference the
 #: worker reads itself (a CUDA region's extent), or None: read its bytes
 InPlace = Callable[[SharedRef, str], pb.TensorPart | None]
+#: (an input's checked bytes, its datatype) -> the extent of the gateway's
+#: tensor region they were copied into, or None: they stay inline
+PlaceRaw = Callable[[bytes, str], pb.TensorPart | None]
 
 
 def shared_ref(params, kind: str, name: str, model: str) -> SharedRef | None:
@@ -266,6 +269,7 @@ def validate_infer(
     raw_contents: Sequence[bytes] | None = None,
     in_place: InPlace | None = None,
     shared: Mapping[str, SharedRef] | None = None,
+    place_raw: PlaceRaw | None = None,
 ) -> ValidatedRequest:
     """`raw_contents`, when given, stands for request.raw_input_contents (the
     HTTP front's binary tensors, sliced from the body, skip a protobuf copy).
@@ -280,7 +284,12 @@ def validate_infer(
 
     `shared`, when given, is shared_inputs(request.inputs, spec.name), which
     the caller parsed already (the gateway reads large inputs ahead from it):
-    1.5 us for the two inputs of `simple`, not paid twice."""
+    1.5 us for the two inputs of `simple`, not paid twice.
+
+    `place_raw`, when given, may put an input's checked bytes in the
+    gateway's tensor region (the tensor then carries that part): the bytes
+    go there from the request, not through a Tensor's `raw` first (two
+    copies less: `python -m bench.gateway_work`, docs/benchmarks.md)."""
     model = spec.name
     batching = spec.batching
     raw_input = request.raw_input_contents if raw_contents is None else raw_contents
@@ -366,6 +375,14 @@ def validate_infer(
             _check_raw(raw, t, name, model, count)
         else:
             raw = _raw_from_contents(tensor, model, count)
+        placed = place_raw(raw, datatype) if place_raw is not None else None
+        if placed is not None:
+            tensors.append(
+                pb.Tensor(
+                    name=name, datatype=datatype, shape=_reshaped(spec, t, shape), parts=[placed]
+                )
+            )
+            continue
         tensors.append(
             pb.Tensor(name=name, datatype=datatype, shape=_reshaped(spec, t, shape), raw=raw)
         )

@@ -29,6 +29,7 @@ from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.redis_keys import TENSOR_SHM_HOSTS
 from stageserve.tensor_shm import TensorShm, materialize
+from stageserve.validation import PlaceRaw
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,22 @@ class TensorTransport:
         place: they then hold references); the extents to `release` when the
         request ends (none otherwise)."""
         return self.shm.stage_inputs(inputs) if self.eligible(spec) else []
+
+    def placer(self, spec: ModelSpec, staged: list[pb.TensorPart]) -> PlaceRaw | None:
+        """For an eligible model, validation's hook that puts each large input
+        in the region as it is checked (validation.PlaceRaw); each extent goes
+        into `staged`, to `release` when the request ends. None otherwise."""
+        if not self.eligible(spec):
+            return None
+        shm = self.shm
+
+        def place(raw: bytes, datatype: str) -> pb.TensorPart | None:
+            part = shm.stage_bytes(raw, datatype)
+            if part is not None:
+                staged.append(part)
+            return part
+
+        return place
 
     def address(self, spec: ModelSpec, request: pb.ScheduleRequest) -> None:
         """For an eligible model, ask the worker for large outputs through

@@ -3,8 +3,9 @@
 One stack with the stack's `tensor_shm` on: the 49 KB identity (FP32
 [3, 64, 64]) answers byte-exact on both fronts and through the dynamic
 batcher, client system shared memory still works, and every slot of every
-region is free again after requests, after a client gives up mid-request
-and after kill -9 of the worker.
+region is free again after requests, after a request refused once its first
+input was in the gateway's region, after a client gives up mid-request and
+after kill -9 of the worker.
 """
 
 from __future__ import annotations
@@ -71,18 +72,19 @@ def test_regions_exist_one_per_gateway_and_worker(stack: RunningStack) -> None:
     assert roles == ["gateway", "worker"]
 
 
+def held_while_running(stack: RunningStack) -> bool:
+    """A request to the slow model held slots while it ran (its input waits
+    in the gateway's region): the gateway sends its models' tensors through
+    shared memory (it sees the worker on its host within its refresh period)."""
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(grpc_infer, stack, data(2), "identity_49k_slow")
+        held = wait_until(lambda: any(in_use(stack).values()), SLOW_MS / 1000 / 2)
+        assert call.result(RPC_TIMEOUT_S).as_numpy("OUTPUT0").tobytes() == data(2).tobytes()
+    return held
+
+
 def test_a_request_holds_slots_while_it_runs(stack: RunningStack) -> None:
-    """The input waits in the gateway's region while the slow model runs (the
-    gateway sees the worker on its host within its refresh period)."""
-
-    def held_while_running() -> bool:
-        with ThreadPoolExecutor(1) as pool:
-            call = pool.submit(grpc_infer, stack, data(2), "identity_49k_slow")
-            held = wait_until(lambda: any(in_use(stack).values()), SLOW_MS / 1000 / 2)
-            assert call.result(RPC_TIMEOUT_S).as_numpy("OUTPUT0").tobytes() == data(2).tobytes()
-        return held
-
-    assert wait_until(held_while_running, 10, 0)
+    assert wait_until(lambda: held_while_running(stack), 10, 0)
     assert wait_until(lambda: all_free(stack), 5)
 
 
@@ -97,6 +99,21 @@ def test_49k_identity_is_byte_exact_on_grpc_and_http(stack: RunningStack) -> Non
             inp.set_data_from_numpy(x, binary_data=binary)
             result = client.infer("identity_49k", [inp])
             assert result.as_numpy("OUTPUT0").tobytes() == x.tobytes()
+    assert wait_until(lambda: all_free(stack), 5)
+
+
+def test_slots_free_after_a_request_refused_past_a_placed_input(stack: RunningStack) -> None:
+    # The gateway puts INPUT0's 49 KB in its region as validation passes it;
+    # the unknown input after it then refuses the request.
+    assert wait_until(lambda: held_while_running(stack), 10, 0)
+    x = data(9)
+    inputs = []
+    for name in ("INPUT0", "EXTRA"):
+        inp = grpcclient.InferInput(name, list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        inputs.append(inp)
+    with pytest.raises(InferenceServerException, match="unexpected inference input 'EXTRA'"):
+        stack.client().infer("identity_49k", inputs, client_timeout=RPC_TIMEOUT_S)
     assert wait_until(lambda: all_free(stack), 5)
 
 

@@ -128,9 +128,23 @@ SMOKE: dict[str, Smoke] = {
         (_no_perf_analyzer,),
     ),
     # In one process, no stack: a few batches per step.
-    "bench/scheduler_work.py": Smoke(
-        (*PY, "bench.scheduler_work", "--requests", "4", "--repeats", "1", "--number", "3"),
+    "bench/gateway_work.py": Smoke(
+        (*PY, "bench.gateway_work", "--repeats", "1", "--number", "3"),
         "whole path, fresh messages",
+    ),
+    "bench/scheduler_work.py": Smoke(
+        (
+            *PY,
+            "bench.scheduler_work",
+            "--requests",
+            "4",
+            "--repeats",
+            "1",
+            "--number",
+            "3",
+            "--shm",
+        ),
+        "tensors in shared memory",
     ),
     "bench/tensor_shm_cost.py": Smoke(
         (*PY, "bench.tensor_shm_cost", "--repeat", "3", "--rounds", "1", "--sizes", "1024"),

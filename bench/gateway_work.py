@@ -1,0 +1,218 @@
+"""`python -m bench.gateway_work`: the gateway's own work per request, in one process.
+
+What one gateway does with a request of bench.scale's `identity_49k` (FP32
+[3, 64, 64], 49,152 bytes in and out) when its tensors go through shared
+memory, or of `identity` (FP32 [16], inline), without its fronts' sockets
+and its stream to the scheduler: the HTTP/2 front's frame parsing, parse
+the ModelInferRequest, validate it, stage the input into the gateway's
+tensor region, build and serialize the ScheduleRequest, take the output out
+of the worker's region, build and serialize the ModelInferResponse. Each
+step is timed apart (best of --repeats, us per request) and the whole path
+once more on fresh messages.
+
+The sockets, grpc and event-loop turns are not here: `python -m bench.scale`
+measures the gateway's CPU per inference in a stack, which this bounds from
+below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import timeit
+from collections.abc import Callable, Sequence
+
+import hpack
+
+from services.gateway.dataplane import _response
+from stageserve.config import ModelSpec, parse_config_text, to_spec
+from stageserve.generated import grpc_service_pb2 as gs
+from stageserve.generated import stageserve_pb2 as pb
+from stageserve.h2grpc import wire
+from stageserve.h2grpc.connection import ServerConnection
+from stageserve.tensor_shm import TensorShm, release_outputs, take_outputs
+from stageserve.validation import ValidatedRequest, validate_infer
+
+#: (config.pbtxt dims, bytes per request)
+MODELS = {"identity": ([16], 64), "identity_49k": ([3, 64, 64], 49152)}
+SLOTS, SLOT_BYTES, MIN_SHM_BYTES = 64, 65536, 16384
+
+
+def _config(name: str, dims: list[int]) -> str:
+    d = ", ".join(map(str, dims))
+    return f"""name: "{name}" backend: "onnxruntime" max_batch_size: 32
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ {d} ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ {d} ] }} ]
+dynamic_batching {{ }}"""
+
+
+def _client_request(name: str, dims: list[int], nbytes: int) -> bytes:
+    req = gs.ModelInferRequest(model_name=name, id="1")
+    req.inputs.add(name="INPUT0", datatype="FP32", shape=[1, *dims])
+    req.outputs.add(name="OUTPUT0")
+    req.raw_input_contents.append(bytes(nbytes))
+    return req.SerializeToString()
+
+
+#: A ModelInfer call's request headers, as a gRPC client sends them.
+HEADERS = {
+    ":method": "POST",
+    ":scheme": "http",
+    ":path": "/inference.GRPCInferenceService/ModelInfer",
+    ":authority": "localhost",
+    "content-type": "application/grpc",
+    "te": "trailers",
+}
+
+
+def _request_frames(headers: bytes, message: bytes, sid: int) -> bytes:
+    """One unary call as a client sends it: HEADERS, then the message in one DATA frame."""
+    body = b"\x00" + len(message).to_bytes(4, "big") + message
+    return wire.frame(wire.HEADERS, wire.END_HEADERS, sid, headers) + wire.frame(
+        wire.DATA, wire.END_STREAM, sid, body
+    )
+
+
+def measure(model: str, repeats: int, number: int) -> list[tuple[str, float]]:
+    """(step, us per request) for one request of `model`."""
+    dims, nbytes = MODELS[model]
+    spec = to_spec(parse_config_text(_config(model, dims)))
+    wire_request = _client_request(model, dims, nbytes)
+    stack = f"bench-{os.getpid()}"
+    gateway = TensorShm(stack, "gateway", SLOTS, SLOT_BYTES, MIN_SHM_BYTES)
+    worker = TensorShm(stack, "worker", SLOTS, SLOT_BYTES, MIN_SHM_BYTES)
+    try:
+        return _steps(model, spec, wire_request, nbytes, gateway, worker, repeats, number)
+    finally:
+        gateway.close()
+        worker.close()
+
+
+def _steps(
+    model: str,
+    spec: ModelSpec,
+    wire_request: bytes,
+    nbytes: int,
+    gateway: TensorShm,
+    worker: TensorShm,
+    repeats: int,
+    number: int,
+) -> list[tuple[str, float]]:
+    connection = ServerConnection()
+    connection.receive(wire.PREFACE + wire.frame(wire.SETTINGS, 0, 0, b""))
+    connection.data_to_send()
+    # The client's header blocks: the first adds the fields to the HPACK
+    # tables, every later one names them by index (as a client's do).
+    encoder = hpack.Encoder()
+    first, later = encoder.encode(list(HEADERS.items())), encoder.encode(list(HEADERS.items()))
+    connection.receive(_request_frames(first, wire_request, 1))
+    connection.reset(1)
+    sid = [1]
+
+    def frames() -> object:
+        sid[0] += 2
+        events = connection.receive(_request_frames(later, wire_request, sid[0]))
+        connection.reset(sid[0])
+        connection.data_to_send()
+        return events
+
+    request = gs.ModelInferRequest.FromString(wire_request)
+
+    def validate_and_place(
+        req: gs.ModelInferRequest, staged: list[pb.TensorPart]
+    ) -> ValidatedRequest:
+        """As the gateway validates a request whose tensors go through shared
+        memory: a large input goes into its region as it is checked."""
+
+        def place(raw: bytes, datatype: str) -> pb.TensorPart | None:
+            part = gateway.stage_bytes(raw, datatype)
+            if part is not None:
+                staged.append(part)
+            return part
+
+        return validate_infer(req, spec, place_raw=place)
+
+    def stage() -> None:
+        staged: list[pb.TensorPart] = []
+        validate_and_place(request, staged)
+        gateway.release(staged)
+
+    held: list[pb.TensorPart] = []
+    validated = validate_and_place(request, held)
+
+    def schedule_request() -> bytes:
+        msg = pb.ScheduleRequest(model=model, version=1, inputs=validated.inputs, batch_size=1)
+        msg.outputs.extend(validated.outputs)
+        msg.shm_host, msg.shm_pid = gateway.host, gateway.pid
+        return pb.ScheduleBatch(requests=[msg]).SerializeToString()
+
+    output = bytes(nbytes)
+
+    def answer() -> pb.ScheduleResponse:
+        """The worker's answer as the gateway gets it: the output in the
+        worker's region for this gateway when it is large enough."""
+        t = pb.Tensor(name="OUTPUT0", datatype="FP32", shape=[1, *spec.outputs[0].dims])
+        t.raw = output
+        resp = pb.ScheduleResponse(id=1, outputs=[t])
+        for out in resp.outputs:
+            worker._move(out, gateway.pid)
+        return pb.ScheduleResponse.FromString(resp.SerializeToString())
+
+    def take() -> None:
+        take_outputs(answer().outputs)
+
+    def respond() -> bytes:
+        resp = answer()
+        taken = take_outputs(resp.outputs)
+        out, _ = _response(model, 1, "1", resp.outputs, {}, validated, taken)
+        return out.SerializeToString()
+
+    def whole() -> bytes:
+        frames()
+        req = gs.ModelInferRequest.FromString(wire_request)
+        staged: list[pb.TensorPart] = []
+        checked = validate_and_place(req, staged)
+        msg = pb.ScheduleRequest(model=model, version=1, inputs=checked.inputs, batch_size=1)
+        msg.shm_host, msg.shm_pid = gateway.host, gateway.pid
+        pb.ScheduleBatch(requests=[msg]).SerializeToString()
+        resp = answer()
+        taken = take_outputs(resp.outputs)
+        out, _ = _response(model, 1, req.id, resp.outputs, {}, checked, taken)
+        gateway.release(staged)
+        return out.SerializeToString()
+
+    steps: list[tuple[str, Callable[[], object]]] = [
+        ("HTTP/2 frames in (the front)", frames),
+        ("parse the ModelInferRequest", lambda: gs.ModelInferRequest.FromString(wire_request)),
+        ("validate", lambda: validate_infer(request, spec)),
+        ("validate, the input into the region, release", stage),
+        ("build and serialize the ScheduleRequest", schedule_request),
+        ("the worker's answer (not the gateway's)", lambda: release_outputs(answer())),
+        ("that, and take the output", take),
+        ("that, take, build and serialize the response", respond),
+        ("whole path, fresh messages", whole),
+    ]
+    try:
+        return [
+            (name, min(timeit.repeat(fn, number=number, repeat=repeats)) / number * 1e6)
+            for name, fn in steps
+        ]
+    finally:
+        gateway.release(held)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gateway_work")
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--number", type=int, default=2000, help="requests per repeat")
+    args = parser.parse_args(argv)
+    for model in args.models:
+        print(f"gateway work per request, {model} (best of {args.repeats})")
+        for name, us in measure(model, args.repeats, args.number):
+            print(f"  {name:46s} {us:7.2f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,7 +6,8 @@ memory, or of `identity` (FP32 [16], inline), without its fronts' sockets
 and its stream to the scheduler: the HTTP/2 front's frame parsing, parse
 the ModelInferRequest, validate it, stage the input into the gateway's
 tensor region, build and serialize the ScheduleRequest, take the output out
-of the worker's region, build and serialize the ModelInferResponse. Each
+of the worker's region, build and serialize the ModelInferResponse, and
+the answer's HTTP/2 frames. Each
 step is timed apart (best of --repeats, us per request) and the whole path
 once more on fresh messages.
 
@@ -109,12 +110,29 @@ def _steps(
     connection.reset(1)
     sid = [1]
 
-    def frames() -> object:
+    def call_in() -> int:
+        """A call's frames in; its stream id (the stream stays open)."""
         sid[0] += 2
-        events = connection.receive(_request_frames(later, wire_request, sid[0]))
-        connection.reset(sid[0])
-        connection.data_to_send()
-        return events
+        connection.receive(_request_frames(later, wire_request, sid[0]))
+        return sid[0]
+
+    def call_out(stream: int, answer_bytes: bytes) -> bytes:
+        """The answer's frames out (after the client's WINDOW_UPDATE for them)."""
+        refill = (len(answer_bytes) + 5).to_bytes(4, "big")
+        connection.receive(wire.frame(wire.WINDOW_UPDATE, 0, 0, refill))
+        connection.send_message(stream, answer_bytes)
+        connection.reset(stream)
+        return connection.data_to_send()
+
+    def frames() -> object:
+        stream = call_in()
+        connection.reset(stream)
+        return connection.data_to_send()
+
+    answer_message = gs.ModelInferResponse(model_name=model, model_version="1", id="1")
+    answer_message.outputs.add(name="OUTPUT0", datatype="FP32", shape=[1, *spec.outputs[0].dims])
+    answer_message.raw_output_contents.append(bytes(nbytes))
+    answer_wire = answer_message.SerializeToString()
 
     request = gs.ModelInferRequest.FromString(wire_request)
 
@@ -168,7 +186,7 @@ def _steps(
         return out.SerializeToString()
 
     def whole() -> bytes:
-        frames()
+        stream = call_in()
         req = gs.ModelInferRequest.FromString(wire_request)
         staged: list[pb.TensorPart] = []
         checked = validate_and_place(req, staged)
@@ -179,10 +197,11 @@ def _steps(
         taken = take_outputs(resp.outputs)
         out, _ = _response(model, 1, req.id, resp.outputs, {}, checked, taken)
         gateway.release(staged)
-        return out.SerializeToString()
+        return call_out(stream, out.SerializeToString())
 
     steps: list[tuple[str, Callable[[], object]]] = [
         ("HTTP/2 frames in (the front)", frames),
+        ("HTTP/2 frames in, the answer's out", lambda: call_out(call_in(), answer_wire)),
         ("parse the ModelInferRequest", lambda: gs.ModelInferRequest.FromString(wire_request)),
         ("validate", lambda: validate_infer(request, spec)),
         ("validate, the input into the region, release", stage),

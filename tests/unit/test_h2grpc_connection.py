@@ -249,12 +249,18 @@ def test_output_waits_for_the_connection_window() -> None:
     assert sent + rest == 70_005
 
 
-def test_large_output_is_cut_at_the_clients_max_frame_size() -> None:
+@pytest.mark.parametrize(
+    ("length", "sizes"),
+    [(40_000, [16_384, 16_384, 40_005 - 32_768]), (2 * 16_384 - 5, [16_384, 16_384])],
+)
+def test_large_output_is_cut_at_the_clients_max_frame_size(length: int, sizes: list[int]) -> None:
     client = Client()
     client.send(client.headers(1, end_stream=True))
-    client.server.send_message(1, b"q" * 40_000)
-    sizes = [len(p) for k, _, _, p in client.output() if k == wire.DATA]
-    assert sizes == [16_384, 16_384, 40_005 - 32_768]
+    body = (bytes(range(251)) * (length // 251 + 1))[:length]  # no period of a frame's size
+    client.server.send_message(1, body)
+    data = [p for k, _, _, p in client.output() if k == wire.DATA]
+    assert [len(p) for p in data] == sizes
+    assert b"".join(data) == grpc_message(body)
 
 
 def test_inbound_windows_are_refilled() -> None:

@@ -170,10 +170,12 @@ def _steps(
         """The worker's answer as the gateway gets it: the output in the
         worker's region for this gateway when it is large enough."""
         t = pb.Tensor(name="OUTPUT0", datatype="FP32", shape=[1, *spec.outputs[0].dims])
-        t.raw = output
+        part = worker.place(output, gateway.pid)
+        if part is None:
+            t.raw = output
+        else:
+            t.parts.append(part)
         resp = pb.ScheduleResponse(id=1, outputs=[t])
-        for out in resp.outputs:
-            worker._move(out, gateway.pid)
         return pb.ScheduleResponse.FromString(resp.SerializeToString())
 
     def take() -> None:

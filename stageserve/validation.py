@@ -375,17 +375,12 @@ def validate_infer(
             _check_raw(raw, t, name, model, count)
         else:
             raw = _raw_from_contents(tensor, model, count)
+        reshaped = _reshaped(spec, t, shape)
         placed = place_raw(raw, datatype) if place_raw is not None else None
         if placed is not None:
-            tensors.append(
-                pb.Tensor(
-                    name=name, datatype=datatype, shape=_reshaped(spec, t, shape), parts=[placed]
-                )
-            )
-            continue
-        tensors.append(
-            pb.Tensor(name=name, datatype=datatype, shape=_reshaped(spec, t, shape), raw=raw)
-        )
+            tensors.append(pb.Tensor(name=name, datatype=datatype, shape=reshaped, parts=[placed]))
+        else:
+            tensors.append(pb.Tensor(name=name, datatype=datatype, shape=reshaped, raw=raw))
 
     missing = [t.name for t in spec.inputs if t.name not in seen and not t.optional]
     if missing:

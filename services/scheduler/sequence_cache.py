@@ -18,11 +18,10 @@ Sequences that stay here are the ones the model's traffic keeps busy.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class Kept:
+class Kept(NamedTuple):  # (a tuple: built on every sequence batch's commit, per row)
     term: str
     slot: int
     states: dict[str, bytes]  # state output name -> raw, as committed

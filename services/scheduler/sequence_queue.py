@@ -94,6 +94,8 @@ class SequenceIO:
         self._changed: Callable[[], None] = lambda: None
         self._fills: list[ControlFill] = []
         self._fills_for: SequenceBatching | None = None
+        self._state_names: frozenset[str] = frozenset()
+        self._names_for: SequenceBatching | None = None
         # the strategy's pins (a reload makes new ones) and version last saved
         self._pins_saved: tuple[int, int] = (0, 0)
         self._pins_serial = itertools.count()
@@ -345,6 +347,15 @@ class SequenceIO:
                 add_request_info(req, r.msg if r is not None else None)
         return req
 
+    @property
+    def state_names(self) -> frozenset[str]:
+        """The model's state output names (a reload may change them)."""
+        seq = self.strategy.seq
+        if self._names_for is not seq:
+            self._state_names = frozenset(s.output_name for s in seq.states)
+            self._names_for = seq
+        return self._state_names
+
     def _control_fills(self, seq: SequenceBatching) -> list[ControlFill]:
         """The model's control inputs, encoded once per config (a reload may change them)."""
         if self._fills_for is not seq:
@@ -410,26 +421,25 @@ class SequenceJob:
         model changed owner since the batch formed, or an unclaimed row whose
         sequence Redis lost."""
         io = self.io
-        seq = io.strategy.seq
-        state_names = {s.output_name for s in seq.states}
+        state_names = io.state_names
         skip = 1 if io.strategy.spec.batching else 0  # a row's state shape has no batch dim
         finished: list[Finished] = []
         indexes: list[int] = []
         results = resp.results if resp is not None else [pb.RequestOutputs()] * len(self.rows)
+        held, slots = self.held, self.slots
         for i, (q, result) in enumerate(zip(self.rows, results, strict=True)):
             if q is None:
                 continue
-            new_states = _state_updates(result.outputs, state_names, skip)
-            held = q.cid in self.held
+            cid, msg = q.cid, q.msg
             finished.append(
                 Finished(
-                    q.cid,
+                    cid,
                     q.entry,
-                    q.msg.sequence_end,
-                    new_states,
-                    start=q.msg.sequence_start,
-                    held=held,
-                    slot=self.slots.get(q.cid, -1),
+                    msg.sequence_end,
+                    _state_updates(result.outputs, state_names, skip),
+                    msg.sequence_start,
+                    cid in held,
+                    slots.get(cid, -1),
                 )
             )
             indexes.append(i)
@@ -446,29 +456,33 @@ class SequenceJob:
         self.unsettled.clear()
         io.pins_saved(version)
         failed: dict[int, StageError] = {}
-        lost = set(committed.lost)
-        for k, (row, i) in enumerate(zip(finished, indexes, strict=True)):
-            q = self.rows[i]
-            assert q is not None
-            if k in lost:
-                io.cache.drop(row.cid)
+        lost = committed.lost
+        store, cache, term = io.store, io.cache, self.term
+        until = sent + store.idle_ms / 1000
+        for k, row in enumerate(finished):
+            cid = row.cid
+            if lost and k in lost:
+                q = self.rows[indexes[k]]
+                assert q is not None
+                cache.drop(cid)
                 io.strategy.refused(q)
-                failed[i] = io._unknown(q, io.store.lost(row.cid))
+                failed[indexes[k]] = io._unknown(q, store.lost(cid))
                 continue
             if row.end:
-                io.cache.drop(row.cid)
+                q = self.rows[indexes[k]]
+                assert q is not None
+                cache.drop(cid)
                 io.strategy.ended(q)
                 continue
-            io.store.opened(row.cid, sent)
-            if self.term is not None:
-                raw, shapes = self.states[row.cid]
-                states = dict(raw)
-                shaped = dict(shapes)
-                for name, update in (row.states or {}).items():
-                    states[name] = update.raw
-                    shaped[name] = update.shape
-                until = sent + io.store.idle_ms / 1000
-                io.cache.put(row.cid, Kept(self.term, row.slot, states, shaped, until))
+            store.opened(cid, sent)
+            if term is not None:
+                raw, shapes = self.states[cid]
+                if row.states:
+                    raw, shapes = dict(raw), dict(shapes)
+                    for name, update in row.states.items():
+                        raw[name] = update.raw
+                        shapes[name] = update.shape
+                cache.put(cid, Kept(term, row.slot, raw, shapes, until))
         return failed
 
     def close(self) -> None:
@@ -480,7 +494,7 @@ class SequenceJob:
 
 
 def _state_updates(
-    outputs: Sequence[pb.Tensor], names: set[str], skip: int
+    outputs: Sequence[pb.Tensor], names: frozenset[str], skip: int
 ) -> dict[str, StateUpdate]:
     """A row's new states among its outputs. Searched from the end: the
     batch asks for the state outputs after the client's (`_execute_request`)."""

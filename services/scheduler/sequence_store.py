@@ -72,13 +72,13 @@ class PinsSnapshot:
     pins: dict[int, str]
 
 
-@dataclass
+@dataclass(slots=True)
 class StateUpdate:
     raw: bytes
     shape: tuple[int, ...]
 
 
-@dataclass
+@dataclass(slots=True)
 class Finished:
     """One executed (or failed) request, for commit: its new states (None:
     unchanged). `held`: it ran with states the scheduler kept

@@ -331,6 +331,10 @@ SMOKE: dict[str, Smoke] = {
         "req/msg sched",
         (_no_perf_analyzer,),
     ),  # fmt: skip
+    "bench/sequence_work.py": Smoke(
+        (*PY, "bench.sequence_work", "--requests", "3", "--batches", "3", "--repeats", "1"),
+        "commit the states (Redis, wall)",
+    ),
     "bench/stream_vs_unary.py": Smoke(
         (*PY, "bench.stream_vs_unary", "--seconds", "0.3", "--inflight", "1"), "stream"
     ),

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from services.scheduler.batch_run import BatchRun, RunState
+from services.scheduler.batch_run import BatchRun, RunState, _shown
 from services.scheduler.batch_strategy import Queued
 from services.scheduler.clients import Granted, WorkerCallError
 from stageserve.config import ModelSpec, parse_config_text, to_spec
@@ -213,3 +213,28 @@ def test_a_decoupled_batch_that_fails_before_returning_keeps_its_grant_for_the_q
     )
     assert events == [] and state.grant_returned is False and state.failed_instance is True
     assert all(a[0].failure == pb.STAGE_UNAVAILABLE for a in answers.values())
+
+
+def _outputs(*names: str) -> list[pb.Tensor]:
+    return [pb.Tensor(name=n, datatype="INT32", shape=[1, 1], raw=bytes(4)) for n in names]
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ("OUT", "START_OUT", "ACC", "ACC2"),  # the state outputs last, as asked for
+        ("ACC", "OUT", "ACC2", "START_OUT"),  # another order: still only the client's
+        ("OUT", "ACC2", "START_OUT", "ACC"),  # one hidden at the end, one before
+    ],
+)
+def test_a_sequence_answer_leaves_out_its_state_outputs_in_any_order(names) -> None:
+    hidden = frozenset({"ACC", "ACC2"})
+    result = pb.RequestOutputs(outputs=_outputs(*names))
+    answer = pb.ScheduleResponse(id=1, outputs=_shown(result.outputs, hidden))
+    assert [t.name for t in answer.outputs] == [n for n in names if n not in hidden]
+
+
+def test_a_sequence_answer_without_its_state_outputs_keeps_every_output() -> None:
+    result = pb.RequestOutputs(outputs=_outputs("OUT", "START_OUT"))
+    shown = _shown(result.outputs, frozenset({"ACC"}))
+    assert [t.name for t in shown] == ["OUT", "START_OUT"]

@@ -6,13 +6,13 @@
 # to /tmp/gpu-parts by earlier transfers, one each (the device tool sends at most 64 MiB
 # per call, the checkout included), or lie in BUNDLE. It installs what is missing (the host
 # keeps /tmp while it stays warm), then runs STEPS (default: all, in this order: tests scale
-# onnx scaled http work; the py-spy runs `profile` and `scaleprof` only when named), most
+# onnx scaled http work seq; the py-spy runs `profile` and `scaleprof` only when named), most
 # important first, each cut to the time left of SECONDS (default 590), so a step that runs
 # long costs the ones after it, never the results before it.
 # Results go to $OUT (the device tool's output folder, at most 8 files come back):
 # steps.txt and one file per step.
 set -u
-B=$(cd "$1" && pwd); LIMIT=${2:-590}; STEPS=" ${3:-tests scale onnx scaled http work} "; O=${OUT:-/tmp/gpu-out}; mkdir -p "$O"; t0=$(date +%s)
+B=$(cd "$1" && pwd); LIMIT=${2:-590}; STEPS=" ${3:-tests scale onnx scaled http work seq} "; O=${OUT:-/tmp/gpu-out}; mkdir -p "$O"; t0=$(date +%s)
 el() { echo "[t+$(( $(date +%s)-t0 ))s] $*" | tee -a "$O/steps.txt"; }
 export PYTHONUNBUFFERED=1
 if [ ! -f /tmp/site/.installed ]; then
@@ -86,12 +86,18 @@ if want scale; then
   run scale 70 $SC --gateways 4
 fi
 want http && run http 70 $G --backend torch $S --protocol http
-# The scheduler's and the gateway's own Python work per request on this host's cores, in
-# one process (~30 s): what their CPU per inference in `scale` is bounded by from below.
+# The scheduler's (stateless and sequence batches) and the gateway's own Python work per
+# request on this host's cores, in one process (~45 s): what their CPU per inference in `scale` is bounded by from below.
 if want work; then
   run work 30 python3 -m bench.scheduler_work --requests 60
   run work 30 python3 -m bench.gateway_work
+  run work 30 python3 -m bench.sequence_work
 fi
+# Issue 26's sequence target where Redis and the scheduler have cores of their own: the
+# accumulator (sequence batcher, states in Redis) against simple in one stack, two rounds.
+want seq && run seq 90 python3 -m bench --models accumulator simple accumulator simple \
+  --concurrency 8 32 --measurement-ms 2500 --stability-pct 60 \
+  --perf-arg=--sequence-length=5 --perf-arg=--input-data=zero
 # Where the headline's stages spend their CPU, the model's one scheduler above all
 # (py-spy, when the bundle brings it; the figures of this run include py-spy's cost).
 want scaleprof && run scaleprof 80 python3 -m bench.scale --models identity --concurrency 256 \

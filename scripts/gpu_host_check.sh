@@ -95,7 +95,7 @@ if want work; then
 fi
 # Issue 26's sequence target where Redis and the scheduler have cores of their own: the
 # accumulator (sequence batcher, states in Redis) against simple in one stack, two rounds.
-want seq && run seq 90 python3 -m bench --models accumulator simple accumulator simple \
+want seq && run seq 110 python3 -m bench --models accumulator simple accumulator simple \
   --concurrency 8 32 --measurement-ms 2500 --stability-pct 60 \
   --perf-arg=--sequence-length=5 --perf-arg=--input-data=zero
 # Where the headline's stages spend their CPU, the model's one scheduler above all

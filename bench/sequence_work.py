@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.scheduler_work import NoSizes
 from services.scheduler.batch_run import BatchRun
 from services.scheduler.batch_strategy import Queued, QueueStrategy
 from services.scheduler.execute_request import build_execute_request
@@ -41,6 +42,7 @@ from stageserve.launcher import Stack
 from stageserve.redis_connect import connect
 from stageserve.script_lane import ScriptLane
 from stageserve.settings import RedisClientSettings
+from stageserve.tensors import element_count
 from stageserve_tools.examples import accumulator_config, config_text
 
 TERM = "bench-term"
@@ -62,11 +64,6 @@ STEPS = (
 COMMIT_CPU = "  of which the caller's CPU"
 
 
-class _Sizes:
-    def observe(self, value: float) -> None:
-        pass
-
-
 def _respond(_r: pb.ScheduleResponse) -> None:
     pass
 
@@ -75,25 +72,22 @@ def _spec(text: str) -> ModelSpec:
     return to_spec(parse_config_text(text))
 
 
-def _answer_to(request: pb.ExecuteRequest, spec: ModelSpec, state_names: Sequence[str]) -> bytes:
-    """The worker's answer to `request`: each row's requested outputs, one
-    element each (the example models' dims)."""
-    sizes = {o.name: o.datatype.item_size for o in spec.outputs}
-    elements = {o.name: 1 for o in spec.outputs}
-    for name in state_names:
-        sizes.setdefault(name, 4)
-    if spec.name == "simple":
-        elements = dict.fromkeys(elements, 16)
+def _answer_to(request: pb.ExecuteRequest, spec: ModelSpec) -> bytes:
+    """The worker's answer to `request`: each row's requested outputs (state
+    outputs included), zeros shaped and typed as the config declares them."""
+    declared = {o.name: (o.datatype, o.dims) for o in spec.outputs}
+    if spec.sequence is not None:
+        declared.update({s.output_name: (s.datatype, s.dims) for s in spec.sequence.states})
     resp = pb.ExecuteResponse(id=1, compute_input_ns=10, compute_infer_ns=20, compute_output_ns=30)
     for wanted in request.requested:
         result = resp.results.add()
         for name in wanted.names:
-            n = elements.get(name, 1)
+            datatype, dims = declared[name]
             result.outputs.add(
                 name=name,
-                datatype="INT32" if sizes[name] == 4 else "UINT64",
-                shape=[1, n],
-                raw=bytes(sizes[name] * n),
+                datatype=datatype.triton,
+                shape=[1, *dims],
+                raw=bytes(datatype.item_size * element_count(dims)),
             )
     return resp.SerializeToString()
 
@@ -159,11 +153,7 @@ async def _sequence_round(io: SequenceIO, run: BatchRun, n: int, batches: int) -
         wire = job.request.SerializeToString()
         timer.lap(STEPS[3])
         # (the answer is built outside the timed steps: the worker's part)
-        answer_wire = _answer_to(
-            pb.ExecuteRequest.FromString(wire),
-            strategy.spec,
-            [s.output_name for s in strategy.seq.states],
-        )
+        answer_wire = _answer_to(pb.ExecuteRequest.FromString(wire), strategy.spec)
         timer.lap()
         resp = pb.ExecuteResponse.FromString(answer_wire)
         timer.lap(STEPS[4])
@@ -202,7 +192,7 @@ def _stateless_round(spec: ModelSpec, run: BatchRun, n: int, batches: int) -> di
         wire = request.SerializeToString()
         timer.lap(STEPS[3])
         if not answer_wire:
-            answer_wire = _answer_to(pb.ExecuteRequest.FromString(wire), spec, [])
+            answer_wire = _answer_to(pb.ExecuteRequest.FromString(wire), spec)
         timer.lap()
         resp = pb.ExecuteResponse.FromString(answer_wire)
         timer.lap(STEPS[4])
@@ -244,7 +234,7 @@ async def measure(
         io = SequenceIO(store, SequenceStrategy(spec), "accumulator", Path(model_dir), 4096)
         io.bind(lambda: None)
         io.term = lambda: TERM
-        run = BatchRun("m", None, None, lambda _q, _r: None, lambda _b: False, _Sizes())  # type: ignore[arg-type]
+        run = BatchRun("m", None, None, lambda _q, _r: None, lambda _b: False, NoSizes())  # type: ignore[arg-type]
         sequence_rounds: list[dict[str, int]] = []
         stateless_rounds: list[dict[str, int]] = []
         await _sequence_round(io, run, n, 20)  # warm: STARTs, then kept states

@@ -401,10 +401,9 @@ class SequenceJob:
         self.slots: dict[str, int] = {}  # cid -> its slot
         self.held: set[str] = set()  # cids run with kept states (unclaimed, unlisted)
         self.unsettled: dict[str, str] = {}  # claimed entries not yet committed: cid -> entry
-        seq = io.strategy.seq
         declared = {o.name for o in io.strategy.spec.outputs}
         # state outputs the client did not ask for by declaring them
-        self.hidden = frozenset(s.output_name for s in seq.states) - declared
+        self.hidden = io.state_names - declared
 
     async def settle_failed(self) -> None:
         """A failed execution leaves each sequence's state as it was (the

@@ -560,6 +560,33 @@ def test_client_streaming_sums_the_requests() -> None:
     run(body())
 
 
+def test_accepted_connections_send_without_nagle() -> None:
+    """Every accepted connection has TCP_NODELAY: with Nagle on, an answer
+    written while an earlier one is unacknowledged waits for the client's
+    delayed ACK (~40 ms). asyncio sets it only on sockets made with proto
+    IPPROTO_TCP, which the server's own listening socket is not."""
+
+    async def body() -> None:
+        handlers = service(Upper=grpc.stream_stream_rpc_method_handler(_upper))
+        async with serving(handlers) as (server, address), channel(address) as ch:
+            call = ch.stream_stream(path("Upper"))(timeout=CALL_TIMEOUT)
+            await asyncio.wait_for(call.write(b"x"), CALL_TIMEOUT)
+            assert await asyncio.wait_for(call.read(), CALL_TIMEOUT) == b"X"
+            transports = [c.transport for c in server._connections]
+            sockets = [t.get_extra_info("socket") for t in transports if t is not None]
+            assert sockets
+            for sock in sockets:
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+            call.cancel()
+
+    run(body())
+
+
+async def _upper(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+    async for request in requests:
+        yield request.upper()
+
+
 # -- 9. large messages and flow control -----------------------------------------------
 
 

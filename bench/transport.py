@@ -5,9 +5,12 @@ Starts an echo server in a child process whose ``Schedule`` stream is
 carrying its inputs back, then drives it from this process through a
 ``StreamLink`` with N calls in flight. Prints calls/s, client and server CPU
 microseconds per call, and requests per stream message each way: the fixed
-cost of a stream message against the cost of one more request in it.
+cost of a stream message against the cost of one more request in it. The
+echo server runs on each server an internal stage may serve with
+(stageserve/net.py ``stage_server``: grpc.aio's, and StageServe's own HTTP/2
+server), interleaved, so their costs compare in one run.
 
-  python -m bench.transport [--seconds 3] [--inflight 1 16 64]
+  python -m bench.transport [--seconds 3] [--inflight 1 16 64] [--servers grpcio h2]
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ import asyncio
 import multiprocessing
 import os
 import time
+from typing import Any
 
 import grpc
 import psutil
 
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
-from stageserve.net import free_port
+from stageserve.net import free_port, stage_server
 from stageserve.transport import StreamLink, serve_stream
 
 # A `simple`-sized request: two INT32 [1, 16] inputs.
@@ -58,9 +62,9 @@ class _Echo(pb_grpc.SchedulerServicer):
             yield message
 
 
-def _serve(port: int, ready, counters) -> None:
+def _serve(kind: str, port: int, ready, counters) -> None:
     async def main() -> None:
-        server = grpc.aio.server()
+        server = stage_server(kind)
         pb_grpc.add_SchedulerServicer_to_server(_Echo(counters), server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
@@ -112,38 +116,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--inflight", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--rounds", type=int, default=1, help="repeat the whole table")
+    parser.add_argument("--servers", nargs="+", choices=("grpcio", "h2"), default=["grpcio", "h2"])
     args = parser.parse_args(argv)
-    port = free_port()
-    ready = multiprocessing.Event()
-    counters = multiprocessing.Array("q", 3, lock=False)
-    server = multiprocessing.Process(target=_serve, args=(port, ready, counters), daemon=True)
-    server.start()
+    servers: dict[str, tuple[int, Any, multiprocessing.Process]] = {}
     print(
-        f"{'inflight':>8} {'calls/s':>8} {'client us':>9} {'server us':>9} "
+        f"{'server':>7} {'inflight':>8} {'calls/s':>8} {'client us':>9} {'server us':>9} "
         f"{'req/msg in':>10} {'req/msg out':>11}"
     )
     try:
-        if not ready.wait(20):
-            raise RuntimeError("echo server did not start")
-        assert server.pid is not None  # set by start()
+        for kind in args.servers:
+            port = free_port()
+            ready = multiprocessing.Event()
+            counters = multiprocessing.Array("q", 3, lock=False)
+            child = multiprocessing.Process(
+                target=_serve, args=(kind, port, ready, counters), daemon=True
+            )
+            servers[kind] = (port, counters, child)
+            child.start()
+            if not ready.wait(20):
+                raise RuntimeError(f"echo server ({kind}) did not start")
         for _ in range(args.rounds):
             for inflight in args.inflight:
-                before = list(counters)
-                c0, s0, t0 = _cpu(os.getpid()), _cpu(server.pid), time.monotonic()
-                n, written = asyncio.run(_drive(port, inflight, args.seconds))
-                elapsed = time.monotonic() - t0
-                c1, s1 = _cpu(os.getpid()), _cpu(server.pid)
-                msgs_in = counters[0] - before[0]
-                msgs_out = max(1, counters[1] - before[1])
-                print(
-                    f"{inflight:>8} {n / elapsed:>8.0f} "
-                    f"{(c1 - c0) / n * 1e6:>9.0f} {(s1 - s0) / n * 1e6:>9.0f} "
-                    f"{n / max(1, msgs_in or written):>10.2f} {n / msgs_out:>11.2f}",
-                    flush=True,
-                )
+                for kind, (port, counters, child) in servers.items():
+                    assert child.pid is not None  # set by start()
+                    before = list(counters)
+                    c0, s0, t0 = _cpu(os.getpid()), _cpu(child.pid), time.monotonic()
+                    n, written = asyncio.run(_drive(port, inflight, args.seconds))
+                    elapsed = time.monotonic() - t0
+                    c1, s1 = _cpu(os.getpid()), _cpu(child.pid)
+                    msgs_in = counters[0] - before[0]
+                    msgs_out = max(1, counters[1] - before[1])
+                    print(
+                        f"{kind:>7} {inflight:>8} {n / elapsed:>8.0f} "
+                        f"{(c1 - c0) / n * 1e6:>9.0f} {(s1 - s0) / n * 1e6:>9.0f} "
+                        f"{n / max(1, msgs_in or written):>10.2f} {n / msgs_out:>11.2f}",
+                        flush=True,
+                    )
     finally:
-        server.kill()
-        server.join()
+        for _, _, child in servers.values():
+            child.kill()
+            child.join()
     return 0
 
 

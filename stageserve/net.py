@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import errno
 import socket
+import ssl
+import tempfile
+from pathlib import Path
 
 import grpc
 
+from stageserve.h2grpc.server import H2GrpcServer
 from stageserve.stage_tls import StageTls
 
 # Tensors can be large; Triton itself accepts up to 2 GiB messages.
@@ -101,16 +105,48 @@ def _bind_error(listen: str) -> OSError | None:
     return None
 
 
-def add_stage_port(server: grpc.aio.Server, listen: str, tls: StageTls | None) -> int:
+def stage_server(kind: str) -> grpc.aio.Server | H2GrpcServer:
+    """An internal stage's gRPC server: "h2", StageServe's own HTTP/2 server
+    (stageserve/h2grpc/), or "grpcio", grpc.aio's. Both serve the same
+    handlers to the same grpcio clients."""
+    if kind == "h2":
+        return H2GrpcServer(options=SERVER_OPTIONS)
+    return grpc.aio.server(options=SERVER_OPTIONS)
+
+
+def add_stage_port(
+    server: grpc.aio.Server | H2GrpcServer, listen: str, tls: StageTls | None
+) -> int:
     """Bind an internal stage's server: with `tls` (Settings.stage_tls) clients
     must present a certificate signed by the stage CA; None: plaintext. 0 when
     it cannot bind (grpcio answers 0 or raises RuntimeError, by version)."""
     try:
         if tls is None:
             return server.add_insecure_port(listen)
+        if isinstance(server, H2GrpcServer):
+            return server.add_secure_port(listen, stage_ssl_context(tls))
         credentials = grpc.ssl_server_credentials(
             [(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True
         )
         return server.add_secure_port(listen, credentials)
     except RuntimeError:
         return 0
+
+
+def stage_ssl_context(tls: StageTls) -> ssl.SSLContext:
+    """The stage TLS of `add_stage_port` for the own HTTP/2 server: this
+    stage's certificate, clients' certificates required and checked against
+    the stage CA, ALPN h2 (which gRPC clients insist on)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    # load_cert_chain reads files only: the PEM goes through a private
+    # directory (mode 0700) that is gone once it is loaded.
+    with tempfile.TemporaryDirectory(prefix="stageserve-tls-") as folder:
+        cert, key = Path(folder, "cert.pem"), Path(folder, "key.pem")
+        cert.write_bytes(tls.cert)
+        key.write_bytes(tls.key)
+        context.load_cert_chain(cert, key)
+    context.load_verify_locations(cadata=tls.ca.decode("ascii"))
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.set_alpn_protocols(["h2"])
+    return context

@@ -92,6 +92,12 @@ class WorkerSettings:
     # The spin is most of the worker's CPU per request on the H100 host; auto
     # stays the default until a GPU host has measured blocking against it.
     cuda_sync: str = one_of("auto", "spin", "yield", "blocking")
+    # The server of the worker's internal port (the schedulers' batch
+    # streams): StageServe's own HTTP/2 server (stageserve/h2grpc/), or
+    # grpc.aio's. The first costs the worker about half as much per stream
+    # message (docs/benchmarks.md, "The worker's stream on the own HTTP/2
+    # server"); grpcio stays selectable for comparison.
+    grpc_server: str = one_of("h2", "grpcio")
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,10 @@ class SchedulerSettings:
     # to it (gateways that see no scheduler in the map use their --scheduler).
     shard_lease_ms: int = 3000
     shard_heartbeat_s: float = 0.5
+    # The server of the scheduler's internal port (the gateways' request
+    # streams, BLS calls, queue statistics): StageServe's own HTTP/2 server
+    # (stageserve/h2grpc/), or grpc.aio's, as the worker's (WorkerSettings.grpc_server).
+    grpc_server: str = one_of("h2", "grpcio")
     # Triton's --cache-config (stageserve/cache_options.py), as the gateways
     # have it: the response cache of the composing models of an ensemble
     # (services/scheduler/step_cache.py); None: ensemble steps always run.

@@ -339,7 +339,7 @@ async def serve(
     map (a restarted scheduler that keeps it keeps its models; default
     host-pid); `advertise`: the address gateways and workers dial (default:
     the bound one, a wildcard host replaced by this host's name)."""
-    from stageserve.net import SERVER_OPTIONS, add_stage_port
+    from stageserve.net import add_stage_port, stage_server
     from stageserve.service_runtime import run_server
 
     redis = connect(redis_url, settings.redis_client)
@@ -350,7 +350,7 @@ async def serve(
     service = SchedulerService(ModelStateStore(redis), ratelimiter, workers, settings.scheduler)
     cache = open_cache(settings.scheduler.response_cache, redis, settings.redis_client)
     service.step_cache = StepCache(cache) if cache is not None else None
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = stage_server(settings.scheduler.grpc_server)
     pb_grpc.add_SchedulerServicer_to_server(service, server)
     # The address peers dial goes into the shard map: bind before joining.
     host = listen.rsplit(":", 1)[0]

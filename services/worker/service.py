@@ -37,7 +37,7 @@ from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.gpus import gpu_count
 from stageserve.model_state import LoadedModel, ModelStateStore
-from stageserve.net import add_stage_port, stage_channel
+from stageserve.net import add_stage_port, stage_channel, stage_server
 from stageserve.redis_connect import connect
 from stageserve.settings import Settings, WorkerSettings
 from stageserve.transport import serve_stream
@@ -423,7 +423,6 @@ async def serve(
 ) -> None:
     """`settings.worker` holds the device and the worker's figures; a Python
     model's BLS calls reach the scheduler as the gateway's settings say."""
-    from stageserve.net import SERVER_OPTIONS
     from stageserve.service_runtime import run_server
 
     limit_blas_threads(os.environ, settings.worker.blas_threads)
@@ -442,7 +441,7 @@ async def serve(
         device,
         settings.worker,
     )
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = stage_server(settings.worker.grpc_server)
     pb_grpc.add_WorkerServicer_to_server(service, server)
     # Python models' BLS requests go to the scheduler (python_backend/bls.py).
     bls = bls_install(scheduler_address, service.state, settings) if scheduler_address else None

@@ -48,7 +48,8 @@ run() {  # run FILE CAP COMMAND...: appended to $O/FILE.txt, cut to the time lef
   if [ "$cap" -lt 20 ]; then el "skipped (no time left): $*"; return; fi
   el "$file (${cap}s): $*"
   { echo "== $* (STAGESERVE_WORKER_CUDA_SYNC=${STAGESERVE_WORKER_CUDA_SYNC:-auto}," \
-      "gRPC servers gateway/scheduler/worker ${STAGESERVE_GATEWAY_GRPC_SERVER:-h2}/${STAGESERVE_SCHEDULER_GRPC_SERVER:-h2}/${STAGESERVE_WORKER_GRPC_SERVER:-h2})"
+      "gRPC servers gateway/scheduler/ratelimiter/worker" \
+      "${STAGESERVE_GATEWAY_GRPC_SERVER:-h2}/${STAGESERVE_SCHEDULER_GRPC_SERVER:-h2}/${STAGESERVE_RATELIMITER_GRPC_SERVER:-h2}/${STAGESERVE_WORKER_GRPC_SERVER:-h2})"
     timeout "$cap" "$@" 2>&1; echo "exit $?"; } >> "$O/$file.txt"
   grep -v '^{"ts"' "$O/$file.txt" | grep -v pkg_resources | tail -8
 }
@@ -77,14 +78,15 @@ if want scaled; then
 fi
 # Issue 26's headline: identity at c=256 with the auto counts of this host (8 gateways on
 # 16 cores); the same with every stage on grpc.aio's gRPC server (the gateway's public
-# front, the scheduler's and the worker's internal ports: the own HTTP/2 server costs a
+# front, the internal stages' ports: the own HTTP/2 server costs a
 # third of grpc.aio's CPU per unary call and half per stream message on 2 cores); then 4
 # gateways (cheaper gateways: do fewer, fuller scheduler messages now win?).
 if want scale; then
   SC="python3 -m bench.scale --models identity --concurrency 256 --measurement-ms 2500 --max-trials 4"
   run scale 70 $SC
   STAGESERVE_GATEWAY_GRPC_SERVER=grpcio STAGESERVE_SCHEDULER_GRPC_SERVER=grpcio \
-    STAGESERVE_WORKER_GRPC_SERVER=grpcio run scale 70 $SC
+    STAGESERVE_RATELIMITER_GRPC_SERVER=grpcio STAGESERVE_WORKER_GRPC_SERVER=grpcio \
+    run scale 70 $SC
   run scale 70 $SC --gateways 4
 fi
 want http && run http 70 $G --backend torch $S --protocol http

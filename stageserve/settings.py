@@ -182,6 +182,10 @@ class RateLimiterSettings:
     mode: str = flag("off", "rate_limit")
     # --rate-limit-resource overrides: field ("name" or "name@device") -> count.
     resources: tuple[tuple[str, int], ...] = flag((), "rate_limit_resources")
+    # The server of the rate limiter's port (the schedulers' grant streams,
+    # the workers' registrations): StageServe's own HTTP/2 server, or
+    # grpc.aio's, as the worker's (WorkerSettings.grpc_server).
+    grpc_server: str = one_of("h2", "grpcio")
 
 
 @dataclass(frozen=True)

@@ -363,7 +363,7 @@ async def record_grant_spans(
 
 async def serve(listen: str, redis_url: str, settings: Settings) -> None:
     """`settings.ratelimiter`: the rate limit mode, resource overrides and figures."""
-    from stageserve.net import SERVER_OPTIONS
+    from stageserve.net import stage_server
     from stageserve.redis_connect import connect
     from stageserve.service_runtime import run_server
 
@@ -379,7 +379,7 @@ async def serve(listen: str, redis_url: str, settings: Settings) -> None:
         extra={"mode": rate_limit, "resource_overrides": resource_overrides},
     )
     service = RateLimiterService(registry, rl)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = stage_server(rl.grpc_server)
     pb_grpc.add_RateLimiterServicer_to_server(service, server)
     background = [
         asyncio.create_task(service.sweep_forever()),

@@ -1,7 +1,8 @@
 """The gateway's gRPC front on its own HTTP/2 server (stageserve/h2grpc, the default) and
 on grpc.aio's (STAGESERVE_GATEWAY_GRPC_SERVER=grpcio): a client sees the same answers.
-The worker's internal port follows the same choice (STAGESERVE_WORKER_GRPC_SERVER), so
-the schedulers' batch streams cross both servers too.
+The internal stages' ports follow the same choice (STAGESERVE_SCHEDULER_GRPC_SERVER,
+STAGESERVE_RATELIMITER_GRPC_SERVER, STAGESERVE_WORKER_GRPC_SERVER), so every internal
+stream crosses both servers too.
 
 Two stacks on one repository, one per server; each check makes the same calls to both with
 tritonclient and compares what comes back: results, status codes and messages, streamed
@@ -28,6 +29,7 @@ from tests.integration.helpers import RPC_TIMEOUT_S, skip_if_triton_crashed, tri
 from tests.stack import RunningStack, running_stack
 
 SERVERS = ("h2", "grpcio")
+STAGES = ("GATEWAY", "SCHEDULER", "RATELIMITER", "WORKER")
 DIMS = (3, 64, 64)
 
 
@@ -37,11 +39,11 @@ def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Runni
     write_identity(root, "identity_fp32", "FP32", (-1,), max_batch_size=64)
     write_identity(root, "identity_49k", "FP32", DIMS, max_batch_size=32)
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("STAGESERVE_GATEWAY_GRPC_SERVER", "h2")
-        env.setenv("STAGESERVE_WORKER_GRPC_SERVER", "h2")
+        for stage in STAGES:
+            env.setenv(f"STAGESERVE_{stage}_GRPC_SERVER", "h2")
         with running_stack(root) as own:
-            env.setenv("STAGESERVE_GATEWAY_GRPC_SERVER", "grpcio")
-            env.setenv("STAGESERVE_WORKER_GRPC_SERVER", "grpcio")
+            for stage in STAGES:
+                env.setenv(f"STAGESERVE_{stage}_GRPC_SERVER", "grpcio")
             with running_stack(root) as grpcio:
                 yield {"h2": own, "grpcio": grpcio}
 

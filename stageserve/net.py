@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 
-from stageserve.h2grpc.server import H2GrpcServer
+from stageserve.h2grpc.server import H2GrpcServer, tls_context
 from stageserve.stage_tls import StageTls
 
 # Tensors can be large; Triton itself accepts up to 2 GiB messages.
@@ -137,16 +137,10 @@ def stage_ssl_context(tls: StageTls) -> ssl.SSLContext:
     """The stage TLS of `add_stage_port` for the own HTTP/2 server: this
     stage's certificate, clients' certificates required and checked against
     the stage CA, ALPN h2 (which gRPC clients insist on)."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    # load_cert_chain reads files only: the PEM goes through a private
-    # directory (mode 0700) that is gone once it is loaded.
+    # ssl loads a certificate chain from files only: the PEM goes through a
+    # private directory (mode 0700) that is gone once it is loaded.
     with tempfile.TemporaryDirectory(prefix="stageserve-tls-") as folder:
         cert, key = Path(folder, "cert.pem"), Path(folder, "key.pem")
         cert.write_bytes(tls.cert)
         key.write_bytes(tls.key)
-        context.load_cert_chain(cert, key)
-    context.load_verify_locations(cadata=tls.ca.decode("ascii"))
-    context.verify_mode = ssl.CERT_REQUIRED
-    context.set_alpn_protocols(["h2"])
-    return context
+        return tls_context(cert, key, ca_pem=tls.ca, require_client_cert=True)

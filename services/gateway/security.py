@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from stageserve.h2grpc.server import tls_context
 from stageserve.security_options import GROUP_OF, Restriction, TlsOptions, restrictions_by_group
 
 
@@ -24,15 +25,9 @@ def ssl_context(tls: TlsOptions) -> ssl.SSLContext:
     """The same TLS for the gateway's own HTTP/2 server (stageserve/h2grpc):
     its certificate, and with mutual TLS the clients' CA, required; ALPN h2,
     which gRPC clients insist on."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(tls.server_cert, tls.server_key)
-    if tls.root_cert is not None:
-        context.load_verify_locations(tls.root_cert)
-    if tls.mutual:
-        context.verify_mode = ssl.CERT_REQUIRED
-    context.set_alpn_protocols(["h2"])
-    return context
+    return tls_context(
+        tls.server_cert, tls.server_key, ca_file=tls.root_cert, require_client_cert=tls.mutual
+    )
 
 
 def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:

@@ -86,6 +86,11 @@ async def echo(request: bytes, context: Any) -> bytes:
     return request
 
 
+async def upper_each(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+    async for request in requests:
+        yield request.upper()
+
+
 async def expect_error(call: Awaitable[Any]) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await asyncio.wait_for(call, CALL_TIMEOUT)
@@ -508,10 +513,6 @@ def test_protobuf_server_streaming() -> None:
 
 
 def test_bidi_streaming_interleaves_requests_and_responses() -> None:
-    async def upper(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
-        async for request in requests:
-            yield request.upper()
-
     async def by_read(requests: AsyncIterator[bytes], context: Any) -> None:
         while True:
             request = await context.read()
@@ -522,7 +523,7 @@ def test_bidi_streaming_interleaves_requests_and_responses() -> None:
 
     async def body() -> None:
         handlers = service(
-            Upper=grpc.stream_stream_rpc_method_handler(upper),
+            Upper=grpc.stream_stream_rpc_method_handler(upper_each),
             ByRead=grpc.stream_stream_rpc_method_handler(by_read),
         )
         async with serving(handlers) as (_, address), channel(address) as ch:
@@ -567,7 +568,7 @@ def test_accepted_connections_send_without_nagle() -> None:
     IPPROTO_TCP, which the server's own listening socket is not."""
 
     async def body() -> None:
-        handlers = service(Upper=grpc.stream_stream_rpc_method_handler(_upper))
+        handlers = service(Upper=grpc.stream_stream_rpc_method_handler(upper_each))
         async with serving(handlers) as (server, address), channel(address) as ch:
             call = ch.stream_stream(path("Upper"))(timeout=CALL_TIMEOUT)
             await asyncio.wait_for(call.write(b"x"), CALL_TIMEOUT)
@@ -580,11 +581,6 @@ def test_accepted_connections_send_without_nagle() -> None:
             call.cancel()
 
     run(body())
-
-
-async def _upper(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
-    async for request in requests:
-        yield request.upper()
 
 
 # -- 9. large messages and flow control -----------------------------------------------

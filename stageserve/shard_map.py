@@ -27,6 +27,7 @@ import logging
 import redis.asyncio as aioredis
 
 from stageserve import redis_keys as keys
+from stageserve import task_stop
 from stageserve.shard_policy import DEFAULT_POLICY, ShardPolicy
 
 log = logging.getLogger(__name__)
@@ -191,7 +192,5 @@ class ShardView:
 
     async def close(self) -> None:
         if self._follower is not None:
-            self._follower.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._follower
+            await task_stop.stop(self._follower)
             self._follower = None

@@ -20,6 +20,7 @@ import uuid
 import redis.asyncio as aioredis
 
 from stageserve import redis_keys as keys
+from stageserve import task_stop
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.statistics import StatsBook, merge
 
@@ -42,9 +43,7 @@ class SharedStats:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await task_stop.stop(self._task)
         with contextlib.suppress(Exception):  # last figures, on a clean stop
             await self.publish()
 

@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 
 from services.gateway.model_lifecycle import ModelLifecycle
 from stageserve import redis_keys as keys
+from stageserve import task_stop
 from stageserve.model_state import files_digest
 from stageserve.settings import GatewaySettings
 
@@ -58,9 +59,7 @@ class Republisher:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await task_stop.stop(self._task)
         with contextlib.suppress(Exception):  # Redis away: the lease ends it
             await self.models.state.withdraw_mark(self.gateway_id)
 

@@ -16,7 +16,6 @@ for that model until the next refresh says otherwise.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import grpc
@@ -24,6 +23,7 @@ from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.gateway.cuda_inplace import in_place_devices, model_eligible
+from stageserve import task_stop
 from stageserve.config import ModelSpec
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
@@ -90,9 +90,7 @@ class LocalModels:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await task_stop.stop(self._task)
 
 
 def _text(value: bytes | str) -> str:

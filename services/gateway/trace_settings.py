@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from services.gateway.request_trace import FileRequestTrace, RequestTrace
 from services.gateway.trace_file import TraceFile
 from stageserve import redis_keys as keys
+from stageserve import task_stop
 from stageserve.trace_spans import SpanEmitter
 from stageserve.trace_store import TraceStore
 from stageserve.tracing import (
@@ -52,8 +53,7 @@ class TraceSettings:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await task_stop.stop(self._task)
         if self._emitter is not None:
             await asyncio.to_thread(self._emitter.close)  # exports what is buffered
         for file in self._files.values():

@@ -34,7 +34,6 @@ keeps serving what it owns.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -44,6 +43,7 @@ import redis.asyncio as aioredis
 
 from services.scheduler import shard_lua
 from stageserve import redis_keys as keys
+from stageserve import task_stop
 from stageserve.shard_policy import DEFAULT_POLICY, ShardPolicy
 from stageserve.telemetry import SCHEDULER_SHARD_OWNED
 
@@ -269,9 +269,7 @@ class ShardMember:
     async def leave(self) -> None:
         """A clean stop: hand every model to its next owner, then drop the lease."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await task_stop.stop(self._task)
         others = [s for s in self.live if s != self.id]
         self.live = others  # takes nothing back from here on
         for model in sorted(self.owned):

@@ -11,11 +11,13 @@
 # long costs the ones after it, never the results before it.
 # Results go to $OUT (the device tool's output folder, at most 8 files come back):
 # steps.txt and one file per step.
+# GPU_CHECK_DRY_RUN=1 skips the install (tests/integration/test_dry_gpu_host_check.py runs
+# every step's command line through its parser, here, with nothing installed).
 set -u
 B=$(cd "$1" && pwd); LIMIT=${2:-590}; STEPS=" ${3:-tests scale onnx scaled http work seq} "; O=${OUT:-/tmp/gpu-out}; mkdir -p "$O"; t0=$(date +%s)
 el() { echo "[t+$(( $(date +%s)-t0 ))s] $*" | tee -a "$O/steps.txt"; }
 export PYTHONUNBUFFERED=1
-if [ ! -f /tmp/site/.installed ]; then
+if [ -z "${GPU_CHECK_DRY_RUN:-}" ] && [ ! -f /tmp/site/.installed ]; then
   el install
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     $(ls "$B"/whl/*.whl | grep -v nvidia_cuda) 2>&1 | tail -2

@@ -403,8 +403,10 @@ SMOKE: dict[str, Smoke] = {
         env={"SKIP_PERF_ANALYZER": "1"},
     ),
     # Needs a GPU host, the wheel bundle and the onnxruntime-gpu parts copied
-    # there (docs/gpu.md): bash -n parses it; each step it runs (pytest -m gpu,
-    # bench.gpu, bench.scale) has its own smoke run or GPU-marked test.
+    # there (docs/gpu.md): bash -n parses it; test_dry_gpu_host_check.py puts
+    # every step's command line through its program's parser; each step it
+    # runs (pytest -m gpu, bench.gpu, bench.scale) has its own smoke run or
+    # GPU-marked test.
     "scripts/gpu_host_check.sh": Smoke(("-n", "scripts/gpu_host_check.sh"), ""),
     # Downloads ~290 MB (the GPU host's wheels): bash -n parses it; it was run
     # to build the bundle of the H100 runs in docs/benchmarks.md.

@@ -247,18 +247,20 @@ class WorkerService(pb_grpc.WorkerServicer):
             }
             # New generations load (and register) before old ones unload, so a
             # reload under traffic never leaves a model without instances.
-            # Each model registers once loaded (load_order.py says why).
-            changed = unregistered = False
+            # Each model registers once loaded (load_order.py says why). After
+            # a failed register the loads go on and one register ends them:
+            # a rate limiter that hangs costs one call's timeout, not one per model.
+            changed = register_failed = False
             for model in load_order(wanted.values(), "torch" in sys.modules):
                 if await self._load(model):
                     changed = True
-                    try:
-                        await self.register()
-                        unregistered = False
-                    except grpc.aio.AioRpcError as exc:  # the next load's, or the last, retries
-                        log.warning("register failed", extra={"code": exc.code().name})
-                        unregistered = True
-            if unregistered:
+                    if not register_failed:
+                        try:
+                            await self.register()
+                        except grpc.aio.AioRpcError as exc:
+                            log.warning("register failed", extra={"code": exc.code().name})
+                            register_failed = True
+            if register_failed:
                 await self.register()
             if complete:
                 changed |= await self._unload_stale(wanted)

@@ -7,6 +7,7 @@ same metrics port closed, the same refusals of bad values."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import subprocess
 import time
@@ -14,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 
@@ -109,12 +111,20 @@ def _bare_model(root: Path) -> None:
     (d / "model.onnx").write_bytes(identity_model("FP32", (3,), 64).SerializeToString())
 
 
-def _refused(port: int) -> bool:
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
-    except OSError:
-        return True
-    return False
+def _listening_ports(pid: int) -> set[int]:
+    """The TCP ports that `pid` and its descendants listen on. (Whether a port
+    refuses connections says nothing: a parallel test's process may have
+    been given the same port since free_port picked it.)"""
+    root = psutil.Process(pid)
+    ports = set()
+    for proc in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            ports |= {
+                c.laddr.port
+                for c in proc.net_connections(kind="tcp")
+                if c.status == psutil.CONN_LISTEN
+            }
+    return ports
 
 
 def test_a_triton_launch_line_starts_the_stack_with_tritons_effects(tmp_path: Path) -> None:
@@ -131,7 +141,9 @@ def test_a_triton_launch_line_starts_the_stack_with_tritons_effects(tmp_path: Pa
         # --backend-config=default-max-batch-size: what auto-complete gives
         config = c.get_model_config("bare", client_timeout=RPC_TIMEOUT_S).config
         assert config.max_batch_size == 8
-        assert _refused(metrics_port)  # --allow-metrics=false
+        listening = _listening_ports(up.proc.pid)
+        assert up.grpc_url().rsplit(":", 1)[1] in {str(p) for p in listening}, listening
+        assert metrics_port not in listening  # --allow-metrics=false
         ignored = [e["flag"] for e in up.logs("flag accepted, no effect in StageServe")]
         assert any(f.startswith("--pinned-memory-pool-byte-size (") for f in ignored), ignored
         unused = [e["config"] for e in up.logs("--backend-config not used by StageServe")]
@@ -185,7 +197,8 @@ def test_triton_takes_the_same_line_and_refuses_the_same_values(tmp_path: Path) 
             except OSError:
                 time.sleep(0.2)
         assert name is not None and '"name":"edge-7"' in name, proc.poll()
-        assert _refused(metrics)
+        listening = _listening_ports(proc.pid)
+        assert http in listening and metrics not in listening, listening
     finally:
         proc.terminate()
         proc.wait(30)

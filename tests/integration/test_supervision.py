@@ -189,51 +189,6 @@ def test_a_restarted_worker_keeps_its_scheduler_for_bls(up: Up) -> None:
     assert wait_until(lambda: _bls_ok(up.url), HEAL_BOUND_S, interval_s=0.1)
 
 
-TORCHSCRIPT = {"torch_two_io", "torch_mlp"}  # the example repository's pytorch_libtorch models
-# A restarted worker's loads of the whole example repository: ~2 s alone on
-# the 2-core VM, past 15 s beside two CPU burners (torch's import above all).
-LOADS_BOUND_S = 90.0
-
-
-def test_a_restarted_worker_serves_each_model_once_loaded_torchscript_last(up: Up) -> None:
-    """services/worker/load_order.py: the restarted worker loads its
-    TorchScript models (torch's import) after the others and registers each
-    model once loaded, so the rate limiter knows instances of the others
-    before the first TorchScript model is loaded."""
-    assert wait_until(lambda: _simple_ok(up.url), 30), "the stack did not serve before the kill"
-    ((pid, _),) = _worker_children(up.proc.pid).items()
-    logged = up.restarted_lines("worker-0")
-    start = len(up.log.read_text().splitlines())
-    os.kill(pid, signal.SIGKILL)
-    assert wait_until(lambda: up.restarted_lines("worker-0") == logged + 1, HEAL_BOUND_S)
-
-    def since_kill() -> list[dict]:
-        lines = up.log.read_text().splitlines()[start:]
-        return [json.loads(line) for line in lines if line.startswith("{")]
-
-    def loaded() -> list[dict]:
-        return [
-            e for e in since_kill() if e.get("service") == "worker" and e["msg"] == "model loaded"
-        ]
-
-    assert wait_until(
-        lambda: {e["model"] for e in loaded()} >= TORCHSCRIPT, LOADS_BOUND_S, interval_s=0.1
-    ), [e["model"] for e in loaded()]
-    order = [e["model"] for e in loaded()]
-    first_torch = min(order.index(name) for name in TORCHSCRIPT)
-    assert not TORCHSCRIPT & set(order[:first_torch]) and len(order) > len(TORCHSCRIPT)
-    assert set(order[first_torch:]) == TORCHSCRIPT, order  # every other model before them
-    torch_loaded_at = loaded()[first_torch]["ts"]
-    registered = [
-        e
-        for e in since_kill()
-        if e.get("service") == "ratelimiter" and e["msg"] == "worker registered"
-    ]
-    early = [e for e in registered if e["instances"] > 0 and e["ts"] < torch_loaded_at]
-    assert early, (torch_loaded_at, [(e["ts"], e["instances"]) for e in registered])
-    assert wait_until(lambda: _simple_ok(up.url), HEAL_BOUND_S, interval_s=0.1)
-
-
 def test_a_restarted_gateway_takes_over_models_loaded_through_the_api(
     example_repository: Path,
 ) -> None:

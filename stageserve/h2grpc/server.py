@@ -244,7 +244,7 @@ class _Call:
             self.connection.flush_soon()
 
     def send_message(self, message: Any) -> None:
-        if self.finished or self.cancelled:
+        if self.finished or self.cancelled or self.expired:
             raise asyncio.InvalidStateError("the call is over")
         handler = self.handler
         assert handler is not None
@@ -270,6 +270,11 @@ class _Call:
         self.finished = True
         if self.timer is not None:
             self.timer.cancel()
+        if self.expired:
+            # Past the deadline only DEADLINE_EXCEEDED goes out, as from grpc's
+            # server: a handler can still end normally when it drops the cancel
+            # `expire` sent (Python 3.11's wait_for does, CPython gh-86296).
+            code, message, response = grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", None
         context = self.context
         if not self.cancelled and self.connection.conn.is_open(self.sid):
             try:

@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+import hpack
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
+from stageserve.h2grpc import wire
 from stageserve.h2grpc.server import H2GrpcServer
 
 T = TypeVar("T")
@@ -385,6 +387,74 @@ def test_a_passed_deadline_is_deadline_exceeded_and_cancels_the_handler() -> Non
             remaining = slow.remaining[0]
             assert remaining is not None and 0 < remaining <= 0.6  # grpc rounds the header up
             assert await ch.unary_unary(path("Echo"))(b"after", timeout=CALL_TIMEOUT) == b"after"
+
+    run(body())
+
+
+async def raw_unary(
+    address: str, method: str, body: bytes, timeout: str
+) -> list[tuple[int, int, int, bytes]]:
+    """One unary call played by hand on a socket (no grpc client, which stops
+    reading at its own deadline): every frame the server sends on stream 1
+    until the stream ends."""
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    headers = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", method),
+        (":authority", address),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+        ("grpc-timeout", timeout),
+    ]
+    message = b"\0" + len(body).to_bytes(4, "big") + body
+    writer.write(
+        wire.PREFACE
+        + wire.frame(wire.SETTINGS, 0, 0, b"")
+        + wire.frame(wire.HEADERS, wire.END_HEADERS, 1, hpack.Encoder().encode(headers))
+        + wire.frame(wire.DATA, wire.END_STREAM, 1, message)
+    )
+    seen: list[tuple[int, int, int, bytes]] = []
+    try:
+        while True:
+            head = await asyncio.wait_for(reader.readexactly(9), CALL_TIMEOUT)
+            length = int.from_bytes(head[:3], "big")
+            kind, flags = head[3], head[4]
+            sid = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
+            payload = await asyncio.wait_for(reader.readexactly(length), CALL_TIMEOUT)
+            if sid == 1:
+                seen.append((kind, flags, sid, payload))
+                if flags & wire.END_STREAM or kind == wire.RST_STREAM:
+                    return seen
+    finally:
+        writer.close()
+
+
+def test_a_handler_that_drops_its_deadline_cancel_still_ends_deadline_exceeded() -> None:
+    """A handler that ends normally after its deadline passed (it swallowed the
+    cancel, as Python 3.11's wait_for can) answers nothing: the call's only
+    status is DEADLINE_EXCEEDED, as from grpc's server."""
+    finished = asyncio.Event()
+
+    async def stubborn(request: bytes, context: Any) -> bytes:
+        with contextlib.suppress(asyncio.CancelledError):  # the cancel dropped
+            await asyncio.sleep(30)
+        finished.set()
+        return b"too late"
+
+    async def body() -> None:
+        async with serving(service(Stubborn=unary(stubborn))) as (_, address):
+            frames = await raw_unary(address, path("Stubborn"), b"x", "200m")
+            await wait(finished)
+        assert not any(kind == wire.DATA for kind, *_ in frames)
+        kind, flags, _, _ = frames[-1]
+        assert kind == wire.HEADERS and flags & wire.END_STREAM
+        decoder = hpack.Decoder()  # blocks decode in order: they share HPACK's table
+        blocks = [dict(decoder.decode(p, raw=True)) for k, _, _, p in frames if k == wire.HEADERS]
+        trailers = blocks[-1]
+        assert trailers[b"grpc-status"] == str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0]).encode()
+        assert trailers[b"grpc-message"] == b"Deadline Exceeded"
 
     run(body())
 

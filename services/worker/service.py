@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import cast
@@ -27,6 +28,7 @@ from services.worker.blas_threads import limit_blas_threads
 from services.worker.compute_spans import record_compute_spans
 from services.worker.hosting import host_version
 from services.worker.instances import HostedInstance, placements
+from services.worker.load_order import load_order
 from services.worker.publishers import PublisherWatch
 from services.worker.python_backend.bls import install as bls_install
 from services.worker.stale import stale_instances
@@ -245,10 +247,20 @@ class WorkerService(pb_grpc.WorkerServicer):
             }
             # New generations load (and register) before old ones unload, so a
             # reload under traffic never leaves a model without instances.
-            changed = False
-            for model in wanted.values():
-                changed |= await self._load(model)
-            if changed:
+            # Each model registers once loaded (load_order.py says why). After
+            # a failed register the loads go on and one register ends them:
+            # a rate limiter that hangs costs one call's timeout, not one per model.
+            changed = register_failed = False
+            for model in load_order(wanted.values(), "torch" in sys.modules):
+                if await self._load(model):
+                    changed = True
+                    if not register_failed:
+                        try:
+                            await self.register()
+                        except grpc.aio.AioRpcError as exc:
+                            log.warning("register failed", extra={"code": exc.code().name})
+                            register_failed = True
+            if register_failed:
                 await self.register()
             if complete:
                 changed |= await self._unload_stale(wanted)

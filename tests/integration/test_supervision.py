@@ -35,6 +35,9 @@ from tests.integration.helpers import start_stack_retrying
 from tests.stack import wait_until
 
 HEAL_BOUND_S = 15.0
+# A restarted worker's loads of the whole example repository: ~2 s alone on
+# the 2-core VM, past 15 s beside two CPU burners (torch's import above all).
+LOADS_BOUND_S = 90.0
 
 
 class Up:
@@ -49,6 +52,25 @@ class Up:
             for line in self.log.read_text().splitlines()
             if '"stage restarted"' in line and f'"stage": "{stage}"' in line
         )
+
+    def registered_instances(self) -> list[int]:
+        """The instance count of each `worker registered` line of the rate limiter."""
+        return [
+            json.loads(line)["instances"]
+            for line in self.log.read_text().splitlines()
+            if line.startswith("{") and '"worker registered"' in line
+        ]
+
+    def wait_for_whole_model_set(self, registrations_before: int, instances: int) -> None:
+        """A restarted worker serves each model once loaded, and the rest keep
+        loading (torch's import the longest): a test after it waits until it
+        registered every instance its predecessor had, so the next kill meets
+        a whole stack, as it did before this one."""
+        assert wait_until(
+            lambda: instances in self.registered_instances()[registrations_before:],
+            LOADS_BOUND_S,
+            interval_s=0.1,
+        ), (instances, self.registered_instances()[registrations_before:])
 
     def restarts(self) -> dict[str, float]:
         port = self.info["metrics_ports"]["supervisor"]
@@ -130,6 +152,7 @@ def test_kill_9_of_a_stage_heals_with_nobody_acting(up: Up, stage: str) -> None:
     assert wait_until(lambda: _simple_ok(up.url), 30), "the stack did not serve before the kill"
     before = up.restarts().get(stage, 0.0)
     logged = up.restarted_lines(stage)
+    registrations = up.registered_instances()
     killed_at = time.monotonic()
     os.kill(up.info["pids"][stage], signal.SIGKILL)
     # Back (logged), then serving.
@@ -145,6 +168,8 @@ def test_kill_9_of_a_stage_heals_with_nobody_acting(up: Up, stage: str) -> None:
     assert up.restarts()[stage] == before + 1
     assert up.proc.poll() is None
     print(f"{stage}: serving again {healed_s:.2f}s after kill -9")
+    if stage.startswith("worker"):
+        up.wait_for_whole_model_set(len(registrations), registrations[-1])
 
 
 def _bls_ok(url: str) -> bool:
@@ -182,11 +207,57 @@ def test_a_restarted_worker_keeps_its_scheduler_for_bls(up: Up) -> None:
     ((pid, before),) = _worker_children(up.proc.pid).items()
     scheduler = before[before.index("--scheduler") + 1]
     logged = up.restarted_lines("worker-0")
+    registrations = up.registered_instances()
     os.kill(pid, signal.SIGKILL)
     assert wait_until(lambda: up.restarted_lines("worker-0") == logged + 1, HEAL_BOUND_S)
     (argv,) = _worker_children(up.proc.pid).values()
     assert argv[argv.index("--scheduler") + 1] == scheduler
     assert wait_until(lambda: _bls_ok(up.url), HEAL_BOUND_S, interval_s=0.1)
+    up.wait_for_whole_model_set(len(registrations), registrations[-1])
+
+
+TORCHSCRIPT = {"torch_two_io", "torch_mlp"}  # the example repository's pytorch_libtorch models
+
+
+def test_a_restarted_worker_serves_each_model_once_loaded_torchscript_last(up: Up) -> None:
+    """services/worker/load_order.py: the restarted worker loads its
+    TorchScript models (torch's import) after the others and registers each
+    model once loaded, so the rate limiter knows instances of the others
+    before the first TorchScript model is loaded."""
+    assert wait_until(lambda: _simple_ok(up.url), 30), "the stack did not serve before the kill"
+    ((pid, _),) = _worker_children(up.proc.pid).items()
+    logged = up.restarted_lines("worker-0")
+    registrations = up.registered_instances()
+    start = len(up.log.read_text().splitlines())
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: up.restarted_lines("worker-0") == logged + 1, HEAL_BOUND_S)
+
+    def since_kill() -> list[dict]:
+        lines = up.log.read_text().splitlines()[start:]
+        return [json.loads(line) for line in lines if line.startswith("{")]
+
+    def loaded() -> list[dict]:
+        return [
+            e for e in since_kill() if e.get("service") == "worker" and e["msg"] == "model loaded"
+        ]
+
+    assert wait_until(
+        lambda: {e["model"] for e in loaded()} >= TORCHSCRIPT, LOADS_BOUND_S, interval_s=0.1
+    ), [e["model"] for e in loaded()]
+    order = [e["model"] for e in loaded()]
+    first_torch = min(order.index(name) for name in TORCHSCRIPT)
+    assert not TORCHSCRIPT & set(order[:first_torch]) and len(order) > len(TORCHSCRIPT)
+    assert set(order[first_torch:]) == TORCHSCRIPT, order  # every other model before them
+    torch_loaded_at = loaded()[first_torch]["ts"]
+    registered = [
+        e
+        for e in since_kill()
+        if e.get("service") == "ratelimiter" and e["msg"] == "worker registered"
+    ]
+    early = [e for e in registered if e["instances"] > 0 and e["ts"] < torch_loaded_at]
+    assert early, (torch_loaded_at, [(e["ts"], e["instances"]) for e in registered])
+    assert wait_until(lambda: _simple_ok(up.url), HEAL_BOUND_S, interval_s=0.1)
+    up.wait_for_whole_model_set(len(registrations), registrations[-1])
 
 
 def test_a_restarted_gateway_takes_over_models_loaded_through_the_api(

@@ -219,22 +219,33 @@ def test_a_held_commit_under_another_term_keeps_nothing(redis_url) -> None:
 
 def test_a_held_row_whose_sequence_is_gone_is_reported_lost(redis_url) -> None:
     """A held non-START row finds no sequence (Redis lost it): that row keeps
-    nothing and is reported; the batch's other rows commit."""
+    nothing and is reported, whether it changed states, changed none or had
+    END; the batch's other rows commit, a held row of a sequence still there
+    renews its expiry without a state change."""
 
     async def body(a: SequenceStore, b: SequenceStore, r) -> None:
         await r.hset(redis_keys.SHARD_TERMS, "m", "t1")
         e = a.new_entry()
         await a.enqueue([("i:12", e, False)])
         assert (await a.claim([("i:12", e, True, -1)]))[0].status == CLAIMED
+        start = Finished("i:17", "", False, {"S": StateUpdate(b"\x09", (1,))}, True, True, 2)
+        assert await a.commit([start], "t1") == Committed()
+        prefix = redis_keys.sequence_prefix("m", 1)
+        await r.persist(prefix + "i:17")
         rows = [
             Finished("i:11", "", False, {"S": StateUpdate(b"\x01", (1,))}, held=True),
             Finished("i:12", e, False, {"S": StateUpdate(b"\x05", (1,))}),
+            Finished("i:15", "", False, held=True),  # no state changed
+            Finished("i:16", "", True, held=True),  # END
+            Finished("i:17", "", False, held=True, slot=2),  # still there, unchanged
         ]
-        assert await a.commit(rows, "t1") == Committed(lost=[0])
-        prefix = redis_keys.sequence_prefix("m", 1)
-        assert not await r.exists(prefix + "i:11")
+        assert await a.commit(rows, "t1") == Committed(lost=[0, 2, 3])
+        for gone in ("i:11", "i:15", "i:16"):
+            assert not await r.exists(prefix + gone)
         assert await r.hget(prefix + "i:12", "st:S") == b"\x05"
         assert await a.backlog("i:12") == []
+        assert await r.hgetall(prefix + "i:17") == {b"slot": b"2", b"st:S": b"\x09", b"sh:S": b"1"}
+        assert 0 < await r.pttl(prefix + "i:17") <= 60_000
 
     run(redis_url, body)
 

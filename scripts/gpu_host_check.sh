@@ -62,6 +62,21 @@ want tests && run tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu -rs 
   tests/unit/test_gpus.py tests/unit/test_onnx_options.py tests/unit/test_numeric_policy.py \
   tests/unit/test_cuda_ipc.py \
   $(ls tests/integration/test_gpu_*.py tests/integration/test_cuda_shared_memory*.py 2>/dev/null)
+# Issue 26's headline, right after the tests: identity at c=256 with the auto counts of
+# this host; then 1, 2 and 4 gateways, the curve of throughput against the cores the stack
+# uses (target: 0.7x linear up to 12 cores); then every stage on grpc.aio's gRPC server
+# (the own HTTP/2 server costs a third of grpc.aio's CPU per unary call and half per
+# stream message on 2 cores). On the 2-core VM one gateway took 84 us and the scheduler
+# 32 us per identity inference at c=256 (docs/benchmarks.md), where the H100 runs of
+# 2026-11-27, on grpc.aio's front, took 500-630 and 63-86.
+if want scale; then
+  SC="python3 -m bench.scale --models identity --concurrency 256 --measurement-ms 2500 --max-trials 4"
+  run scale 70 $SC
+  for gateways in 1 2 4; do run scale 60 $SC --gateways $gateways; done
+  STAGESERVE_GATEWAY_GRPC_SERVER=grpcio STAGESERVE_SCHEDULER_GRPC_SERVER=grpcio \
+    STAGESERVE_RATELIMITER_GRPC_SERVER=grpcio STAGESERVE_WORKER_GRPC_SERVER=grpcio \
+    run scale 70 $SC
+fi
 # Issue 25: both backends through one stack of one gateway and one scheduler; ONNX Runtime
 # with the worker's CUDA wait spinning (auto) and sleeping (blocking), side by side.
 if want onnx; then
@@ -77,19 +92,6 @@ if want scaled; then
   run scaled 70 $G --backend torch $S
   run scaled 70 $G --backend onnx $S
   STAGESERVE_WORKER_CUDA_SYNC=blocking run scaled 70 $G --backend onnx $S
-fi
-# Issue 26's headline: identity at c=256 with the auto counts of this host (8 gateways on
-# 16 cores); the same with every stage on grpc.aio's gRPC server (the gateway's public
-# front, the internal stages' ports: the own HTTP/2 server costs a
-# third of grpc.aio's CPU per unary call and half per stream message on 2 cores); then 4
-# gateways (cheaper gateways: do fewer, fuller scheduler messages now win?).
-if want scale; then
-  SC="python3 -m bench.scale --models identity --concurrency 256 --measurement-ms 2500 --max-trials 4"
-  run scale 70 $SC
-  STAGESERVE_GATEWAY_GRPC_SERVER=grpcio STAGESERVE_SCHEDULER_GRPC_SERVER=grpcio \
-    STAGESERVE_RATELIMITER_GRPC_SERVER=grpcio STAGESERVE_WORKER_GRPC_SERVER=grpcio \
-    run scale 70 $SC
-  run scale 70 $SC --gateways 4
 fi
 want http && run http 70 $G --backend torch $S --protocol http
 # The scheduler's (stateless and sequence batches) and the gateway's own Python work per

@@ -18,7 +18,7 @@ ALL_STEPS = "tests scale onnx scaled http work seq scaleprof profile"
 # command changes this count on purpose.
 COMMANDS = {
     "tests": 1,
-    "scale": 3,
+    "scale": 5,
     "onnx": 3,
     "scaled": 3,
     "http": 1,
@@ -78,6 +78,12 @@ def test_every_step_command_parses(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     steps = (out / "steps.txt").read_text()
     assert "skipped" not in steps, steps
+    # Most important first: a step that runs long cuts only the ones after it.
+    started = [
+        line.split("] ", 1)[1].split(" ", 1)[0] for line in steps.splitlines() if "] " in line
+    ]
+    order = [step for step in dict.fromkeys(started) if step in COMMANDS]
+    assert order == ALL_STEPS.split(), order
     for step, count in COMMANDS.items():
         text = (out / f"{step}.txt").read_text()
         runs = re.split(r"^== ", text, flags=re.MULTILINE)[1:]

@@ -459,6 +459,24 @@ return {#expired, dead}
 """
 )
 
+# ARGV: prefix, origin, now_ms, a scheduler id's grant-id prefix ("<id>/"),
+# this process's ("<id>/<incarnation>/") -> how many grants ended: every grant
+# of an earlier process of that scheduler id, released as its holder would.
+RELEASE_HOLDER = (
+    _REMOVE_WORKER
+    + _RELEASE
+    + """
+local p, origin, now, mine, keep = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
+local ended = 0
+for _, gid in ipairs(redis.call('ZRANGE', p .. 'grants', 0, -1)) do
+  if string.sub(gid, 1, #mine) == mine and string.sub(gid, 1, #keep) ~= keep then
+    if release(p, gid, false, origin, now) > 0 then ended = ended + 1 end
+  end
+end
+return ended
+"""
+)
+
 # ARGV: prefix, now_ms, lease_ms, grant ids... -> the ids no longer held
 RENEW = """
 local p, deadline = ARGV[1], tonumber(ARGV[2]) + tonumber(ARGV[3])

@@ -7,7 +7,10 @@ list until a grant takes it, and goes back on release. With
 rate_limiter resources (Triton's rate limiter; see lua.ACQUIRE).
 Grants carry a lease and workers a liveness key, so a crashed scheduler or
 worker leaks nothing: the sweep releases expired grants (and their
-resources) and removes workers whose key expired.
+resources) and removes workers whose key expired. A grant's id begins with
+its holder ("<scheduler id>/<incarnation>") when the scheduler gives one, so
+the next process of that scheduler id ends what a killed one held at once
+(`release_holder`) instead of after the leases.
 """
 
 from __future__ import annotations
@@ -129,6 +132,7 @@ class RedisRegistry:
         self._release = redis.register_script(scripts.RELEASE)
         self._sweep = redis.register_script(scripts.SWEEP)
         self._renew = redis.register_script(scripts.RENEW)
+        self._release_holder = redis.register_script(scripts.RELEASE_HOLDER)
         self._notify_all = redis.register_script(scripts.NOTIFY_ALL)
         self._overrides: dict[str, int] = {}
 
@@ -184,12 +188,15 @@ class RedisRegistry:
         lease_ms: int,
         only: Sequence[str] = (),
         other_than: Sequence[str] = (),
+        holder: str = "",
     ) -> Grant | Busy | Gone:
         """A grant on a free instance, else how to wait; NoInstances if none
         exist. `only`: the grant names one of these instances (Gone when none
         of them is registered); `other_than`: none of these while the pool
-        has another instance."""
-        grant_id = uuid.uuid4().hex
+        has another instance. `holder`: the asking scheduler process
+        ("<scheduler id>/<incarnation>"), which the grant's id begins with
+        (release_holder)."""
+        grant_id = f"{holder}/{uuid.uuid4().hex}" if holder else uuid.uuid4().hex
         args: list[str | int] = [
             self.prefix,
             model,
@@ -226,6 +233,13 @@ class RedisRegistry:
         failed_flag = "1" if failed else "0"
         args: list[str | int] = [self.prefix, grant_id, failed_flag, self.origin, now_ms()]
         return bool(await self._release(args=args))
+
+    async def release_holder(self, scheduler_id: str, incarnation: str) -> int:
+        """End every grant an earlier process of `scheduler_id` holds (the
+        process asking is `incarnation`, whose own grants stay); how many."""
+        mine = f"{scheduler_id}/"
+        args: list[str | int] = [self.prefix, self.origin, now_ms(), mine, f"{mine}{incarnation}/"]
+        return int(await self._release_holder(args=args))
 
     async def renew(self, grant_ids: list[str], lease_ms: int) -> list[str]:
         """Extend held grants' leases; returns the ids that are no longer held."""

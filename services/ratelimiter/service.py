@@ -178,6 +178,7 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             deadline,
             tuple(request.only_instances),
             tuple(request.other_than),
+            request.holder,
         )
         if request.traceparents:
             await record_grant_spans(request, resp, start_ns, time.monotonic_ns())
@@ -195,11 +196,14 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
         deadline: float,
         only: tuple[str, ...] = (),
         other_than: tuple[str, ...] = (),
+        holder: str = "",
     ) -> pb.AcquireResponse:
         while True:
             event = self.wakeups.event(model, version)
             try:
-                got = await self.registry.attempt(model, version, lease_ms, only, other_than)
+                got = await self.registry.attempt(
+                    model, version, lease_ms, only, other_than, holder
+                )
             except NoInstances as exc:
                 return pb.AcquireResponse(granted=False, reason=str(exc), failure=pb.NO_INSTANCE)
             if isinstance(got, Grant):
@@ -251,6 +255,23 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             list(request.grant_ids), request.lease_ms or self.settings.default_renew_lease_ms
         )
         return pb.RenewResponse(lost_grant_ids=lost)
+
+    @typed_errors
+    async def ReleaseHolder(
+        self, request: pb.ReleaseHolderRequest, context
+    ) -> pb.ReleaseHolderResponse:
+        released = await self.registry.release_holder(request.scheduler_id, request.incarnation)
+        mine = f"{request.scheduler_id}/"
+        keep = f"{mine}{request.incarnation}/"
+        for gid in [g for g in self._grants if g.startswith(mine) and not g.startswith(keep)]:
+            del self._grants[gid]
+        if released:
+            log.info(
+                "grants of an earlier scheduler process released",
+                extra={"scheduler_id": request.scheduler_id, "released": released},
+            )
+            self.wakeups.wake_all()
+        return pb.ReleaseHolderResponse(released=released)
 
     @typed_errors
     async def ListInstances(

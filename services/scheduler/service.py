@@ -345,7 +345,12 @@ async def serve(
     redis = connect(redis_url, settings.redis_client)
     await redis.ping()
     spans = trace_spans.configure("scheduler", redis)  # traced requests' spans
-    ratelimiter = RateLimiterClient(ratelimiter_address, settings.scheduler, settings.stage_tls)
+    ratelimiter = RateLimiterClient(
+        ratelimiter_address, settings.scheduler, settings.stage_tls, scheduler_id or ""
+    )
+    # A name given (stageserve up's schedulers keep theirs across restarts):
+    # an earlier process under it may have died holding grants.
+    await ratelimiter.release_predecessors()
     workers = WorkerClients(settings.scheduler.execute_timeout_s, settings.stage_tls)
     service = SchedulerService(ModelStateStore(redis), ratelimiter, workers, settings.scheduler)
     cache = open_cache(settings.scheduler.response_cache, redis, settings.redis_client)

@@ -322,7 +322,7 @@ class DeregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("model", "version", "wait_ms", "lease_ms", "traceparents", "only_instances", "other_than")
+    __slots__ = ("model", "version", "wait_ms", "lease_ms", "traceparents", "only_instances", "other_than", "holder")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +330,7 @@ class AcquireRequest(_message.Message):
     TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
     ONLY_INSTANCES_FIELD_NUMBER: _ClassVar[int]
     OTHER_THAN_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     wait_ms: int
@@ -337,7 +338,8 @@ class AcquireRequest(_message.Message):
     traceparents: _containers.RepeatedScalarFieldContainer[str]
     only_instances: _containers.RepeatedScalarFieldContainer[str]
     other_than: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ..., traceparents: _Optional[_Iterable[str]] = ..., only_instances: _Optional[_Iterable[str]] = ..., other_than: _Optional[_Iterable[str]] = ...) -> None: ...
+    holder: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ..., traceparents: _Optional[_Iterable[str]] = ..., only_instances: _Optional[_Iterable[str]] = ..., other_than: _Optional[_Iterable[str]] = ..., holder: _Optional[str] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("granted", "grant_id", "instance", "reason", "holds_resources", "failure", "gone_instances")
@@ -416,6 +418,20 @@ class RenewResponse(_message.Message):
     LOST_GRANT_IDS_FIELD_NUMBER: _ClassVar[int]
     lost_grant_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, lost_grant_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseHolderRequest(_message.Message):
+    __slots__ = ("scheduler_id", "incarnation")
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    scheduler_id: str
+    incarnation: str
+    def __init__(self, scheduler_id: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class ReleaseHolderResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class ListInstancesRequest(_message.Message):
     __slots__ = ("model", "version")

@@ -176,6 +176,11 @@ class RateLimiterStub:
                 request_serializer=stageserve__pb2.RenewRequest.SerializeToString,
                 response_deserializer=stageserve__pb2.RenewResponse.FromString,
                 _registered_method=True)
+        self.ReleaseHolder = channel.unary_unary(
+                '/stageserve.v1.RateLimiter/ReleaseHolder',
+                request_serializer=stageserve__pb2.ReleaseHolderRequest.SerializeToString,
+                response_deserializer=stageserve__pb2.ReleaseHolderResponse.FromString,
+                _registered_method=True)
         self.ListInstances = channel.unary_unary(
                 '/stageserve.v1.RateLimiter/ListInstances',
                 request_serializer=stageserve__pb2.ListInstancesRequest.SerializeToString,
@@ -219,6 +224,12 @@ class RateLimiterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseHolder(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListInstances(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -252,6 +263,11 @@ def add_RateLimiterServicer_to_server(servicer, server):
                     servicer.Renew,
                     request_deserializer=stageserve__pb2.RenewRequest.FromString,
                     response_serializer=stageserve__pb2.RenewResponse.SerializeToString,
+            ),
+            'ReleaseHolder': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseHolder,
+                    request_deserializer=stageserve__pb2.ReleaseHolderRequest.FromString,
+                    response_serializer=stageserve__pb2.ReleaseHolderResponse.SerializeToString,
             ),
             'ListInstances': grpc.unary_unary_rpc_method_handler(
                     servicer.ListInstances,
@@ -394,6 +410,33 @@ class RateLimiter:
             '/stageserve.v1.RateLimiter/Renew',
             stageserve__pb2.RenewRequest.SerializeToString,
             stageserve__pb2.RenewResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseHolder(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stageserve.v1.RateLimiter/ReleaseHolder',
+            stageserve__pb2.ReleaseHolderRequest.SerializeToString,
+            stageserve__pb2.ReleaseHolderResponse.FromString,
             options,
             channel_credentials,
             insecure,

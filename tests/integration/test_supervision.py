@@ -15,26 +15,32 @@ to announce itself. The time measured is printed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
+import redis
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from stageserve.net import free_port
+from stageserve_tools.examples import write_simple
 from tests.integration.helpers import start_stack_retrying
 from tests.stack import wait_until
 
 HEAL_BOUND_S = 15.0
+GRANT_LEASE_MS = 120_000  # the grant test's stack: no lease runs out during it
 # A restarted worker's loads of the whole example repository: ~2 s alone on
 # the 2-core VM, past 15 s beside two CPU burners (torch's import above all).
 LOADS_BOUND_S = 90.0
@@ -84,9 +90,9 @@ class Up:
         return out
 
 
-@pytest.fixture(scope="module")
-def up(example_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    log = tmp_path_factory.mktemp("supervision") / "up.log"
+@contextlib.contextmanager
+def _stageserve_up(repository: Path, log: Path, env: dict[str, str] | None = None) -> Iterator[Up]:
+    """`stageserve up` on `repository`, one process of each stage, its stderr in `log`."""
     with log.open("w") as err:
         proc = subprocess.Popen(
             [
@@ -95,7 +101,7 @@ def up(example_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> It
                 "stageserve.cli",
                 "up",
                 "--model-repository",
-                str(example_repository),
+                str(repository),
                 "--grpc-port",
                 str(free_port()),
                 "--http-address",
@@ -111,6 +117,7 @@ def up(example_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
+            env={**os.environ, **(env or {})},
         )
     try:
         assert proc.stdout is not None
@@ -131,6 +138,12 @@ def up(example_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def up(example_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    with _stageserve_up(example_repository, tmp_path_factory.mktemp("supervision") / "up.log") as u:
+        yield u
 
 
 def _simple_ok(url: str) -> bool:
@@ -172,6 +185,55 @@ def test_kill_9_of_a_stage_heals_with_nobody_acting(up: Up, stage: str) -> None:
         up.wait_for_whole_model_set(len(registrations), registrations[-1])
 
 
+def _grants_of(redis_url: str, holder: str) -> list[str]:
+    """The rate limiter's grant ids that begin with `holder` (redis_keys: ss:rl:grants)."""
+    r = redis.Redis.from_url(redis_url)
+    try:
+        ids = [g.decode() for g in cast("list[bytes]", r.zrange("ss:rl:grants", 0, -1))]
+    finally:
+        r.close()
+    return [g for g in ids if g.startswith(holder)]
+
+
+def test_a_restarted_scheduler_ends_the_grants_its_predecessor_held(tmp_path: Path) -> None:
+    """Under load the scheduler holds grants; killed, it cannot release them.
+    Its next process (same name) ends them at its start, so `simple`'s
+    instance serves again at once instead of when the grants' leases run
+    out. A stack of its own whose grant leases outlast the test, so only the
+    release can free them (and so the other tests' stack keeps the default
+    lease: a release lost while the rate limiter is down waits for it)."""
+    write_simple(tmp_path / "models")
+    lease = {"STAGESERVE_SCHEDULER_GRANT_LEASE_MS": str(GRANT_LEASE_MS)}
+    with _stageserve_up(tmp_path / "models", tmp_path / "up.log", lease) as up:
+        _scheduler_restart_ends_held_grants(up)
+
+
+def _scheduler_restart_ends_held_grants(up: Up) -> None:
+    assert wait_until(lambda: _simple_ok(up.url), 30), "the stack did not serve before the kill"
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            _simple_ok(up.url)
+
+    threads = [threading.Thread(target=load, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        assert wait_until(lambda: bool(_grants_of(up.info["redis"], "scheduler/")), 10, 0.005)
+        logged = up.restarted_lines("scheduler")
+        os.kill(_scheduler_pid(up.proc.pid), signal.SIGKILL)  # a test before may have restarted it
+        held = _grants_of(up.info["redis"], "scheduler/")  # the dead process's, now
+        assert held, "the killed scheduler held no grant"
+        assert wait_until(lambda: up.restarted_lines("scheduler") == logged + 1, HEAL_BOUND_S)
+        assert not set(held) & set(_grants_of(up.info["redis"], "scheduler/"))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    assert wait_until(lambda: _simple_ok(up.url), HEAL_BOUND_S, interval_s=0.1)
+
+
 def _bls_ok(url: str) -> bool:
     inp = grpcclient.InferInput("INPUT0", [1, 256], "FP32")
     inp.set_data_from_numpy(np.full((1, 256), 0.5, np.float32))
@@ -183,8 +245,8 @@ def _bls_ok(url: str) -> bool:
     return result.as_numpy("PROBS").shape == (1, 10)
 
 
-def _worker_children(parent: int) -> dict[int, list[str]]:
-    """pid -> argv of `parent`'s worker children (from /proc)."""
+def _stage_children(parent: int, command: str) -> dict[int, list[str]]:
+    """pid -> argv of `parent`'s `stageserve.cli <command>` children (from /proc)."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -194,9 +256,19 @@ def _worker_children(parent: int) -> dict[int, list[str]]:
             argv = (entry / "cmdline").read_bytes().decode().split("\0")
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == parent and "stageserve.cli" in argv and "worker" in argv:
+        cli = argv.index("stageserve.cli") if "stageserve.cli" in argv else len(argv)
+        if ppid == parent and argv[cli + 1 : cli + 2] == [command]:
             found[int(entry.name)] = argv
     return found
+
+
+def _worker_children(parent: int) -> dict[int, list[str]]:
+    return _stage_children(parent, "worker")
+
+
+def _scheduler_pid(parent: int) -> int:
+    ((pid, _),) = _stage_children(parent, "scheduler").items()
+    return pid
 
 
 def test_a_restarted_worker_keeps_its_scheduler_for_bls(up: Up) -> None:

@@ -436,6 +436,44 @@ def test_expired_grant_released_by_sweep_exactly_once(redis_url):
     run(redis_url, body)
 
 
+def test_a_schedulers_next_process_ends_its_predecessors_grants(redis_url):
+    """release_holder: every grant an earlier process of the scheduler id
+    holds ends (its instance free again, at once), while the asking
+    process's own grants, another scheduler's (even one whose id the first
+    begins with) and grants without a holder stay."""
+
+    async def body(reg, r):
+        await register(reg, "w1", "a", "b", "c", "d", "e", "f")
+
+        async def grant(holder: str) -> Grant:
+            got = await reg.attempt("m", 1, LONG, holder=holder)
+            assert isinstance(got, Grant)
+            return got
+
+        dead = [await grant("s/old1"), await grant("s/old2")]
+        mine = await grant("s/new")
+        other = await grant("s2/old1")
+        anonymous = await try_acquire(reg, "m", 1, LONG)
+        assert dead[0].grant_id.startswith("s/old1/") and anonymous is not None
+        assert await free_list(r) == ["f"]
+
+        assert await reg.release_holder("s", "new") == 2
+        assert sorted(await free_list(r)) == sorted(["f"] + [g.instance.instance_id for g in dead])
+        for g in dead:
+            assert not await r.exists(f"{P}grant:{g.grant_id}")
+        for g in (mine, other, anonymous):
+            assert await r.zscore(P + "grants", g.grant_id) is not None
+        await check_invariants(r)
+        assert await reg.release_holder("s", "new") == 0  # nothing more to end
+        assert await reg.release(dead[0].grant_id) is False  # a late release is harmless
+        for g in (mine, other, anonymous):
+            assert await reg.release(g.grant_id)
+        assert len(await free_list(r)) == 6
+        await check_invariants(r)
+
+    run(redis_url, body)
+
+
 # ====================================================================== release
 
 

@@ -27,8 +27,8 @@ Rate limiter registry and grants (ratelimiter only; see services/ratelimiter/lua
   ss:rl:inst:{iid}  (also)    prio, need (JSON [[field, count, name, device]]),
                                     execs (grants so far, for scaled priority)
   ss:rl:grant:{gid}           hash  instance, model, version, need (what it took);
-                                    gid "<scheduler id>/<incarnation>/<uuid>" when
-                                    the scheduler names itself, else "<uuid>"
+                                    gid "<scheduler id>/<incarnation>/<uuid>"
+                                    ("<uuid>" for an acquire without a holder)
   ss:rl:grants                zset  grant id -> lease deadline (ms)
   ss:rl:res:cap               hash  resource field -> available count; a field
                                     is "{name}@global" or "{name}@{wid}/{device}"

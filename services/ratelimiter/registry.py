@@ -8,7 +8,7 @@ rate_limiter resources (Triton's rate limiter; see lua.ACQUIRE).
 Grants carry a lease and workers a liveness key, so a crashed scheduler or
 worker leaks nothing: the sweep releases expired grants (and their
 resources) and removes workers whose key expired. A grant's id begins with
-its holder ("<scheduler id>/<incarnation>") when the scheduler gives one, so
+its holder ("<scheduler id>/<incarnation>") when the scheduler gives it, so
 the next process of that scheduler id ends what a killed one held at once
 (`release_holder`) instead of after the leases.
 """

@@ -298,7 +298,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
 
 
 async def _join_shards(
-    service: SchedulerService, scheduler_id: str | None, address: str, settings: Settings
+    service: SchedulerService, scheduler_id: str, address: str, settings: Settings
 ) -> None:
     """Register in the shard map and take this scheduler's models; ensemble
     steps of models other schedulers own go to them through `service.peers`."""
@@ -306,7 +306,7 @@ async def _join_shards(
     sched = settings.scheduler
     shard = service.shard = ShardMember(
         redis,
-        scheduler_id or f"{socket.gethostname()}-{os.getpid()}",
+        scheduler_id,
         address,
         service.drain,
         lease_ms=sched.shard_lease_ms,
@@ -345,11 +345,13 @@ async def serve(
     redis = connect(redis_url, settings.redis_client)
     await redis.ping()
     spans = trace_spans.configure("scheduler", redis)  # traced requests' spans
+    # stageserve up's schedulers keep their names across restarts; the
+    # default, host-pid, is kept too by a container started again (pid 1).
+    scheduler_id = scheduler_id or f"{socket.gethostname()}-{os.getpid()}"
     ratelimiter = RateLimiterClient(
-        ratelimiter_address, settings.scheduler, settings.stage_tls, scheduler_id or ""
+        ratelimiter_address, settings.scheduler, settings.stage_tls, scheduler_id
     )
-    # A name given (stageserve up's schedulers keep theirs across restarts):
-    # an earlier process under it may have died holding grants.
+    # An earlier process under this name may have died holding grants.
     await ratelimiter.release_predecessors()
     workers = WorkerClients(settings.scheduler.execute_timeout_s, settings.stage_tls)
     service = SchedulerService(ModelStateStore(redis), ratelimiter, workers, settings.scheduler)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import random
 import re
+import socket
 import subprocess
 import time
 import urllib.request
@@ -127,12 +129,30 @@ def _listening_ports(pid: int) -> set[int]:
     return ports
 
 
+def _port_no_process_is_given() -> int:
+    """A free TCP port below the kernel's ephemeral range: no bind to port 0
+    (the stack's own internal ports, its stages' metrics servers, a parallel
+    test's free_port) can be handed it, so finding it listened on means
+    somebody was told to listen there. (One stack run here listened on the
+    metrics port free_port had picked: a stage bound port 0 and got it.)"""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12_000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no free port below the ephemeral range")
+
+
 def test_a_triton_launch_line_starts_the_stack_with_tritons_effects(tmp_path: Path) -> None:
     repository = tmp_path / "models"
     _bare_model(repository)
     elsewhere = tmp_path / "empty"  # UpProcess's --model-repository; --model-store wins
     elsewhere.mkdir()
-    metrics_port = free_port()
+    metrics_port = _port_no_process_is_given()
     args = ["--model-store", str(repository), *LAUNCH_LINE, "--metrics-port", str(metrics_port)]
     with UpProcess(elsewhere, args) as up:
         assert up.wait(240) is not None, "".join(up.err[-40:])
@@ -166,7 +186,7 @@ def test_a_bad_value_is_refused_with_tritons_words(tmp_path: Path, bad: str) -> 
 
 def _triton(repository: Path, extra: list[str]) -> tuple[subprocess.Popen, int, int]:
     triton = find_triton()
-    http, grpc_port, metrics = free_port(), free_port(), free_port()
+    http, grpc_port, metrics = free_port(), free_port(), _port_no_process_is_given()
     cmd = [
         str(triton.binary),
         f"--model-store={repository}",

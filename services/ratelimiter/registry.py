@@ -95,6 +95,14 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def predecessor_prefixes(holder: str) -> tuple[str, str]:
+    """For `holder` ("<scheduler id>/<incarnation>"): the prefix of every grant
+    id of its scheduler id, and of its own grant ids; a grant with the first
+    and not the second is an earlier process's."""
+    scheduler_id = holder.rpartition("/")[0]
+    return f"{scheduler_id}/", f"{holder}/"
+
+
 class RedisRegistry:
     def __init__(
         self,
@@ -234,11 +242,10 @@ class RedisRegistry:
         args: list[str | int] = [self.prefix, grant_id, failed_flag, self.origin, now_ms()]
         return bool(await self._release(args=args))
 
-    async def release_holder(self, scheduler_id: str, incarnation: str) -> int:
-        """End every grant an earlier process of `scheduler_id` holds (the
-        process asking is `incarnation`, whose own grants stay); how many."""
-        mine = f"{scheduler_id}/"
-        args: list[str | int] = [self.prefix, self.origin, now_ms(), mine, f"{mine}{incarnation}/"]
+    async def release_holder(self, holder: str) -> int:
+        """End every grant an earlier process of `holder`'s scheduler id
+        holds (`holder`'s own grants stay); how many."""
+        args: list[str | int] = [self.prefix, self.origin, now_ms(), *predecessor_prefixes(holder)]
         return int(await self._release_holder(args=args))
 
     async def renew(self, grant_ids: list[str], lease_ms: int) -> list[str]:

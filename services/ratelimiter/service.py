@@ -23,6 +23,7 @@ from services.ratelimiter.registry import (
     NoInstances,
     RedisRegistry,
     Resource,
+    predecessor_prefixes,
 )
 from stageserve import trace_spans
 from stageserve.errors import invalid
@@ -260,15 +261,14 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
     async def ReleaseHolder(
         self, request: pb.ReleaseHolderRequest, context
     ) -> pb.ReleaseHolderResponse:
-        released = await self.registry.release_holder(request.scheduler_id, request.incarnation)
-        mine = f"{request.scheduler_id}/"
-        keep = f"{mine}{request.incarnation}/"
+        released = await self.registry.release_holder(request.holder)
+        mine, keep = predecessor_prefixes(request.holder)
         for gid in [g for g in self._grants if g.startswith(mine) and not g.startswith(keep)]:
             del self._grants[gid]
         if released:
             log.info(
                 "grants of an earlier scheduler process released",
-                extra={"scheduler_id": request.scheduler_id, "released": released},
+                extra={"holder": request.holder, "released": released},
             )
             self.wakeups.wake_all()
         return pb.ReleaseHolderResponse(released=released)

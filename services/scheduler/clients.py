@@ -57,16 +57,15 @@ class RateLimiterClient:
         address: str,
         settings: SchedulerSettings,
         stage_tls: StageTls | None,
-        scheduler_id: str = "",
+        scheduler_id: str,
     ) -> None:
         """`stage_tls`: Settings.stage_tls, the channel's mutual TLS (None:
         plaintext). `scheduler_id`: the scheduler's name; its grants' ids
         begin with it and this process's incarnation (`holder`), so the next
         process of that name ends them at its start (`release_predecessors`)."""
         self.address = address
-        self.scheduler_id = scheduler_id.replace("/", "_")  # "/" ends the id in a grant's id
-        self.incarnation = uuid.uuid4().hex[:12]
-        self.holder = f"{self.scheduler_id}/{self.incarnation}" if scheduler_id else ""
+        # "/" ends the scheduler id in a grant's id
+        self.holder = f"{scheduler_id.replace('/', '_')}/{uuid.uuid4().hex[:12]}"
         self.channel = stage_channel(address, stage_tls)
         self.stub = pb_grpc.RateLimiterStub(self.channel)
         self._link: StreamLink[pb.GrantRequest, pb.GrantResponse] = StreamLink(
@@ -170,22 +169,16 @@ class RateLimiterClient:
             return InstancesGone(tuple(resp.gone_instances))
         return None
 
-    async def release_predecessors(self, timeout_s: float = 2.0) -> int:
+    async def release_predecessors(self, timeout_s: float = 2.0) -> None:
         """End the grants an earlier process of this scheduler id still holds
         (it was killed: they would block their instances until their leases
         ran out, grant_lease_ms after its last renewal). Best effort: a rate
         limiter that does not answer leaves them to their leases."""
-        if not self.scheduler_id:
-            return 0
-        request = pb.ReleaseHolderRequest(
-            scheduler_id=self.scheduler_id, incarnation=self.incarnation
-        )
+        request = pb.ReleaseHolderRequest(holder=self.holder)
         try:
-            resp = await self.stub.ReleaseHolder(request, timeout=timeout_s)
+            await self.stub.ReleaseHolder(request, timeout=timeout_s)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             log.warning("predecessor's grants not released", extra={"error": str(exc)})
-            return 0
-        return resp.released
 
     async def release(self, grant_id: str, failed: bool = False, reason: str = "") -> None:
         """Sent without waiting for an answer: a release that fails (the

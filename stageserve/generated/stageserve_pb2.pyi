@@ -420,12 +420,10 @@ class RenewResponse(_message.Message):
     def __init__(self, lost_grant_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseHolderRequest(_message.Message):
-    __slots__ = ("scheduler_id", "incarnation")
-    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
-    INCARNATION_FIELD_NUMBER: _ClassVar[int]
-    scheduler_id: str
-    incarnation: str
-    def __init__(self, scheduler_id: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    __slots__ = ("holder",)
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    holder: str
+    def __init__(self, holder: _Optional[str] = ...) -> None: ...
 
 class ReleaseHolderResponse(_message.Message):
     __slots__ = ("released",)

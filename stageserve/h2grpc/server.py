@@ -628,11 +628,9 @@ async def _run(call: _Call, request: Any) -> None:
 
 
 def _cancelled(call: _Call) -> None:
-    if call.expired:
-        call.finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-    else:
+    if not call.expired:  # past its deadline, finish answers DEADLINE_EXCEEDED
         call.cancelled = True
-        call.finish(grpc.StatusCode.CANCELLED)
+    call.finish(grpc.StatusCode.CANCELLED)
 
 
 class H2GrpcServer:

@@ -232,6 +232,16 @@ def registered_workers(redis_url: str) -> set[str]:
         r.close()
 
 
+def held_grants(redis_url: str, prefix: str = "") -> list[str]:
+    """The rate limiter's grant ids (ss:rl:grants) that begin with `prefix`."""
+    r = redis_client(redis_url)
+    try:
+        ids = [g.decode() for g in r.zrange("ss:rl:grants", 0, -1)]
+    finally:
+        r.close()
+    return [g for g in ids if g.startswith(prefix)]
+
+
 def registered_instances(redis_url: str, model: str, version: int = 1) -> set[str]:
     r = redis_client(redis_url)
     try:

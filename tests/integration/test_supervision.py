@@ -26,17 +26,15 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
 
 import numpy as np
 import pytest
-import redis
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from stageserve.net import free_port
 from stageserve_tools.examples import write_simple
-from tests.integration.helpers import start_stack_retrying
+from tests.integration.helpers import held_grants, start_stack_retrying
 from tests.stack import wait_until
 
 HEAL_BOUND_S = 15.0
@@ -185,16 +183,6 @@ def test_kill_9_of_a_stage_heals_with_nobody_acting(up: Up, stage: str) -> None:
         up.wait_for_whole_model_set(len(registrations), registrations[-1])
 
 
-def _grants_of(redis_url: str, holder: str) -> list[str]:
-    """The rate limiter's grant ids that begin with `holder` (redis_keys: ss:rl:grants)."""
-    r = redis.Redis.from_url(redis_url)
-    try:
-        ids = [g.decode() for g in cast("list[bytes]", r.zrange("ss:rl:grants", 0, -1))]
-    finally:
-        r.close()
-    return [g for g in ids if g.startswith(holder)]
-
-
 def test_a_restarted_scheduler_ends_the_grants_its_predecessor_held(tmp_path: Path) -> None:
     """Under load the scheduler holds grants; killed, it cannot release them.
     Its next process (same name) ends them at its start, so `simple`'s
@@ -220,13 +208,13 @@ def _scheduler_restart_ends_held_grants(up: Up) -> None:
     for t in threads:
         t.start()
     try:
-        assert wait_until(lambda: bool(_grants_of(up.info["redis"], "scheduler/")), 10, 0.005)
+        assert wait_until(lambda: bool(held_grants(up.info["redis"], "scheduler/")), 10, 0.005)
         logged = up.restarted_lines("scheduler")
         os.kill(_scheduler_pid(up.proc.pid), signal.SIGKILL)  # a test before may have restarted it
-        held = _grants_of(up.info["redis"], "scheduler/")  # the dead process's, now
+        held = held_grants(up.info["redis"], "scheduler/")  # the dead process's, now
         assert held, "the killed scheduler held no grant"
         assert wait_until(lambda: up.restarted_lines("scheduler") == logged + 1, HEAL_BOUND_S)
-        assert not set(held) & set(_grants_of(up.info["redis"], "scheduler/"))
+        assert not set(held) & set(held_grants(up.info["redis"], "scheduler/"))
     finally:
         stop.set()
         for t in threads:

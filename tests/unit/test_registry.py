@@ -457,14 +457,14 @@ def test_a_schedulers_next_process_ends_its_predecessors_grants(redis_url):
         assert dead[0].grant_id.startswith("s/old1/") and anonymous is not None
         assert await free_list(r) == ["f"]
 
-        assert await reg.release_holder("s", "new") == 2
+        assert await reg.release_holder("s/new") == 2
         assert sorted(await free_list(r)) == sorted(["f"] + [g.instance.instance_id for g in dead])
         for g in dead:
             assert not await r.exists(f"{P}grant:{g.grant_id}")
         for g in (mine, other, anonymous):
             assert await r.zscore(P + "grants", g.grant_id) is not None
         await check_invariants(r)
-        assert await reg.release_holder("s", "new") == 0  # nothing more to end
+        assert await reg.release_holder("s/new") == 0  # nothing more to end
         assert await reg.release(dead[0].grant_id) is False  # a late release is harmless
         for g in (mine, other, anonymous):
             assert await reg.release(g.grant_id)

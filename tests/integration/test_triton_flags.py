@@ -133,8 +133,8 @@ def _port_no_process_is_given() -> int:
     """A free TCP port below the kernel's ephemeral range: no bind to port 0
     (the stack's own internal ports, its stages' metrics servers, a parallel
     test's free_port) can be handed it, so finding it listened on means
-    somebody was told to listen there. (One stack run here listened on the
-    metrics port free_port had picked: a stage bound port 0 and got it.)"""
+    somebody was told to listen there. (A port free_port picked can be
+    handed to a stage that binds port 0 after it.)"""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for _ in range(200):
         port = random.randrange(max(1024, low - 12_000), low)

@@ -88,8 +88,13 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
         self.registry = registry
         self.settings = settings
         self.wakeups = Wakeups()
-        # grant id -> (model, version, holds resources)
-        self._grants: dict[str, tuple[str, int, bool]] = {}
+        # grant id -> (model, version, holds resources, monotonic end of its
+        # lease): which waiters its release wakes. Only a hint (a release of
+        # a grant not found here wakes every waiter), so an entry whose lease
+        # ended is dropped (forget_expired): a grant whose release never
+        # comes here (swept, lost on a broken stream, released through
+        # another rate limiter) would otherwise stay for the process's life.
+        self._grants: dict[str, tuple[str, int, bool, float]] = {}
         self._exported_resources: set[tuple[str, str]] = set()
 
     @typed_errors
@@ -208,7 +213,7 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             except NoInstances as exc:
                 return pb.AcquireResponse(granted=False, reason=str(exc), failure=pb.NO_INSTANCE)
             if isinstance(got, Grant):
-                return self._granted(got)
+                return self._granted(got, lease_ms)
             if isinstance(got, Gone):  # the asker picks other instances
                 return pb.AcquireResponse(
                     granted=False,
@@ -226,10 +231,11 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), min(remaining, got.recheck_s))
 
-    def _granted(self, grant: Grant) -> pb.AcquireResponse:
+    def _granted(self, grant: Grant, lease_ms: int) -> pb.AcquireResponse:
         inst = grant.instance
         RATELIMITER_GRANTS.labels(inst.model, str(inst.version)).inc()
-        self._grants[grant.grant_id] = (inst.model, inst.version, grant.holds_resources)
+        until = time.monotonic() + lease_ms / 1000.0
+        self._grants[grant.grant_id] = (inst.model, inst.version, grant.holds_resources, until)
         return pb.AcquireResponse(
             granted=True,
             grant_id=grant.grant_id,
@@ -252,9 +258,15 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
 
     @typed_errors
     async def Renew(self, request: pb.RenewRequest, context) -> pb.RenewResponse:
-        lost = await self.registry.renew(
-            list(request.grant_ids), request.lease_ms or self.settings.default_renew_lease_ms
-        )
+        lease_ms = request.lease_ms or self.settings.default_renew_lease_ms
+        lost = await self.registry.renew(list(request.grant_ids), lease_ms)
+        # The renewed grants stay in _grants as long as their new leases.
+        until = time.monotonic() + lease_ms / 1000.0
+        gone = set(lost)
+        for gid in request.grant_ids:
+            known = self._grants.get(gid)
+            if known is not None and gid not in gone:
+                self._grants[gid] = (known[0], known[1], known[2], until)
         return pb.RenewResponse(lost_grant_ids=lost)
 
     @typed_errors
@@ -301,8 +313,8 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
         self._exported_resources = exported
 
     async def export_usage_forever(self) -> None:
-        period_s = self.settings.usage_export_s
         """Keep the gauges current for /metrics."""
+        period_s = self.settings.usage_export_s
         while True:
             try:
                 await self.export_usage_once()
@@ -346,9 +358,19 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
         finally:
             await pubsub.aclose()
 
+    def forget_expired(self, now: float) -> int:
+        """Drop the _grants entries whose lease ended by `now` (monotonic
+        seconds); returns how many. Their release, should it still come,
+        wakes every waiter."""
+        ended = [gid for gid, known in self._grants.items() if known[3] <= now]
+        for gid in ended:
+            del self._grants[gid]
+        return len(ended)
+
     async def sweep_forever(self) -> None:
+        """Release expired grants, forget dead workers and the wake-up hints
+        of grants whose lease ended."""
         period_s = self.settings.sweep_s
-        """Release expired grants and forget dead workers."""
         while True:
             try:
                 expired, dead = await self.registry.sweep()
@@ -357,6 +379,7 @@ class RateLimiterService(pb_grpc.RateLimiterServicer):
                     self.wakeups.wake_all()
             except Exception as exc:
                 stage_error(exc, "sweep")  # logged there
+            self.forget_expired(time.monotonic())  # with Redis away too
             await asyncio.sleep(period_s)
 
 

@@ -10,7 +10,12 @@ echo server runs on each server an internal stage may serve with
 (stageserve/net.py ``stage_server``: grpc.aio's, and StageServe's own HTTP/2
 server), interleaved, so their costs compare in one run.
 
+The client end runs on each client a stage may dial with (grpc.aio's
+channel, and the own HTTP/2 client, stageserve/h2grpc/client.py), each
+against each server.
+
   python -m bench.transport [--seconds 3] [--inflight 1 16 64] [--servers grpcio h2]
+      [--clients grpcio h2]
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import psutil
 
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
+from stageserve.h2grpc.client import H2Channel
 from stageserve.net import free_port, stage_server
 from stageserve.transport import StreamLink, serve_stream
 
@@ -79,7 +85,7 @@ def _cpu(pid: int) -> float:
     return t.user + t.system
 
 
-async def _drive(port: int, inflight: int, seconds: float) -> tuple[int, int]:
+async def _drive(client: str, port: int, inflight: int, seconds: float) -> tuple[int, int]:
     """(calls answered, messages written by the client) in `seconds`."""
     written = 0
 
@@ -88,7 +94,9 @@ async def _drive(port: int, inflight: int, seconds: float) -> tuple[int, int]:
         written += 1
         return pb.ScheduleBatch(requests=requests)
 
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    address = f"127.0.0.1:{port}"
+    channel: Any = H2Channel(address) if client == "h2" else grpc.aio.insecure_channel(address)
+    try:
         await channel.channel_ready()
         link: StreamLink[pb.ScheduleRequest, pb.ScheduleResponse] = StreamLink(
             name="echo",
@@ -108,7 +116,34 @@ async def _drive(port: int, inflight: int, seconds: float) -> tuple[int, int]:
 
         await asyncio.gather(*(loop() for _ in range(inflight)))
         await link.close()
+    finally:
+        await channel.close()
     return done, written
+
+
+def _row(
+    args: argparse.Namespace,
+    client: str,
+    kind: str,
+    inflight: int,
+    port: int,
+    counters: Any,
+    child: multiprocessing.Process,
+) -> None:
+    assert child.pid is not None  # set by start()
+    before = list(counters)
+    c0, s0, t0 = _cpu(os.getpid()), _cpu(child.pid), time.monotonic()
+    n, written = asyncio.run(_drive(client, port, inflight, args.seconds))
+    elapsed = time.monotonic() - t0
+    c1, s1 = _cpu(os.getpid()), _cpu(child.pid)
+    msgs_in = counters[0] - before[0]
+    msgs_out = max(1, counters[1] - before[1])
+    print(
+        f"{client:>7} {kind:>7} {inflight:>8} {n / elapsed:>8.0f} "
+        f"{(c1 - c0) / n * 1e6:>9.0f} {(s1 - s0) / n * 1e6:>9.0f} "
+        f"{n / max(1, msgs_in or written):>10.2f} {n / msgs_out:>11.2f}",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,11 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inflight", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--rounds", type=int, default=1, help="repeat the whole table")
     parser.add_argument("--servers", nargs="+", choices=("grpcio", "h2"), default=["grpcio", "h2"])
+    parser.add_argument("--clients", nargs="+", choices=("grpcio", "h2"), default=["grpcio", "h2"])
     args = parser.parse_args(argv)
     servers: dict[str, tuple[int, Any, multiprocessing.Process]] = {}
     print(
-        f"{'server':>7} {'inflight':>8} {'calls/s':>8} {'client us':>9} {'server us':>9} "
-        f"{'req/msg in':>10} {'req/msg out':>11}"
+        f"{'client':>7} {'server':>7} {'inflight':>8} {'calls/s':>8} {'client us':>9} "
+        f"{'server us':>9} {'req/msg in':>10} {'req/msg out':>11}"
     )
     try:
         for kind in args.servers:
@@ -138,20 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             for inflight in args.inflight:
                 for kind, (port, counters, child) in servers.items():
-                    assert child.pid is not None  # set by start()
-                    before = list(counters)
-                    c0, s0, t0 = _cpu(os.getpid()), _cpu(child.pid), time.monotonic()
-                    n, written = asyncio.run(_drive(port, inflight, args.seconds))
-                    elapsed = time.monotonic() - t0
-                    c1, s1 = _cpu(os.getpid()), _cpu(child.pid)
-                    msgs_in = counters[0] - before[0]
-                    msgs_out = max(1, counters[1] - before[1])
-                    print(
-                        f"{kind:>7} {inflight:>8} {n / elapsed:>8.0f} "
-                        f"{(c1 - c0) / n * 1e6:>9.0f} {(s1 - s0) / n * 1e6:>9.0f} "
-                        f"{n / max(1, msgs_in or written):>10.2f} {n / msgs_out:>11.2f}",
-                        flush=True,
-                    )
+                    for client in args.clients:
+                        _row(args, client, kind, inflight, port, counters, child)
     finally:
         for _, _, child in servers.values():
             child.kill()

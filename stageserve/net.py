@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 
+from stageserve.h2grpc.client import H2Channel, split_address
 from stageserve.h2grpc.server import H2GrpcServer, tls_context
 from stageserve.stage_tls import StageTls
 
@@ -67,6 +68,26 @@ def stage_channel(address: str, tls: StageTls | None) -> grpc.aio.Channel:
     if tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
     return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+def own_stream_channel(address: str, tls: StageTls | None, client: str) -> H2Channel | None:
+    """The channel of StageServe's own HTTP/2 client (stageserve/h2grpc/client.py)
+    for the streams to another stage, with `tls` as stage_channel has it; None
+    where grpc.aio's channel carries them: `client` "grpcio", or an address
+    other than host:port (which only grpc resolves)."""
+    if client != "h2":
+        return None
+    try:
+        split_address(address)
+    except ValueError:
+        return None
+    if tls is None:
+        return H2Channel(address)
+    return H2Channel(
+        address,
+        ssl_context=stage_client_ssl_context(tls),
+        server_hostname=tls.server_name or None,
+    )
 
 
 class ListenFailed(RuntimeError):
@@ -131,6 +152,22 @@ def add_stage_port(
         return server.add_secure_port(listen, credentials)
     except RuntimeError:
         return 0
+
+
+def stage_client_ssl_context(tls: StageTls) -> ssl.SSLContext:
+    """The stage TLS of `stage_channel` for the own HTTP/2 client: this
+    stage's certificate, the server's checked against the stage CA and its
+    name (the address's host, or tls.server_name), ALPN h2."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_verify_locations(cadata=tls.ca.decode("ascii"))
+    with tempfile.TemporaryDirectory(prefix="stageserve-tls-") as folder:
+        cert, key = Path(folder, "cert.pem"), Path(folder, "key.pem")
+        cert.write_bytes(tls.cert)
+        key.write_bytes(tls.key)
+        context.load_cert_chain(cert, key)
+    context.set_alpn_protocols(["h2"])
+    return context
 
 
 def stage_ssl_context(tls: StageTls) -> ssl.SSLContext:

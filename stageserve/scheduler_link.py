@@ -17,7 +17,7 @@ import grpc
 from stageserve.errors import StageError, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
-from stageserve.net import stage_channel
+from stageserve.net import own_stream_channel, stage_channel
 from stageserve.stage_tls import StageTls
 from stageserve.tensor_shm import release_outputs
 from stageserve.transport import StreamLink
@@ -40,6 +40,7 @@ class SchedulerLink:
         stage_tls: StageTls | None,
         hold_us: int = 0,
         give_up: Callable[[], Awaitable[None]] | None = None,
+        client: str = "h2",
     ) -> None:
         """`connect_timeout_s`: GatewaySettings.scheduler_connect_timeout_s;
         `stage_tls`: Settings.stage_tls, the channel's mutual TLS (None: plaintext).
@@ -48,12 +49,14 @@ class SchedulerLink:
         which a model's execute waits on.
         `give_up`: awaited beside a connection attempt; when it finishes first
         (the router saw this scheduler leave the shard map), the attempt fails
-        with SchedulerGone before anything was sent."""
+        with SchedulerGone before anything was sent. `client`:
+        GatewaySettings.stream_client, the stream's client ("h2" or "grpcio")."""
         self.address = address
         self.give_up = give_up
         self.connect_timeout_s = connect_timeout_s
-        self.channel = stage_channel(address, stage_tls)
-        stub = pb_grpc.SchedulerStub(self.channel)
+        self.channel = stage_channel(address, stage_tls)  # unary calls (queue statistics)
+        self.stream_channel = own_stream_channel(address, stage_tls, client) or self.channel
+        stub = pb_grpc.SchedulerStub(self.stream_channel)
         self._link: StreamLink[pb.ScheduleRequest, pb.ScheduleResponse] = StreamLink(
             name="scheduler",
             open_call=stub.Schedule,
@@ -70,7 +73,7 @@ class SchedulerLink:
             await self._connected_unless_gone(self.give_up)
             return
         try:
-            await asyncio.wait_for(self.channel.channel_ready(), self.connect_timeout_s)
+            await asyncio.wait_for(self.stream_channel.channel_ready(), self.connect_timeout_s)
         except TimeoutError:
             raise unavailable(
                 f"scheduler at {self.address} is unreachable (no connection within "
@@ -78,7 +81,7 @@ class SchedulerLink:
             ) from None
 
     async def _connected_unless_gone(self, give_up: Callable[[], Awaitable[None]]) -> None:
-        ready = asyncio.ensure_future(self.channel.channel_ready())
+        ready: asyncio.Future[None] = asyncio.ensure_future(self.stream_channel.channel_ready())
         gone = asyncio.ensure_future(give_up())
         try:
             done, _ = await asyncio.wait(
@@ -112,4 +115,6 @@ class SchedulerLink:
 
     async def close(self) -> None:
         await self._link.close()
+        if self.stream_channel is not self.channel:
+            await self.stream_channel.close()
         await self.channel.close()

@@ -133,6 +133,10 @@ async def scheduler_router(
         view,
         fallback,
         lambda address: SchedulerLink(
-            address, gateway.scheduler_connect_timeout_s, settings.stage_tls, hold
+            address,
+            gateway.scheduler_connect_timeout_s,
+            settings.stage_tls,
+            hold,
+            client=gateway.stream_client,
         ),
     )

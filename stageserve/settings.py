@@ -148,6 +148,11 @@ class SchedulerSettings:
     # streams, BLS calls, queue statistics): StageServe's own HTTP/2 server
     # (stageserve/h2grpc/), or grpc.aio's, as the worker's (WorkerSettings.grpc_server).
     grpc_server: str = one_of("h2", "grpcio")
+    # The client of the scheduler's streams to the workers and the rate
+    # limiter: StageServe's own (stageserve/h2grpc/client.py) or grpc.aio's.
+    # The first costs about half as much per stream message (docs/benchmarks.md,
+    # "The internal streams on the own HTTP/2 client"); grpcio stays selectable.
+    stream_client: str = one_of("h2", "grpcio")
     # Triton's --cache-config (stageserve/cache_options.py), as the gateways
     # have it: the response cache of the composing models of an ensemble
     # (services/scheduler/step_cache.py); None: ensemble steps always run.
@@ -262,6 +267,9 @@ class GatewaySettings:
     # development VM (docs/benchmarks.md, "The public gRPC front on its own
     # HTTP/2 server"); grpcio stays selectable for comparison.
     grpc_server: str = one_of("h2", "grpcio")
+    # The client of the streams to the schedulers (a gateway's, a worker's BLS
+    # calls, a scheduler's to its peers), as SchedulerSettings.stream_client.
+    stream_client: str = one_of("h2", "grpcio")
     # Triton's --cache-config (stageserve/cache_options.py): the response cache
     # of the models that enable one; None: nothing cached, as Triton without it.
     response_cache: CacheConfig | None = flag(None, "cache_config")

@@ -14,7 +14,7 @@ import grpc
 from stageserve.errors import StageError, reason_of, status_code, unavailable
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
-from stageserve.net import stage_channel
+from stageserve.net import own_stream_channel, stage_channel
 from stageserve.settings import SchedulerSettings
 from stageserve.stage_tls import StageTls
 from stageserve.telemetry import STAGE_RPC_DURATION, STAGE_RPC_ERRORS
@@ -66,11 +66,14 @@ class RateLimiterClient:
         self.address = address
         # "/" ends the scheduler id in a grant's id
         self.holder = f"{scheduler_id.replace('/', '_')}/{uuid.uuid4().hex[:12]}"
-        self.channel = stage_channel(address, stage_tls)
+        self.channel = stage_channel(address, stage_tls)  # its unary calls
         self.stub = pb_grpc.RateLimiterStub(self.channel)
+        self.stream_channel = (
+            own_stream_channel(address, stage_tls, settings.stream_client) or self.channel
+        )
         self._link: StreamLink[pb.GrantRequest, pb.GrantResponse] = StreamLink(
             name=f"ratelimiter {address}",
-            open_call=self.stub.Grants,
+            open_call=pb_grpc.RateLimiterStub(self.stream_channel).Grants,
             pack=lambda requests: pb.GrantRequests(requests=requests),
             unpack=lambda message: message.responses,
             on_break=self._unreachable,
@@ -195,6 +198,8 @@ class RateLimiterClient:
         if self._renewer is not None:
             self._renewer.cancel()
         await self._link.close()
+        if self.stream_channel is not self.channel:
+            await self.stream_channel.close()
         await self.channel.close()
 
 
@@ -220,9 +225,12 @@ class WorkerStream:
     """One long-lived ExecuteStream to a worker (stageserve/transport.py);
     batches matched to answers by id."""
 
-    def __init__(self, address: str, stage_tls: StageTls | None) -> None:
+    def __init__(self, address: str, stage_tls: StageTls | None, client: str = "h2") -> None:
+        """`client`: SchedulerSettings.stream_client ("h2" or "grpcio")."""
         self.address = address
-        self.channel = stage_channel(address, stage_tls)
+        self.channel = own_stream_channel(address, stage_tls, client) or stage_channel(
+            address, stage_tls
+        )
         self._link: StreamLink[pb.ExecuteRequest, pb.ExecuteResponse] = StreamLink(
             name=f"worker {address}",
             open_call=pb_grpc.WorkerStub(self.channel).ExecuteStream,
@@ -271,10 +279,14 @@ class WorkerStream:
 class WorkerClients:
     """One stream per worker address, opened on first use."""
 
-    def __init__(self, execute_timeout_s: float, stage_tls: StageTls | None) -> None:
+    def __init__(
+        self, execute_timeout_s: float, stage_tls: StageTls | None, client: str = "h2"
+    ) -> None:
         """`execute_timeout_s`: SchedulerSettings.execute_timeout_s; `stage_tls`:
-        Settings.stage_tls, every worker stream's mutual TLS (None: plaintext)."""
+        Settings.stage_tls, every worker stream's mutual TLS (None: plaintext);
+        `client`: SchedulerSettings.stream_client."""
         self._streams: dict[str, WorkerStream] = {}
+        self.client = client
         self.execute_timeout_s = execute_timeout_s
         self.stage_tls = stage_tls
 
@@ -291,7 +303,7 @@ class WorkerClients:
         """The batch's answer; `on_part` gets a decoupled model's responses as sent."""
         stream = self._streams.get(address)
         if stream is None:
-            stream = self._streams[address] = WorkerStream(address, self.stage_tls)
+            stream = self._streams[address] = WorkerStream(address, self.stage_tls, self.client)
         return await stream.execute(request, self.execute_timeout_s, on_part)
 
     async def close(self) -> None:

@@ -318,7 +318,10 @@ async def _join_shards(
         view,
         None,
         lambda peer: SchedulerLink(
-            peer, settings.gateway.scheduler_connect_timeout_s, settings.stage_tls
+            peer,
+            settings.gateway.scheduler_connect_timeout_s,
+            settings.stage_tls,
+            client=settings.gateway.stream_client,
         ),
     )
     await view.refresh()
@@ -353,7 +356,9 @@ async def serve(
     )
     # An earlier process under this name may have died holding grants.
     await ratelimiter.release_predecessors()
-    workers = WorkerClients(settings.scheduler.execute_timeout_s, settings.stage_tls)
+    workers = WorkerClients(
+        settings.scheduler.execute_timeout_s, settings.stage_tls, settings.scheduler.stream_client
+    )
     service = SchedulerService(ModelStateStore(redis), ratelimiter, workers, settings.scheduler)
     cache = open_cache(settings.scheduler.response_cache, redis, settings.redis_client)
     service.step_cache = StepCache(cache) if cache is not None else None

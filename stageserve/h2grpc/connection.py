@@ -1,19 +1,22 @@
-"""The server side of one HTTP/2 connection carrying gRPC, as a pure state
-machine: bytes in, events and bytes out, no I/O.
+"""One HTTP/2 connection carrying gRPC, as a pure state machine: bytes in,
+events and bytes out, no I/O. `ServerConnection` is the server's side,
+`ClientConnection` the client's; they share everything but who opens
+streams and when a stream is over.
 
-`receive(data)` parses frames and returns the calls' events (a request's
-headers, each whole gRPC message, the client's end of stream, a reset); the
-frames the protocol answers itself (SETTINGS and PING acknowledgements,
-WINDOW_UPDATEs) are queued for `data_to_send()`. `send_headers` and
-`send_message` queue a call's response within the client's flow-control
-windows: what does not fit waits, in order with the stream's trailers, until
-a WINDOW_UPDATE or SETTINGS opens the window.
+`receive(data)` parses frames and returns the calls' events (a stream's
+first header block, each whole gRPC message, the peer's end of stream, a
+reset, a later header block: a response's trailers); the frames the protocol
+answers itself (SETTINGS and PING acknowledgements, WINDOW_UPDATEs) are
+queued for `data_to_send()`. `send_headers` and `send_message` queue a
+stream's frames within the peer's flow-control windows: what does not fit
+waits, in order with the stream's later frames, until a WINDOW_UPDATE or
+SETTINGS opens the window.
 
 It implements what gRPC over HTTP/2 uses (RFC 9113; gRPC's PROTOCOL-HTTP2):
 no server push, no priorities (read and ignored), header blocks through
 CONTINUATION, padding, and flow control both ways. The inbound windows are
 large (16 MiB a stream, 64 MiB the connection) and are refilled as data
-arrives, so a client is never held back by this side's reading.
+arrives, so a peer is never held back by this side's reading.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ import hpack
 
 from stageserve.h2grpc import wire
 
-REQUEST, MESSAGE, END, RESET, GOAWAY = range(5)
-#: An event: (kind, stream id, value): REQUEST -> the header list as (name,
-#: value) bytes pairs; MESSAGE -> (compressed flag, message bytes); END ->
-#: None; RESET -> the client's error code; GOAWAY -> its error code (stream 0).
+REQUEST, MESSAGE, END, RESET, GOAWAY, TRAILERS = range(6)
+#: An event: (kind, stream id, value): REQUEST -> a stream's first header
+#: list (a request's, or on the client a response's) as (name, value) bytes
+#: pairs; MESSAGE -> (compressed flag, message bytes); END -> None; RESET ->
+#: the peer's error code; GOAWAY -> (last stream id, error code) (stream 0);
+#: TRAILERS -> a later header list of the stream (a response's trailers).
 Event = tuple[int, int, Any]
 
 STREAM_WINDOW = 16 * 1024 * 1024
@@ -76,19 +81,22 @@ class _Stream:
         self.started = False  # its request headers were seen
 
 
-class ServerConnection:
-    def __init__(self) -> None:
+class _Connection:
+    """What both sides of a connection do alike."""
+
+    def __init__(self, preface_in: bool) -> None:
+        """`preface_in`: the peer starts with the client preface (this is the server)."""
         self._in = bytearray()
         self._out: list[bytes | memoryview] = []
-        self._preface_seen = False
+        self._preface_seen = not preface_in
         self._decoder = hpack.Decoder()
         self._decoder.max_header_list_size = MAX_HEADER_LIST
         self._blocks: dict[bytes, list[tuple[bytes, bytes]]] = {}  # see _decode
         self._streams: dict[int, _Stream] = {}
         self._blocked: dict[int, _Stream] = {}  # streams with pending frames, in order
-        self._peer_window = wire.DEFAULT_WINDOW  # the client's initial stream window
+        self._peer_window = wire.DEFAULT_WINDOW  # the peer's initial stream window
         self._peer_max_frame = wire.DEFAULT_MAX_FRAME
-        self._send_window = wire.DEFAULT_WINDOW  # connection-level, toward the client
+        self._send_window = wire.DEFAULT_WINDOW  # connection-level, toward the peer
         self._recv_unacked = 0
         self._headers_of: _Stream | None = None  # a block continuing in CONTINUATION
         self._header_block = bytearray()
@@ -129,7 +137,7 @@ class ServerConnection:
         return stream is not None and stream.local_open
 
     def waiting_for_window(self) -> bool:
-        """Whether frames are queued until the client opens its flow-control window."""
+        """Whether frames are queued until the peer opens its flow-control window."""
         return bool(self._blocked)
 
     def send_headers(self, sid: int, block: bytes, end_stream: bool = False) -> None:
@@ -147,7 +155,7 @@ class ServerConnection:
 
     def send_message(self, sid: int, message: bytes, compressed: bool = False) -> None:
         """One gRPC message as DATA, within the flow-control windows
-        (`compressed`: its bytes are, with the response's grpc-encoding)."""
+        (`compressed`: its bytes are, with the stream's grpc-encoding)."""
         stream = self._streams.get(sid)
         if stream is None or not stream.local_open:
             return
@@ -243,10 +251,8 @@ class ServerConnection:
             self._maybe_close(stream)
 
     def _maybe_close(self, stream: _Stream) -> None:
-        """Forget a stream once this side has ended it and sent everything: the
-        call is over, and what the client still sends on it is dropped."""
-        if not stream.local_open and not stream.pending:
-            self._streams.pop(stream.sid, None)
+        """Forget a stream once its call is over (each side says when)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------- input
 
@@ -339,9 +345,10 @@ class ServerConnection:
             if stream is not None:
                 events.append((RESET, sid, int.from_bytes(payload[:4], "big")))
         elif kind == wire.GOAWAY:
-            events.append((GOAWAY, 0, int.from_bytes(payload[4:8], "big")))
-        elif kind == wire.PUSH_PROMISE:
-            raise ProtocolError(wire.PROTOCOL_ERROR, "PUSH_PROMISE from a client")
+            last = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
+            events.append((GOAWAY, 0, (last, int.from_bytes(payload[4:8], "big"))))
+        elif kind == wire.PUSH_PROMISE:  # both sides announce SETTINGS_ENABLE_PUSH 0
+            raise ProtocolError(wire.PROTOCOL_ERROR, "PUSH_PROMISE")
         # PRIORITY and unknown frame types are ignored (RFC 9113 4.1, 5.3.2).
 
     def _on_data(self, sid: int, flags: int, payload: memoryview, events: list[Event]) -> None:
@@ -384,21 +391,22 @@ class ServerConnection:
         events.append((END, stream.sid, None))
 
     def _on_headers(self, sid: int, flags: int, payload: bytes, events: list[Event]) -> None:
-        if sid == 0 or sid % 2 == 0:
-            raise ProtocolError(wire.PROTOCOL_ERROR, f"HEADERS on stream {sid}")
+        if sid == 0:
+            raise ProtocolError(wire.PROTOCOL_ERROR, "HEADERS on stream 0")
         if flags & wire.PADDED:
             payload = _unpad(payload)
         if flags & wire.PRIORITY_FLAG:
             payload = payload[5:]
         stream = self._streams.get(sid)
         if stream is None:
-            if sid <= self.last_stream_id:
-                # A stream this side already closed: decode to keep HPACK in step, drop it.
-                self._collect(None, flags, payload, events)
-                return
-            self.last_stream_id = sid
-            stream = self._streams[sid] = _Stream(sid, self._peer_window)
+            # None: a stream this side already closed; its block is decoded
+            # to keep HPACK in step, and dropped.
+            stream = self._peer_stream(sid)
         self._collect(stream, flags, payload, events)
+
+    def _peer_stream(self, sid: int) -> _Stream | None:
+        """HEADERS on a stream this side does not know: the stream it opens, or None."""
+        raise NotImplementedError
 
     def _collect(
         self, stream: _Stream | None, flags: int, block: bytes, events: list[Event]
@@ -433,9 +441,11 @@ class ServerConnection:
             headers = self._decode(block)
         if stream is None:
             return
-        if not stream.started:  # the request's headers; a later block is the client's trailers
+        if not stream.started:  # a request's or a response's headers
             stream.started = True
             events.append((REQUEST, stream.sid, headers))
+        else:  # trailers
+            events.append((TRAILERS, stream.sid, headers))
         if end_stream and stream.remote_open:
             self._remote_end(stream, events)
 
@@ -493,6 +503,74 @@ class ServerConnection:
             stream.send_window += increment
         if self._blocked:
             self._flush_blocked()
+
+
+class ServerConnection(_Connection):
+    def __init__(self) -> None:
+        super().__init__(preface_in=True)
+
+    def _maybe_close(self, stream: _Stream) -> None:
+        """Forget a stream once this side has ended it and sent everything: the
+        call is over, and what the client still sends on it is dropped."""
+        if not stream.local_open and not stream.pending:
+            self._streams.pop(stream.sid, None)
+
+    def _peer_stream(self, sid: int) -> _Stream | None:
+        if sid % 2 == 0:
+            raise ProtocolError(wire.PROTOCOL_ERROR, f"HEADERS on stream {sid}")
+        if sid <= self.last_stream_id:
+            return None
+        self.last_stream_id = sid
+        stream = self._streams[sid] = _Stream(sid, self._peer_window)
+        return stream
+
+
+class ClientConnection(_Connection):
+    """The client's side: it opens streams (`open_stream`) and ends its half
+    of one (`end_stream`); a stream is over once the server ended its half
+    (its trailers, or a reset)."""
+
+    def __init__(self) -> None:
+        super().__init__(preface_in=False)
+        self._out.insert(0, wire.PREFACE)
+        self._next_sid = 1
+
+    def open_stream(self, block: bytes) -> int:
+        """A new stream whose request headers are `block` (an HPACK block); its id."""
+        sid = self._next_sid
+        self._next_sid += 2
+        self._streams[sid] = _Stream(sid, self._peer_window)
+        self._write_headers(sid, block, False)
+        return sid
+
+    def end_stream(self, sid: int) -> None:
+        """This side's end of the stream (after its queued messages)."""
+        stream = self._streams.get(sid)
+        if stream is None or not stream.local_open:
+            return
+        stream.local_open = False
+        if stream.pending:
+            stream.pending.append((b"", True, True))
+        else:
+            self._out.append(wire.frame(wire.DATA, wire.END_STREAM, sid))
+        self._maybe_close(stream)
+
+    def unfinished(self, sid: int) -> bool:
+        """Whether the server has not ended the stream (its trailers, a reset)."""
+        stream = self._streams.get(sid)
+        return stream is not None and stream.remote_open
+
+    def forget(self, sid: int) -> None:
+        """The call is over here: what still arrives on the stream is dropped."""
+        self._streams.pop(sid, None)
+        self._blocked.pop(sid, None)
+
+    def _maybe_close(self, stream: _Stream) -> None:
+        if not stream.local_open and not stream.pending and not stream.remote_open:
+            self._streams.pop(stream.sid, None)
+
+    def _peer_stream(self, sid: int) -> _Stream | None:
+        return None
 
 
 def _all_indexed(block: bytes) -> bool:

@@ -2,7 +2,8 @@
 on grpc.aio's (STAGESERVE_GATEWAY_GRPC_SERVER=grpcio): a client sees the same answers.
 The internal stages' ports follow the same choice (STAGESERVE_SCHEDULER_GRPC_SERVER,
 STAGESERVE_RATELIMITER_GRPC_SERVER, STAGESERVE_WORKER_GRPC_SERVER), so every internal
-stream crosses both servers too.
+stream crosses both servers too, dialled by the stages' own HTTP/2 client (the default;
+tests/unit/test_transport.py runs the streams on grpc.aio's client).
 
 Two stacks on one repository, one per server; each check makes the same calls to both with
 tritonclient and compares what comes back: results, status codes and messages, streamed

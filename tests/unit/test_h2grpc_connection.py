@@ -293,7 +293,7 @@ def test_reset_and_goaway_from_the_client() -> None:
         wire.frame(wire.RST_STREAM, 0, 1, wire.CANCEL.to_bytes(4, "big"))
         + wire.frame(wire.GOAWAY, 0, 0, (1).to_bytes(4, "big") + (0).to_bytes(4, "big"))
     )
-    assert events == [(RESET, 1, wire.CANCEL), (GOAWAY, 0, 0)]
+    assert events == [(RESET, 1, wire.CANCEL), (GOAWAY, 0, (1, 0))]
     client.server.send_message(1, b"after the reset")
     assert client.output() == []
     # Data for the reset stream is dropped, and still counts for the connection.

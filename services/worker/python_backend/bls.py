@@ -99,7 +99,10 @@ class BlsClient:
             ShardView(state.redis),
             scheduler_address,
             lambda address: SchedulerLink(
-                address, settings.gateway.scheduler_connect_timeout_s, settings.stage_tls
+                address,
+                settings.gateway.scheduler_connect_timeout_s,
+                settings.stage_tls,
+                client=settings.gateway.stream_client,
             ),
         )
         self.model_cache_s = settings.worker.bls_model_cache_s

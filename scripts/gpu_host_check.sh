@@ -51,7 +51,9 @@ run() {  # run FILE CAP COMMAND...: appended to $O/FILE.txt, cut to the time lef
   el "$file (${cap}s): $*"
   { echo "== $* (STAGESERVE_WORKER_CUDA_SYNC=${STAGESERVE_WORKER_CUDA_SYNC:-auto}," \
       "gRPC servers gateway/scheduler/ratelimiter/worker" \
-      "${STAGESERVE_GATEWAY_GRPC_SERVER:-h2}/${STAGESERVE_SCHEDULER_GRPC_SERVER:-h2}/${STAGESERVE_RATELIMITER_GRPC_SERVER:-h2}/${STAGESERVE_WORKER_GRPC_SERVER:-h2})"
+      "${STAGESERVE_GATEWAY_GRPC_SERVER:-h2}/${STAGESERVE_SCHEDULER_GRPC_SERVER:-h2}/${STAGESERVE_RATELIMITER_GRPC_SERVER:-h2}/${STAGESERVE_WORKER_GRPC_SERVER:-h2}," \
+      "stream clients gateway/scheduler" \
+      "${STAGESERVE_GATEWAY_STREAM_CLIENT:-h2}/${STAGESERVE_SCHEDULER_STREAM_CLIENT:-h2})"
     timeout "$cap" "$@" 2>&1; echo "exit $?"; } >> "$O/$file.txt"
   grep -v '^{"ts"' "$O/$file.txt" | grep -v pkg_resources | tail -8
 }
@@ -65,8 +67,8 @@ want tests && run tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu -rs 
 # Issue 26's headline, right after the tests: identity at c=256 with the auto counts of
 # this host; then 1, 2 and 4 gateways, the curve of throughput against the cores the stack
 # uses (target: 0.7x linear up to 12 cores); then every stage on grpc.aio's gRPC server
-# (the own HTTP/2 server costs a third of grpc.aio's CPU per unary call and half per
-# stream message on 2 cores). On the 2-core VM one gateway took 84 us and the scheduler
+# and client (the own HTTP/2 server costs a third of grpc.aio's CPU per unary call and
+# half per stream message on 2 cores, the own client half per stream message). On the 2-core VM one gateway took 84 us and the scheduler
 # 32 us per identity inference at c=256 (docs/benchmarks.md), where the H100 runs of
 # 2026-11-27, on grpc.aio's front, took 500-630 and 63-86.
 if want scale; then
@@ -75,6 +77,7 @@ if want scale; then
   for gateways in 1 2 4; do run scale 60 $SC --gateways $gateways; done
   STAGESERVE_GATEWAY_GRPC_SERVER=grpcio STAGESERVE_SCHEDULER_GRPC_SERVER=grpcio \
     STAGESERVE_RATELIMITER_GRPC_SERVER=grpcio STAGESERVE_WORKER_GRPC_SERVER=grpcio \
+    STAGESERVE_GATEWAY_STREAM_CLIENT=grpcio STAGESERVE_SCHEDULER_STREAM_CLIENT=grpcio \
     run scale 70 $SC
 fi
 # Issue 25: both backends through one stack of one gateway and one scheduler; ONNX Runtime

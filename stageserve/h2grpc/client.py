@@ -107,6 +107,7 @@ class _ClientProtocol(asyncio.Protocol):
         self._keepalive_s = keepalive_s
         self._keepalive_timeout_s = keepalive_timeout_s
         self._last_in = self._loop.time()
+        self._pinged_at = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
     @property
@@ -216,6 +217,7 @@ class _ClientProtocol(asyncio.Protocol):
         elif idle >= self._keepalive_s:
             self.conn.ping()
             self.flush()
+            self._pinged_at = self._loop.time()
             self._timer = self._loop.call_later(self._keepalive_timeout_s, self._ping_answered)
         else:
             self._timer = self._loop.call_later(self._keepalive_s - idle, self._keepalive)
@@ -224,7 +226,10 @@ class _ClientProtocol(asyncio.Protocol):
         self._timer = None
         if self.transport is None:
             return
-        if self._loop.time() - self._last_in > self._keepalive_timeout_s:
+        # Anything received since the ping answers it (its ACK, or other
+        # frames first). A timer may fire late on a busy loop, so the check
+        # is not how long ago the last frame came.
+        if self._last_in < self._pinged_at:
             log.warning("a server stopped answering; its connection is dropped")
             self.transport.abort()
             return

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeAlias, TypeVar
 
@@ -513,6 +514,43 @@ def test_keepalive_drops_a_connection_whose_peer_never_answers() -> None:
             await channel.close()
             server.close()
             await step(server.wait_closed())
+
+    run(body())
+
+
+def test_keepalive_keeps_a_connection_whose_server_answers_on_a_late_loop() -> None:
+    """A server that answers every PING keeps its connection, however late the
+    client's loop runs the check: a busy loop (here: blocked 120 ms at a time)
+    fires the check long after the ACK came, which must not count as no
+    answer. (A check of how long ago the last frame came dropped such
+    connections, and a scheduler then took its workers for dead.)"""
+
+    async def body() -> None:
+        async with serving("h2", Echo()) as (_, port):
+            channel = H2Channel(f"127.0.0.1:{port}", keepalive_s=0.1, keepalive_timeout_s=0.05)
+            busy = True
+
+            async def block_the_loop() -> None:
+                while busy:
+                    time.sleep(0.12)  # the loop can run nothing meanwhile
+                    await asyncio.sleep(0.01)
+
+            try:
+                requests = Requests()
+                call = schedule(channel, requests)
+                requests.put("before")
+                assert messages(await next_response(call)) == ["before"]
+                blocker = asyncio.ensure_future(block_the_loop())
+                await asyncio.sleep(1.5)  # idle: a PING every 0.1 s
+                busy = False
+                await step(blocker)
+                requests.put("after")
+                assert messages(await next_response(call)) == ["after"]
+                requests.end()
+                with pytest.raises(StopAsyncIteration):
+                    await next_response(call)
+            finally:
+                await channel.close()
 
     run(body())
 

@@ -28,6 +28,10 @@ process on a free port, one variant at a time:
     one message, and passes the echo's messages back unchanged. No stage
     parses anything it does not have to, so this is the floor of a
     three-process Python gRPC pipeline on this machine.
+``h2-relay``
+    ``relay`` with every process on StageServe's own HTTP/2 gRPC server and
+    every stream on its own client (stageserve/h2grpc/), as the stack's
+    stages run by default: the floor of the stack's shape on its own parts.
 ``sync-direct``
     like ``direct`` on the synchronous ``grpc.server`` with 8 worker threads.
 ``sync-bridged``
@@ -100,12 +104,16 @@ from bench.stream_vs_unary import start_echo_server
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import model_config_pb2 as mc
 from stageserve.grpc_io import choose_grpc_io
+from stageserve.h2grpc.client import H2Channel
 from stageserve.h2grpc.server import H2GrpcServer
 from stageserve.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "id16"
-VARIANTS = ("direct", "h2-direct", "forward", "relay", "sync-direct", "sync-bridged")
+VARIANTS = ("direct", "h2-direct", "forward", "relay", "h2-relay", "sync-direct", "sync-bridged")
+#: The variants whose front forwards over a stream, and the ones with a middle process.
+FORWARDING = ("forward", "relay", "h2-relay")
+RELAYS = ("relay", "h2-relay")
 ECHO_METHOD = f"/{ECHO_SERVICE}/Stream"  # bench.stream_vs_unary's echo server
 FRAME = struct.Struct("<QI")  # request id, payload length
 START_TIMEOUT_S = 20.0
@@ -163,7 +171,9 @@ def echo_response(request: gs.ModelInferRequest, raw: bytes) -> gs.ModelInferRes
 class Forwarder:
     """One bidirectional stream to the echo process, multiplexed by request id."""
 
-    def __init__(self, channel: grpc.aio.Channel, counters: Counters, hold_s: float = 0.0) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel | H2Channel, counters: Counters, hold_s: float = 0.0
+    ) -> None:
         self._hold_s = hold_s
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._pending: dict[int, asyncio.Future[bytes]] = {}
@@ -326,9 +336,17 @@ def _bridged_handler(counters: Counters, bridge: LoopBridge) -> grpc.GenericRpcH
 # --------------------------------------------------------------------------- child processes
 
 
-async def _serve_h2(port: int) -> None:
+async def _serve_h2(port: int, backend: str | None = None) -> None:
+    """``h2-direct``, or with `backend` the front of ``h2-relay``."""
+    counters = Counters()
+    forwarder = None
+    if backend is not None:
+        channel = H2Channel(backend)
+        await asyncio.wait_for(channel.channel_ready(), START_TIMEOUT_S)
+        hold_us = float(os.environ.get(FRONT_HOLD_ENV, "0"))
+        forwarder = Forwarder(channel, counters, hold_us / 1e6)
     server = H2GrpcServer()
-    server.add_generic_rpc_handlers([_aio_handler(Counters(), None)])
+    server.add_generic_rpc_handlers([_aio_handler(counters, forwarder)])
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
@@ -349,9 +367,12 @@ async def _serve_aio(port: int, backend: str | None) -> None:
     await server.wait_for_termination()
 
 
-async def _serve_relay(port: int, backend: str) -> None:
-    """The middle of ``relay``: the front's stream messages to the echo and back, as bytes."""
-    channel = grpc.aio.insecure_channel(backend)
+async def _serve_relay(port: int, backend: str, own: bool = False) -> None:
+    """The middle of ``relay``: the front's stream messages to the echo and back,
+    as bytes; `own`: on the own HTTP/2 server and client (``h2-relay``)."""
+    channel: grpc.aio.Channel | H2Channel = (
+        H2Channel(backend) if own else grpc.aio.insecure_channel(backend)
+    )
     await asyncio.wait_for(channel.channel_ready(), START_TIMEOUT_S)
 
     async def stream(request_iterator, context) -> AsyncIterator[bytes]:
@@ -376,7 +397,7 @@ async def _serve_relay(port: int, backend: str) -> None:
         finally:
             reading.cancel()
 
-    server = grpc.aio.server()
+    server: grpc.aio.Server | H2GrpcServer = H2GrpcServer() if own else grpc.aio.server()
     handler = grpc.stream_stream_rpc_method_handler(stream)
     server.add_generic_rpc_handlers(
         [grpc.method_handlers_generic_handler(ECHO_SERVICE, {"Stream": handler})]
@@ -386,9 +407,25 @@ async def _serve_relay(port: int, backend: str) -> None:
     await server.wait_for_termination()
 
 
-async def _serve_echo(port: int) -> None:
-    server = await start_echo_server(port)
-    await server.wait_for_termination()
+async def _serve_echo(port: int, own: bool = False) -> None:
+    """The end of ``forward`` and ``relay``; `own`: on the own HTTP/2 server."""
+    if not own:
+        server = await start_echo_server(port)
+        await server.wait_for_termination()
+        return
+
+    async def stream(request_iterator, context) -> AsyncIterator[bytes]:
+        async for message in request_iterator:
+            yield message
+
+    h2 = H2GrpcServer()
+    handler = grpc.stream_stream_rpc_method_handler(stream)
+    h2.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler(ECHO_SERVICE, {"Stream": handler})]
+    )
+    h2.add_insecure_port(f"127.0.0.1:{port}")
+    await h2.start()
+    await h2.wait_for_termination()
 
 
 def _serve_sync(port: int, bridged: bool = False) -> None:
@@ -410,15 +447,15 @@ def serve(role: str, port: int, backend: str | None = None) -> None:
     (the middle process of the relay variant) or ``echo``."""
     if role in ("sync-direct", "sync-bridged"):
         _serve_sync(port, bridged=role == "sync-bridged")
-    elif role == "echo":
-        asyncio.run(_serve_echo(port))
-    elif role == "h2-direct":
-        asyncio.run(_serve_h2(port))
-    elif role == "relay-middle":
+    elif role in ("echo", "h2-echo"):
+        asyncio.run(_serve_echo(port, own=role == "h2-echo"))
+    elif role in ("h2-direct", "h2-relay"):
+        asyncio.run(_serve_h2(port, backend if role == "h2-relay" else None))
+    elif role in ("relay-middle", "h2-relay-middle"):
         assert backend is not None
-        asyncio.run(_serve_relay(port, backend))
+        asyncio.run(_serve_relay(port, backend, own=role == "h2-relay-middle"))
     else:
-        asyncio.run(_serve_aio(port, backend if role in ("forward", "relay") else None))
+        asyncio.run(_serve_aio(port, backend if role in FORWARDING else None))
 
 
 @dataclass
@@ -471,13 +508,15 @@ def start(variant: str) -> Running:
     backend_proc = middle_proc = None
     backend = None
     try:
-        if variant in ("forward", "relay"):
+        own = variant.startswith("h2-")
+        if variant in FORWARDING:
             backend = f"127.0.0.1:{free_port()}"
-            backend_proc = _spawn("echo", int(backend.rsplit(":", 1)[1]))
+            backend_proc = _spawn("h2-echo" if own else "echo", int(backend.rsplit(":", 1)[1]))
             _wait_listening(backend_proc, backend)
-        if variant == "relay":
+        if variant in RELAYS:
             middle = f"127.0.0.1:{free_port()}"
-            middle_proc = _spawn("relay-middle", int(middle.rsplit(":", 1)[1]), backend)
+            role = "h2-relay-middle" if own else "relay-middle"
+            middle_proc = _spawn(role, int(middle.rsplit(":", 1)[1]), backend)
             _wait_listening(middle_proc, middle)
             backend = middle
         url = f"127.0.0.1:{free_port()}"
@@ -624,7 +663,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="forward/relay: the front waits this long for more requests before each stream "
         "write (coalescing at the cost of latency); 0 writes at once",
     )
-    ap.add_argument("--serve", choices=[*VARIANTS, "echo", "relay-middle"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--serve",
+        choices=[*VARIANTS, "echo", "h2-echo", "relay-middle", "h2-relay-middle"],
+        help=argparse.SUPPRESS,
+    )
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)

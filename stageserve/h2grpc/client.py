@@ -392,6 +392,10 @@ class StreamCall:
             wake.set_result(None)
 
 
+def _as_is(message: Any) -> Any:
+    return message
+
+
 def _refuse(*_args: Any, **_kwargs: Any) -> Any:
     raise NotImplementedError("H2Channel carries streaming calls only")
 
@@ -473,14 +477,17 @@ class H2Channel:
     def stream_stream(
         self,
         method: str,
-        request_serializer: Callable[[Any], bytes],
-        response_deserializer: Callable[[bytes], Any],
+        request_serializer: Callable[[Any], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Any] | None = None,
         **_options: Any,
     ) -> Callable[[AsyncIterator[Any]], StreamCall]:
+        """A streaming method; without (de)serializers its messages are bytes."""
         block = self._head + wire.hpack_literal(b":path", method.encode("ascii")) + self._tail
+        serialize = request_serializer or _as_is
+        deserialize = response_deserializer or _as_is
 
         def call(requests: AsyncIterator[Any]) -> StreamCall:
-            return StreamCall(self, block, request_serializer, response_deserializer, requests)
+            return StreamCall(self, block, serialize, deserialize, requests)
 
         return call
 

@@ -30,18 +30,20 @@ def _infer(url: str, values: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("variant", ["forward", "relay", "direct", "sync-direct", "sync-bridged"])
+@pytest.mark.parametrize(
+    "variant", ["forward", "relay", "h2-relay", "direct", "sync-direct", "sync-bridged"]
+)
 def test_variant_echoes_input(variant: str) -> None:
     values = np.arange(16, dtype=np.float32).reshape(1, 16) * 0.5 - 3.0
     running = ceiling.start(variant)
     pids = [p.pid for p in (running.front, running.middle, running.backend) if p is not None]
-    assert len(pids) == {"forward": 2, "relay": 3}.get(variant, 1)
+    assert len(pids) == {"forward": 2, "relay": 3, "h2-relay": 3}.get(variant, 1)
     try:
         np.testing.assert_array_equal(_infer(running.url, values), values)
         np.testing.assert_array_equal(_infer(running.url, values + 1), values + 1)
         requests, messages, forwarded = ceiling.read_counters(running.url)
         assert requests == 2
-        if variant in ("forward", "relay"):
+        if variant in ceiling.FORWARDING:
             assert messages >= 1 and forwarded == 2
         else:
             assert (messages, forwarded) == (0, 0)

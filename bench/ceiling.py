@@ -397,6 +397,12 @@ async def _serve_relay(port: int, backend: str, own: bool = False) -> None:
         finally:
             reading.cancel()
 
+    await _serve_stream(stream, port, own)
+
+
+async def _serve_stream(stream: Callable[..., Any], port: int, own: bool) -> None:
+    """Serve `stream` as the echo service's Stream method until terminated;
+    `own`: on the own HTTP/2 server, else grpc.aio's."""
     server: grpc.aio.Server | H2GrpcServer = H2GrpcServer() if own else grpc.aio.server()
     handler = grpc.stream_stream_rpc_method_handler(stream)
     server.add_generic_rpc_handlers(
@@ -418,14 +424,7 @@ async def _serve_echo(port: int, own: bool = False) -> None:
         async for message in request_iterator:
             yield message
 
-    h2 = H2GrpcServer()
-    handler = grpc.stream_stream_rpc_method_handler(stream)
-    h2.add_generic_rpc_handlers(
-        [grpc.method_handlers_generic_handler(ECHO_SERVICE, {"Stream": handler})]
-    )
-    h2.add_insecure_port(f"127.0.0.1:{port}")
-    await h2.start()
-    await h2.wait_for_termination()
+    await _serve_stream(stream, port, own=True)
 
 
 def _serve_sync(port: int, bridged: bool = False) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import ssl
 import urllib.parse
 from collections import deque
@@ -59,6 +60,21 @@ def split_address(address: str) -> tuple[str, int]:
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def connect_failure(address: str, exc: BaseException) -> str:
+    """Why a connection attempt failed, as a status message: the system's
+    words for it, never Python's text of the exception (it can reach a client
+    in an UNAVAILABLE message)."""
+    if isinstance(exc, ssl.SSLError):
+        why = "the TLS handshake failed"
+    elif isinstance(exc, TimeoutError):
+        why = "timed out"
+    elif isinstance(exc, OSError) and exc.errno:
+        why = os.strerror(exc.errno)  # (asyncio's own strerror names the address tuple)
+    else:
+        why = "the connection failed"
+    return f"failed to connect to {address}: {why}"
 
 
 def _status_of(headers: list[tuple[bytes, bytes]] | None) -> Status:
@@ -124,7 +140,8 @@ class _ClientProtocol(asyncio.Protocol):
         self.transport = None
         if self._timer is not None:
             self._timer.cancel()
-        details = f"Socket closed: {exc}" if exc is not None else "Socket closed"
+        errno = getattr(exc, "errno", None)
+        details = os.strerror(errno) if errno else "Socket closed"  # grpc's words for it
         for call in list(self.calls.values()):
             call.finish((grpc.StatusCode.UNAVAILABLE, details))
         self._open_window()
@@ -302,7 +319,7 @@ class StreamCall:
             self.finish((grpc.StatusCode.CANCELLED, "cancelled"))
             raise
         except (OSError, ssl.SSLError) as exc:  # (TimeoutError is an OSError)
-            self.finish((grpc.StatusCode.UNAVAILABLE, f"failed to connect: {exc!r}"))
+            self.finish((grpc.StatusCode.UNAVAILABLE, connect_failure(self._channel.address, exc)))
             return
         except grpc.aio.UsageError:
             self.finish((grpc.StatusCode.CANCELLED, "the channel is closed"))

@@ -339,6 +339,8 @@ def test_a_refused_connection_fails_at_once_and_channel_ready_waits_for_the_serv
             error = await expect_error(schedule(channel, Requests()))
             assert error.code() == grpc.StatusCode.UNAVAILABLE
             assert loop.time() - begun < 0.5
+            # the system's words, not Python's text of the exception
+            assert error.details() == f"failed to connect to 127.0.0.1:{port}: Connection refused"
             # channel_ready redials until a server listens there
             ready = asyncio.ensure_future(step(channel.channel_ready()))
             await asyncio.sleep(0.3)

@@ -78,7 +78,7 @@ class _Stream:
         self.unacked = 0  # bytes received since the last stream WINDOW_UPDATE
         self.remote_open = True
         self.local_open = True
-        self.started = False  # its request headers were seen
+        self.started = False  # its first header block (request or response) was seen
 
 
 class _Connection:

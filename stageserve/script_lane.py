@@ -23,7 +23,7 @@ import asyncio
 import hashlib
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import hiredis
 import redis.asyncio as aioredis
@@ -45,8 +45,9 @@ class _Replies(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # any loop's stream transport (asyncio's or uvloop's, which is not
+        # an asyncio.Transport subclass)
+        self.transport = cast("asyncio.Transport", transport)
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)

@@ -355,6 +355,13 @@ class StackSettings:
     tensor_shm_min_bytes: int = 16384
     tensor_shm_slots: int = 512
     tensor_shm_slot_bytes: int = 65536
+    # The event loop every stage runs on (stageserve/event_loop.py): uvloop
+    # (its socket and callback handling in C) or asyncio's. Interleaved on
+    # the 2-core VM, bench.scale identity c=256: 5,863-5,943 -> 6,373-6,612
+    # infer/s, gateway 124-127 -> 112-115 us, scheduler 37-38 -> 32-35 us
+    # per inference (docs/benchmarks.md, "The stages on uvloop"). Without
+    # uvloop installed a stage warns and runs on asyncio's.
+    event_loop: str = one_of("uvloop", "asyncio")
 
 
 def from_env(cls: type[T], service: str, environ: Mapping[str, str] = os.environ) -> T:

@@ -28,7 +28,7 @@ import ssl
 import urllib.parse
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -131,8 +131,9 @@ class _ClientProtocol(asyncio.Protocol):
         return self.transport is not None and not self.going_away
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # any loop's stream transport (asyncio's or uvloop's, which is not
+        # an asyncio.Transport subclass)
+        self.transport = cast("asyncio.Transport", transport)
         self.flush()
         self._timer = self._loop.call_later(self._keepalive_s, self._keepalive)
 

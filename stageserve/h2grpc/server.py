@@ -41,7 +41,7 @@ import ssl
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import grpc
 
@@ -386,14 +386,15 @@ class _Connection(asyncio.Protocol):
         self._aging: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # any loop's stream transport (asyncio's or uvloop's, which is not
+        # an asyncio.Transport subclass)
+        self.transport = cast("asyncio.Transport", transport)
         self.peer = _peer(transport.get_extra_info("peername"))
         _keepalive(transport.get_extra_info("socket"))
         self.server._connections.add(self)
         if self.server._stopping:
             self.conn.goaway()
-        transport.write(self.conn.data_to_send())
+        self.transport.write(self.conn.data_to_send())
         age = self.server._max_age_s
         if age is not None:
             # grpc's +-10 % jitter: connections made together do not all end together

@@ -2,10 +2,11 @@
 
 What one scheduler does for each request of a stateless batch, without its
 streams: parse the gateway's message, queue the request (Queued, its batch
-key, the dynamic batcher), form the batch, build and serialize the worker's
-ExecuteRequest, parse the worker's answer, build each request's
-ScheduleResponse (BatchRun._answer) and pack and serialize the answers.
-Each step is timed apart (best of --repeats, us per request) and the whole
+key, the dynamic batcher; and once more through the model's queue, as the
+service submits a message's requests and wakes the queue), form the batch,
+build and serialize the worker's ExecuteRequest, parse the worker's answer,
+build each request's ScheduleResponse (BatchRun._answer) and pack and
+serialize the answers. Each step is timed apart (best of --repeats, us per request) and the whole
 path once more on fresh messages, where protobuf builds its wrappers on
 first access as it does in the stack. The model is bench.scale's
 `identity` (FP32 [16], max_batch_size 64, dynamic batching).
@@ -18,6 +19,7 @@ stack, which this bounds from below.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 import timeit
 from collections.abc import Callable, Sequence
@@ -25,8 +27,10 @@ from collections.abc import Callable, Sequence
 from services.scheduler.batch_run import BatchRun
 from services.scheduler.batch_strategy import Queued, QueueStrategy
 from services.scheduler.execute_request import build_execute_request
+from services.scheduler.model_queue import ModelQueue
 from stageserve.config import parse_config_text, to_spec
 from stageserve.generated import stageserve_pb2 as pb
+from stageserve.settings import SchedulerSettings
 
 CONFIG = """name: "identity" backend: "onnxruntime" max_batch_size: 64
 input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
@@ -137,9 +141,26 @@ def measure(n: int, repeats: int, number: int, shm: bool = False) -> list[tuple[
         )
         pb.ScheduleResponses(responses=answers).SerializeToString()
 
+    # The model's queue as the service drives it: each request of a message
+    # submitted without waking, then one wake (no worker: it only queues).
+    loop = asyncio.new_event_loop()
+    settings = SchedulerSettings()
+
+    async def make_queue() -> ModelQueue:
+        return ModelQueue("identity", 1, spec, None, None, settings)  # type: ignore[arg-type]
+
+    model_queue = loop.run_until_complete(make_queue())
+
+    def submitted(msgs) -> None:
+        model_queue.strategy = QueueStrategy(spec, settings.adaptive_batch_delay_us)
+        for m in msgs:
+            model_queue.submit(m, respond, wake=False)
+        model_queue.wake()
+
     steps: list[tuple[str, Callable[[], object]]] = [
         ("parse the gateway's message", lambda: pb.ScheduleBatch.FromString(incoming)),
         ("queue (Queued, batch key, batcher)", lambda: queue(msgs)),
+        ("submit to the model's queue, wake it", lambda: submitted(msgs)),
         ("queue and form the batch", lambda: formed(msgs)),
         (
             "build the ExecuteRequest",
@@ -154,10 +175,15 @@ def measure(n: int, repeats: int, number: int, shm: bool = False) -> list[tuple[
         ),
         ("whole path, fresh messages", whole),
     ]
-    return [
-        (name, min(timeit.repeat(fn, number=number, repeat=repeats)) / number / n * 1e6)
-        for name, fn in steps
-    ]
+    try:
+        return [
+            (name, min(timeit.repeat(fn, number=number, repeat=repeats)) / number / n * 1e6)
+            for name, fn in steps
+        ]
+    finally:
+        model_queue.close()
+        loop.run_until_complete(asyncio.sleep(0))  # its tasks see their cancel
+        loop.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

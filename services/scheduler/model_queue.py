@@ -166,7 +166,11 @@ class ModelQueue:
             self._traced_waiting.append(queued)
         if has_deadline:
             self._deadline_changed.set()
-        self._depth_changed()
+        if wake:
+            self._depth_changed()
+        # else wake() sets the depth, once for the message: set per request,
+        # the gauges took ~1.4 of the ~8 us a request's submit cost
+        # (`python -m bench.scheduler_work`, docs/benchmarks.md)
         if self.sequences is not None:
             self.sequences.accepted(queued)  # eligible once listed in Redis
             return
@@ -187,6 +191,7 @@ class ModelQueue:
         request at c=1 580-600 -> 559-575 us, 611-619 -> 618-631 infer/s;
         c=8 and c=64 within the noise, batches of 4.0 at c=8 either way
         (a message's requests still form one batch: wake() runs after them)."""
+        self._depth_changed()
         if self.sequences is not None:
             return  # a sequence's request is eligible once listed (accepted above)
         if self._idle_waiting and self._dispatch_at_once() and not len(self.strategy):

@@ -18,7 +18,7 @@ ALL_STEPS = "tests scale onnx scaled http work seq scaleprof profile"
 # command changes this count on purpose.
 COMMANDS = {
     "tests": 1,
-    "scale": 5,
+    "scale": 6,
     "onnx": 3,
     "scaled": 3,
     "http": 1,
@@ -96,3 +96,7 @@ def test_every_step_command_parses(tmp_path: Path) -> None:
                 assert sum(map(int, counts)) > 0, run[-2000:]  # GPU-marked tests collected
             else:
                 assert "parsed its arguments" in run, f"{step}: {command}\n{run[-2000:]}"
+    # The scale step's last run puts every stage on asyncio's loop, named in its header.
+    scale_headers = re.findall(r"^== .*$", (out / "scale.txt").read_text(), flags=re.MULTILINE)
+    loops = [h.rsplit("event loop ", 1)[1].rstrip(")") for h in scale_headers]
+    assert loops == ["uvloop"] * 5 + ["asyncio"], scale_headers

@@ -11,7 +11,9 @@ event loop's epoll, an executor thread's queue get): at c=1 those were 60-85%
 of every stage's samples, which made the shares say little. Stacks whose leaf
 is such a wait (IDLE_LEAVES) are counted apart and left out of the shares.
 A leaf `Thread.run (threading.py)` is a thread inside C code, mostly grpc's
-poller: its work and its own epoll wait look alike without ``--native``.
+poller: its work and its own epoll wait look alike without ``--native``;
+so is a leaf `Runner.run (asyncio/runners.py)` under uvloop's loop, which
+is counted as a wait (UVLOOP_LEAF).
 
 py-spy is a development tool, not a dependency: ``pip install py-spy``.
 """
@@ -59,7 +61,17 @@ IDLE_LEAVES: tuple[tuple[str, str], ...] = (
 )
 
 
+#: uvloop's loop (stageserve/event_loop.py) runs in C under asyncio's
+#: Runner.run: a leaf there is the loop inside its own code, which without
+#: ``--native`` shows its epoll wait and its socket and timer work alike.
+#: Counted as a wait: at c=64 such samples were 40-50 % of the scheduler's,
+#: the worker's and the rate limiter's, as much as their idle share.
+UVLOOP_LEAF = "Runner.run (asyncio/runners.py"
+
+
 def is_idle(frame: str) -> bool:
+    if frame.startswith(UVLOOP_LEAF):
+        return True
     function, _, where = frame.partition(" (")
     name = function.rpartition(".")[2]  # "EpollSelector.select" -> "select"
     return any(name == fn and (not file or file in where) for fn, file in IDLE_LEAVES)
@@ -90,8 +102,9 @@ def area_of(frame: str) -> str:
     return "other"
 
 
-#: a frame of the thread that runs the asyncio event loop
-_LOOP_FRAME = "run_forever (asyncio/base_events.py"
+#: a frame of the thread that runs the event loop: asyncio's run_forever, or
+#: for uvloop's loop (C, no frames of its own) the Runner above it
+_LOOP_FRAMES = ("run_forever (asyncio/base_events.py", "Runner.run (asyncio/runners.py")
 
 
 def parse_collapsed(lines: Iterable[str], stage: str) -> Profile:
@@ -116,7 +129,7 @@ def parse_collapsed(lines: Iterable[str], stage: str) -> Profile:
         samples += count
         self_frames[leaf] += count
         areas[area_of(leaf)] += count
-        if any(_LOOP_FRAME in frame for frame in frames):
+        if any(marker in frame for frame in frames for marker in _LOOP_FRAMES):
             loop += count
     return Profile(stage, samples, self_frames, areas, idle, loop)
 

@@ -48,3 +48,15 @@ def test_waits_are_idle_work_is_not():
     assert not is_idle("select_batch (services/scheduler/batcher.py:3)")
     assert not is_idle("sendmsg (libc.so.6)")
     assert not is_idle("run (asyncio/runners.py:118)")
+    assert is_idle("Runner.run (asyncio/runners.py:118)")  # uvloop's loop, in C
+
+
+def test_under_uvloop_the_runner_marks_the_loop_thread_and_its_c_leaf_is_a_wait():
+    runner = "<module> (x.py:1);run (asyncio/runners.py:190);Runner.run (asyncio/runners.py:118)"
+    raw = [
+        f"{runner} 400\n",
+        f"{runner};data_received (stageserve/h2grpc/server.py:438) 30\n",
+        "_bootstrap (threading.py:1002);run (bench/x.py:5) 10\n",
+    ]
+    profile = parse_collapsed(raw, "scheduler")
+    assert (profile.samples, profile.idle, profile.loop) == (40, 400, 30)

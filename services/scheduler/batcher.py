@@ -142,7 +142,9 @@ class Batcher:
         """Queue a request (raises QueueFull); sets its level and deadline."""
         level = self.level_of(request.priority)
         policy = self.policy(level)
-        live = self._live.setdefault(level, deque())
+        live = self._live.get(level)
+        if live is None:  # (not setdefault: it would build a deque per request)
+            live = self._live[level] = deque()
         if policy.max_queue_size and len(live) + len(self._delayed.get(level, ())) >= (
             policy.max_queue_size
         ):

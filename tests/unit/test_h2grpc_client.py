@@ -25,7 +25,8 @@ from stageserve.h2grpc import client as h2client
 from stageserve.h2grpc.client import H2Channel
 from stageserve.h2grpc.server import H2GrpcServer
 from stageserve.net import SERVER_OPTIONS, free_port, stage_server
-from stageserve.transport import StreamLink, serve_stream
+from stageserve.transport import serve_stream
+from tests.unit.scheduler_links import Broken, scheduler_link
 
 T = TypeVar("T")
 
@@ -617,29 +618,12 @@ class LinkEcho(pb_grpc.SchedulerServicer):
             yield message
 
 
-class Broken(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-
-
-def link_over(channel: H2Channel) -> StreamLink[pb.ScheduleRequest, pb.ScheduleResponse]:
-    return StreamLink(
-        name="test",
-        open_call=pb_grpc.SchedulerStub(channel).Schedule,
-        pack=lambda requests: pb.ScheduleBatch(requests=requests),
-        unpack=lambda message: message.responses,
-        on_break=Broken,
-        ready=channel.channel_ready,
-    )
-
-
 @pytest.mark.parametrize("kind", SERVERS)
 def test_a_stream_link_over_the_channel_matches_concurrent_calls_by_id(kind: str) -> None:
     async def body() -> None:
         async with serving(kind, LinkEcho()) as (_, port):
             channel = H2Channel(f"127.0.0.1:{port}")
-            link = link_over(channel)
+            link = scheduler_link(channel, ready=channel.channel_ready)
             try:
                 tags = [str(i) for i in range(200)]
                 # slow ones answered out of order: matched by id, not by position
@@ -678,7 +662,7 @@ def test_a_stream_link_fails_waiting_calls_when_the_server_goes_then_reopens(kin
     async def body() -> None:
         port = free_port()
         channel = H2Channel(f"127.0.0.1:{port}")
-        link = link_over(channel)
+        link = scheduler_link(channel, ready=channel.channel_ready)
         try:
             async with serving(kind, LinkEcho(), port) as (server, _):
                 assert (await step(link.call(pb.ScheduleRequest(request_id="up")))).message == "up"

@@ -13,14 +13,9 @@ from prometheus_client import REGISTRY
 from stageserve.generated import stageserve_pb2 as pb
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.net import free_port
-from stageserve.transport import StreamLink, _Outbox, serve_stream
+from stageserve.transport import _Outbox, serve_stream
 from stageserve.write_hold import WriteHold
-
-
-class Broken(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
+from tests.unit.scheduler_links import Broken, scheduler_link
 
 
 class Echo(pb_grpc.SchedulerServicer):
@@ -75,18 +70,6 @@ async def _server(servicer: Echo, port: int) -> grpc.aio.Server:
     return server
 
 
-def _link(channel: grpc.aio.Channel, ready=None, hold: WriteHold | None = None) -> StreamLink:
-    return StreamLink(
-        name="test",
-        open_call=pb_grpc.SchedulerStub(channel).Schedule,
-        pack=lambda requests: pb.ScheduleBatch(requests=requests),
-        unpack=lambda message: message.responses,
-        on_break=Broken,
-        ready=ready,
-        hold=hold,
-    )
-
-
 def _req(model: str, tag: str = "") -> pb.ScheduleRequest:
     return pb.ScheduleRequest(model=model, request_id=tag)
 
@@ -111,7 +94,7 @@ async def test_many_calls_in_flight_are_matched_by_id_and_packed(port):
     servicer = Echo()
     server = await _server(servicer, port)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        link = _link(channel)
+        link = scheduler_link(channel)
         tags = [str(i) for i in range(200)]
         answers = await asyncio.gather(*(link.call(_req("echo", t)) for t in tags))
         assert [a.message for a in answers] == tags
@@ -137,7 +120,7 @@ async def test_the_link_counts_the_messages_it_writes_and_the_requests_they_carr
     server = await _server(servicer, port)
     messages0, requests0 = _stream_counts("test")
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        link = _link(channel)
+        link = scheduler_link(channel)
         await asyncio.gather(*(link.call(_req("echo", str(i))) for i in range(50)))
         await link.call(_req("echo", "alone"))
         await link.close()
@@ -158,7 +141,7 @@ async def test_a_write_hold_packs_requests_that_arrive_one_by_one(port):
     server = await _server(servicer, port)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         # At most 200 ms, and (a test with few calls) whatever the mean in flight.
-        link = _link(channel, hold=WriteHold(200_000_000, min_mean_in_flight=0))
+        link = scheduler_link(channel, hold=WriteHold(200_000_000, min_mean_in_flight=0))
         # Alone on the stream, a call is written at once: answered long
         # before the 200 ms the hold could wait.
         loop = asyncio.get_running_loop()
@@ -188,7 +171,7 @@ async def test_a_sent_request_reaches_the_handler_in_order_and_waits_for_nothing
     servicer = Echo(concurrent=False)
     server = await _server(servicer, port)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        link = _link(channel)
+        link = scheduler_link(channel)
         await link.send(_req("never", "sent"))  # no answer is ever awaited
         assert link.in_flight == 0
         answer = await link.call(_req("echo", "called"))
@@ -202,7 +185,7 @@ async def test_a_sent_request_reaches_the_handler_in_order_and_waits_for_nothing
 async def test_decoupled_parts_reach_on_more_before_the_final_response(port):
     server = await _server(Echo(), port)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        link = _link(channel)
+        link = scheduler_link(channel)
         parts: list[str] = []
         final = await link.call(_req("parts", "last"), on_more=lambda r: parts.append(r.message))
         assert parts == ["1", "2"]
@@ -215,7 +198,7 @@ async def test_decoupled_parts_reach_on_more_before_the_final_response(port):
 async def test_a_raising_on_more_callback_fails_its_call_only(port):
     server = await _server(Echo(), port)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        link = _link(channel)
+        link = scheduler_link(channel)
 
         def raising(_resp) -> None:
             raise KeyError("callback bug")
@@ -232,7 +215,7 @@ async def test_a_raising_on_more_callback_fails_its_call_only(port):
 async def test_a_raising_handler_is_answered_and_the_stream_goes_on(port):
     server = await _server(Echo(), port)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        link = _link(channel)
+        link = scheduler_link(channel)
         failed, ok = await asyncio.gather(link.call(_req("boom")), link.call(_req("echo", "x")))
         assert failed.failure == pb.STAGE_FAULT and failed.message == "failed: ValueError"
         assert "secret" not in failed.message
@@ -247,7 +230,7 @@ async def test_on_message_end_runs_once_per_message_after_all_its_handlers(port)
     servicer = Echo(concurrent=False)
     server = await _server(servicer, port)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        link = _link(channel)
+        link = scheduler_link(channel)
         await link.call(_req("echo", "first"))  # a message of one
         # Queued in one turn: one message of three, one of whose handlers raises.
         answers = await asyncio.gather(
@@ -264,7 +247,7 @@ async def test_on_message_end_runs_once_per_message_after_all_its_handlers(port)
 async def test_concurrent_handlers_answer_as_they_finish(port):
     server = await _server(Echo(concurrent=True), port)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        link = _link(channel)
+        link = scheduler_link(channel)
         order: list[str] = []
 
         async def call(model: str, tag: str) -> None:
@@ -282,7 +265,7 @@ async def test_sequential_handlers_run_in_arrival_order(port):
     servicer = Echo(concurrent=False)
     server = await _server(servicer, port)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        link = _link(channel)
+        link = scheduler_link(channel)
         tags = [f"{model}{i}" for i, model in enumerate(["slow", "echo", "slow", "echo"])]
         await asyncio.gather(*(link.call(_req(t[:-1], t)) for t in tags))
         assert servicer.handled == tags
@@ -294,7 +277,7 @@ async def test_sequential_handlers_run_in_arrival_order(port):
 async def test_timeout_fails_the_call_with_the_given_error(port):
     server = await _server(Echo(), port)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        link = _link(channel)
+        link = scheduler_link(channel)
         with pytest.raises(Broken) as caught:
             await link.call(
                 _req("never"),
@@ -313,7 +296,7 @@ async def test_timeout_fails_the_call_with_the_given_error(port):
 async def test_a_broken_stream_fails_every_waiting_call_then_reopens(port):
     server = await _server(Echo(), port)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        link = _link(channel)
+        link = scheduler_link(channel)
         assert (await link.call(_req("echo", "a"))).message == "a"
         waiting = [asyncio.ensure_future(link.call(_req("never"))) for _ in range(5)]
         await asyncio.sleep(0.05)
@@ -348,7 +331,7 @@ async def test_callers_waiting_for_one_failed_open_share_its_error(port):
         raise Broken(grpc.StatusCode.UNAVAILABLE, "unreachable")
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        link = _link(channel, ready=never_ready)
+        link = scheduler_link(channel, ready=never_ready)
         results = await asyncio.gather(
             *(link.call(_req("echo")) for _ in range(10)), return_exceptions=True
         )
@@ -378,7 +361,7 @@ async def test_outbox_hands_over_everything_queued_then_ends_when_closed() -> No
 async def test_a_down_peer_is_logged_once_not_once_per_call(port, caplog):
     server = await _server(Echo(), port)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        link = _link(channel)
+        link = scheduler_link(channel)
         assert (await link.call(_req("echo", "a"))).message == "a"
         await server.stop(None)
         with caplog.at_level(logging.WARNING, logger="stageserve.transport"):

@@ -101,12 +101,14 @@ from bench.perf_analyzer import (
 from bench.references import stop_process
 from bench.stream_vs_unary import SERVICE as ECHO_SERVICE
 from bench.stream_vs_unary import start_echo_server
+from stageserve import event_loop
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import model_config_pb2 as mc
 from stageserve.grpc_io import choose_grpc_io
 from stageserve.h2grpc.client import H2Channel
 from stageserve.h2grpc.server import H2GrpcServer
 from stageserve.net import free_port
+from stageserve.settings import StackSettings, from_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "id16"
@@ -120,24 +122,41 @@ START_TIMEOUT_S = 20.0
 #: How long the front of forward/relay holds a stream write for more requests
 #: (--front-hold-us, passed to the child processes through their environment).
 FRONT_HOLD_ENV = "STAGESERVE_CEILING_FRONT_HOLD_US"
+#: FP32 elements of the model's input and output (--elements): 16 by default,
+#: 12,288 for the 49,152 bytes of issue 26's per-stage target.
+ELEMENTS_ENV = "STAGESERVE_CEILING_ELEMENTS"
+DEFAULT_ELEMENTS = 16
 STOP_TIMEOUT_S = 5.0
 
 # --------------------------------------------------------------------------- protocol
 
-CONFIG = mc.ModelConfig(
-    name=MODEL,
-    max_batch_size=64,
-    input=[mc.ModelInput(name="INPUT0", data_type=mc.TYPE_FP32, dims=[16])],
-    output=[mc.ModelOutput(name="OUTPUT0", data_type=mc.TYPE_FP32, dims=[16])],
-)
+
+def elements() -> int:
+    """The model's elements per request ([N] FP32): --elements, passed to the child
+    processes through their environment."""
+    return int(os.environ.get(ELEMENTS_ENV, DEFAULT_ELEMENTS))
+
+
+def config(n: int) -> mc.ModelConfig:
+    return mc.ModelConfig(
+        name=MODEL,
+        max_batch_size=64,
+        input=[mc.ModelInput(name="INPUT0", data_type=mc.TYPE_FP32, dims=[n])],
+        output=[mc.ModelOutput(name="OUTPUT0", data_type=mc.TYPE_FP32, dims=[n])],
+    )
+
+
 _Tensor = gs.ModelMetadataResponse.TensorMetadata
-METADATA = gs.ModelMetadataResponse(
-    name=MODEL,
-    versions=["1"],
-    platform="bench",
-    inputs=[_Tensor(name="INPUT0", datatype="FP32", shape=[-1, 16])],
-    outputs=[_Tensor(name="OUTPUT0", datatype="FP32", shape=[-1, 16])],
-)
+
+
+def metadata(n: int) -> gs.ModelMetadataResponse:
+    return gs.ModelMetadataResponse(
+        name=MODEL,
+        versions=["1"],
+        platform="bench",
+        inputs=[_Tensor(name="INPUT0", datatype="FP32", shape=[-1, n])],
+        outputs=[_Tensor(name="OUTPUT0", datatype="FP32", shape=[-1, n])],
+    )
 
 
 class Counters:
@@ -219,6 +238,7 @@ Methods = dict[str, tuple[type[Message], Callable[..., Any]]]
 
 def _answers(counters: Counters) -> Methods:
     """What perf_analyzer calls besides ModelInfer: method -> (request type, answer)."""
+    model_config, model_metadata = config(elements()), metadata(elements())
     return {
         "ServerLive": (gs.ServerLiveRequest, lambda r: gs.ServerLiveResponse(live=True)),
         "ServerReady": (gs.ServerReadyRequest, lambda r: gs.ServerReadyResponse(ready=True)),
@@ -227,8 +247,11 @@ def _answers(counters: Counters) -> Methods:
             lambda r: gs.ModelReadyResponse(ready=r.name == MODEL),
         ),
         "ServerMetadata": (gs.ServerMetadataRequest, lambda r: counters.metadata()),
-        "ModelMetadata": (gs.ModelMetadataRequest, lambda r: METADATA),
-        "ModelConfig": (gs.ModelConfigRequest, lambda r: gs.ModelConfigResponse(config=CONFIG)),
+        "ModelMetadata": (gs.ModelMetadataRequest, lambda r: model_metadata),
+        "ModelConfig": (
+            gs.ModelConfigRequest,
+            lambda r: gs.ModelConfigResponse(config=model_config),
+        ),
     }
 
 
@@ -443,18 +466,21 @@ def _serve_sync(port: int, bridged: bool = False) -> None:
 def serve(role: str, port: int, backend: str | None = None) -> None:
     """Child-process entry: ``direct``/``forward`` (aio front), ``sync-direct``,
     ``sync-bridged``, ``relay``
-    (the middle process of the relay variant) or ``echo``."""
+    (the middle process of the relay variant) or ``echo``. The asyncio roles
+    run on the event loop the stack's stages run on (StackSettings.event_loop,
+    uvloop by default): like with like."""
+    loop = from_env(StackSettings, "stack").event_loop
     if role in ("sync-direct", "sync-bridged"):
         _serve_sync(port, bridged=role == "sync-bridged")
     elif role in ("echo", "h2-echo"):
-        asyncio.run(_serve_echo(port, own=role == "h2-echo"))
+        event_loop.run(_serve_echo(port, own=role == "h2-echo"), loop)
     elif role in ("h2-direct", "h2-relay"):
-        asyncio.run(_serve_h2(port, backend if role == "h2-relay" else None))
+        event_loop.run(_serve_h2(port, backend if role == "h2-relay" else None), loop)
     elif role in ("relay-middle", "h2-relay-middle"):
         assert backend is not None
-        asyncio.run(_serve_relay(port, backend, own=role == "h2-relay-middle"))
+        event_loop.run(_serve_relay(port, backend, own=role == "h2-relay-middle"), loop)
     else:
-        asyncio.run(_serve_aio(port, backend if role in FORWARDING else None))
+        event_loop.run(_serve_aio(port, backend if role in FORWARDING else None), loop)
 
 
 @dataclass
@@ -663,6 +689,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "write (coalescing at the cost of latency); 0 writes at once",
     )
     ap.add_argument(
+        "--elements",
+        type=int,
+        default=DEFAULT_ELEMENTS,
+        help="FP32 elements per request's input and output (12288: the 49,152 bytes of "
+        "bench.scale's identity_49k)",
+    )
+    ap.add_argument(
         "--serve",
         choices=[*VARIANTS, "echo", "h2-echo", "relay-middle", "h2-relay-middle"],
         help=argparse.SUPPRESS,
@@ -674,6 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         serve(ns.serve, ns.port, ns.backend)
         return 0
     os.environ[FRONT_HOLD_ENV] = str(ns.front_hold_us)
+    os.environ[ELEMENTS_ENV] = str(ns.elements)
     rows: list[Row] = []
     for variant in ns.variants:
         running = start(variant)

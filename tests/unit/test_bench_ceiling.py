@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -51,6 +52,35 @@ def test_variant_echoes_input(variant: str) -> None:
         ceiling.stop(running)
     for pid in pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def _maps_uvloop(pid: int) -> bool:
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return any("/uvloop/loop." in line for line in maps.splitlines())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_elements_size_the_model_and_the_loop_is_the_stacks(
+    loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--elements sizes the model the servers announce and echo (49,152 bytes
+    here); the asyncio servers run on the loop the stack's stages would."""
+    monkeypatch.setenv(ceiling.ELEMENTS_ENV, "12288")
+    monkeypatch.setenv("STAGESERVE_STACK_EVENT_LOOP", loop)
+    values = np.random.default_rng(7).standard_normal((1, 12288)).astype(np.float32)
+    running = ceiling.start("h2-direct")
+    try:
+        np.testing.assert_array_equal(_infer(running.url, values), values)
+        client = triton.InferenceServerClient(running.url)
+        try:
+            config = client.get_model_config(ceiling.MODEL).config
+        finally:
+            client.close()
+        assert list(config.input[0].dims) == [12288]
+        assert _maps_uvloop(running.front.pid) == (loop == "uvloop")
+    finally:
+        ceiling.stop(running)
 
 
 def test_loop_bridge_answers_every_thread_and_passes_errors() -> None:

@@ -19,6 +19,7 @@ below.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import timeit
 from collections.abc import Callable, Sequence
@@ -64,6 +65,19 @@ HEADERS = {
     "content-type": "application/grpc",
     "te": "trailers",
 }
+
+
+class _Discard(asyncio.WriteTransport):
+    """Where the frames go: taken as a socket's transport takes them, then dropped."""
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        pass
+
+    def writelines(self, list_of_data: object) -> None:
+        pass
+
+
+_DISCARD = _Discard()
 
 
 def _request_frames(headers: bytes, message: bytes, sid: int) -> bytes:
@@ -116,18 +130,20 @@ def _steps(
         connection.receive(_request_frames(later, wire_request, sid[0]))
         return sid[0]
 
-    def call_out(stream: int, answer_bytes: bytes) -> bytes:
-        """The answer's frames out (after the client's WINDOW_UPDATE for them)."""
-        refill = (len(answer_bytes) + 5).to_bytes(4, "big")
+    def call_out(stream: int, answer: bytes | wire.MessageParts) -> None:
+        """The answer's frames out (after the client's WINDOW_UPDATE for them),
+        handed to a transport as the server hands them."""
+        size = answer.byte_size() if isinstance(answer, wire.MessageParts) else len(answer)
+        refill = (size + 5).to_bytes(4, "big")
         connection.receive(wire.frame(wire.WINDOW_UPDATE, 0, 0, refill))
-        connection.send_message(stream, answer_bytes)
+        connection.send_message(stream, answer)
         connection.reset(stream)
-        return connection.data_to_send()
+        connection.write_to(_DISCARD)
 
-    def frames() -> object:
+    def frames() -> None:
         stream = call_in()
         connection.reset(stream)
-        return connection.data_to_send()
+        connection.write_to(_DISCARD)
 
     answer_message = gs.ModelInferResponse(model_name=model, model_version="1", id="1")
     answer_message.outputs.add(name="OUTPUT0", datatype="FP32", shape=[1, *spec.outputs[0].dims])
@@ -179,15 +195,15 @@ def _steps(
         return pb.ScheduleResponse.FromString(resp.SerializeToString())
 
     def take() -> None:
-        take_outputs(answer().outputs)
+        take_outputs(answer().outputs, keep_raw=False)
 
-    def respond() -> bytes:
+    def respond() -> wire.MessageParts:
         resp = answer()
-        taken = take_outputs(resp.outputs)
+        taken = take_outputs(resp.outputs, keep_raw=False)
         out, _ = _response(model, 1, "1", resp.outputs, {}, validated, taken)
-        return out.SerializeToString()
+        return out.parts()
 
-    def whole() -> bytes:
+    def whole() -> None:
         stream = call_in()
         req = gs.ModelInferRequest.FromString(wire_request)
         staged: list[pb.TensorPart] = []
@@ -196,10 +212,10 @@ def _steps(
         msg.shm_host, msg.shm_pid = gateway.host, gateway.pid
         pb.ScheduleBatch(requests=[msg]).SerializeToString()
         resp = answer()
-        taken = take_outputs(resp.outputs)
+        taken = take_outputs(resp.outputs, keep_raw=False)
         out, _ = _response(model, 1, req.id, resp.outputs, {}, checked, taken)
         gateway.release(staged)
-        return call_out(stream, out.SerializeToString())
+        call_out(stream, out.parts())
 
     steps: list[tuple[str, Callable[[], object]]] = [
         ("HTTP/2 frames in (the front)", frames),

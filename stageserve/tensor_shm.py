@@ -215,10 +215,12 @@ def release_outputs(resp: pb.ScheduleResponse) -> None:
         _free_parts(t)
 
 
-def take_outputs(tensors: Iterable[pb.Tensor]) -> list[bytes | None]:
-    """Copy each output held in a worker's region into `raw` and free its
-    slots; the bytes copied, per tensor in order (None: it was inline), for a
-    caller that would read `raw` again (each read of a bytes field copies it).
+def take_outputs(tensors: Iterable[pb.Tensor], keep_raw: bool = True) -> list[bytes | None]:
+    """Copy each output held in a worker's region out and free its slots; the
+    bytes copied, per tensor in order (None: it was inline). `keep_raw`: also
+    into the tensor's `raw`, for a caller that reads the tensors again (a
+    cache insert, a trace, a write into a client's region); without it the
+    tensor keeps no bytes and one 49 KB copy into protobuf is saved.
     StageError (unavailable) when the worker reclaimed an extent before it
     was copied (its answer took past SHM_LOST_AFTER_S to arrive): those bytes
     may be another answer's; the other extents are freed."""
@@ -237,7 +239,8 @@ def take_outputs(tensors: Iterable[pb.Tensor]) -> list[bytes | None]:
             )
         _free_parts(t)
         del t.parts[:]
-        t.raw = raw
+        if keep_raw:
+            t.raw = raw
         taken.append(raw)
     return taken
 

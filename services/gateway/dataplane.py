@@ -21,6 +21,7 @@ from typing import TypeVar
 from services.gateway import cuda_inplace, shm_copies
 from services.gateway.cache_metrics import CacheMetrics
 from services.gateway.header_forward import HeaderForward
+from services.gateway.infer_answer import InferAnswer
 from services.gateway.log_control import LogControl
 from services.gateway.model_lifecycle import ModelLifecycle
 from services.gateway.model_table import ModelTable
@@ -202,7 +203,22 @@ class DataPlane:
         stream: DecoupledStream | None = None,
         traceparent: str = "",
     ) -> gs.ModelInferResponse:
-        """`raw_contents` stands for request.raw_input_contents (validation.py).
+        """infer_answer's answer as one message."""
+        answer = await self.infer_answer(
+            request, raw_contents, stream=stream, traceparent=traceparent
+        )
+        return answer.message()
+
+    async def infer_answer(
+        self,
+        request: gs.ModelInferRequest,
+        raw_contents: Sequence[bytes] | None = None,
+        *,
+        stream: DecoupledStream | None = None,
+        traceparent: str = "",
+    ) -> InferAnswer:
+        """The answer, its raw outputs apart (infer_answer.py).
+        `raw_contents` stands for request.raw_input_contents (validation.py).
 
         A decoupled model needs `stream` (decoupled_stream()): its earlier
         responses go there and this returns the final one (see stream.last());
@@ -297,7 +313,11 @@ class DataPlane:
                     scheduled_request,
                     on_more=stream_partials(stream, entry.name, version, request.id),
                 )
-            taken = take_outputs(resp.outputs)
+            # the tensors' own bytes only for what reads them again: a cache
+            # insert, a trace, a write into a client's region
+            taken = take_outputs(
+                resp.outputs, keep_raw=bool(held) or cache_key is not None or trace is not None
+            )
             if in_place is not None and not resp.failure:
                 cuda_inplace.count(scheduled_request, resp.outputs)
             if stream is not None:
@@ -616,20 +636,21 @@ def _response(
     held: dict[str, Region],
     validated: ValidatedRequest,
     taken: Sequence[bytes | None] = (),
-) -> tuple[gs.ModelInferResponse, list[OutputWrite]]:
-    """The response, and the outputs to write into their regions, in order (as
+) -> tuple[InferAnswer, list[OutputWrite]]:
+    """The answer, and the outputs to write into their regions, in order (as
     Triton: the bytes go to the region, the response's entry stays empty).
     `taken`: take_outputs' bytes of the outputs it copied out of shared memory
     (their `raw` not read again: a 49 KB copy less)."""
     out = gs.ModelInferResponse(model_name=model, model_version=str(version), id=request_id)
+    raws: list[bytes] = []
     writes = []
     for i, t in enumerate(outputs):
         out.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
         if t.name in held:
-            out.raw_output_contents.append(b"")
+            raws.append(b"")
             if not t.device_written:  # else the worker wrote the region itself
                 writes.append(OutputWrite(held[t.name], validated.shared_outputs[t.name], t))
             continue
         raw = taken[i] if i < len(taken) else None
-        out.raw_output_contents.append(t.raw if raw is None else raw)
-    return out, writes
+        raws.append(t.raw if raw is None else raw)
+    return InferAnswer(out, raws), writes

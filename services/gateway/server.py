@@ -20,12 +20,11 @@ from services.gateway.poller import RepositoryPoller
 from services.gateway.queue_metrics import PendingGauge
 from services.gateway.republish import Republisher
 from services.gateway.security import RestrictedProtocols, server_credentials, ssl_context
-from services.gateway.service import InferenceService
+from services.gateway.service import INFERENCE_SERVICE, add_inference_service
 from services.gateway.startup import StartupLoadFailed, report, startup_failures
 from services.gateway.tensor_transport import tensor_transport
 from services.gateway.trace_settings import TraceSettings
 from stageserve import tensor_shm
-from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
 from stageserve.generated import stageserve_pb2_grpc as pb_grpc
 from stageserve.h2grpc.server import H2GrpcServer
 from stageserve.model_state import ModelStateStore
@@ -44,7 +43,6 @@ log = logging.getLogger(__name__)
 
 # The methods whose answers Triton's --grpc-infer-response-compression-level
 # compresses (Triton 2.51, tests/integration/test_grpc_response_compression.py).
-INFERENCE_SERVICE = "inference.GRPCInferenceService"
 INFER_METHODS = ("ModelInfer", "ModelStreamInfer")
 
 
@@ -134,7 +132,7 @@ async def serve(
                 extra={"flag": "--grpc-infer-response-compression-level (grpcio's front)"},
             )
         server = grpc.aio.server(options=options, interceptors=interceptors)
-    gs_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(dataplane), server)
+    add_inference_service(dataplane, server)
     if metrics_port:
         pending = PendingGauge(models, link, asyncio.get_running_loop())
 

@@ -26,11 +26,13 @@ import grpc
 
 from services.gateway.dataplane import DataPlane
 from services.gateway.header_forward import grpc_headers
+from services.gateway.infer_answer import InferAnswer
 from services.gateway.log_control import grpc_log_settings
 from services.gateway.python_models import mark_final
 from stageserve.errors import StageError
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import grpc_service_pb2_grpc as gs_grpc
+from stageserve.h2grpc.server import H2GrpcServer
 from stageserve.telemetry import GATEWAY_RPC_DURATION
 from stageserve.transport import serve_stream
 
@@ -101,9 +103,15 @@ def grpc_errors(handler: Handler) -> Handler:
     return wrapped
 
 
+INFERENCE_SERVICE = "inference.GRPCInferenceService"
+
+
 class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, dataplane: DataPlane) -> None:
+    def __init__(self, dataplane: DataPlane, answer_parts: bool = False) -> None:
+        """`answer_parts`: ModelInfer answers an InferAnswer, for a server
+        that writes it as parts (add_inference_service)."""
         self.dataplane = dataplane
+        self._answer_parts = answer_parts
         self._rpc_timers: dict[str, object] = {}
 
     # ------------------------------------------------------------ health/meta
@@ -139,7 +147,9 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
     # ------------------------------------------------------------------ infer
 
     @grpc_errors
-    async def ModelInfer(self, request: gs.ModelInferRequest, context) -> gs.ModelInferResponse:
+    async def ModelInfer(
+        self, request: gs.ModelInferRequest, context
+    ) -> gs.ModelInferResponse | InferAnswer:
         start = time.perf_counter()
         code = "INTERNAL"
         try:
@@ -148,9 +158,9 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
                 traceparent = _traceparent(context)
             if (forward := self.dataplane.grpc_forward) is not None:
                 forward.apply(request, grpc_headers(context.invocation_metadata() or ()))
-            response = await self.dataplane.infer(request, traceparent=traceparent)
+            answer = await self.dataplane.infer_answer(request, traceparent=traceparent)
             code = "OK"
-            return response
+            return answer if self._answer_parts else answer.message()
         except StageError as err:
             code = err.code.name
             raise
@@ -301,3 +311,19 @@ def _stream_error(request: gs.ModelInferRequest, message: str) -> gs.ModelStream
             model_name=request.model_name, model_version=request.model_version, id=request.id
         ),
     )
+
+
+def add_inference_service(dataplane: DataPlane, server: grpc.aio.Server | H2GrpcServer) -> None:
+    """Triton's GRPCInferenceService on `server`. On the own HTTP/2 server
+    ModelInfer's answer goes out as parts (infer_answer.py): its handler is
+    registered again with that serializer, in place of the generated one."""
+    own = isinstance(server, H2GrpcServer)
+    service = InferenceService(dataplane, answer_parts=own)
+    gs_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
+    if own:
+        infer = grpc.unary_unary_rpc_method_handler(
+            service.ModelInfer,
+            request_deserializer=gs.ModelInferRequest.FromString,
+            response_serializer=InferAnswer.parts,
+        )
+        server.add_registered_method_handlers(INFERENCE_SERVICE, {"ModelInfer": infer})

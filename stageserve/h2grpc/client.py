@@ -197,7 +197,7 @@ class _ClientProtocol(asyncio.Protocol):
 
     def flush(self) -> None:
         if self.transport is not None and self.conn.has_output():
-            self.transport.write(self.conn.data_to_send())
+            self.conn.write_to(self.transport)
 
     def forget(self, sid: int, rst: int | None) -> None:
         """A call is over: its stream is reset with `rst` while the server has

@@ -21,6 +21,7 @@ arrives, so a peer is never held back by this side's reading.
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from typing import Any, TypeVar, cast
 
@@ -47,6 +48,8 @@ MAX_REMEMBERED_BLOCKS = 64
 #: whole, so HPACK's table stays in step, and a header list over grpc's
 #: hard limit (server.py, METADATA_HARD_LIMIT) fails only its own call.
 MAX_HEADER_LIST = 1024 * 1024
+#: A message this large goes out as its pieces (write_to), not joined.
+LARGE_MESSAGE = 16 * 1024
 
 
 class ProtocolError(Exception):
@@ -88,6 +91,7 @@ class _Connection:
         """`preface_in`: the peer starts with the client preface (this is the server)."""
         self._in = bytearray()
         self._out: list[bytes | memoryview] = []
+        self._out_large = False  # a message of LARGE_MESSAGE bytes or more is queued
         self._preface_seen = not preface_in
         self._decoder = hpack.Decoder()
         self._decoder.max_header_list_size = MAX_HEADER_LIST
@@ -126,7 +130,23 @@ class _Connection:
             return b""
         out = b"".join(self._out)
         self._out.clear()
+        self._out_large = False
         return out
+
+    def write_to(self, transport: asyncio.WriteTransport) -> None:
+        """What is queued, to `transport`: joined into one write, or, when it
+        carries a large message, as its pieces (writelines): uvloop sends
+        those with one writev, without the copy a join makes. Many small
+        pieces cost more that way than joined (a 90-piece flush: 5.3 against
+        2.9 us), so only a large message takes it."""
+        if not self._out:
+            return
+        if self._out_large:
+            transport.writelines(self._out)
+            self._out = []
+            self._out_large = False
+        else:
+            transport.write(self.data_to_send())
 
     def has_output(self) -> bool:
         return bool(self._out)
@@ -153,30 +173,43 @@ class _Connection:
         if end_stream:
             self._maybe_close(stream)
 
-    def send_message(self, sid: int, message: bytes, compressed: bool = False) -> None:
+    def send_message(
+        self, sid: int, message: bytes | wire.MessageParts, compressed: bool = False
+    ) -> None:
         """One gRPC message as DATA, within the flow-control windows
         (`compressed`: its bytes are, with the stream's grpc-encoding)."""
         stream = self._streams.get(sid)
         if stream is None or not stream.local_open:
             return
-        prefix = (b"\x01" if compressed else b"\x00") + len(message).to_bytes(4, "big")
-        total = len(message) + 5
+        if isinstance(message, wire.MessageParts):
+            parts: wire.MessageParts | None = message
+            whole = b""
+            size = message.byte_size()
+        else:
+            parts, whole, size = None, message, len(message)
+        prefix = (b"\x01" if compressed else b"\x00") + size.to_bytes(4, "big")
+        total = size + 5
+        if size >= LARGE_MESSAGE:
+            self._out_large = True
         if not stream.pending and total <= self._send_window and total <= stream.send_window:
             # within the windows: frames of the message's own bytes, not copied here
             limit = self._peer_max_frame
             out = self._out
-            if total <= limit:
-                out += (wire.frame_header(total, wire.DATA, 0, sid), prefix, message)
+            if parts is not None:
+                out += _frames_of(prefix, parts, total, limit, sid)
+            elif total <= limit:
+                out += (wire.frame_header(total, wire.DATA, 0, sid), prefix, whole)
             else:  # gRPC clients take frames of 16 KiB: a 49 KB answer is four
-                view = memoryview(message)
+                view = memoryview(whole)
                 out += (wire.frame_header(limit, wire.DATA, 0, sid), prefix, view[: limit - 5])
-                for at in range(limit - 5, len(message), limit):
+                for at in range(limit - 5, size, limit):
                     piece = view[at : at + limit]
                     out += (wire.frame_header(len(piece), wire.DATA, 0, sid), piece)
             self._send_window -= total
             stream.send_window -= total
             return
-        payload = memoryview(prefix + message)  # sliced into frames without copies
+        # sliced into frames without copies
+        payload = memoryview(prefix + (whole if parts is None else b"".join(parts)))
         if stream.pending:
             stream.pending.append((payload, True, False))
         else:
@@ -586,6 +619,28 @@ def _all_indexed(block: bytes) -> bool:
                 at += 1
             at += 1
     return True
+
+
+def _frames_of(
+    prefix: bytes, parts: wire.MessageParts, total: int, limit: int, sid: int
+) -> list[bytes | memoryview]:
+    """DATA frames of at most `limit` bytes over the gRPC prefix and the
+    message's parts in order: each a frame header, then slices of the parts."""
+    out: list[bytes | memoryview] = [wire.frame_header(min(total, limit), wire.DATA, 0, sid)]
+    room, left = limit, total
+    for part in (prefix, *parts):
+        view = part if len(part) <= room else memoryview(part)
+        at = 0
+        while at < len(view):
+            if not room:
+                left -= limit
+                out.append(wire.frame_header(min(left, limit), wire.DATA, 0, sid))
+                room = limit
+            piece = view[at : at + room] if at or len(view) > room else view
+            out.append(piece)
+            at += len(piece)
+            room -= len(piece)
+    return out
 
 
 def _setting(key: int, value: int) -> bytes:

@@ -253,16 +253,20 @@ class _Call:
         self._send_data(data)
         self.connection.flush_soon()
 
-    def _send_data(self, data: bytes) -> None:
+    def _send_data(self, data: bytes | wire.MessageParts) -> None:
         if self.compression is not None:
-            packed = wire.compress(self.compression, data)
+            whole = b"".join(data) if isinstance(data, wire.MessageParts) else data
+            packed = wire.compress(self.compression, whole)
             if packed is not None:
                 self.connection.conn.send_message(self.sid, packed, compressed=True)
                 return
         self.connection.conn.send_message(self.sid, data)
 
     def finish(
-        self, code: grpc.StatusCode, message: str = "", response: bytes | None = None
+        self,
+        code: grpc.StatusCode,
+        message: str = "",
+        response: bytes | wire.MessageParts | None = None,
     ) -> None:
         """The call's last frames: the response (if any) and its status."""
         if self.finished:
@@ -291,7 +295,11 @@ class _Call:
                 log.exception("a call's done callback failed", extra={"method": self.method})
 
     def _send_end(
-        self, code: int, message: str, trailing: Metadata, response: bytes | None
+        self,
+        code: int,
+        message: str,
+        trailing: Metadata,
+        response: bytes | wire.MessageParts | None,
     ) -> None:
         conn = self.connection.conn
         block = (
@@ -307,9 +315,12 @@ class _Call:
             self.headers_sent = True
             conn.send_headers(self.sid, self._response_headers())
         if response is not None:
-            if not isinstance(response, bytes | bytearray | memoryview):
+            if isinstance(response, wire.MessageParts):
+                self._send_data(response)
+            elif isinstance(response, bytes | bytearray | memoryview):
+                self._send_data(bytes(response))
+            else:
                 raise TypeError(f"the answer is {type(response).__name__}, not bytes")
-            self._send_data(bytes(response))
         conn.send_headers(self.sid, block, end_stream=True)
 
     # -- input ----------------------------------------------------------------
@@ -472,7 +483,7 @@ class _Connection(asyncio.Protocol):
     def flush(self) -> None:
         self._flush_pending = False
         if self.transport is not None and self.conn.has_output():
-            self.transport.write(self.conn.data_to_send())
+            self.conn.write_to(self.transport)
             if self.closing and not self.calls:
                 self.transport.close()
 

@@ -40,6 +40,17 @@ DEFAULT_MAX_FRAME = 16_384
 MAX_WINDOW = 2**31 - 1
 
 
+class MessageParts(tuple):
+    """One gRPC message as several buffers, in order: a serializer's answer
+    whose large pieces (a tensor's bytes) go into DATA frames as they are,
+    never joined into one message in Python."""
+
+    __slots__ = ()
+
+    def byte_size(self) -> int:
+        return sum(len(part) for part in self)
+
+
 def frame_header(length: int, kind: int, flags: int, stream_id: int) -> bytes:
     return bytes(
         (length >> 16 & 0xFF, length >> 8 & 0xFF, length & 0xFF, kind, flags)

@@ -725,6 +725,43 @@ def test_large_streamed_responses() -> None:
     run(body())
 
 
+@pytest.mark.parametrize("compressed", [False, True])
+def test_an_answer_in_parts_arrives_as_the_parts_joined(compressed: bool) -> None:
+    """A serializer's MessageParts go out as one message: empty, small, across
+    the 16 KiB frames grpc's client takes (pieces larger and smaller than a
+    frame, a piece ending on a frame's edge), and past the windows (8 MiB,
+    the parts joined for the frames waiting there); with the call's answers
+    compressed (gzip) too."""
+    edge = wire.DEFAULT_MAX_FRAME - 5
+    answers = {
+        b"empty": [b""],
+        b"small": [b"a", b"", b"bc"],
+        b"edge": [os.urandom(edge), os.urandom(3)],
+        b"mixed": [os.urandom(20), os.urandom(49152), b"\x32\x80\x80\x03", os.urandom(49152)],
+        b"large": [os.urandom(3 << 20), os.urandom(5 << 20)],
+    }
+
+    async def parts(request: bytes, context: Any) -> wire.MessageParts:
+        return wire.MessageParts(answers[request])
+
+    async def body() -> None:
+        level = {path("Parts"): "high"} if compressed else {}
+        server = H2GrpcServer(compression=level)
+        server.add_generic_rpc_handlers([service(Parts=unary(parts))])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with channel(f"127.0.0.1:{port}") as ch:
+                call = ch.unary_unary(path("Parts"))
+                got = await asyncio.gather(*(call(k, timeout=CALL_TIMEOUT) for k in answers))
+                for key, answer in zip(answers, got, strict=True):
+                    assert answer == b"".join(answers[key]), key
+        finally:
+            await asyncio.wait_for(server.stop(0), 5)
+
+    run(body())
+
+
 # -- 10. request compression ----------------------------------------------------------
 
 

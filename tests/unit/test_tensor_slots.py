@@ -155,6 +155,14 @@ def test_inputs_and_outputs_round_trip_through_regions() -> None:
         take_outputs(near.outputs)
         assert near.outputs[0].raw == b"\x01" * 300 and not near.outputs[0].parts
         assert wk.in_use() == 0
+        # keep_raw=False: the bytes come back, the tensor keeps none; slots freed
+        again = pb.ExecuteResponse()
+        again.results.add().outputs.add(name="o", datatype="FP32", raw=b"\x02" * 300)
+        wk.stage_outputs(request, again)
+        assert again.results[0].outputs[0].parts and wk.in_use() == 3
+        assert take_outputs(again.results[0].outputs, keep_raw=False) == [b"\x02" * 300]
+        assert again.results[0].outputs[0].raw == b"" and not again.results[0].outputs[0].parts
+        assert wk.in_use() == 0
     finally:
         gw.close()
         wk.close()

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 import hpack
 
 from services.gateway.dataplane import _response
+from services.gateway.infer_request import InferCall, parse_infer_request
 from stageserve.config import ModelSpec, parse_config_text, to_spec
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.generated import stageserve_pb2 as pb
@@ -150,29 +151,28 @@ def _steps(
     answer_message.raw_output_contents.append(bytes(nbytes))
     answer_wire = answer_message.SerializeToString()
 
-    request = gs.ModelInferRequest.FromString(wire_request)
+    parsed = parse_infer_request(wire_request)  # as the own HTTP/2 front parses it
+    request = parsed.request
 
-    def validate_and_place(
-        req: gs.ModelInferRequest, staged: list[pb.TensorPart]
-    ) -> ValidatedRequest:
+    def validate_and_place(call: InferCall, staged: list[pb.TensorPart]) -> ValidatedRequest:
         """As the gateway validates a request whose tensors go through shared
         memory: a large input goes into its region as it is checked."""
 
-        def place(raw: bytes, datatype: str) -> pb.TensorPart | None:
+        def place(raw: bytes | memoryview, datatype: str) -> pb.TensorPart | None:
             part = gateway.stage_bytes(raw, datatype)
             if part is not None:
                 staged.append(part)
             return part
 
-        return validate_infer(req, spec, place_raw=place)
+        return validate_infer(call.request, spec, raw_contents=call.raws, place_raw=place)
 
     def stage() -> None:
         staged: list[pb.TensorPart] = []
-        validate_and_place(request, staged)
+        validate_and_place(parsed, staged)
         gateway.release(staged)
 
     held: list[pb.TensorPart] = []
-    validated = validate_and_place(request, held)
+    validated = validate_and_place(parsed, held)
 
     def schedule_request() -> bytes:
         msg = pb.ScheduleRequest(model=model, version=1, inputs=validated.inputs, batch_size=1)
@@ -205,23 +205,23 @@ def _steps(
 
     def whole() -> None:
         stream = call_in()
-        req = gs.ModelInferRequest.FromString(wire_request)
+        call = parse_infer_request(wire_request)
         staged: list[pb.TensorPart] = []
-        checked = validate_and_place(req, staged)
+        checked = validate_and_place(call, staged)
         msg = pb.ScheduleRequest(model=model, version=1, inputs=checked.inputs, batch_size=1)
         msg.shm_host, msg.shm_pid = gateway.host, gateway.pid
         pb.ScheduleBatch(requests=[msg]).SerializeToString()
         resp = answer()
         taken = take_outputs(resp.outputs, keep_raw=False)
-        out, _ = _response(model, 1, req.id, resp.outputs, {}, checked, taken)
+        out, _ = _response(model, 1, call.request.id, resp.outputs, {}, checked, taken)
         gateway.release(staged)
         call_out(stream, out.parts())
 
     steps: list[tuple[str, Callable[[], object]]] = [
         ("HTTP/2 frames in (the front)", frames),
         ("HTTP/2 frames in, the answer's out", lambda: call_out(call_in(), answer_wire)),
-        ("parse the ModelInferRequest", lambda: gs.ModelInferRequest.FromString(wire_request)),
-        ("validate", lambda: validate_infer(request, spec)),
+        ("parse the ModelInferRequest", lambda: parse_infer_request(wire_request)),
+        ("validate", lambda: validate_infer(request, spec, raw_contents=parsed.raws)),
         ("validate, the input into the region, release", stage),
         ("build and serialize the ScheduleRequest", schedule_request),
         ("the worker's answer (not the gateway's)", lambda: release_outputs(answer())),

@@ -284,7 +284,7 @@ class TensorShm:
         assert self.region.table is not None
         self.table = self.region.table
 
-    def _put(self, data: bytes, tag: int) -> int | None:
+    def _put(self, data: bytes | memoryview, tag: int) -> int | None:
         """`data` in a fresh extent tagged `tag`: its offset; None when the region is full."""
         offset = self._put_with(len(data), tag)
         if offset is not None:
@@ -322,7 +322,7 @@ class TensorShm:
         t.parts.append(part)
         return part
 
-    def place(self, raw: bytes, tag: int) -> pb.TensorPart | None:
+    def place(self, raw: bytes | memoryview, tag: int) -> pb.TensorPart | None:
         """`raw` in a fresh extent tagged `tag`, when it is large enough and
         the region has room: the part that refers to it; None: it stays inline."""
         if len(raw) < self.threshold:
@@ -349,7 +349,7 @@ class TensorShm:
                 held.append(part)
         return held
 
-    def stage_bytes(self, raw: bytes, datatype: str) -> pb.TensorPart | None:
+    def stage_bytes(self, raw: bytes | memoryview, datatype: str) -> pb.TensorPart | None:
         """An input's bytes, before they are in any message, into this region
         (a full region or a small or BYTES tensor: None, it stays inline); the
         extent to `release` when the request ends."""

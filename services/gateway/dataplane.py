@@ -198,7 +198,7 @@ class DataPlane:
     async def infer(
         self,
         request: gs.ModelInferRequest,
-        raw_contents: Sequence[bytes] | None = None,
+        raw_contents: Sequence[bytes | memoryview] | None = None,
         *,
         stream: DecoupledStream | None = None,
         traceparent: str = "",
@@ -212,7 +212,7 @@ class DataPlane:
     async def infer_answer(
         self,
         request: gs.ModelInferRequest,
-        raw_contents: Sequence[bytes] | None = None,
+        raw_contents: Sequence[bytes | memoryview] | None = None,
         *,
         stream: DecoupledStream | None = None,
         traceparent: str = "",

@@ -27,6 +27,7 @@ import grpc
 from services.gateway.dataplane import DataPlane
 from services.gateway.header_forward import grpc_headers
 from services.gateway.infer_answer import InferAnswer
+from services.gateway.infer_request import InferCall, parse_infer_request
 from services.gateway.log_control import grpc_log_settings
 from services.gateway.python_models import mark_final
 from stageserve.errors import StageError
@@ -107,11 +108,12 @@ INFERENCE_SERVICE = "inference.GRPCInferenceService"
 
 
 class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, dataplane: DataPlane, answer_parts: bool = False) -> None:
-        """`answer_parts`: ModelInfer answers an InferAnswer, for a server
-        that writes it as parts (add_inference_service)."""
+    def __init__(self, dataplane: DataPlane, own_wire: bool = False) -> None:
+        """`own_wire`: ModelInfer takes an InferCall and answers an
+        InferAnswer, for the own HTTP/2 server, which parses the one and
+        writes the other as parts (add_inference_service)."""
         self.dataplane = dataplane
-        self._answer_parts = answer_parts
+        self._own_wire = own_wire
         self._rpc_timers: dict[str, object] = {}
 
     # ------------------------------------------------------------ health/meta
@@ -148,19 +150,24 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
 
     @grpc_errors
     async def ModelInfer(
-        self, request: gs.ModelInferRequest, context
+        self, call: gs.ModelInferRequest | InferCall, context
     ) -> gs.ModelInferResponse | InferAnswer:
         start = time.perf_counter()
         code = "INTERNAL"
+        raws = None
+        if isinstance(call, InferCall):
+            request, raws = call.request, call.raws
+        else:
+            request = call
         try:
             traceparent = ""
             if self.dataplane.traces is not None and self.dataplane.traces.active:
                 traceparent = _traceparent(context)
             if (forward := self.dataplane.grpc_forward) is not None:
                 forward.apply(request, grpc_headers(context.invocation_metadata() or ()))
-            answer = await self.dataplane.infer_answer(request, traceparent=traceparent)
+            answer = await self.dataplane.infer_answer(request, raws, traceparent=traceparent)
             code = "OK"
-            return answer if self._answer_parts else answer.message()
+            return answer if self._own_wire else answer.message()
         except StageError as err:
             code = err.code.name
             raise
@@ -315,15 +322,17 @@ def _stream_error(request: gs.ModelInferRequest, message: str) -> gs.ModelStream
 
 def add_inference_service(dataplane: DataPlane, server: grpc.aio.Server | H2GrpcServer) -> None:
     """Triton's GRPCInferenceService on `server`. On the own HTTP/2 server
-    ModelInfer's answer goes out as parts (infer_answer.py): its handler is
-    registered again with that serializer, in place of the generated one."""
+    ModelInfer's request keeps its raw inputs apart (infer_request.py) and
+    its answer goes out as parts (infer_answer.py): its handler is
+    registered again with that deserializer and serializer, in place of the
+    generated ones."""
     own = isinstance(server, H2GrpcServer)
-    service = InferenceService(dataplane, answer_parts=own)
+    service = InferenceService(dataplane, own_wire=own)
     gs_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
     if own:
         infer = grpc.unary_unary_rpc_method_handler(
             service.ModelInfer,
-            request_deserializer=gs.ModelInferRequest.FromString,
+            request_deserializer=parse_infer_request,
             response_serializer=InferAnswer.parts,
         )
         server.add_registered_method_handlers(INFERENCE_SERVICE, {"ModelInfer": infer})

@@ -128,7 +128,7 @@ class TensorTransport:
             return None
         shm = self.shm
 
-        def place(raw: bytes, datatype: str) -> pb.TensorPart | None:
+        def place(raw: bytes | memoryview, datatype: str) -> pb.TensorPart | None:
             part = shm.stage_bytes(raw, datatype)
             if part is not None:
                 staged.append(part)

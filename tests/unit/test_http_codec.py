@@ -135,6 +135,10 @@ def test_encode_mixes_json_binary_and_shared_memory_outputs() -> None:
     assert j["data"] == [1, -2]
     assert s["parameters"] == {"shared_memory_region": "r", "shared_memory_byte_size": 8}
     assert b["parameters"] == {"binary_data_size": len(strings)} and body[n:] == strings
+    # the outputs' bytes given apart (an InferAnswer's): the same body
+    bare = gs.ModelInferResponse(model_name="m", model_version="1", id="q")
+    bare.outputs.extend(response.outputs)
+    assert codec.encode_infer(bare, parsed, [ints, b"", strings]) == (body, n)
 
 
 def test_json_only_response_has_no_header_length() -> None:

@@ -329,8 +329,8 @@ class HttpFront:
         traceparent = ""
         if self.dp.traces is not None and self.dp.traces.active:
             traceparent = request.headers.get(b"traceparent", b"").decode("latin-1")
-        result = await self.dp.infer(parsed.request, parsed.raw, traceparent=traceparent)
-        body, json_length = codec.encode_infer(result, parsed)
+        answer = await self.dp.infer_answer(parsed.request, parsed.raw, traceparent=traceparent)
+        body, json_length = codec.encode_infer(answer.response, parsed, answer.raws)
         if json_length is None:
             headers = [(b"content-type", b"application/json")]
         else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,8 +228,14 @@ def _flatten(data: Any):
 # ---------------------------------------------------------------- infer response
 
 
-def encode_infer(response: gs.ModelInferResponse, parsed: ParsedInfer) -> tuple[bytes, int | None]:
-    """(body, JSON header length or None when the body is JSON only)."""
+def encode_infer(
+    response: gs.ModelInferResponse, parsed: ParsedInfer, raws: Sequence[bytes] | None = None
+) -> tuple[bytes, int | None]:
+    """(body, JSON header length or None when the body is JSON only). `raws`:
+    the outputs' bytes when they are not in the response (InferAnswer: each
+    read of a protobuf bytes field copies it)."""
+    if raws is None:
+        raws = response.raw_output_contents
     wanted = {o.name: o for o in parsed.request.outputs}
     doc: dict[str, Any] = {"model_name": response.model_name}
     doc["model_version"] = response.model_version
@@ -236,7 +243,7 @@ def encode_infer(response: gs.ModelInferResponse, parsed: ParsedInfer) -> tuple[
         doc["id"] = response.id
     outputs = []
     blobs: list[bytes] = []
-    for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
+    for tensor, raw in zip(response.outputs, raws, strict=True):
         out: dict[str, Any] = {
             "name": tensor.name,
             "datatype": tensor.datatype,

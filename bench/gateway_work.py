@@ -152,9 +152,12 @@ def _steps(
     answer_wire = answer_message.SerializeToString()
 
     parsed = parse_infer_request(wire_request)  # as the own HTTP/2 front parses it
-    request = parsed.request
+    request = parsed.request if isinstance(parsed, InferCall) else parsed
+    raws = parsed.raws if isinstance(parsed, InferCall) else None
 
-    def validate_and_place(call: InferCall, staged: list[pb.TensorPart]) -> ValidatedRequest:
+    def validate_and_place(
+        call: gs.ModelInferRequest | InferCall, staged: list[pb.TensorPart]
+    ) -> ValidatedRequest:
         """As the gateway validates a request whose tensors go through shared
         memory: a large input goes into its region as it is checked."""
 
@@ -164,7 +167,9 @@ def _steps(
                 staged.append(part)
             return part
 
-        return validate_infer(call.request, spec, raw_contents=call.raws, place_raw=place)
+        if isinstance(call, InferCall):
+            return validate_infer(call.request, spec, raw_contents=call.raws, place_raw=place)
+        return validate_infer(call, spec, place_raw=place)
 
     def stage() -> None:
         staged: list[pb.TensorPart] = []
@@ -213,7 +218,7 @@ def _steps(
         pb.ScheduleBatch(requests=[msg]).SerializeToString()
         resp = answer()
         taken = take_outputs(resp.outputs, keep_raw=False)
-        out, _ = _response(model, 1, call.request.id, resp.outputs, {}, checked, taken)
+        out, _ = _response(model, 1, request.id, resp.outputs, {}, checked, taken)
         gateway.release(staged)
         call_out(stream, out.parts())
 
@@ -221,7 +226,7 @@ def _steps(
         ("HTTP/2 frames in (the front)", frames),
         ("HTTP/2 frames in, the answer's out", lambda: call_out(call_in(), answer_wire)),
         ("parse the ModelInferRequest", lambda: parse_infer_request(wire_request)),
-        ("validate", lambda: validate_infer(request, spec, raw_contents=parsed.raws)),
+        ("validate", lambda: validate_infer(request, spec, raw_contents=raws)),
         ("validate, the input into the region, release", stage),
         ("build and serialize the ScheduleRequest", schedule_request),
         ("the worker's answer (not the gateway's)", lambda: release_outputs(answer())),

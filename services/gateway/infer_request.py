@@ -30,7 +30,7 @@ LENGTH_DELIMITED = 2
 SPLIT_FROM = 32 * 1024
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class InferCall:
     """`request` without raw_input_contents; `raws` those, in order."""
 

@@ -625,8 +625,24 @@ def _frames_of(
     prefix: bytes, parts: wire.MessageParts, total: int, limit: int, sid: int
 ) -> list[bytes | memoryview]:
     """DATA frames of at most `limit` bytes over the gRPC prefix and the
-    message's parts in order: each a frame header, then slices of the parts."""
-    out: list[bytes | memoryview] = [wire.frame_header(min(total, limit), wire.DATA, 0, sid)]
+    message's parts in order: each a frame header, then slices of the parts.
+    The common shape, small pieces then one large one (an answer with one
+    large output), is cut as one message is: its small head joined."""
+    *head, last = parts
+    lead = prefix + b"".join(head) if head else prefix
+    if len(lead) < limit:
+        view = memoryview(last)
+        room = limit - len(lead)
+        out: list[bytes | memoryview] = [
+            wire.frame_header(min(total, limit), wire.DATA, 0, sid),
+            lead,
+            view[:room] if len(view) > room else view,
+        ]
+        for at in range(room, len(view), limit):
+            piece = view[at : at + limit]
+            out += (wire.frame_header(len(piece), wire.DATA, 0, sid), piece)
+        return out
+    out = [wire.frame_header(min(total, limit), wire.DATA, 0, sid)]
     room, left = limit, total
     for part in (prefix, *parts):
         view = part if len(part) <= room else memoryview(part)

@@ -729,7 +729,8 @@ def test_large_streamed_responses() -> None:
 def test_an_answer_in_parts_arrives_as_the_parts_joined(compressed: bool) -> None:
     """A serializer's MessageParts go out as one message: empty, small, across
     the 16 KiB frames grpc's client takes (pieces larger and smaller than a
-    frame, a piece ending on a frame's edge), and past the windows (8 MiB,
+    frame, a piece ending on a frame's edge, small pieces then a large one
+    as an answer with one large output is), and past the windows (8 MiB,
     the parts joined for the frames waiting there); with the call's answers
     compressed (gzip) too."""
     edge = wire.DEFAULT_MAX_FRAME - 5
@@ -738,6 +739,9 @@ def test_an_answer_in_parts_arrives_as_the_parts_joined(compressed: bool) -> Non
         b"small": [b"a", b"", b"bc"],
         b"edge": [os.urandom(edge), os.urandom(3)],
         b"mixed": [os.urandom(20), os.urandom(49152), b"\x32\x80\x80\x03", os.urandom(49152)],
+        b"answer": [os.urandom(60), b"\x32\x80\x80\x03", os.urandom(49152)],
+        b"lead-near-edge": [os.urandom(edge - 1), os.urandom(49152)],
+        b"lead-short": [os.urandom(10), os.urandom(edge - 10)],
         b"large": [os.urandom(3 << 20), os.urandom(5 << 20)],
     }
 

@@ -202,7 +202,7 @@ def _steps(
     def take() -> None:
         take_outputs(answer().outputs, keep_raw=False)
 
-    def respond() -> wire.MessageParts:
+    def respond() -> bytes | wire.MessageParts:
         resp = answer()
         taken = take_outputs(resp.outputs, keep_raw=False)
         out, _ = _response(model, 1, "1", resp.outputs, {}, validated, taken)

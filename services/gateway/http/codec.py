@@ -5,8 +5,8 @@ tensor data (Triton's binary tensor extension: the header's length comes in
 `Inference-Header-Content-Length`, each binary input says its size in
 `parameters.binary_data_size`, in input order). JSON `data` is turned into
 raw little-endian bytes here, once, so the dataplane sees what the gRPC front
-sends it as raw_input_contents; binary input bytes are sliced out of the body
-(one copy, no JSON or base64 round trip) and travel beside the message, not
+sends it as raw_input_contents; binary input bytes are views of the body
+(no copy, no JSON or base64 round trip) and travel beside the message, not
 through it, which saves protobuf a copy in and a copy out. Errors are StageErrors with
 INVALID_ARGUMENT (400), except where Triton's HTTP front answers 500:
 a body that is not a JSON object and `data` that does not parse as the
@@ -100,7 +100,7 @@ class ParsedInfer:
     binary: dict[str, bool] = field(default_factory=dict)  # output -> its binary_data
     # Raw bytes of the inputs not in shared memory, in order: what gRPC sends
     # as raw_input_contents, kept out of the message (one protobuf copy less).
-    raw: list[bytes] = field(default_factory=list)
+    raw: list[bytes | memoryview] = field(default_factory=list)
 
     def wants_binary(self, output: str) -> bool:
         return self.binary.get(output, self.binary_default)
@@ -180,7 +180,9 @@ def _parse_input(parsed: ParsedInfer, item: Any, view: memoryview, offset: int, 
                 f"binary_data_size {size} of input '{name}' of model '{model}' goes past the "
                 f"{len(view)} bytes of the request body"
             )
-        parsed.raw.append(view[offset : offset + size].tobytes())  # the one copy
+        # a view of the body (bytes): validation copies it once, into the
+        # tensor region or a tensor's raw
+        parsed.raw.append(view[offset : offset + size])
         return offset + size
     if "data" not in item:
         raise invalid(f"input '{name}' of model '{model}' has no 'data' and no binary data")

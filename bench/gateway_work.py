@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 import hpack
 
 from services.gateway.dataplane import _response
+from services.gateway.infer_answer import serialize
 from services.gateway.infer_request import InferCall, parse_infer_request
 from stageserve.config import ModelSpec, parse_config_text, to_spec
 from stageserve.generated import grpc_service_pb2 as gs
@@ -206,7 +207,7 @@ def _steps(
         resp = answer()
         taken = take_outputs(resp.outputs, keep_raw=False)
         out, _ = _response(model, 1, "1", resp.outputs, {}, validated, taken)
-        return out.parts()
+        return serialize(out)
 
     def whole() -> None:
         stream = call_in()
@@ -220,7 +221,7 @@ def _steps(
         taken = take_outputs(resp.outputs, keep_raw=False)
         out, _ = _response(model, 1, request.id, resp.outputs, {}, checked, taken)
         gateway.release(staged)
-        call_out(stream, out.parts())
+        call_out(stream, serialize(out))
 
     steps: list[tuple[str, Callable[[], object]]] = [
         ("HTTP/2 frames in (the front)", frames),

@@ -21,7 +21,7 @@ from typing import TypeVar
 from services.gateway import cuda_inplace, shm_copies
 from services.gateway.cache_metrics import CacheMetrics
 from services.gateway.header_forward import HeaderForward
-from services.gateway.infer_answer import InferAnswer
+from services.gateway.infer_answer import PARTS_FROM, Answer, InferAnswer, whole
 from services.gateway.log_control import LogControl
 from services.gateway.model_lifecycle import ModelLifecycle
 from services.gateway.model_table import ModelTable
@@ -207,7 +207,7 @@ class DataPlane:
         answer = await self.infer_answer(
             request, raw_contents, stream=stream, traceparent=traceparent
         )
-        return answer.message()
+        return whole(answer)
 
     async def infer_answer(
         self,
@@ -216,8 +216,8 @@ class DataPlane:
         *,
         stream: DecoupledStream | None = None,
         traceparent: str = "",
-    ) -> InferAnswer:
-        """The answer, its raw outputs apart (infer_answer.py).
+    ) -> Answer:
+        """The answer, its raw outputs apart when they are large (infer_answer.py).
         `raw_contents` stands for request.raw_input_contents (validation.py).
 
         A decoupled model needs `stream` (decoupled_stream()): its earlier
@@ -636,21 +636,28 @@ def _response(
     held: dict[str, Region],
     validated: ValidatedRequest,
     taken: Sequence[bytes | None] = (),
-) -> tuple[InferAnswer, list[OutputWrite]]:
+) -> tuple[Answer, list[OutputWrite]]:
     """The answer, and the outputs to write into their regions, in order (as
     Triton: the bytes go to the region, the response's entry stays empty).
     `taken`: take_outputs' bytes of the outputs it copied out of shared memory
     (their `raw` not read again: a 49 KB copy less)."""
     out = gs.ModelInferResponse(model_name=model, model_version=str(version), id=request_id)
-    raws: list[bytes] = []
+    contents = out.raw_output_contents
+    apart: list[bytes] | None = None  # from the first large output on (infer_answer.py)
     writes = []
     for i, t in enumerate(outputs):
         out.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+        raw: bytes = b""
         if t.name in held:
-            raws.append(b"")
             if not t.device_written:  # else the worker wrote the region itself
                 writes.append(OutputWrite(held[t.name], validated.shared_outputs[t.name], t))
-            continue
-        raw = taken[i] if i < len(taken) else None
-        raws.append(t.raw if raw is None else raw)
-    return InferAnswer(out, raws), writes
+        else:
+            copied = taken[i] if i < len(taken) else None
+            raw = t.raw if copied is None else copied
+        if apart is None and len(raw) < PARTS_FROM:
+            contents.append(raw)
+        elif apart is None:
+            apart = [raw]
+        else:
+            apart.append(raw)
+    return (out if apart is None else InferAnswer(out, apart)), writes

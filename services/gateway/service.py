@@ -26,7 +26,7 @@ import grpc
 
 from services.gateway.dataplane import DataPlane
 from services.gateway.header_forward import grpc_headers
-from services.gateway.infer_answer import InferAnswer
+from services.gateway.infer_answer import Answer, serialize, whole
 from services.gateway.infer_request import InferCall, parse_infer_request
 from services.gateway.log_control import grpc_log_settings
 from services.gateway.python_models import mark_final
@@ -109,9 +109,9 @@ INFERENCE_SERVICE = "inference.GRPCInferenceService"
 
 class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
     def __init__(self, dataplane: DataPlane, own_wire: bool = False) -> None:
-        """`own_wire`: ModelInfer takes an InferCall and answers an
-        InferAnswer, for the own HTTP/2 server, which parses the one and
-        writes the other as parts (add_inference_service)."""
+        """`own_wire`: ModelInfer takes an InferCall and answers an Answer,
+        for the own HTTP/2 server, which parses the one and writes the other
+        as parts (add_inference_service)."""
         self.dataplane = dataplane
         self._own_wire = own_wire
         self._rpc_timers: dict[str, object] = {}
@@ -149,9 +149,7 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
     # ------------------------------------------------------------------ infer
 
     @grpc_errors
-    async def ModelInfer(
-        self, call: gs.ModelInferRequest | InferCall, context
-    ) -> gs.ModelInferResponse | InferAnswer:
+    async def ModelInfer(self, call: gs.ModelInferRequest | InferCall, context) -> Answer:
         start = time.perf_counter()
         code = "INTERNAL"
         raws = None
@@ -167,7 +165,7 @@ class InferenceService(gs_grpc.GRPCInferenceServiceServicer):
                 forward.apply(request, grpc_headers(context.invocation_metadata() or ()))
             answer = await self.dataplane.infer_answer(request, raws, traceparent=traceparent)
             code = "OK"
-            return answer if self._own_wire else answer.message()
+            return answer if self._own_wire else whole(answer)
         except StageError as err:
             code = err.code.name
             raise
@@ -333,6 +331,6 @@ def add_inference_service(dataplane: DataPlane, server: grpc.aio.Server | H2Grpc
         infer = grpc.unary_unary_rpc_method_handler(
             service.ModelInfer,
             request_deserializer=parse_infer_request,
-            response_serializer=InferAnswer.parts,
+            response_serializer=serialize,
         )
         server.add_registered_method_handlers(INFERENCE_SERVICE, {"ModelInfer": infer})

@@ -6,18 +6,30 @@ import os
 
 import pytest
 
-from services.gateway.infer_answer import PARTS_FROM, InferAnswer
+from services.gateway.infer_answer import PARTS_FROM, InferAnswer, serialize, whole
 from stageserve.generated import grpc_service_pb2 as gs
 from stageserve.h2grpc.wire import MessageParts
 
 
-def _answer(raws: list[bytes]) -> InferAnswer:
+def _response(raws: list[bytes]) -> gs.ModelInferResponse:
     response = gs.ModelInferResponse(model_name="m", model_version="3", id="req-7")
     response.parameters["sequence_id"].int64_param = 42
     response.parameters["note"].string_param = "x"
     for i, raw in enumerate(raws):
         response.outputs.add(name=f"OUT{i}", datatype="FP32", shape=[1, len(raw) // 4])
-    return InferAnswer(response, raws)
+    return response
+
+
+def _answer(raws: list[bytes]) -> gs.ModelInferResponse | InferAnswer:
+    """As the dataplane builds it: the outputs before the first large one in
+    the message, that one and the rest apart."""
+    response = _response(raws)
+    first = next((i for i, raw in enumerate(raws) if len(raw) >= PARTS_FROM), None)
+    if first is None:
+        response.raw_output_contents.extend(raws)
+        return response
+    response.raw_output_contents.extend(raws[:first])
+    return InferAnswer(response, raws[first:])
 
 
 @pytest.mark.parametrize(
@@ -32,21 +44,24 @@ def _answer(raws: list[bytes]) -> InferAnswer:
     ],
     ids=["no-output", "empty", "small", "mixed", "large-first", "3-mib"],
 )
-def test_the_parts_joined_are_the_whole_messages_bytes(raws: list[bytes]) -> None:
-    parts = _answer(raws).parts()
-    large = sum(map(len, raws)) >= PARTS_FROM  # a small answer is one bytes
-    assert isinstance(parts, MessageParts if large else bytes)
-    joined = b"".join(parts) if isinstance(parts, MessageParts) else parts
-    if isinstance(parts, MessageParts):
-        assert parts.byte_size() == len(joined)
-    whole = _answer(raws).message()
-    assert list(whole.raw_output_contents) == raws
-    assert joined == whole.SerializeToString()
-    assert gs.ModelInferResponse.FromString(joined) == whole
+def test_the_serialized_answer_is_the_whole_messages_bytes(raws: list[bytes]) -> None:
+    large = any(len(raw) >= PARTS_FROM for raw in raws)
+    answer = _answer(raws)
+    # a small answer is the message itself, a large one its parts
+    assert isinstance(answer, InferAnswer if large else gs.ModelInferResponse)
+    wire = serialize(answer)
+    assert isinstance(wire, MessageParts if large else bytes)
+    joined = b"".join(wire) if isinstance(wire, MessageParts) else wire
+    if isinstance(wire, MessageParts):
+        assert wire.byte_size() == len(joined)
+    message = whole(_answer(raws))
+    assert list(message.raw_output_contents) == raws
+    assert joined == message.SerializeToString()
+    assert gs.ModelInferResponse.FromString(joined) == message
 
 
 def test_the_raw_outputs_go_out_as_the_same_objects() -> None:
     """A large output is not copied into the parts (the frames slice it)."""
     raw = os.urandom(49152)
-    parts = _answer([raw]).parts()
-    assert any(part is raw for part in parts)
+    wire = serialize(_answer([raw]))
+    assert any(part is raw for part in wire)

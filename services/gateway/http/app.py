@@ -27,6 +27,7 @@ from services.gateway.cuda_shared_memory import check_http_register
 from services.gateway.dataplane import DataPlane
 from services.gateway.header_forward import http_headers
 from services.gateway.http import codec
+from services.gateway.infer_answer import InferAnswer
 from services.gateway.log_control import http_log_settings
 from stageserve.errors import StageError, http_status, internal, invalid
 from stageserve.generated import grpc_service_pb2 as gs
@@ -330,7 +331,10 @@ class HttpFront:
         if self.dp.traces is not None and self.dp.traces.active:
             traceparent = request.headers.get(b"traceparent", b"").decode("latin-1")
         answer = await self.dp.infer_answer(parsed.request, parsed.raw, traceparent=traceparent)
-        body, json_length = codec.encode_infer(answer.response, parsed, answer.raws)
+        if isinstance(answer, InferAnswer):
+            body, json_length = codec.encode_infer(answer.response, parsed, answer.raws)
+        else:
+            body, json_length = codec.encode_infer(answer, parsed)
         if json_length is None:
             headers = [(b"content-type", b"application/json")]
         else:

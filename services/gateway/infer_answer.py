@@ -41,6 +41,10 @@ class InferAnswer:
         self.response.raw_output_contents.extend(self.raws)
         return self.response
 
+    def all_raws(self) -> list[bytes]:
+        """Every raw output, in order: those in the message, then `raws`."""
+        return [*self.response.raw_output_contents, *self.raws]
+
     def parts(self) -> MessageParts:
         """The whole message's serialized bytes, as pieces."""
         pieces: list[bytes] = [self.response.SerializeToString()]

@@ -15,8 +15,10 @@ import signal
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
@@ -26,7 +28,7 @@ from tritonclient.utils import InferenceServerException
 from bench.chaos_audit import tensor_slots_in_use
 from stageserve.tensor_region import SHM_DIR, slots_in_use
 from stageserve.tensor_shm import stack_id
-from stageserve_tools.examples import write_identity
+from stageserve_tools.examples import config_text, make_model, write_identity, write_model
 from tests.integration.helpers import RPC_TIMEOUT_S
 from tests.stack import RunningStack, running_stack, wait_until
 
@@ -34,10 +36,43 @@ DIMS = (3, 64, 64)
 SLOW_MS = 800
 
 
+def write_small_and_large(root: Path) -> None:
+    """`small_and_large`: INPUT0 FP32 [16] -> OUTPUT0 and INPUT1 FP32
+    [3, 64, 64] -> OUTPUT1, each unchanged: an answer with a small output
+    beside a large one (the large one's bytes go apart from protobuf)."""
+    f = onnx.TensorProto.FLOAT
+    small: list[str | int] = ["b", 16]
+    large: list[str | int] = ["b", *DIMS]
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"]),
+            onnx.helper.make_node("Identity", ["INPUT1"], ["OUTPUT1"]),
+        ],
+        "small_and_large",
+        [
+            onnx.helper.make_tensor_value_info("INPUT0", f, small),
+            onnx.helper.make_tensor_value_info("INPUT1", f, large),
+        ],
+        [
+            onnx.helper.make_tensor_value_info("OUTPUT0", f, small),
+            onnx.helper.make_tensor_value_info("OUTPUT1", f, large),
+        ],
+    )
+    text = config_text(
+        "small_and_large",
+        [("INPUT0", "FP32", (16,)), ("INPUT1", "FP32", DIMS)],
+        [("OUTPUT0", "FP32", (16,)), ("OUTPUT1", "FP32", DIMS)],
+        max_batch_size=8,
+        dynamic_batching=True,
+    )
+    write_model(root, "small_and_large", make_model(graph), text)
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     root = tmp_path_factory.mktemp("shm_repo")
     write_identity(root, "identity_49k", "FP32", DIMS, max_batch_size=32)
+    write_small_and_large(root)
     slow = write_identity(root, "identity_49k_slow", "FP32", DIMS, max_batch_size=32)
     with open(slow / "config.pbtxt", "a") as config:
         config.write(
@@ -99,6 +134,48 @@ def test_49k_identity_is_byte_exact_on_grpc_and_http(stack: RunningStack) -> Non
             inp.set_data_from_numpy(x, binary_data=binary)
             result = client.infer("identity_49k", [inp])
             assert result.as_numpy("OUTPUT0").tobytes() == x.tobytes()
+    assert wait_until(lambda: all_free(stack), 5)
+
+
+@pytest.mark.parametrize("order", [("OUTPUT0", "OUTPUT1"), ("OUTPUT1", "OUTPUT0")])
+def test_a_small_output_beside_a_large_one_on_both_fronts(
+    stack: RunningStack, order: tuple[str, str]
+) -> None:
+    """Each output in its place whichever comes first: on gRPC the outputs
+    from the first large one on go out apart from the message, on HTTP
+    they are encoded from beside it."""
+    small = np.arange(16, dtype=np.float32).reshape(1, 16)
+    large = data(3)
+    g = [
+        grpcclient.InferInput("INPUT0", [1, 16], "FP32"),
+        grpcclient.InferInput("INPUT1", list(large.shape), "FP32"),
+    ]
+    g[0].set_data_from_numpy(small)
+    g[1].set_data_from_numpy(large)
+    wanted = [grpcclient.InferRequestedOutput(name) for name in order]
+    result = stack.client().infer(
+        "small_and_large", g, outputs=wanted, client_timeout=RPC_TIMEOUT_S
+    )
+    assert [o.name for o in result.get_response().outputs] == list(order)
+    assert result.as_numpy("OUTPUT0").tobytes() == small.tobytes()
+    assert result.as_numpy("OUTPUT1").tobytes() == large.tobytes()
+    h = [
+        httpclient.InferInput("INPUT0", [1, 16], "FP32"),
+        httpclient.InferInput("INPUT1", list(large.shape), "FP32"),
+    ]
+    h[0].set_data_from_numpy(small, binary_data=True)
+    h[1].set_data_from_numpy(large, binary_data=True)
+    client = httpclient.InferenceServerClient(stack.gateway.http_address, network_timeout=30)
+    try:
+        answer = client.infer(
+            "small_and_large",
+            h,
+            outputs=[httpclient.InferRequestedOutput(name, binary_data=True) for name in order],
+        )
+    finally:
+        client.close()
+    assert answer.as_numpy("OUTPUT0").tobytes() == small.tobytes()
+    assert answer.as_numpy("OUTPUT1").tobytes() == large.tobytes()
     assert wait_until(lambda: all_free(stack), 5)
 
 

@@ -40,9 +40,10 @@ def _answer(raws: list[bytes]) -> gs.ModelInferResponse | InferAnswer:
         [bytes(range(16))],
         [os.urandom(127), os.urandom(128), b"", os.urandom(49152)],
         [os.urandom(49152), os.urandom(300)],
+        [os.urandom(300), os.urandom(49152)],
         [os.urandom(3 << 20)],
     ],
-    ids=["no-output", "empty", "small", "mixed", "large-first", "3-mib"],
+    ids=["no-output", "empty", "small", "mixed", "large-first", "small-first", "3-mib"],
 )
 def test_the_serialized_answer_is_the_whole_messages_bytes(raws: list[bytes]) -> None:
     large = any(len(raw) >= PARTS_FROM for raw in raws)
@@ -54,6 +55,8 @@ def test_the_serialized_answer_is_the_whole_messages_bytes(raws: list[bytes]) ->
     joined = b"".join(wire) if isinstance(wire, MessageParts) else wire
     if isinstance(wire, MessageParts):
         assert wire.byte_size() == len(joined)
+    if isinstance(answer, InferAnswer):
+        assert answer.all_raws() == raws  # what the HTTP front encodes
     message = whole(_answer(raws))
     assert list(message.raw_output_contents) == raws
     assert joined == message.SerializeToString()

@@ -332,7 +332,7 @@ class HttpFront:
             traceparent = request.headers.get(b"traceparent", b"").decode("latin-1")
         answer = await self.dp.infer_answer(parsed.request, parsed.raw, traceparent=traceparent)
         if isinstance(answer, InferAnswer):
-            body, json_length = codec.encode_infer(answer.response, parsed, answer.raws)
+            body, json_length = codec.encode_infer(answer.response, parsed, answer.all_raws())
         else:
             body, json_length = codec.encode_infer(answer, parsed)
         if json_length is None:

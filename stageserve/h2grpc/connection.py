@@ -200,11 +200,7 @@ class _Connection:
             elif total <= limit:
                 out += (wire.frame_header(total, wire.DATA, 0, sid), prefix, whole)
             else:  # gRPC clients take frames of 16 KiB: a 49 KB answer is four
-                view = memoryview(whole)
-                out += (wire.frame_header(limit, wire.DATA, 0, sid), prefix, view[: limit - 5])
-                for at in range(limit - 5, size, limit):
-                    piece = view[at : at + limit]
-                    out += (wire.frame_header(len(piece), wire.DATA, 0, sid), piece)
+                out += _lead_then(prefix, whole, total, limit, sid)
             self._send_window -= total
             stream.send_window -= total
             return
@@ -631,18 +627,8 @@ def _frames_of(
     *head, last = parts
     lead = prefix + b"".join(head) if head else prefix
     if len(lead) < limit:
-        view = memoryview(last)
-        room = limit - len(lead)
-        out: list[bytes | memoryview] = [
-            wire.frame_header(min(total, limit), wire.DATA, 0, sid),
-            lead,
-            view[:room] if len(view) > room else view,
-        ]
-        for at in range(room, len(view), limit):
-            piece = view[at : at + limit]
-            out += (wire.frame_header(len(piece), wire.DATA, 0, sid), piece)
-        return out
-    out = [wire.frame_header(min(total, limit), wire.DATA, 0, sid)]
+        return _lead_then(lead, last, total, limit, sid)
+    out: list[bytes | memoryview] = [wire.frame_header(min(total, limit), wire.DATA, 0, sid)]
     room, left = limit, total
     for part in (prefix, *parts):
         view = part if len(part) <= room else memoryview(part)
@@ -656,6 +642,24 @@ def _frames_of(
             out.append(piece)
             at += len(piece)
             room -= len(piece)
+    return out
+
+
+def _lead_then(
+    lead: bytes, last: bytes, total: int, limit: int, sid: int
+) -> list[bytes | memoryview]:
+    """DATA frames of at most `limit` bytes over `lead` (shorter than a
+    frame) then `last`, sliced without copies."""
+    view = memoryview(last)
+    room = limit - len(lead)
+    out: list[bytes | memoryview] = [
+        wire.frame_header(min(total, limit), wire.DATA, 0, sid),
+        lead,
+        view[:room] if len(view) > room else view,
+    ]
+    for at in range(room, len(view), limit):
+        piece = view[at : at + limit]
+        out += (wire.frame_header(len(piece), wire.DATA, 0, sid), piece)
     return out
 
 

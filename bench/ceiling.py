@@ -510,15 +510,22 @@ def _spawn(role: str, port: int, backend: str | None = None) -> subprocess.Popen
 def _wait_listening(proc: subprocess.Popen[bytes], address: str) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     with grpc.insecure_channel(address) as channel:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server for {address} exited with {proc.returncode}")
-            try:
-                grpc.channel_ready_future(channel).result(timeout=0.2)
-                return
-            except grpc.FutureTimeoutError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"server for {address} did not start") from None
+        # One future, cancelled at the end: a future left waiting keeps grpc's
+        # connectivity thread polling the channel after it is closed, where
+        # it raises in that thread.
+        ready = grpc.channel_ready_future(channel)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server for {address} exited with {proc.returncode}")
+                try:
+                    ready.result(timeout=0.2)
+                    return
+                except grpc.FutureTimeoutError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"server for {address} did not start") from None
+        finally:
+            ready.cancel()
 
 
 def _stop_proc(proc: subprocess.Popen[bytes] | None) -> None:
